@@ -1,0 +1,1 @@
+"""Prefect flows: ingest feedback into DuckDB, fit, gate by live replay, push, retrain."""

@@ -1,0 +1,1 @@
+"""The `leap` command line: thin wrappers that call into leap_core, serving, registry and flows."""

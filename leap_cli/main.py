@@ -1,0 +1,22 @@
+"""Entry point of the `leap` console command; importing a module registers its commands."""
+
+import importlib
+
+from leap_cli.apps import app
+
+_COMMAND_MODULES = (
+    "leap_cli.cmd_core",
+    "leap_cli.cmd_serving",
+    "leap_cli.cmd_pipeline",
+    "leap_cli.cmd_eval",
+)
+
+for _name in _COMMAND_MODULES:
+    try:
+        importlib.import_module(_name)
+    except ModuleNotFoundError as exc:  # a command module not present in this checkout
+        if exc.name != _name:
+            raise
+
+if __name__ == "__main__":
+    app()

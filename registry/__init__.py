@@ -1,0 +1,1 @@
+"""Readouts and RLS state versioned in MLflow, promoted by aliases (`challenger`, `champion`)."""

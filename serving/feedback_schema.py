@@ -1,0 +1,47 @@
+"""The columns of a feedback segment: one row per finished request, written once by the serving process.
+
+The schema is shared by the writer (serving) and the ingest flow (flows/store.py), so it lives in one
+place. The feature column is a fixed-size list of float32 whose size is the readout's input dim; a
+segment's Parquet metadata records that dim, the layer and the model fingerprint.
+"""
+
+import pyarrow as pa
+
+SCHEMA_VERSION = "1"
+
+# Keys stored in each segment's Parquet key-value metadata (bytes -> bytes).
+META_SCHEMA_VERSION = b"leap.schema_version"
+META_DIM = b"leap.dim"
+META_LAYER = b"leap.layer"
+META_MODEL_ID = b"leap.model_id"
+META_MODEL_FINGERPRINT = b"leap.model_fingerprint"
+
+
+def feedback_schema(dim: int) -> pa.Schema:
+    """Arrow schema of a feedback segment whose features have `dim` floats."""
+    return pa.schema(
+        [
+            pa.field("request_id", pa.string(), nullable=False),
+            pa.field("model_id", pa.string()),
+            pa.field("model_fingerprint", pa.string()),
+            pa.field("layer", pa.int32()),
+            pa.field("policy", pa.string()),
+            pa.field("arrival_time", pa.float64()),  # unix seconds, as planned by the client
+            pa.field("first_token_time", pa.float64()),
+            pa.field("finish_time", pa.float64()),
+            pa.field("prompt_tokens", pa.int32()),
+            pa.field("output_tokens", pa.int32()),
+            pa.field("finish_reason", pa.string()),  # "stop", "length", "abort"
+            pa.field("max_tokens", pa.int32()),
+            pa.field("decoding", pa.string()),  # JSON of the sampling parameters that change length
+            pa.field("domain", pa.string()),
+            pa.field("tenant", pa.string()),
+            pa.field("predicted_at_admission", pa.float32()),
+            pa.field("predicted_latest", pa.float32()),
+            pa.field("readout_version", pa.string()),
+            pa.field("feature", pa.list_(pa.float32(), dim)),
+        ]
+    )
+
+
+COLUMNS = tuple(feedback_schema(1).names)

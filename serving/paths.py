@@ -1,0 +1,20 @@
+"""Where LEAP keeps its state: the model cache, feedback segments, the DuckDB file, MLflow, logs.
+
+One folder, `$LEAP_HOME` (default `.leap` under the current directory), so a checkout is
+self-contained and `rm -rf .leap` resets everything.
+"""
+
+import os
+from pathlib import Path
+
+
+def state_dir() -> Path:
+    path = Path(os.environ.get("LEAP_HOME", ".leap")).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def sub_dir(name: str) -> Path:
+    path = state_dir() / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
