@@ -44,7 +44,8 @@ def trace_path(kind: str = "conv") -> Path:
     root = shared_dir()
     path = (root / "data" / "traces" / f"AzureLLMInferenceTrace_{kind}.csv") if root else None
     if path is None or not path.is_file():
-        raise FileNotFoundError(f"no Azure {kind} trace under the shared folder ({root}); pass a path or set LEAP_SHARED")
+        raise FileNotFoundError(f"no Azure {kind} trace under the shared folder ({root}); "
+                                "pass a path or set LEAP_SHARED")
     return path
 
 

@@ -1,0 +1,171 @@
+"""Which resident requests decode this step: countdown (shortest predicted remaining first) or FCFS.
+
+Up to R requests sit in memory but only k decode per step. Countdown decodes the k with the smallest
+predicted remaining length (prediction minus tokens already generated), so short answers are not stuck
+behind long ones. A prediction that is badly wrong must not starve a request forever, so each request
+counts the consecutive steps it was held out, and no request is held out more than `waiting_cap` steps.
+
+Both policies share one signature so the engine scheduler and the simulator can swap them freely.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+__all__ = ["CountdownPolicy", "FcfsPolicy", "make_policy", "advance_held_out", "POLICY_NAMES", "UNBOUNDED_STEPS"]
+
+POLICY_NAMES = ("fcfs", "countdown")
+_NONE = np.empty(0, dtype=np.intp)
+UNBOUNDED_STEPS = sys.maxsize  # a selection that only a finish or an arrival can change
+
+
+def advance_held_out(held_out: np.ndarray, selected_mask: np.ndarray, steps: int = 1) -> np.ndarray:
+    """Held-out counters after `steps` steps with the same selection: decoded requests restart at 0,
+    every other one has waited `steps` more."""
+    held_out = np.asarray(held_out)
+    return np.where(np.asarray(selected_mask, dtype=bool), 0, held_out + steps).astype(held_out.dtype, copy=False)
+
+
+def _k_smallest(priority: np.ndarray, arrival: np.ndarray, m: int) -> np.ndarray:
+    """Indices of the `m` smallest priorities, ties broken by earliest arrival, in that order.
+
+    One O(n) partition finds the m-th value; only the requests tied at that value need a sort, so
+    equal predictions (common with integer lengths) are still ordered fairly.
+    """
+    n = priority.shape[0]
+    if m >= n:
+        chosen = np.arange(n)
+    else:
+        threshold = np.partition(priority, m - 1)[m - 1]
+        at_most = priority <= threshold
+        if np.count_nonzero(at_most) == m:  # no tie straddles the boundary
+            chosen = np.flatnonzero(at_most)
+        else:
+            below = np.flatnonzero(priority < threshold)
+            tied = np.flatnonzero(priority == threshold)
+            tied = tied[np.argsort(arrival[tied], kind="stable")[: m - below.shape[0]]]
+            chosen = np.concatenate((below, tied))
+    return chosen[np.lexsort((arrival[chosen], priority[chosen]))]
+
+
+class CountdownPolicy:
+    """Decode the k requests with the smallest predicted remaining length; never hold one out past the cap.
+
+    Parameters
+    ----------
+    k : decode slots per step.
+    waiting_cap : the most consecutive steps a resident request may be held out.
+    aging : exponential aging rate as in TIE: priority = remaining * exp(-aging * held_out). 0 is plain
+        countdown.
+
+    Starvation guard: a request held out `waiting_cap` steps is forced in. Forcing only those could
+    still overshoot the cap when more than k reach it in the same step (a burst admitted together and
+    predicted long), so the guard looks ahead like earliest-deadline-first: if more requests will hit
+    the cap within e steps than e steps of slots can serve, the most held-out ones are forced in now.
+    This keeps held_out <= waiting_cap as long as at most k * (waiting_cap + 1) requests are resident
+    and new ones join with held_out 0.
+    Forced requests go first (most held out, then earliest arrival); the other slots go by priority.
+    """
+
+    def __init__(self, k: int = 64, waiting_cap: int = 128, aging: float = 0.0) -> None:
+        self.k = k
+        self.waiting_cap = waiting_cap
+        self.aging = aging
+
+    def _forced(self, held_out: np.ndarray, arrival: np.ndarray) -> np.ndarray:
+        """The requests that must decode now so no one later exceeds the cap, most held out first."""
+        n = held_out.shape[0]
+        slack = self.waiting_cap - held_out  # steps a request may still wait
+        if n <= self.k * int(slack.min()):
+            return _NONE  # fast path: even all of them could be served before the first deadline
+        # Only requests due within n/k steps can outnumber the slots before their deadline.
+        urgent = np.flatnonzero(slack <= min(n // self.k + 1, self.waiting_cap))
+        urgent_slack = slack[urgent]
+        order = np.lexsort((arrival[urgent], urgent_slack))
+        # If the m most urgent are all due within s steps, more than k * s of them must start now.
+        due = np.maximum(urgent_slack[order], 0)
+        need = min(int((np.arange(1, due.shape[0] + 1) - self.k * due).max()), self.k)
+        return urgent[order[:need]] if need > 0 else _NONE
+
+    def _select(self, predicted_total, generated, held_out, arrival) -> tuple[np.ndarray, int]:
+        """The selection and how many of its first entries were forced in by the cap."""
+        n = held_out.shape[0]
+        if n == 0:
+            return _NONE, 0
+        remaining = np.maximum(np.asarray(predicted_total, dtype=np.float64) - generated, 1.0)
+        priority = remaining * np.exp(-self.aging * held_out) if self.aging else remaining
+        if n <= self.k:
+            return np.lexsort((arrival, priority)), 0
+        forced = self._forced(held_out, arrival)
+        num_forced = forced.shape[0]
+        if num_forced == 0:
+            return _k_smallest(priority, arrival, self.k), 0
+        if num_forced == self.k:
+            return forced, num_forced
+        priority[forced] = np.inf  # a fresh array: remaining was computed above
+        return np.concatenate((forced, _k_smallest(priority, arrival, self.k - num_forced))), num_forced
+
+    def select(self, predicted_total: np.ndarray, generated: np.ndarray, held_out: np.ndarray,
+               arrival: np.ndarray) -> np.ndarray:
+        """Indices (into the given arrays) of at most k requests to decode this step, most urgent first."""
+        held_out = np.asarray(held_out, dtype=np.int64)
+        return self._select(predicted_total, generated, held_out, np.asarray(arrival))[0]
+
+    def select_steps(self, predicted_total: np.ndarray, generated: np.ndarray, held_out: np.ndarray,
+                     arrival: np.ndarray) -> tuple[np.ndarray, int]:
+        """`select`, plus for how many consecutive steps (this one included) the same requests stay chosen.
+
+        Valid while only the chosen requests advance and none finishes or joins: their remaining
+        length only shrinks, so without aging the order changes only when the cap forces someone in.
+        A simulator uses it to jump over steady stretches in one move.
+        """
+        held_out = np.asarray(held_out, dtype=np.int64)
+        arrival = np.asarray(arrival)
+        chosen, num_forced = self._select(predicted_total, generated, held_out, arrival)
+        n = held_out.shape[0]
+        if n <= self.k:
+            return chosen, UNBOUNDED_STEPS
+        if num_forced or self.aging or n > self.k * self.waiting_cap:
+            return chosen, 1
+        waiting = np.ones(n, dtype=bool)
+        waiting[chosen] = False
+        # After j more steps a waiting request has slack s - j. The cap first forces someone in at the
+        # smallest j where, for some e, k * e + 1 waiting requests have slack <= e + j.
+        slack = np.sort(self.waiting_cap - held_out[waiting])
+        e = np.arange(0, slack.shape[0], self.k)
+        return chosen, max(int((slack[e] - e // self.k).min()), 1)
+
+
+class FcfsPolicy:
+    """Decode the k earliest arrivals among the resident requests (the engine's default order)."""
+
+    def __init__(self, k: int = 64) -> None:
+        self.k = k
+
+    def select(self, predicted_total: np.ndarray, generated: np.ndarray, held_out: np.ndarray,
+               arrival: np.ndarray) -> np.ndarray:
+        """Indices of the at most k earliest arrivals, earliest first; the other inputs are ignored."""
+        arrival = np.asarray(arrival, dtype=np.float64)
+        n = arrival.shape[0]
+        if n <= self.k:
+            return np.argsort(arrival, kind="stable")
+        chosen = np.argpartition(arrival, self.k - 1)[: self.k]
+        threshold = arrival[chosen].max()
+        chosen = np.concatenate((np.flatnonzero(arrival < threshold), np.flatnonzero(arrival == threshold)))
+        return chosen[np.lexsort((chosen, arrival[chosen]))][: self.k]
+
+    def select_steps(self, predicted_total: np.ndarray, generated: np.ndarray, held_out: np.ndarray,
+                     arrival: np.ndarray) -> tuple[np.ndarray, int]:
+        """`select`, plus for how many steps it holds: until a request finishes or joins."""
+        return self.select(predicted_total, generated, held_out, arrival), UNBOUNDED_STEPS
+
+
+def make_policy(name: str, k: int = 64, waiting_cap: int = 128, aging: float = 0.0) -> CountdownPolicy | FcfsPolicy:
+    """The policy called `name` ("fcfs" or "countdown"). The oracle is countdown fed the true lengths."""
+    if name == "countdown":
+        return CountdownPolicy(k=k, waiting_cap=waiting_cap, aging=aging)
+    if name == "fcfs":
+        return FcfsPolicy(k=k)
+    raise ValueError(f"unknown policy {name!r}; expected one of {POLICY_NAMES}")
