@@ -1,0 +1,291 @@
+"""The DuckDB log store: finished requests, their features, quarantined rows and the ingest ledger.
+
+DuckDB lets one process at a time open a file read-write (no other process can open it at all
+meanwhile), so connections are short-lived and opening one retries with backoff before giving up
+with `StoreBusyError`. Features live in a `FLOAT[]` column and travel to and from numpy through
+Arrow, never row by row.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import NamedTuple
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from serving.feedback_schema import feedback_schema
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+SCALAR_COLUMNS = tuple(name for name in feedback_schema(1).names if name != "feature")
+"""Every column of a feedback segment except the feature vector, in schema order."""
+
+REQUIRED_COLUMNS = frozenset(
+    {
+        "request_id",
+        "model_fingerprint",
+        "layer",
+        "arrival_time",
+        "finish_time",
+        "prompt_tokens",
+        "output_tokens",
+        "finish_reason",
+    }
+)
+"""Scalar columns without which a row cannot serve as a training example."""
+
+_SQL_TYPES = {
+    pa.string(): "VARCHAR",
+    pa.int32(): "INTEGER",
+    pa.float64(): "DOUBLE",
+    pa.float32(): "FLOAT",
+}
+
+
+def _requests_ddl() -> str:
+    schema = feedback_schema(1)
+    columns = []
+    for name in SCALAR_COLUMNS:
+        sql_type = _SQL_TYPES[schema.field(name).type]
+        if name == "request_id":
+            columns.append(f"{name} {sql_type} PRIMARY KEY")
+        else:
+            columns.append(f"{name} {sql_type}{' NOT NULL' if name in REQUIRED_COLUMNS else ''}")
+    columns += ["segment VARCHAR NOT NULL", "ingested_at TIMESTAMP NOT NULL"]
+    return "CREATE TABLE IF NOT EXISTS requests (\n  " + ",\n  ".join(columns) + "\n)"
+
+
+SCHEMA_DDL = (
+    _requests_ddl(),
+    """CREATE TABLE IF NOT EXISTS features (
+  request_id VARCHAR PRIMARY KEY,
+  dim INTEGER NOT NULL,
+  layer INTEGER NOT NULL,
+  model_fingerprint VARCHAR NOT NULL,
+  feature FLOAT[] NOT NULL
+)""",
+    """CREATE TABLE IF NOT EXISTS quarantine (
+  segment VARCHAR NOT NULL,
+  row_index BIGINT NOT NULL,
+  request_id VARCHAR,
+  reason VARCHAR NOT NULL,
+  raw JSON,
+  quarantined_at TIMESTAMP NOT NULL
+)""",
+    """CREATE TABLE IF NOT EXISTS ingest_ledger (
+  segment VARCHAR PRIMARY KEY,
+  checksum VARCHAR NOT NULL,
+  rows_read BIGINT NOT NULL,
+  rows_accepted BIGINT NOT NULL,
+  rows_quarantined BIGINT NOT NULL,
+  rows_duplicate BIGINT NOT NULL,
+  ingested_at TIMESTAMP NOT NULL,
+  status VARCHAR NOT NULL,
+  CHECK (rows_read = rows_accepted + rows_quarantined + rows_duplicate)
+)""",
+)
+
+
+class StoreBusyError(RuntimeError):
+    """Another process holds the DuckDB file's lock for longer than the store is willing to wait."""
+
+
+class TrainingFrame(NamedTuple):
+    """Finished requests joined with their features, ordered by arrival time then request id."""
+
+    request_ids: np.ndarray  # object (n,)
+    features: np.ndarray  # float32 (n, d)
+    output_tokens: np.ndarray  # int64 (n,)
+    finish_reason: np.ndarray  # object (n,)
+    domain: np.ndarray  # object (n,), None where unknown
+    arrival_time: np.ndarray  # float64 (n,)
+
+
+def _is_lock_error(error: duckdb.Error) -> bool:
+    return isinstance(error, duckdb.IOException) and "lock" in str(error).lower()
+
+
+class LogStore:
+    """A DuckDB file holding the feedback log; every method opens and closes its own connection.
+
+    Parameters
+    ----------
+    path:
+        The DuckDB file; created with its tables on first use.
+    busy_timeout_s:
+        How long `connect` keeps retrying while another process holds the file's lock.
+    checkpoint_threshold:
+        WAL size that triggers a checkpoint. DuckDB's default (16MB) is smaller than one feedback
+        segment's features, which would rewrite the table on every ingest commit; the checkpoint
+        runs instead when the last connection closes.
+    force_compression:
+        DuckDB's `force_compression` for checkpoints, or None for DuckDB's own choice. Float32
+        hidden states compress little (13% on Gaussian features) while trying costs most of a
+        checkpoint's time, so the store keeps them uncompressed by default.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        busy_timeout_s: float = 30.0,
+        checkpoint_threshold: str = "1GB",
+        force_compression: str | None = "uncompressed",
+    ) -> None:
+        self.path = Path(path)
+        self.busy_timeout_s = busy_timeout_s
+        self.checkpoint_threshold = checkpoint_threshold
+        self.force_compression = force_compression
+        self._schema_ready = False
+
+    def __repr__(self) -> str:
+        return f"LogStore({str(self.path)!r})"
+
+    def _open(self, read_only: bool) -> duckdb.DuckDBPyConnection:
+        config = {"checkpoint_threshold": self.checkpoint_threshold}
+        if self.force_compression is not None:
+            config["force_compression"] = self.force_compression
+        delay = 0.02
+        deadline = time.monotonic() + self.busy_timeout_s
+        while True:
+            try:
+                return duckdb.connect(str(self.path), read_only=read_only, config=config)
+            except duckdb.Error as error:
+                if not _is_lock_error(error):
+                    raise
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise StoreBusyError(
+                        f"the log store {self.path} is locked by another process "
+                        f"(DuckDB allows one read-write process per file) and stayed locked for "
+                        f"{self.busy_timeout_s:.1f}s; lock error: {error}"
+                    ) from error
+                time.sleep(min(delay, remaining))
+                delay = min(delay * 2, 1.0)
+
+    def _ensure_schema(self) -> None:
+        if self._schema_ready:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        con = self._open(read_only=False)
+        try:
+            for ddl in SCHEMA_DDL:
+                con.execute(ddl)
+        finally:
+            con.close()
+        self._schema_ready = True
+
+    @contextmanager
+    def connect(self, read_only: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A connection closed on exit; raises `StoreBusyError` when the lock stays taken."""
+        if not (read_only and self.path.exists()):
+            self._ensure_schema()  # readers of an existing file must not need the write lock
+        con = self._open(read_only)
+        try:
+            yield con
+        finally:
+            con.close()
+
+    def counts(self) -> dict[str, int]:
+        """Row counts of every table and the ledger's totals (which reconcile row for row)."""
+        with self.connect(read_only=True) as con:
+            tables = {
+                name: con.execute(f"SELECT count(*) FROM {name}").fetchone()[0]
+                for name in ("requests", "features", "quarantine")
+            }
+            row = con.execute(
+                """SELECT count(*), count(*) FILTER (WHERE status = 'unreadable'),
+                          coalesce(sum(rows_read), 0), coalesce(sum(rows_accepted), 0),
+                          coalesce(sum(rows_quarantined), 0), coalesce(sum(rows_duplicate), 0)
+                   FROM ingest_ledger"""
+            ).fetchone()
+        keys = ("segments", "segments_unreadable", "rows_read", "rows_accepted",
+                "rows_quarantined", "rows_duplicate")
+        return {**tables, **{key: int(value) for key, value in zip(keys, row)}}
+
+    def ledger(self) -> list[dict]:
+        """One dict per ingested segment path, ordered by path."""
+        with self.connect(read_only=True) as con:
+            table = con.sql("SELECT * FROM ingest_ledger ORDER BY segment").to_arrow_table()
+        return table.to_pylist()
+
+    def quarantine_reasons(self) -> dict[str, int]:
+        """How many quarantined rows each reason holds."""
+        with self.connect(read_only=True) as con:
+            rows = con.execute(
+                "SELECT reason, count(*) FROM quarantine GROUP BY reason ORDER BY reason"
+            ).fetchall()
+        return {reason: int(count) for reason, count in rows}
+
+    def training_frame(
+        self,
+        *,
+        since: float | None = None,
+        until: float | None = None,
+        domains: Sequence[str] | None = None,
+        model_fingerprint: str | None = None,
+        layer: int | None = None,
+    ) -> TrainingFrame:
+        """Requests with arrival_time in [since, until), optionally only some domains / one feature space.
+
+        Raises ValueError when the selection mixes feature dims (filter by fingerprint and layer).
+        """
+        where, params = [], []
+        if since is not None:
+            where.append("r.arrival_time >= ?")
+            params.append(float(since))
+        if until is not None:
+            where.append("r.arrival_time < ?")
+            params.append(float(until))
+        if domains is not None:
+            where.append("list_contains(?::VARCHAR[], r.domain)")
+            params.append(list(domains))
+        if model_fingerprint is not None:
+            where.append("f.model_fingerprint = ?")
+            params.append(model_fingerprint)
+        if layer is not None:
+            where.append("f.layer = ?")
+            params.append(int(layer))
+        query = (
+            "SELECT r.request_id, f.dim, f.feature, r.output_tokens, r.finish_reason, r.domain, "
+            "r.arrival_time FROM requests r JOIN features f USING (request_id)"
+            + (" WHERE " + " AND ".join(where) if where else "")
+            + " ORDER BY r.arrival_time, r.request_id"
+        )
+        with self.connect(read_only=True) as con:
+            table = con.sql(query, params=params).to_arrow_table()
+        return _frame_from_arrow(table)
+
+
+def stored_dims(con: duckdb.DuckDBPyConnection) -> dict[tuple[str, int], int]:
+    """The feature dim already stored for each (model fingerprint, layer)."""
+    rows = con.execute(
+        "SELECT model_fingerprint, layer, min(dim) FROM features GROUP BY ALL"
+    ).fetchall()
+    return {(fingerprint, int(layer)): int(dim) for fingerprint, layer, dim in rows}
+
+
+def _frame_from_arrow(table: pa.Table) -> TrainingFrame:
+    n = table.num_rows
+    dims = pc.unique(table.column("dim")).to_pylist()
+    if len(dims) > 1:
+        raise ValueError(
+            f"the selection mixes feature dims {sorted(dims)}; filter by model_fingerprint and layer"
+        )
+    dim = dims[0] if dims else 0
+    feature = table.column("feature").combine_chunks()
+    values = feature.flatten().to_numpy(zero_copy_only=False)
+    return TrainingFrame(
+        request_ids=table.column("request_id").to_numpy(zero_copy_only=False),
+        features=values.astype(np.float32, copy=False).reshape(n, dim),
+        output_tokens=table.column("output_tokens").to_numpy(zero_copy_only=False).astype(np.int64),
+        finish_reason=table.column("finish_reason").to_numpy(zero_copy_only=False),
+        domain=table.column("domain").to_numpy(zero_copy_only=False),
+        arrival_time=table.column("arrival_time").to_numpy(zero_copy_only=False).astype(np.float64),
+    )
