@@ -2,8 +2,12 @@
 
 DuckDB lets one process at a time open a file read-write (no other process can open it at all
 meanwhile), so connections are short-lived and opening one retries with backoff before giving up
-with `StoreBusyError`. Features live in a `FLOAT[]` column and travel to and from numpy through
-Arrow, never row by row.
+with `StoreBusyError`. Features live in a `FLOAT[]` column (one table holds several feature spaces,
+whose dims differ) and travel to and from numpy through Arrow, never row by row.
+
+Writers attach the file with small row groups: DuckDB writes each complete row group a transaction
+appends straight into the database file, so a feedback segment's features are written once instead
+of into the write-ahead log and again at the next checkpoint.
 """
 
 from __future__ import annotations
@@ -105,10 +109,22 @@ class TrainingFrame(NamedTuple):
     finish_reason: np.ndarray  # object (n,)
     domain: np.ndarray  # object (n,), None where unknown
     arrival_time: np.ndarray  # float64 (n,)
+    max_tokens: np.ndarray | None = None  # int64 (n,), the request's output budget; 0 where unknown
+
+    def take(self, rows: np.ndarray | slice) -> TrainingFrame:
+        """The frame restricted to `rows` (indices, a boolean mask, or a slice for views), in that order."""
+        return TrainingFrame(*(None if column is None else column[rows] for column in self))
+
+
+_CATALOG = "leap_store"
+"""The name a writing connection attaches the file under (and makes its default)."""
 
 
 def _is_lock_error(error: duckdb.Error) -> bool:
-    return isinstance(error, duckdb.IOException) and "lock" in str(error).lower()
+    """Another process holds the file, or another connection of this process attached it."""
+    if isinstance(error, duckdb.IOException):
+        return "lock" in str(error).lower()
+    return isinstance(error, duckdb.ResourceInUseException)
 
 
 class LogStore:
@@ -128,6 +144,11 @@ class LogStore:
         DuckDB's `force_compression` for checkpoints, or None for DuckDB's own choice. Float32
         hidden states compress little (13% on Gaussian features) while trying costs most of a
         checkpoint's time, so the store keeps them uncompressed by default.
+    row_group_rows:
+        Rows per row group of writing connections (DuckDB's default is 122,880). A transaction's
+        complete row groups bypass the write-ahead log, so with DuckDB's vector size (2048) every
+        segment of a few thousand rows is written once, not twice; at 100k rows x 576 floats this
+        halved DuckDB's CPU time and its bytes written. None keeps DuckDB's default.
     """
 
     def __init__(
@@ -137,32 +158,49 @@ class LogStore:
         busy_timeout_s: float = 30.0,
         checkpoint_threshold: str = "1GB",
         force_compression: str | None = "uncompressed",
+        row_group_rows: int | None = 2048,
     ) -> None:
         self.path = Path(path)
         self.busy_timeout_s = busy_timeout_s
         self.checkpoint_threshold = checkpoint_threshold
         self.force_compression = force_compression
+        self.row_group_rows = row_group_rows
         self._schema_ready = False
 
     def __repr__(self) -> str:
         return f"LogStore({str(self.path)!r})"
 
-    def _open(self, read_only: bool) -> duckdb.DuckDBPyConnection:
+    def _connect_once(self, read_only: bool) -> duckdb.DuckDBPyConnection:
         config = {"checkpoint_threshold": self.checkpoint_threshold}
         if self.force_compression is not None:
             config["force_compression"] = self.force_compression
+        if read_only or self.row_group_rows is None:
+            return duckdb.connect(str(self.path), read_only=read_only, config=config)
+        # The row group size is a setting of one attachment, not of the file, so writers attach.
+        config["temp_directory"] = f"{self.path}.tmp"
+        con = duckdb.connect(":memory:", config=config)
+        try:
+            quoted = str(self.path).replace("'", "''")
+            con.execute(f"ATTACH '{quoted}' AS {_CATALOG} (ROW_GROUP_SIZE {int(self.row_group_rows)})")
+            con.execute(f"USE {_CATALOG}")
+        except BaseException:
+            con.close()
+            raise
+        return con
+
+    def _open(self, read_only: bool) -> duckdb.DuckDBPyConnection:
         delay = 0.02
         deadline = time.monotonic() + self.busy_timeout_s
         while True:
             try:
-                return duckdb.connect(str(self.path), read_only=read_only, config=config)
+                return self._connect_once(read_only)
             except duckdb.Error as error:
                 if not _is_lock_error(error):
                     raise
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise StoreBusyError(
-                        f"the log store {self.path} is locked by another process "
+                        f"the log store {self.path} is locked by another process or connection "
                         f"(DuckDB allows one read-write process per file) and stayed locked for "
                         f"{self.busy_timeout_s:.1f}s; lock error: {error}"
                     ) from error
@@ -254,7 +292,7 @@ class LogStore:
             params.append(int(layer))
         query = (
             "SELECT r.request_id, f.dim, f.feature, r.output_tokens, r.finish_reason, r.domain, "
-            "r.arrival_time FROM requests r JOIN features f USING (request_id)"
+            "r.arrival_time, r.max_tokens FROM requests r JOIN features f USING (request_id)"
             + (" WHERE " + " AND ".join(where) if where else "")
             + " ORDER BY r.arrival_time, r.request_id"
         )
@@ -288,4 +326,5 @@ def _frame_from_arrow(table: pa.Table) -> TrainingFrame:
         finish_reason=table.column("finish_reason").to_numpy(zero_copy_only=False),
         domain=table.column("domain").to_numpy(zero_copy_only=False),
         arrival_time=table.column("arrival_time").to_numpy(zero_copy_only=False).astype(np.float64),
+        max_tokens=pc.fill_null(table.column("max_tokens"), 0).to_numpy(zero_copy_only=False).astype(np.int64),
     )

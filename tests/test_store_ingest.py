@@ -373,3 +373,75 @@ def test_connect_waits_for_another_process_to_release_the_file(tmp_path: Path) -
         holder.wait(timeout=30)
     assert time.monotonic() - started >= 0.5
     assert holder.returncode == 0 and os.path.exists(path)
+
+
+@pytest.mark.parametrize("transaction_rows", [0, 10_000])
+def test_dim_conflict_with_a_segment_of_the_same_run_keeps_the_order_of_reasons(
+    store: LogStore, feedback: Path, transaction_rows: int
+) -> None:
+    write_segment(feedback / "seg-1.parquet", 20, 8, seed=1)
+    write_segment(feedback / "seg-2.parquet", 20, 6, seed=2,
+                  corrupt={"null_id": 2, "zero_output_tokens": 3, "nan_feature": 2})
+
+    first, second = ingest_folder(store, feedback, transaction_rows=transaction_rows)
+
+    assert (first.accepted, second.accepted, second.quarantined) == (20, 0, 20)
+    # A missing id is checked before the dims; zero tokens and NaN features after them.
+    assert store.quarantine_reasons() == {REASON_MISSING_ID: 2, REASON_FEATURE_DIM_CONFLICT: 18}
+    _assert_reconciles(store)
+
+
+@pytest.mark.parametrize(("transaction_rows", "committed"), [(1_000, 0), (100, 2)])
+def test_grouped_transactions_roll_back_whole_segments_and_rerun_completes(
+    store: LogStore, feedback: Path, tmp_path: Path, transaction_rows: int, committed: int
+) -> None:
+    for index in range(3):
+        write_segment(feedback / f"seg-{index}.parquet", 60, 8, seed=index, corrupt={"nan_feature": 1})
+    calls = []
+
+    def crash_in_third_segment(name: str) -> None:
+        calls.append(name)
+        if name == "features" and calls.count(name) == 3:
+            raise SimulatedCrash(name)
+
+    with pytest.raises(SimulatedCrash):
+        ingest_folder(store, feedback, transaction_rows=transaction_rows, _after_stage=crash_in_third_segment)
+    counts = store.counts()
+    assert (counts["segments"], counts["requests"], counts["quarantine"]) == (committed, 59 * committed, committed)
+
+    reports = ingest_folder(store, feedback, transaction_rows=transaction_rows)
+
+    assert [report.skipped for report in reports] == [True] * committed + [False] * (3 - committed)
+    one_by_one = LogStore(tmp_path / "one-by-one.duckdb")
+    ingest_folder(one_by_one, feedback)
+    with store.connect(read_only=True) as con:
+        grouped_rows = sorted(con.execute("SELECT request_id, output_tokens FROM requests").fetchall())
+    with one_by_one.connect(read_only=True) as con:
+        single_rows = sorted(con.execute("SELECT request_id, output_tokens FROM requests").fetchall())
+    assert grouped_rows == single_rows and len(grouped_rows) == 3 * 59
+    _assert_reconciles(store)
+
+
+def test_process_killed_while_large_segments_bypass_the_wal_loses_only_that_segment(
+    store: LogStore, feedback: Path
+) -> None:
+    # 5000 rows fill whole row groups, which DuckDB writes straight into the database file.
+    segments = [write_segment(feedback / f"seg-{index}.parquet", 5000, 4, seed=index, id_prefix=f"big{index}-")
+                for index in range(3)]
+    store.counts()
+
+    crashed = subprocess.run([sys.executable, "-c", _HARD_CRASH, str(store.path), str(feedback)],
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+
+    assert crashed.returncode == 17, crashed.stderr
+    counts = store.counts()
+    assert (counts["segments"], counts["requests"], counts["features"]) == (1, 5000, 5000)
+    frame = store.training_frame()
+    written = segments[0].table.column("feature").combine_chunks().flatten().to_numpy().reshape(-1, 4)
+    order = np.argsort(segments[0].table.column("request_id").to_numpy(zero_copy_only=False))
+    assert np.array_equal(frame.features[np.argsort(frame.request_ids)], written[order])
+
+    reports = ingest_folder(store, feedback)
+    assert [report.accepted for report in reports] == [0, 5000, 5000]
+    assert store.counts()["features"] == 15000
+    _assert_reconciles(store)

@@ -1,0 +1,180 @@
+"""Fitting a readout from the log store, on a real DuckDB file ingested from real feedback segments."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from flows.bench_ingest import BENCH_FINGERPRINT, BENCH_LAYER, write_synthetic_feedback
+from flows.ingest import ingest_folder
+from flows.store import LogStore, TrainingFrame
+from flows.training import (
+    ALPHA_GRID,
+    DEFAULT_MAX_TOKENS,
+    NotEnoughRowsError,
+    fit_readout,
+    select_alpha,
+    select_window,
+    time_split,
+)
+from leap_core import targets
+from leap_core.readout import LinearReadout
+from leap_core.rls import RLS
+
+ROWS, DIM, MAX_TOKENS = 1500, 16, 2048
+IDENTITY = {"model_id": "bench-model", "model_fingerprint": BENCH_FINGERPRINT, "layer": BENCH_LAYER,
+            "version": "v-test"}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> LogStore:
+    root = tmp_path_factory.mktemp("training")
+    write_synthetic_feedback(root / "feedback", ROWS, DIM, segment_rows=400, seed=7, abort_fraction=0.05,
+                             max_tokens=MAX_TOKENS)
+    store = LogStore(root / "log.duckdb")
+    ingest_folder(store, root / "feedback")
+    return store
+
+
+@pytest.fixture(scope="module")
+def frame(store: LogStore) -> TrainingFrame:
+    return select_window(store, model_fingerprint=BENCH_FINGERPRINT, layer=BENCH_LAYER)
+
+
+@pytest.fixture(scope="module")
+def fitted(frame: TrainingFrame):
+    train, test = time_split(frame, 0.2)
+    return train, test, fit_readout(train, test, **IDENTITY)
+
+
+def _usable(frame: TrainingFrame) -> np.ndarray:
+    return frame.finish_reason != "abort"
+
+
+def test_select_window_filters_and_refuses_too_few_rows(store: LogStore, frame: TrainingFrame) -> None:
+    assert frame.features.shape == (ROWS, DIM) and frame.features.dtype == np.float32
+    since, until = float(np.quantile(frame.arrival_time, 0.25)), float(np.quantile(frame.arrival_time, 0.75))
+    window = select_window(store, since=since, until=until, domains=["code"], min_rows=1)
+    expected = (frame.arrival_time >= since) & (frame.arrival_time < until) & (frame.domain == "code")
+    assert sorted(window.request_ids) == sorted(frame.request_ids[expected])
+
+    usable = int(_usable(frame).sum())
+    assert usable < ROWS  # some rows were aborted, and those do not count
+    assert len(select_window(store, min_rows=usable).request_ids) == ROWS
+    with pytest.raises(NotEnoughRowsError, match=f"{usable} usable"):
+        select_window(store, min_rows=usable + 1)
+
+
+def test_time_split_puts_the_newest_rows_in_the_test_set(frame: TrainingFrame) -> None:
+    shuffled = frame.take(np.random.default_rng(0).permutation(ROWS))
+
+    for source in (frame, shuffled):
+        train, test = time_split(source, 0.25)
+        assert (len(train.request_ids), len(test.request_ids)) == (ROWS - 375, 375)
+        assert train.arrival_time.max() <= test.arrival_time.min()
+        assert np.all(np.diff(train.arrival_time) >= 0) and np.all(np.diff(test.arrival_time) >= 0)
+        assert set(train.request_ids).isdisjoint(test.request_ids)
+        rows = {rid: i for i, rid in enumerate(frame.request_ids)}
+        back = np.array([rows[rid] for rid in test.request_ids])
+        assert np.array_equal(test.features, frame.features[back])
+        assert np.array_equal(test.output_tokens, frame.output_tokens[back])
+    with pytest.raises(ValueError):
+        time_split(frame, 1.0)
+
+
+def test_fit_matches_leap_core_readout_on_the_rows_left_after_aborts(fitted) -> None:
+    train, test, result = fitted
+    keep_train, keep_test = _usable(train), _usable(test)
+    reference = LinearReadout(alpha=result.params["alpha"], target="sqrt", max_tokens=MAX_TOKENS).fit(
+        train.features[keep_train], train.output_tokens[keep_train])
+
+    readout = result.readout
+    assert readout.max_tokens == MAX_TOKENS == result.params["max_tokens"]
+    np.testing.assert_allclose(readout.coef_, reference.coef_, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(readout.predict(test.features), reference.predict(test.features))
+    np.testing.assert_array_equal(result.eval_arrays["true"], test.output_tokens[keep_test])
+    np.testing.assert_allclose(result.eval_arrays["pred"], reference.predict(test.features[keep_test]))
+
+    aborted = int((~keep_train).sum() + (~keep_test).sum())
+    assert aborted > 0 and result.params["n_aborted_excluded"] == aborted
+    assert result.params["n_train"] == keep_train.sum() == result.metrics["n_train"]
+    assert result.params["n_test"] == keep_test.sum() == result.metrics["n_test"]
+    ids = sorted(str(rid) for rid in train.request_ids[keep_train])
+    assert result.params["data_hash"] == hashlib.sha256(b"".join(rid.encode() + b"\0" for rid in ids)).hexdigest()
+    assert readout.metadata["n_train"] == keep_train.sum()
+    assert {key: readout.metadata[key] for key in IDENTITY} == IDENTITY
+    assert readout.metadata["created_at"]
+
+
+def test_rls_state_resumes_at_the_fitted_weights(fitted) -> None:
+    _, test, result = fitted
+    resumed = RLS.from_state_arrays(result.readout, result.rls_state)
+
+    np.testing.assert_allclose(resumed.readout().predict(test.features), result.readout.predict(test.features),
+                               rtol=1e-9)
+    np.testing.assert_allclose(resumed.theta_, result.readout.theta_, rtol=1e-9, atol=1e-12)
+    assert float(result.rls_state["alpha"]) == result.params["alpha"]
+
+
+def test_metrics_are_present_finite_and_show_the_planted_signal(fitted) -> None:
+    _, _, result = fitted
+    expected = {"spearman", "kendall", "mae", "mae_short", "mae_medium", "mae_long", "n_train", "n_test",
+                "spearman_chat", "spearman_code", "spearman_math"}
+    assert expected <= set(result.metrics)
+    assert all(math.isfinite(value) for value in result.metrics.values())
+    assert result.metrics["spearman"] > 0.6  # lengths follow the features; an unfitted readout scores ~0
+    json.dumps(result.params)  # params go to MLflow as they are
+
+
+def test_auto_alpha_is_the_grid_value_that_best_predicts_the_newest_training_rows(fitted) -> None:
+    train, _, result = fitted
+    assert result.params["alpha_selection"] == "auto" and result.params["alpha"] in ALPHA_GRID
+
+    usable = _usable(train)
+    X, lengths = train.features[usable], train.output_tokens[usable]
+    n_val = round(len(lengths) * 0.2)
+    low, high = targets.bounds("sqrt", MAX_TOKENS)
+    errors = []
+    for alpha in ALPHA_GRID:
+        older = LinearReadout(alpha=alpha, max_tokens=MAX_TOKENS).fit(X[:-n_val], lengths[:-n_val])
+        prediction = np.clip(older.predict_transformed(X[-n_val:]), low, high)
+        errors.append(np.mean((prediction - np.sqrt(lengths[-n_val:])) ** 2))
+    selection = select_alpha(X, lengths, max_tokens=MAX_TOKENS)
+    np.testing.assert_allclose(selection.validation_mse, errors, rtol=1e-6)  # the readout predicts float32 in float32
+    assert result.params["alpha"] == ALPHA_GRID[int(np.argmin(errors))]
+    assert len(set(np.round(errors, 6))) > 1  # the grid really ranks the penalties
+
+
+def test_given_alpha_and_budget_defaults(frame: TrainingFrame) -> None:
+    train, test = time_split(frame)
+    given = fit_readout(train, test, alpha=30.0, **IDENTITY)
+    assert (given.params["alpha"], given.params["alpha_selection"], given.readout.alpha) == (30.0, "given", 30.0)
+
+    unknown_budget = train._replace(max_tokens=np.zeros_like(train.max_tokens))
+    assert fit_readout(unknown_budget, test, alpha=30.0, **IDENTITY).readout.max_tokens == DEFAULT_MAX_TOKENS
+    assert fit_readout(train, test, alpha=30.0, max_tokens=512, **IDENTITY).readout.max_tokens == 512
+    with pytest.raises(ValueError, match="auto"):
+        fit_readout(train, test, alpha="best", **IDENTITY)
+
+
+def test_bench_pipeline_command_reports_ingest_and_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import leap_cli.cmd_pipeline_bench  # noqa: F401  (registers `leap bench pipeline`)
+    from leap_cli.apps import app
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    result = CliRunner().invoke(app, ["bench", "pipeline", "--rows", "2000", "--json"])
+
+    assert result.exit_code == 0, result.output
+    assert list(tmp_path.iterdir()) == []  # segments and store were scratch files
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (figures["rows"], figures["dim"]) == (2000, 576)
+    assert figures["ingest_rows_per_s"] > 0 and figures["fit_s"] > 0
+    assert figures["n_train"] + figures["n_test"] < 2000  # aborted rows were left out
+    assert figures["spearman"] > 0.5
