@@ -1,0 +1,153 @@
+"""The retraining loop as Prefect flows: ingest -> fit -> gate -> push, each also runnable alone.
+
+Flows are thin: they read `PipelineSettings`, call the tasks in `flows.tasks` and return a JSON-able
+summary with a `status`. A challenger is pushed before it is promoted, and only with a passing gate
+recorded against the current champion, so a refused push leaves the registry and the replicas on the
+old champion. Retraining on unchanged data finds the version it registered before and stops there:
+re-pushing it would reset the replicas' online corrections for nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from flows.settings import PipelineSettings
+from flows.store import LogStore
+from flows.tasks import (
+    fit_and_register,
+    ingest_feedback,
+    largest_max_tokens,
+    latest_feature_space,
+    plain,
+    promote_if_passed,
+    push_champion,
+    record_gate,
+    recorded_gate,
+    run_gate,
+    select_training_window,
+)
+from flows.training import NotEnoughRowsError
+from registry.client import CHALLENGER, CHAMPION, ReadoutRegistry
+
+
+def _model_name(settings: PipelineSettings, name: str | None) -> str:
+    """The registered model of the latest feedback's feature space, unless named."""
+    if name:
+        return name
+    space = latest_feature_space(LogStore(settings.duckdb_path), settings.model_fingerprint, settings.layer)
+    if space is None:
+        raise LookupError(f"no feedback in {settings.duckdb_path} to tell which model to use; run the ingest "
+                          "flow first or pass the registered model name")
+    return ReadoutRegistry.model_name(space.model_id, space.layer)
+
+
+@flow(name="leap-ingest")
+def ingest_flow(feedback_dir: str | None = None) -> dict[str, Any]:
+    """Ingest the complete feedback segments into the DuckDB log store."""
+    settings = PipelineSettings()
+    summary = ingest_feedback(str(settings.duckdb_path), str(feedback_dir or settings.feedback_dir))
+    get_run_logger().info("ingest: %s", summary)
+    return {"status": "ingested", **plain(summary)}
+
+
+@flow(name="leap-fit")
+def fit_flow(since: float | None = None, until: float | None = None, alpha: str | None = None) -> dict[str, Any]:
+    """Fit a readout on the feedback window [since, until) (unix seconds) and register it as challenger."""
+    settings = PipelineSettings()
+    store = LogStore(settings.duckdb_path)
+    space = latest_feature_space(store, settings.model_fingerprint, settings.layer)
+    if space is None:
+        return {"status": "no-data", "reason": f"no feedback in {settings.duckdb_path}"}
+    if since is None and settings.train_window_hours is not None:
+        since = time.time() - 3600.0 * settings.train_window_hours
+    try:
+        frame = select_training_window(str(settings.duckdb_path), space, since, until, settings.domains,
+                                       settings.min_rows)
+        result = fit_and_register(frame, settings.mlflow_tracking_uri, space, alpha or settings.alpha,
+                                  settings.target, settings.max_tokens, settings.test_fraction,
+                                  window={"since": since, "until": until, "domains": settings.domains},
+                                  fallback_max_tokens=largest_max_tokens(store, space))
+    except NotEnoughRowsError as exc:
+        return {"status": "not-enough-data", "reason": str(exc), "min_rows": settings.min_rows}
+    get_run_logger().info("fit: %s v%s (reused: %s)", result["name"], result["version"], result["reused"])
+    return {"status": "reused" if result["reused"] else "fitted", **plain(result)}
+
+
+@flow(name="leap-gate")
+def gate_flow(version: str | None = None, name: str | None = None, force: bool = False) -> dict[str, Any]:
+    """Gate the challenger (or `version`) against the champion by live replay and record the verdict.
+
+    A verdict already recorded for the same challenger and champion is returned unless `force`.
+    """
+    settings = PipelineSettings()
+    name = _model_name(settings, name)
+    registry = ReadoutRegistry(settings.mlflow_tracking_uri)
+    challenger = str(version) if version else registry.get_alias(name, CHALLENGER)
+    champion = registry.get_alias(name, CHAMPION)
+    base = {"name": name, "challenger": challenger, "champion": champion}
+    if challenger is None:
+        return {"status": "no-challenger", **base}
+    if challenger == champion:
+        return {"status": "already-champion", **base}
+    store = LogStore(settings.duckdb_path)
+    if not force:
+        recorded = recorded_gate(store, name, challenger, champion)
+        if recorded is not None:
+            return {"status": "recorded", **base, **recorded}
+    gate = run_gate(settings, name, challenger, champion)
+    logged = record_gate(str(settings.duckdb_path), settings.mlflow_tracking_uri, name, challenger, champion,
+                         gate["results"], gate["verdict"])
+    get_run_logger().info("gate: %s v%s vs %s: %s", name, challenger, champion or "fcfs", gate["verdict"]["reason"])
+    summaries = {policy: {k: v for k, v in figures.items() if k not in ("ptl", "output_tokens")}
+                 for policy, figures in gate["results"].items()}
+    return plain({"status": "gated", **base, "verdict": gate["verdict"], "results": summaries,
+                  "dropped": gate["dropped"], **logged})
+
+
+@flow(name="leap-push")
+def push_flow(version: str | None = None, name: str | None = None, promote: bool = False) -> dict[str, Any]:
+    """Push the champion to every replica; with `promote`, push the challenger (or `version`) and then
+    make it champion, which needs a passing gate recorded against the current champion."""
+    settings = PipelineSettings()
+    name = _model_name(settings, name)
+    registry = ReadoutRegistry(settings.mlflow_tracking_uri)
+    if not promote:
+        pushed = push_champion(settings.mlflow_tracking_uri, name, settings.endpoints, settings.token(),
+                               version=version)
+        return plain({"status": "pushed", **pushed})
+    candidate = str(version) if version else registry.get_alias(name, CHALLENGER)
+    champion = registry.get_alias(name, CHAMPION)
+    if candidate is None:
+        return {"status": "no-challenger", "name": name, "champion": champion}
+    recorded = recorded_gate(LogStore(settings.duckdb_path), name, candidate, champion)
+    if recorded is None or not recorded["verdict"].get("passed"):
+        reason = "no gate recorded against the current champion" if recorded is None else recorded["verdict"]["reason"]
+        return {"status": "not-promoted", "name": name, "challenger": candidate, "champion": champion,
+                "reason": reason}
+    pushed = push_champion(settings.mlflow_tracking_uri, name, settings.endpoints, settings.token(),
+                           version=candidate)
+    promoted = promote_if_passed(settings.mlflow_tracking_uri, name, candidate, recorded["verdict"])
+    get_run_logger().info("push: %s v%s serving on %d replicas, promoted", name, candidate, len(pushed["pushed"]))
+    return plain({"status": "promoted", **pushed, **promoted})
+
+
+@flow(name="leap-retrain")
+def retrain_flow(force_gate: bool = False) -> dict[str, Any]:
+    """Ingest new feedback, fit, gate the challenger, and push and promote it when it passes."""
+    summary: dict[str, Any] = {"ingest": ingest_flow()}
+    fit = fit_flow()
+    summary["fit"] = fit
+    if fit["status"] not in ("fitted", "reused"):
+        return {"status": fit["status"], **summary}
+    if fit["version"] == fit.get("champion"):
+        return {"status": "unchanged", **summary}
+    gate = gate_flow(version=fit["version"], name=fit["name"], force=force_gate)
+    summary["gate"] = gate
+    verdict = gate.get("verdict") or {}
+    if not verdict.get("passed"):
+        return {"status": "rejected", **summary}
+    summary["push"] = push_flow(version=fit["version"], name=fit["name"], promote=True)
+    return {"status": summary["push"]["status"], **summary}

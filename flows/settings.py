@@ -1,0 +1,150 @@
+"""Settings of the pipeline flows, the local stack and the push client, read from `LEAP_*` variables.
+
+The names are shared with the serving process on purpose (`LEAP_HOME`, `LEAP_FEEDBACK_DIR`,
+`LEAP_ADMIN_TOKEN_FILE`, `LEAP_LAYER`), so one environment configures both sides of the loop. Paths
+left unset derive from the state folder; the MLflow URI points at the local stack's server while it
+runs and at the sqlite file otherwise, so flows and the UI see the same registry either way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from serving.paths import state_dir
+
+
+class PipelineSettings(BaseSettings):
+    """Where the pipeline keeps its state, whom it pushes to and how strict its gate is."""
+
+    model_config = SettingsConfigDict(env_prefix="LEAP_", extra="ignore")
+
+    home: Path = Field(default_factory=state_dir, description="state folder ($LEAP_HOME)")
+    duckdb_path: Path | None = Field(None, description="log store (default <home>/leap.duckdb)")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="default: the stack's MLflow server while it runs, else sqlite under <home>/mlflow")
+    feedback_dir: Path | None = Field(None, description="feedback segments (default <home>/feedback)")
+    endpoints: Annotated[list[str] | None, NoDecode] = Field(
+        None, description="admin URLs of the serving replicas, comma-separated or a JSON list "
+                          "(default: the local stack's admin port; an empty string: push nowhere)")
+    admin_token: str | None = Field(None, description="admin token; else read from admin_token_file")
+    admin_token_file: Path | None = Field(None, description="default <home>/admin.token, created once")
+
+    gate_margin: float = Field(0.02, ge=0.0, lt=1.0,
+                               description="challenger mean PTL must be this fraction below the bar's")
+    gate_p95_bound: float = Field(1.10, gt=0.0,
+                                  description="challenger P95 PTL of the longest quartile over the bar's, at most")
+    replay_slice: int = Field(64, ge=4, description="requests replayed per policy by the gate")
+    replay_rate: float = Field(4.0, gt=0.0, description="Poisson arrivals per second of the gate replay")
+    replay_seed: int = 0
+    gate_prompts: Path | None = Field(None, description="JSONL prompts of the gate (default: shipped prompts)")
+    model_path: Path | None = Field(None, description="serving model folder (default: the prepared SmolLM2)")
+    max_model_len: int = Field(4096, ge=64)
+
+    model_fingerprint: str | None = Field(None, description="feature space to fit (default: the latest seen)")
+    layer: int | None = None
+    max_tokens: int | None = Field(None, ge=1, description="output budget M (default: the champion's, "
+                                                           "else the largest max_tokens in the window)")
+    train_window_hours: float | None = Field(None, gt=0.0, description="fit on the last N hours; None: all")
+    domains: Annotated[list[str] | None, NoDecode] = None
+    min_rows: int = Field(200, ge=2)
+    test_fraction: float = Field(0.2, gt=0.0, lt=1.0)
+    alpha: str = Field("auto", description="ridge penalty, or 'auto' for cross-validation")
+    target: str = "sqrt"
+
+    stack_host: str = "127.0.0.1"
+    mlflow_port: int = 5000
+    prefect_port: int = 4200
+    serving_port: int = 8000
+    admin_port: int = 8011
+
+    @field_validator("endpoints", "domains", mode="before")
+    @classmethod
+    def _split_list(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [item.strip() for item in text.split(",") if item.strip()]
+
+    @model_validator(mode="after")
+    def _derive_paths(self) -> PipelineSettings:
+        self.home = Path(self.home).resolve()
+        if self.duckdb_path is None:
+            self.duckdb_path = self.home / "leap.duckdb"
+        if self.feedback_dir is None:
+            self.feedback_dir = self.home / "feedback"
+        if self.admin_token_file is None:
+            self.admin_token_file = self.home / "admin.token"
+        if self.endpoints is None:
+            self.endpoints = [f"http://{self.stack_host}:{self.admin_port}"]
+        self.endpoints = [url.rstrip("/") for url in self.endpoints]
+        if self.mlflow_tracking_uri is None:
+            self.mlflow_tracking_uri = self._default_tracking_uri()
+        return self
+
+    # ------------------------------------------------------------------ derived places
+
+    @property
+    def mlflow_dir(self) -> Path:
+        return self.home / "mlflow"
+
+    @property
+    def mlflow_sqlite_uri(self) -> str:
+        return f"sqlite:///{self.mlflow_dir / 'mlflow.db'}"
+
+    @property
+    def mlflow_server_url(self) -> str:
+        return f"http://{self.stack_host}:{self.mlflow_port}"
+
+    @property
+    def prefect_api_url(self) -> str:
+        return f"http://{self.stack_host}:{self.prefect_port}/api"
+
+    @property
+    def stack_dir(self) -> Path:
+        return self.home / "stack"
+
+    def _default_tracking_uri(self) -> str:
+        from flows.stack import service_pid  # the stack module reads these settings too
+
+        if service_pid(self.stack_dir, "mlflow") is not None:
+            return self.mlflow_server_url
+        return self.mlflow_sqlite_uri
+
+    def resolved_model_path(self) -> Path:
+        if self.model_path is not None:
+            return Path(self.model_path)
+        from serving.model_prep import DEFAULT_MODEL_ID
+
+        return self.home / "models" / DEFAULT_MODEL_ID
+
+    def token(self) -> str:
+        """The admin token: `LEAP_ADMIN_TOKEN`, else the token file, created with a random token once."""
+        if self.admin_token:
+            return self.admin_token
+        path = Path(self.admin_token_file)
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # written aside and linked in: a reader never sees a half-written token, and two
+            # processes creating it at once agree on the first one's token
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            tmp.write_text(secrets.token_urlsafe(32))
+            tmp.chmod(0o600)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
+        token = path.read_text().strip()
+        if not token:
+            raise ValueError(f"the admin token file {path} is empty")
+        return token

@@ -1,0 +1,385 @@
+"""The steps of the retraining loop as small Prefect tasks, each safe to run again.
+
+Rerunning any step converges instead of duplicating: ingest skips segments already in the ledger, a fit
+on the same rows with the same settings returns the version registered before, a recorded gate is
+found by its content key, promotion only moves an alias on a passing verdict, and a push is verified
+by the version the replica reports. Tasks whose inputs are feature arrays skip Prefect's input
+hashing (NO_CACHE), which would otherwise hash megabytes per call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from mlflow.exceptions import MlflowException
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from flows.gate import gate_verdict, replay_gate
+from flows.ingest import ingest_folder, totals
+from flows.push import PushFailed, push_readout
+from flows.settings import PipelineSettings
+from flows.store import LogStore, TrainingFrame
+from flows.training import fit_readout, select_window, time_split
+from leap_core.rls import RLS
+from registry.client import CHAMPION, GATE_EXPERIMENT, READOUT_EXPERIMENT, ReadoutRegistry
+
+GATES_DDL = """CREATE TABLE IF NOT EXISTS gates (
+  gate_key VARCHAR PRIMARY KEY,
+  time TIMESTAMP NOT NULL,
+  name VARCHAR NOT NULL,
+  challenger VARCHAR NOT NULL,
+  champion VARCHAR,
+  passed BOOLEAN NOT NULL,
+  verdict JSON NOT NULL,
+  results JSON NOT NULL,
+  mlflow_run_id VARCHAR
+)"""
+
+
+@dataclass(frozen=True)
+class FeatureSpace:
+    """Whose hidden states a readout reads: the serving model and the captured layer."""
+
+    model_id: str
+    model_fingerprint: str
+    layer: int
+
+
+def plain(value: Any) -> Any:
+    """numpy scalars and arrays as JSON values, recursively (flow results must be JSON-able)."""
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [plain(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def _key(payload: Any) -> str:
+    return hashlib.sha256(json.dumps(plain(payload), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------- the log store
+
+def latest_feature_space(store: LogStore, model_fingerprint: str | None = None,
+                         layer: int | None = None) -> FeatureSpace | None:
+    """The feature space of the most recent feedback (optionally narrowed); None for an empty store."""
+    where, params = [], []
+    if model_fingerprint is not None:
+        where.append("model_fingerprint = ?")
+        params.append(model_fingerprint)
+    if layer is not None:
+        where.append("layer = ?")
+        params.append(int(layer))
+    query = ("SELECT any_value(model_id), model_fingerprint, layer FROM requests"
+             + (" WHERE " + " AND ".join(where) if where else "")
+             + " GROUP BY model_fingerprint, layer ORDER BY max(arrival_time) DESC LIMIT 1")
+    with store.connect(read_only=True) as con:
+        row = con.execute(query, params).fetchone()
+    if row is None:
+        return None
+    model_id, fingerprint, found_layer = row
+    return FeatureSpace(model_id=model_id or fingerprint, model_fingerprint=fingerprint, layer=int(found_layer))
+
+
+def largest_max_tokens(store: LogStore, space: FeatureSpace) -> int | None:
+    with store.connect(read_only=True) as con:
+        row = con.execute("SELECT max(max_tokens) FROM requests WHERE model_fingerprint = ? AND layer = ?",
+                          [space.model_fingerprint, space.layer]).fetchone()
+    return None if row is None or row[0] is None else int(row[0])
+
+
+def recorded_lengths(store: LogStore, request_ids: Sequence[str],
+                     model_fingerprint: str | None = None) -> dict[str, int]:
+    """The output_tokens the store recorded for those request ids (of one model when given)."""
+    import pyarrow as pa
+
+    query = "SELECT r.request_id, r.output_tokens FROM requests r SEMI JOIN _wanted w USING (request_id)"
+    params: list[Any] = []
+    if model_fingerprint:
+        query += " WHERE r.model_fingerprint = ?"
+        params.append(model_fingerprint)
+    with store.connect(read_only=True) as con:
+        con.register("_wanted", pa.table({"request_id": pa.array(list(request_ids), pa.string())}))
+        rows = con.execute(query, params).fetchall()
+    return {rid: int(tokens) for rid, tokens in rows}
+
+
+def gate_slice(store: LogStore, prompts: Sequence[Mapping[str, Any]], size: int, seed: int,
+               model_fingerprint: str | None = None) -> tuple[list[dict], dict[str, int]]:
+    """A reproducible sample of `size` prompts whose output length the store recorded, and those lengths."""
+    lengths = recorded_lengths(store, [p["id"] for p in prompts], model_fingerprint)
+    known = sorted((p for p in prompts if p["id"] in lengths), key=lambda p: p["id"])
+    if not known:
+        raise LookupError("no gate prompt has a recorded output length in the log store; serve or replay "
+                          "these prompts first, or point LEAP_GATE_PROMPTS at prompts that were served")
+    order = np.random.default_rng(seed).permutation(len(known))[:size]
+    chosen = [dict(known[i]) for i in sorted(order)]
+    return chosen, {p["id"]: lengths[p["id"]] for p in chosen}
+
+
+def ensure_gates_table(store: LogStore) -> None:
+    with store.connect() as con:
+        con.execute(GATES_DDL)
+
+
+def recorded_gate(store: LogStore, name: str, challenger: str, champion: str | None) -> dict | None:
+    """The latest gate recorded for this challenger against this champion, or None."""
+    ensure_gates_table(store)
+    with store.connect(read_only=True) as con:
+        row = con.execute(
+            "SELECT gate_key, verdict, mlflow_run_id FROM gates WHERE name = ? AND challenger = ? "
+            "AND champion IS NOT DISTINCT FROM ? ORDER BY time DESC LIMIT 1",
+            [name, str(challenger), None if champion is None else str(champion)]).fetchone()
+    if row is None:
+        return None
+    return {"gate_key": row[0], "verdict": json.loads(row[1]), "gate_run_id": row[2]}
+
+
+# ---------------------------------------------------------------------------- tasks
+
+@task(name="ingest-feedback", retries=2, retry_delay_seconds=5)
+def ingest_feedback(duckdb_path: str, feedback_dir: str) -> dict[str, Any]:
+    """Ingest every complete feedback segment; segments already in the ledger are skipped."""
+    store = LogStore(duckdb_path)
+    Path(feedback_dir).mkdir(parents=True, exist_ok=True)
+    summary = totals(ingest_folder(store, feedback_dir))
+    return {**summary, "store": store.counts()}
+
+
+@task(name="select-training-window", cache_policy=NO_CACHE)
+def select_training_window(duckdb_path: str, space: FeatureSpace, since: float | None, until: float | None,
+                           domains: list[str] | None, min_rows: int) -> TrainingFrame:
+    """The finished requests of one feature space arriving in [since, until)."""
+    return select_window(LogStore(duckdb_path), since=since, until=until, domains=domains,
+                         model_fingerprint=space.model_fingerprint, layer=space.layer, min_rows=min_rows)
+
+
+def window_hash(frame: TrainingFrame) -> str:
+    """Identifies the rows of a window: a request id's features and length never change once stored."""
+    digest = hashlib.sha256()
+    for rid in frame.request_ids:
+        digest.update(str(rid).encode())
+        digest.update(b"\0")
+    digest.update(np.ascontiguousarray(frame.output_tokens, dtype=np.int64).tobytes())
+    return digest.hexdigest()[:32]
+
+
+def _registered_fit(registry: ReadoutRegistry, name: str, fit_key: str) -> tuple[str, str] | None:
+    """(version, run id) of a finished fit logged with this key whose version still exists."""
+    experiment = registry.client.get_experiment_by_name(READOUT_EXPERIMENT)
+    if experiment is None:
+        return None
+    runs = registry.client.search_runs(
+        [experiment.experiment_id],
+        filter_string=f"params.fit_key = '{fit_key}' and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time DESC"])
+    for run in runs:
+        version = run.data.tags.get("registered_version")
+        if version is None:
+            continue
+        try:
+            registry.client.get_model_version(name, version)
+        except MlflowException:  # the version was deleted since
+            continue
+        return version, run.info.run_id
+    return None
+
+
+def _champion_budget(registry: ReadoutRegistry, name: str) -> tuple[int | None, str | None]:
+    """The champion's output budget and target: a challenger must match them to be pushable."""
+    if registry.get_alias(name, CHAMPION) is None:
+        return None, None
+    readout = registry.load_readout(name, CHAMPION)
+    return int(readout.max_tokens), str(readout.target)
+
+
+@task(name="fit-and-register", cache_policy=NO_CACHE)
+def fit_and_register(frame: TrainingFrame, tracking_uri: str, space: FeatureSpace, alpha: str | float = "auto",
+                     target: str = "sqrt", max_tokens: int | None = None, test_fraction: float = 0.2,
+                     window: Mapping[str, Any] | None = None, fallback_max_tokens: int | None = None
+                     ) -> dict[str, Any]:
+    """Fit a readout on `frame`, register it and point `challenger` at it.
+
+    A fit of the same rows with the same settings returns the version registered then (the alias is
+    set again unless that version is already the champion). The output budget defaults to the
+    champion's, since serving refuses a readout whose budget or target differs from the one it runs.
+    """
+    alpha = "auto" if str(alpha).strip().lower() == "auto" else float(alpha)
+    registry = ReadoutRegistry(tracking_uri)
+    name = registry.model_name(space.model_id, space.layer)
+    champion_budget, champion_target = _champion_budget(registry, name)
+    budget = max_tokens or champion_budget or fallback_max_tokens
+    if budget is None:
+        raise ValueError("no output budget: set LEAP_MAX_TOKENS (no champion and no max_tokens in the window)")
+    if champion_target is not None and champion_target != target:
+        raise ValueError(f"the champion's target is {champion_target!r}; a {target!r} challenger would be refused")
+    rows_hash = window_hash(frame)
+    fit_settings = {"window_hash": rows_hash, "alpha": str(alpha), "target": target, "max_tokens": int(budget),
+                    "test_fraction": float(test_fraction), "model_fingerprint": space.model_fingerprint,
+                    "layer": space.layer}
+    fit_key = _key(fit_settings)
+    champion = registry.get_alias(name, CHAMPION)
+    found = _registered_fit(registry, name, fit_key)
+    if found is not None:
+        version, run_id = found
+        if version != champion:
+            registry.set_challenger(name, version)
+        return {"name": name, "version": version, "run_id": run_id, "reused": True, "fit_key": fit_key,
+                "window_hash": rows_hash, "rows": int(len(frame.request_ids)), "champion": champion,
+                "metrics": dict(registry.client.get_run(run_id).data.metrics)}
+
+    train, test = time_split(frame, test_fraction)
+    readout_version = f"{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}-{fit_key[:8]}"
+    fit = fit_readout(train, test, alpha=alpha, target=target, max_tokens=int(budget), model_id=space.model_id,
+                      model_fingerprint=space.model_fingerprint, layer=space.layer, version=readout_version)
+    rls = fit.rls_state
+    if isinstance(rls, Mapping):
+        rls = RLS.from_state_arrays(fit.readout, dict(rls))
+    params = {**dict(fit.params), **{f"requested_{k}": v for k, v in (window or {}).items()},
+              "fit_key": fit_key, "window_hash": rows_hash, "alpha_requested": str(alpha),
+              "test_fraction": float(test_fraction)}
+    logged = registry.log_readout(fit.readout, rls=rls, params=params, metrics=dict(fit.metrics),
+                                  eval_arrays=fit.eval_arrays, run_name=f"fit-{readout_version}",
+                                  tags={"fit_key": fit_key})
+    registry.set_challenger(name, logged.version)
+    return {"name": name, "version": logged.version, "run_id": logged.run_id, "reused": False,
+            "fit_key": fit_key, "window_hash": rows_hash, "rows": int(len(frame.request_ids)),
+            "readout_version": readout_version, "champion": champion,
+            "metrics": plain({k: v for k, v in dict(fit.metrics).items() if isinstance(v, (int, float, np.number))})}
+
+
+def _readout_pair(registry: ReadoutRegistry, name: str, version: str):
+    readout = registry.load_readout(name, version)
+    rls = registry.load_rls_state(name, version, readout=readout)
+    return readout, (rls.state_arrays() if rls is not None else None)
+
+
+@task(name="run-gate", cache_policy=NO_CACHE)
+def run_gate(settings: PipelineSettings, name: str, challenger: str, champion: str | None) -> dict[str, Any]:
+    """Replay one slice of served prompts with recorded lengths under FCFS, champion and challenger."""
+    from serving.engine import EngineSettings
+
+    registry = ReadoutRegistry(settings.mlflow_tracking_uri)
+    readouts = {"challenger": _readout_pair(registry, name, challenger),
+                "champion": _readout_pair(registry, name, champion) if champion is not None else None}
+    fingerprint = str(readouts["challenger"][0].metadata.get("model_fingerprint") or "") or None
+    if settings.gate_prompts is not None:
+        from serving.datasets import load_prompts
+
+        prompts = load_prompts(settings.gate_prompts)
+    else:
+        from serving.datasets import available_prompts
+
+        prompts = available_prompts()
+    chosen, lengths = gate_slice(LogStore(settings.duckdb_path), prompts, settings.replay_slice,
+                                 settings.replay_seed, fingerprint)
+    engine = EngineSettings(model=str(settings.resolved_model_path()), max_model_len=settings.max_model_len,
+                            seed=settings.replay_seed)
+    replayed = replay_gate(engine, chosen, lengths, readouts, settings.replay_rate, settings.replay_seed)
+    verdict = gate_verdict(replayed["results"], settings.gate_margin, settings.gate_p95_bound)
+    return {**replayed, "verdict": verdict}
+
+
+@task(name="record-gate", cache_policy=NO_CACHE)
+def record_gate(duckdb_path: str, tracking_uri: str, name: str, challenger: str, champion: str | None,
+                results: Mapping[str, Any], verdict: Mapping[str, Any]) -> dict[str, Any]:
+    """Log the gate to MLflow (run + tags on the challenger version) and to the `gates` table, once."""
+    results, verdict = plain(results), plain(verdict)
+    gate_key = _key({"name": name, "challenger": challenger, "champion": champion, "results": results,
+                     "verdict": verdict})
+    store = LogStore(duckdb_path)
+    ensure_gates_table(store)
+    with store.connect(read_only=True) as con:
+        row = con.execute("SELECT mlflow_run_id FROM gates WHERE gate_key = ?", [gate_key]).fetchone()
+    if row is not None:
+        return {"gate_key": gate_key, "gate_run_id": row[0], "recorded": False}
+
+    registry = ReadoutRegistry(tracking_uri)
+    run_id = None
+    experiment = registry.client.get_experiment_by_name(GATE_EXPERIMENT)
+    if experiment is not None:  # logged before a crash that kept the DuckDB row from being written
+        runs = registry.client.search_runs([experiment.experiment_id],
+                                           filter_string=f"tags.gate_key = '{gate_key}'", max_results=1)
+        run_id = runs[0].info.run_id if runs else None
+    if run_id is None:
+        run_id = registry.log_gate(name, challenger, champion, results, verdict)
+        registry.client.set_tag(run_id, "gate_key", gate_key)
+    with store.connect() as con:
+        con.execute("INSERT OR IGNORE INTO gates VALUES (?, ?, ?, ?, ?, ?, ?::JSON, ?::JSON, ?)",
+                    [gate_key, datetime.now(UTC).replace(tzinfo=None), name, str(challenger),
+                     None if champion is None else str(champion), bool(verdict["passed"]),
+                     json.dumps(verdict), json.dumps(results), run_id])
+    return {"gate_key": gate_key, "gate_run_id": run_id, "recorded": True}
+
+
+@task(name="promote-if-passed", cache_policy=NO_CACHE)
+def promote_if_passed(tracking_uri: str, name: str, version: str, verdict: Mapping[str, Any]) -> dict[str, Any]:
+    """Move `champion` to `version` only on a passing verdict; otherwise leave every alias alone."""
+    registry = ReadoutRegistry(tracking_uri)
+    if not verdict.get("passed", False):
+        return {"promoted": False, "champion": registry.get_alias(name, CHAMPION),
+                "reason": verdict.get("reason", "the gate did not pass")}
+    replaced = registry.promote(name, version)
+    return {"promoted": True, "champion": str(version), "replaced": replaced}
+
+
+def _bundle(registry: ReadoutRegistry, name: str, version: str) -> tuple[bytes, str]:
+    from leap_core.readout_format import to_bytes
+    from serving.runtime import make_bundle
+
+    readout, state = _readout_pair(registry, name, version)
+    return make_bundle(to_bytes(readout), state), str(readout.metadata.get("version", ""))
+
+
+@task(name="push-champion", cache_policy=NO_CACHE)
+def push_champion(tracking_uri: str, name: str, endpoints: Sequence[str], token: str,
+                  version: str | None = None, retries: int = 3, timeout: float = 30.0) -> dict[str, Any]:
+    """Push the champion (or `version`, the one about to become champion) to every replica.
+
+    When a replica refuses it, replicas that already took it are put back on the current champion,
+    and PushFailed is raised: no alias has moved yet, so registry and serving still agree.
+    """
+    registry = ReadoutRegistry(tracking_uri)
+    champion = registry.get_alias(name, CHAMPION)
+    version = str(version or champion or "")
+    if not version:
+        raise LookupError(f"{name} has no champion to push")
+    if not endpoints:
+        return {"name": name, "version": version, "pushed": [], "note": "no endpoints configured"}
+    bundle, expected = _bundle(registry, name, version)
+    pushed: list[dict] = []
+    for endpoint in endpoints:
+        try:
+            pushed.append(push_readout(endpoint, token, bundle, expected, retries=retries, timeout=timeout))
+        except PushFailed as failure:
+            reverted = []
+            if pushed and champion is not None and champion != version:
+                old_bundle, old_expected = _bundle(registry, name, champion)
+                for done in pushed:
+                    try:
+                        push_readout(done["endpoint"], token, old_bundle, old_expected, retries=retries,
+                                     timeout=timeout)
+                        reverted.append(done["endpoint"])
+                    except PushFailed:
+                        pass
+            stranded = [d["endpoint"] for d in pushed if d["endpoint"] not in reverted]
+            message = str(failure)
+            if reverted:
+                message += f"; put back on champion v{champion}: {reverted}"
+            if stranded:
+                message += f"; still serving v{version} (no champion to return to): {stranded}"
+            raise PushFailed(message, failure.endpoint, failure.status) from failure
+    return {"name": name, "version": version, "readout_version": expected, "pushed": pushed}
+

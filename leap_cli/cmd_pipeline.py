@@ -1,0 +1,228 @@
+"""Pipeline commands: `leap ingest|fit|gate|push|retrain`, `leap stack up|down|status`, `leap deploy`.
+
+Each flow command runs one Prefect flow and prints its summary. While the local stack's Prefect
+server runs (and PREFECT_API_URL is unset), runs are recorded there and show in its UI; otherwise
+Prefect starts a temporary server for the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from leap_cli import cmd_pipeline_bench  # noqa: F401  (registers `leap bench pipeline`)
+from leap_cli.apps import app, stack_app
+from leap_cli.output import console, emit
+
+_SERVICES_HELP = "comma-separated subset of mlflow,prefect,serving"
+
+
+def _settings():
+    from flows.settings import PipelineSettings
+
+    return PipelineSettings()
+
+
+@contextlib.contextmanager
+def _prefect_api(settings) -> Iterator[None]:
+    """Point Prefect at the stack's server while it runs, unless PREFECT_API_URL says otherwise."""
+    from flows.stack import service_pid
+
+    if os.environ.get("PREFECT_API_URL") or service_pid(settings.stack_dir, "prefect") is None:
+        yield
+        return
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    os.environ["PREFECT_API_URL"] = settings.prefect_api_url  # for flow-run subprocesses too
+    try:
+        with temporary_settings({PREFECT_API_URL: settings.prefect_api_url}):
+            yield
+    finally:
+        os.environ.pop("PREFECT_API_URL", None)
+
+
+def _run(run: Callable[[], dict[str, Any]], as_json: bool, title: str, fail_unhealthy: bool = True) -> None:
+    """Run a flow or stack action; a failure prints {"status": "failed", "error"} and exits 1, and so
+    does an unhealthy stack when `fail_unhealthy`."""
+    from flows.push import PushFailed
+    from flows.stack import StackError
+
+    try:
+        result = run()
+    except (PushFailed, StackError, LookupError, ValueError) as exc:
+        emit({"status": "failed", "error": str(exc)}, as_json, title)
+        raise typer.Exit(1) from exc
+    emit(result, as_json, title)
+    if fail_unhealthy and result.get("healthy") is False:
+        raise typer.Exit(1)
+
+
+def _flow(name: str, **kwargs: Any) -> Callable[[], dict[str, Any]]:
+    def run() -> dict[str, Any]:
+        from flows import pipeline
+
+        settings = _settings()
+        with _prefect_api(settings):
+            return getattr(pipeline, name)(**kwargs)
+
+    return run
+
+
+def _timestamp(text: Optional[str], option: str) -> Optional[float]:
+    """Unix seconds from a number or an ISO date/time (local time unless it says otherwise)."""
+    if text is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError as exc:
+        raise typer.BadParameter(f"{text!r} is neither unix seconds nor an ISO date", param_hint=option) from exc
+
+
+@app.command("ingest")
+def ingest_command(
+    feedback_dir: Optional[Path] = typer.Option(None, help="segments folder (default $LEAP_HOME/feedback)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Ingest complete feedback segments into the DuckDB log store (segments seen before are skipped)."""
+    _run(_flow("ingest_flow", feedback_dir=str(feedback_dir) if feedback_dir else None), as_json, "ingest")
+
+
+@app.command("fit")
+def fit_command(
+    since: Optional[str] = typer.Option(None, help="window start: unix seconds or ISO date"),
+    until: Optional[str] = typer.Option(None, help="window end (exclusive): unix seconds or ISO date"),
+    alpha: Optional[str] = typer.Option(None, help="ridge penalty or 'auto' (default $LEAP_ALPHA or auto)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Fit a readout on a feedback window, register it and make it the challenger."""
+    _run(_flow("fit_flow", since=_timestamp(since, "--since"), until=_timestamp(until, "--until"), alpha=alpha),
+         as_json, "fit")
+
+
+@app.command("gate")
+def gate_command(
+    version: Optional[str] = typer.Option(None, help="version to gate (default: the challenger)"),
+    name: Optional[str] = typer.Option(None, help="registered model (default: the latest feedback's)"),
+    force: bool = typer.Option(False, help="replay again even if a verdict is recorded"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Replay one slice with recorded lengths under FCFS, champion and challenger; record the verdict."""
+    _run(_flow("gate_flow", version=version, name=name, force=force), as_json, "gate")
+
+
+@app.command("push")
+def push_command(
+    version: Optional[str] = typer.Option(None, help="version to push (default: champion, or the "
+                                                     "challenger with --promote)"),
+    name: Optional[str] = typer.Option(None, help="registered model (default: the latest feedback's)"),
+    promote: bool = typer.Option(False, help="push a challenger whose recorded gate passed, then promote it"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Push a readout to every serving replica ($LEAP_ENDPOINTS) and verify the version each reports."""
+    _run(_flow("push_flow", version=version, name=name, promote=promote), as_json, "push")
+
+
+@app.command("retrain")
+def retrain_command(
+    force_gate: bool = typer.Option(False, help="replay the gate even if a verdict is recorded"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Ingest, fit, gate, and push and promote the challenger when it passes."""
+    _run(_flow("retrain_flow", force_gate=force_gate), as_json, "retrain")
+
+
+def _service_names(services: Optional[str]) -> Optional[list[str]]:
+    if services is None:
+        return None
+    return [name.strip() for name in services.split(",") if name.strip()]
+
+
+@stack_app.command("up")
+def stack_up(
+    services: Optional[str] = typer.Option(None, help=_SERVICES_HELP),
+    wait: bool = typer.Option(True, help="wait until every service answers its health check"),
+    timeout: Optional[float] = typer.Option(None, help="seconds to wait per service"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Start MLflow, Prefect and the serving process on loopback (running ones are left alone)."""
+    from flows import stack
+
+    _run(lambda: stack.up(_settings(), _service_names(services), wait=wait, timeout_s=timeout), as_json, "stack",
+         fail_unhealthy=wait)
+
+
+@stack_app.command("status")
+def stack_status(
+    services: Optional[str] = typer.Option(None, help=_SERVICES_HELP),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Health, URL and pid of each service; exits 1 unless all of them are healthy."""
+    from flows import stack
+
+    _run(lambda: stack.status(_settings(), _service_names(services)), as_json, "stack")
+
+
+@stack_app.command("down")
+def stack_down(
+    services: Optional[str] = typer.Option(None, help=_SERVICES_HELP),
+    grace: float = typer.Option(15.0, help="seconds between SIGTERM and SIGKILL"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Stop the services the stack started and remove their pid files."""
+    from flows import stack
+
+    def run() -> dict[str, Any]:
+        result = stack.down(_settings(), _service_names(services), grace_s=grace)
+        return {"stopped": result["stopped"], "services": result["services"]}
+
+    _run(run, as_json, "stack")
+
+
+@app.command("deploy")
+def deploy_command(
+    cron: str = typer.Option("0 * * * *", help="schedule of the retrain flow (cron, server time zone)"),
+    name: str = typer.Option("hourly", help="deployment name"),
+    serve: bool = typer.Option(True, help="keep running and execute the scheduled runs (Ctrl-C stops); "
+                                          "--no-serve only registers the deployment"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Register the retrain flow with a cron schedule on the stack's Prefect server (PREFECT_API_URL)."""
+    settings = _settings()
+    api_url = os.environ.get("PREFECT_API_URL") or settings.prefect_api_url
+    os.environ["PREFECT_API_URL"] = api_url  # the runner's flow-run processes read it from the environment
+
+    def register() -> dict[str, Any]:
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        from flows.pipeline import retrain_flow
+        from flows.stack import answers
+
+        if not answers(f"{api_url}/health"):
+            raise LookupError(f"no Prefect server answers at {api_url}; run `leap stack up` first")
+        os.chdir(Path(__file__).resolve().parents[1])  # the deployment's entrypoint is relative to here
+        with temporary_settings({PREFECT_API_URL: api_url}):
+            deployment = retrain_flow.to_deployment(name=name, cron=cron)
+            deployment_id = deployment.apply()
+        return {"status": "registered", "deployment": f"{retrain_flow.name}/{name}", "id": str(deployment_id),
+                "cron": cron, "api_url": api_url, "entrypoint": deployment.entrypoint}
+
+    _run(register, as_json, "deploy")
+    if not serve:
+        return
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.pipeline import retrain_flow
+
+    console.print(f"serving deployment {retrain_flow.name}/{name} ({cron}); Ctrl-C stops")
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        retrain_flow.serve(name=name, cron=cron, print_starting_message=False)
