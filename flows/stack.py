@@ -77,7 +77,8 @@ def service_specs(settings: PipelineSettings) -> dict[str, Service]:
                  "PREFECT_API_URL": settings.prefect_api_url}),
         "serving": Service(
             "serving", serve, url=f"http://{host}:{settings.serving_port}/v1",
-            health_url=f"http://{host}:{settings.admin_port}/leap/health",
+            # vLLM answers /health once the engine serves; LEAP's admin API is up before that
+            health_url=f"http://{host}:{settings.serving_port}/health",
             ports=(settings.serving_port, settings.admin_port),
             start_timeout_s=600.0,
             env={"LEAP_HOME": str(settings.home), "LEAP_ADMIN_TOKEN_FILE": str(settings.admin_token_file)}),

@@ -101,11 +101,12 @@ def largest_max_tokens(store: LogStore, space: FeatureSpace) -> int | None:
 
 
 def recorded_lengths(store: LogStore, request_ids: Sequence[str],
-                     model_fingerprint: str | None = None) -> dict[str, int]:
-    """The output_tokens the store recorded for those request ids (of one model when given)."""
+                     model_fingerprint: str | None = None) -> dict[str, tuple[int, float]]:
+    """(output_tokens, arrival_time) the store recorded for those request ids (of one model when given)."""
     import pyarrow as pa
 
-    query = "SELECT r.request_id, r.output_tokens FROM requests r SEMI JOIN _wanted w USING (request_id)"
+    query = ("SELECT r.request_id, r.output_tokens, r.arrival_time FROM requests r "
+             "SEMI JOIN _wanted w USING (request_id)")
     params: list[Any] = []
     if model_fingerprint:
         query += " WHERE r.model_fingerprint = ?"
@@ -113,13 +114,23 @@ def recorded_lengths(store: LogStore, request_ids: Sequence[str],
     with store.connect(read_only=True) as con:
         con.register("_wanted", pa.table({"request_id": pa.array(list(request_ids), pa.string())}))
         rows = con.execute(query, params).fetchall()
-    return {rid: int(tokens) for rid, tokens in rows}
+    return {rid: (int(tokens), float(arrival)) for rid, tokens, arrival in rows}
 
 
 def gate_slice(store: LogStore, prompts: Sequence[Mapping[str, Any]], size: int, seed: int,
-               model_fingerprint: str | None = None) -> tuple[list[dict], dict[str, int]]:
-    """A reproducible sample of `size` prompts whose output length the store recorded, and those lengths."""
-    lengths = recorded_lengths(store, [p["id"] for p in prompts], model_fingerprint)
+               model_fingerprint: str | None = None,
+               held_out_fraction: float = 0.2) -> tuple[list[dict], dict[str, int]]:
+    """A reproducible sample of `size` served prompts, and their recorded lengths, from the held-out part.
+
+    The fit splits the feedback by time and trains on the oldest rows; the gate replays only prompts
+    among the newest `held_out_fraction`, so a challenger is never judged on its own training requests.
+    """
+    recorded = recorded_lengths(store, [p["id"] for p in prompts], model_fingerprint)
+    if recorded:
+        arrivals = np.asarray([arrival for _, arrival in recorded.values()])
+        cutoff = float(np.quantile(arrivals, 1.0 - held_out_fraction))
+        recorded = {rid: value for rid, value in recorded.items() if value[1] >= cutoff}
+    lengths = {rid: value[0] for rid, value in recorded.items()}
     known = sorted((p for p in prompts if p["id"] in lengths), key=lambda p: p["id"])
     if not known:
         raise LookupError("no gate prompt has a recorded output length in the log store; serve or replay "
@@ -284,7 +295,7 @@ def run_gate(settings: PipelineSettings, name: str, challenger: str, champion: s
 
         prompts = available_prompts()
     chosen, lengths = gate_slice(LogStore(settings.duckdb_path), prompts, settings.replay_slice,
-                                 settings.replay_seed, fingerprint)
+                                 settings.replay_seed, fingerprint, held_out_fraction=settings.test_fraction)
     engine = EngineSettings(model=str(settings.resolved_model_path()), max_model_len=settings.max_model_len,
                             seed=settings.replay_seed)
     replayed = replay_gate(engine, chosen, lengths, readouts, settings.replay_rate, settings.replay_seed)

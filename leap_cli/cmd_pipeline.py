@@ -226,3 +226,20 @@ def deploy_command(
     console.print(f"serving deployment {retrain_flow.name}/{name} ({cron}); Ctrl-C stops")
     with temporary_settings({PREFECT_API_URL: api_url}):
         retrain_flow.serve(name=name, cron=cron, print_starting_message=False)
+
+
+@app.command("demo")
+def demo_command(
+    prompts: int = typer.Option(240, help="real ShareGPT prompts sent as traffic"),
+    max_tokens: int = typer.Option(128, help="output budget M of the demo traffic"),
+    keep_serving: bool = typer.Option(False, help="leave the serving process running afterwards"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON summary"),
+) -> None:
+    """The main job: serve, replay real prompts, ingest, fit, register, gate by live replay, promote, push."""
+    from flows.demo import run_demo
+
+    say = (lambda message: None) if as_json else (lambda message: console.print(f"[bold]demo[/]: {message}"))
+    summary = run_demo(n_prompts=prompts, max_tokens=max_tokens, keep_serving=keep_serving, progress=say)
+    emit(summary, as_json, "LEAP demo")
+    if not as_json:
+        console.print(f"Compare readouts in the MLflow UI: [bold]{summary['mlflow_ui']}[/]")

@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from leap_cli.apps import app, corpus_app, model_app
+from leap_cli.apps import app, bench_app, corpus_app, model_app
 from leap_cli.output import console, emit
 
 
@@ -84,7 +84,7 @@ def serve(
         leap["rls_state_path"] = str(rls_state.resolve())
     if layer is not None:
         leap["layer"] = layer
-    from serving.engine import is_cpu_platform
+    from serving.engine import default_dtype, is_cpu_platform
 
     scheduler = "serving.scheduler.LeapScheduler" if is_cpu_platform() else "serving.scheduler.LeapAsyncScheduler"
     # vLLM's own OpenAI server module: the `vllm` console script looks up the distribution "vllm",
@@ -93,6 +93,7 @@ def serve(
             "--scheduler-cls", scheduler, "--worker-cls", "serving.worker.LeapWorker",
             "--max-num-seqs", str(max_resident), "--max-model-len", str(max_model_len),
             "--no-enable-prefix-caching", "--served-model-name", Path(model_path).name,
+            "--dtype", default_dtype(), "--max-num-batched-tokens", "2048",
             "--additional-config", json.dumps({"leap": leap}), *(extra or [])]
     console.print(f"[bold]leap serve[/]: OpenAI API on http://{host}:{port}/v1, admin on "
                   f"http://127.0.0.1:{admin_port}/leap/readout")
@@ -161,3 +162,23 @@ def replay_command(
                          progress=None if as_json else progress_bar())
     for result in results:
         emit(result, as_json, f"replay: {result['policy']}")
+
+
+@bench_app.command("overhead")
+def bench_overhead_command(
+    n: int = typer.Option(96, help="requests replayed per engine"),
+    tokens: int = typer.Option(64, help="fixed output tokens per request"),
+    slots: int = typer.Option(32, help="resident = decode slots for both engines"),
+    repeats: int = typer.Option(2, help="alternating stock/leap pairs"),
+    model: Optional[str] = typer.Option(None),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Step-time overhead of hook + predictor + scheduler against stock vLLM FCFS (same replay)."""
+    from serving.overhead_bench import bench_overhead
+
+    say = (lambda m: None) if as_json else (lambda m: console.print(f"[bold]overhead[/]: {m}"))
+    result = bench_overhead(_prompts(None, n), tokens=tokens, slots=slots, repeats=repeats, model=model, say=say)
+    if as_json:
+        emit(result, True)
+    else:
+        emit({k: v for k, v in result.items() if k != "runs"}, False, "LEAP overhead against stock FCFS")

@@ -7,6 +7,7 @@ so a push takes effect at the next step without touching the OpenAI front end. W
   GET  /leap/health            liveness
   GET  /leap/readout           current readout metadata, version, RLS stats
   POST /leap/readout           body: a leap_core readout file, or a bundle (readout + RLS anchor)
+  POST /leap/feedback/flush    close the open feedback segment so ingest sees every finished request
   GET  /metrics                Prometheus text format
 """
 
@@ -41,6 +42,8 @@ class AdminTarget(Protocol):
 
     def push_readout(self, body: bytes) -> dict: ...
 
+    def flush_feedback(self) -> dict: ...
+
 
 def _handler(target: AdminTarget, token: str | None) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
@@ -68,7 +71,7 @@ def _handler(target: AdminTarget, token: str | None) -> type[BaseHTTPRequestHand
                 self._reply(404, {"error": f"no such endpoint: {self.path}"})
 
         def do_POST(self) -> None:
-            if self.path != "/leap/readout":
+            if self.path not in ("/leap/readout", "/leap/feedback/flush"):
                 self._reply(404, {"error": f"no such endpoint: {self.path}"})
                 return
             if not token:
@@ -78,6 +81,9 @@ def _handler(target: AdminTarget, token: str | None) -> type[BaseHTTPRequestHand
             given = self.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
                 self._reply(401, {"error": "missing or wrong admin token"})
+                return
+            if self.path == "/leap/feedback/flush":
+                self._reply(200, target.flush_feedback())
                 return
             length = int(self.headers.get("Content-Length") or 0)
             if length <= 0 or length > MAX_BODY:

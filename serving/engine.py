@@ -28,6 +28,12 @@ def engine_environment() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
+def default_dtype() -> str:
+    """float32 on CPUs: eager mode (needed by the hook) runs bf16 matmuls 4-5x slower there when the CPU
+    has no native bf16 (measured 62 against 289 decoded tok/s, 80 against 367 prefill tok/s)."""
+    return "float32" if is_cpu_platform() else "bfloat16"
+
+
 @dataclass
 class EngineSettings:
     """The engine-side knobs that matter for LEAP experiments."""
@@ -35,7 +41,7 @@ class EngineSettings:
     model: str
     max_model_len: int = 4096
     max_num_batched_tokens: int = 2048
-    dtype: str = "bfloat16"
+    dtype: str = ""
     seed: int = 0
 
 
@@ -53,7 +59,7 @@ def build_engine(settings: EngineSettings, leap: LeapConfig | None, stock: bool 
 
     leap = leap or LeapConfig()
     kwargs: dict[str, Any] = dict(
-        model=settings.model, max_model_len=settings.max_model_len, dtype=settings.dtype,
+        model=settings.model, max_model_len=settings.max_model_len, dtype=settings.dtype or default_dtype(),
         enforce_eager=True, max_num_seqs=leap.max_resident,
         max_num_batched_tokens=settings.max_num_batched_tokens, seed=settings.seed,
         enable_prefix_caching=False,

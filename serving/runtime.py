@@ -454,6 +454,14 @@ class LeapRuntime:
         logger.info("LEAP readout %s replaced %s", self.version, previous)
         return {"version": self.version, "previous": previous, "rls": self.learner.stats()}
 
+    def flush_feedback(self) -> dict:
+        """Close the open feedback segment (as Parquet) so everything finished so far can be ingested."""
+        if self.feedback is None:
+            return {"flushed": False, "reason": "this process writes no feedback"}
+        self.feedback.flush()
+        return {"flushed": True, "rows_written": self.feedback.rows_written,
+                "segments": self.feedback.segments_closed}
+
     def stats(self) -> dict:
         c = self.counters
         seen = c.ready + c.missed

@@ -135,15 +135,25 @@ def test_fit_flow_waits_for_enough_rows(fitted, monkeypatch):
 def test_gate_slice_takes_lengths_from_the_store(fitted):
     prompts = [{"id": f"req-{i:05d}", "prompt": f"prompt {i}"} for i in range(0, 40)]
     prompts += [{"id": f"unseen-{i}", "prompt": "never served"} for i in range(20)]
-    chosen, lengths = gate_slice(fitted["store"], prompts, size=10, seed=3)
+    chosen, lengths = gate_slice(fitted["store"], prompts, size=10, seed=3, held_out_fraction=1.0)
     assert len(chosen) == 10 and set(lengths) == {p["id"] for p in chosen}
     assert all(p["id"].startswith("req-") for p in chosen)
     frame = fitted["store"].training_frame()
     recorded = dict(zip(frame.request_ids, frame.output_tokens))
     assert all(lengths[rid] == recorded[rid] for rid in lengths)
-    assert gate_slice(fitted["store"], prompts, size=10, seed=3) == (chosen, lengths)
+    assert gate_slice(fitted["store"], prompts, size=10, seed=3, held_out_fraction=1.0) == (chosen, lengths)
     with pytest.raises(LookupError):
         gate_slice(fitted["store"], prompts[40:], size=10, seed=3)
+
+
+def test_gate_slice_replays_only_the_newest_held_out_requests(fitted):
+    prompts = [{"id": f"req-{i:05d}", "prompt": f"prompt {i}"} for i in range(0, 40)]
+    frame = fitted["store"].training_frame()
+    arrival = dict(zip(frame.request_ids, frame.arrival_time))
+    cutoff = np.quantile([arrival[p["id"]] for p in prompts if p["id"] in arrival], 0.75)
+    chosen, _ = gate_slice(fitted["store"], prompts, size=40, seed=3, held_out_fraction=0.25)
+    assert chosen and len(chosen) < 40
+    assert all(arrival[p["id"]] >= cutoff for p in chosen)
 
 
 # ---------------------------------------------------------------------------- the verdict
