@@ -1,6 +1,11 @@
 """Entry point of the `leap` console command; importing a module registers its commands."""
 
 import importlib
+import os
+
+# Machine-facing commands print JSON on stdout: engine and server logs go to stderr.
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from leap_cli.apps import app
 
