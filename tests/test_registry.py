@@ -258,7 +258,8 @@ def test_ensure_db_is_idempotent_and_safe_from_two_processes(tmp_path):
     from mlflow.store.db import utils as db_utils
 
     uri = f"sqlite:///{tmp_path}/fresh.db"
-    context = multiprocessing.get_context("fork")
+    # spawn, not fork: the suite may already hold engine threads that a forked child must not inherit
+    context = multiprocessing.get_context("spawn")
     workers = [context.Process(target=ensure_db, args=(uri,)) for _ in range(2)]
     for worker in workers:
         worker.start()
