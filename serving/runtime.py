@@ -432,22 +432,9 @@ class LeapRuntime:
 
     def push_readout(self, body: bytes) -> dict:
         """Validate and hot-swap a pushed readout; raise PushRefused and keep the old one otherwise."""
-        readout_bytes, state = read_bundle(body)
-        expect = self._expect()
-        if self.readout is not None:
-            expect.update(target=self.readout.target, max_tokens=int(self.readout.max_tokens))
-        try:
-            readout = from_bytes(readout_bytes, expect=expect)
-        except ReadoutMismatchError as exc:
-            raise PushRefused(f"refused: {exc}", 409) from exc
-        except (ReadoutFormatError, ValueError) as exc:
-            raise PushRefused(f"refused: not a valid readout: {exc}", 422) from exc
-        rls = None
-        if state is not None:
-            try:
-                rls = self._rls_from_state(readout, state)
-            except Exception as exc:
-                raise PushRefused(f"refused: RLS state does not fit the readout: {exc}", 422) from exc
+        readout, rls = validate_push(body, self._expect(), self.readout)
+        if rls is not None and self.config.rls_forgetting != 1.0:
+            rls.forgetting = self.config.rls_forgetting
         previous = self.version
         self.learner.reanchor(rls if self.config.rls else None, str(readout.metadata.get("version", "")))
         self._publish(readout)
@@ -479,6 +466,30 @@ class LeapRuntime:
             self.feedback.close()
         if self.admin is not None:
             self.admin.close()
+
+
+def validate_push(body: bytes, expect: dict, current: LinearReadout | None) -> tuple[LinearReadout, RLS | None]:
+    """The readout (and RLS anchor) a push carries, or PushRefused saying why it must not serve.
+
+    `expect` names the model fingerprint, layer and dim of this replica; a readout already serving also
+    fixes the target and the output budget M, since RLS and the scheduler work in that target's space.
+    """
+    readout_bytes, state = read_bundle(body)
+    expect = dict(expect)
+    if current is not None:
+        expect.update(target=current.target, max_tokens=int(current.max_tokens))
+    try:
+        readout = from_bytes(readout_bytes, expect=expect)
+    except ReadoutMismatchError as exc:
+        raise PushRefused(f"refused: {exc}", 409) from exc
+    except (ReadoutFormatError, ValueError) as exc:
+        raise PushRefused(f"refused: not a valid readout: {exc}", 422) from exc
+    if state is None:
+        return readout, None
+    try:
+        return readout, RLS.from_state_arrays(readout, state)
+    except Exception as exc:
+        raise PushRefused(f"refused: RLS state does not fit the readout: {exc}", 422) from exc
 
 
 class _NoReadout:

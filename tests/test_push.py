@@ -12,10 +12,10 @@ from prometheus_client import CollectorRegistry
 from flows.push import PushFailed, push_readout, serving_version
 from flows.settings import PipelineSettings
 from leap_core.readout import LinearReadout
-from leap_core.readout_format import ReadoutFormatError, ReadoutMismatchError, from_bytes, to_bytes
+from leap_core.readout_format import to_bytes
 from leap_core.rls import RLS
-from serving.admin import AdminServer, PushRefused
-from serving.runtime import make_bundle, read_bundle
+from serving.admin import AdminServer
+from serving.runtime import make_bundle, validate_push
 
 pytest.importorskip("mlflow")
 
@@ -42,8 +42,8 @@ def _readout(dim: int, version: str, seed: int) -> tuple[LinearReadout, RLS]:
 class Replica:
     """The admin target of a serving process: validates a push against its features, then swaps.
 
-    It follows `LeapRuntime.push_readout`: the bundle is split with `read_bundle`, the readout checked
-    with `from_bytes(expect=...)` and the RLS anchor rebuilt, and any failure leaves the old readout.
+    It validates with `serving.runtime.validate_push`, exactly as `LeapRuntime.push_readout` does, so
+    any refusal leaves the old readout; only the engine is left out.
     """
 
     def __init__(self, dim: int = DIM, fail_next: int = 0) -> None:
@@ -63,21 +63,8 @@ class Replica:
         if self.fail_next:
             self.fail_next -= 1
             raise RuntimeError("transient failure")
-        readout_bytes, state = read_bundle(body)
         expect = {"layer": LAYER, "dim": self.dim, "model_fingerprint": FINGERPRINT}
-        if self.readout is not None:
-            expect.update(target=self.readout.target, max_tokens=int(self.readout.max_tokens))
-        try:
-            readout = from_bytes(readout_bytes, expect=expect)
-        except ReadoutMismatchError as exc:
-            raise PushRefused(f"refused: {exc}", 409) from exc
-        except (ReadoutFormatError, ValueError) as exc:
-            raise PushRefused(f"refused: not a valid readout: {exc}", 422) from exc
-        if state is not None:
-            try:
-                RLS.from_state_arrays(readout, state)
-            except ValueError as exc:
-                raise PushRefused(f"refused: RLS state does not fit the readout: {exc}", 422) from exc
+        readout, _ = validate_push(body, expect, self.readout)
         previous = self.version
         self.readout = readout
         return {"version": self.version, "previous": previous}
