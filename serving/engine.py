@@ -53,7 +53,7 @@ def is_cpu_platform() -> bool:
 
 
 def build_engine(settings: EngineSettings, leap: LeapConfig | None, stock: bool = False) -> Any:
-    """An LLMEngine; `stock=True` leaves vLLM's own scheduler and worker (the overhead baseline)."""
+    """An LLMEngine; `stock=True` keeps vLLM's own scheduler and no capture (the overhead baseline)."""
     engine_environment()
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -65,7 +65,10 @@ def build_engine(settings: EngineSettings, leap: LeapConfig | None, stock: bool 
         max_num_batched_tokens=settings.max_num_batched_tokens, seed=settings.seed,
         enable_prefix_caching=False,
     )
-    if not stock:
+    if stock:
+        # vLLM's own scheduler; only the eager-mode kernels are shared, so a comparison measures LEAP alone
+        kwargs.update(worker_cls="serving.worker.EagerKernelsWorker")
+    else:
         from serving.scheduler import scheduler_class
 
         kwargs.update(

