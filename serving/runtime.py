@@ -9,6 +9,7 @@ feedback writer and the admin server; the scheduler thread only reads their late
 from __future__ import annotations
 
 import io
+import json
 import logging
 import threading
 import time
@@ -380,8 +381,6 @@ class LeapRuntime:
                 listener(row)
 
     def _feedback_row(self, request, entry: Tracked, feature, output_tokens, reason, predicted, version):
-        import json
-
         params = request.sampling_params
         extra = _extra_args(request)
         decoding = {k: getattr(params, k, None) for k in _DECODING_KEYS} if params is not None else {}
