@@ -34,13 +34,15 @@ def model_prepare(
     emit(info.to_dict(), as_json, "model")
 
 
-def _prompts(prompts: Optional[Path], limit: Optional[int], offset: int = 0) -> list[dict]:
-    from serving.datasets import available_prompts, load_prompts
+def _prompts(prompts: Optional[Path], limit: Optional[int], offset: int = 0, seed: Optional[int] = None) -> list[dict]:
+    """Prompts of a file (default ShareGPT) in file order, or in a seeded order spread over the whole file."""
+    from serving.datasets import available_prompts, load_prompts, sample_prompts
 
     if prompts is not None:
         items = load_prompts(prompts)
     else:
         items = available_prompts(None, sets=["sharegpt"])
+    items = sample_prompts(items, None, seed)
     end = None if limit is None else offset + limit
     return items[offset:end]
 
@@ -102,35 +104,36 @@ def serve(
 
 @corpus_app.command("build")
 def corpus_build(
-    prompts: Optional[Path] = typer.Option(None, help="JSONL in the shared schema (default: ShareGPT)"),
-    limit: Optional[int] = typer.Option(None), max_tokens: int = typer.Option(1024, help="output budget M"),
-    layer: Optional[int] = typer.Option(None), model: Optional[str] = typer.Option(None),
+    prompts: Optional[list[Path]] = typer.Option(
+        None, help="JSONL in the shared schema (default: ShareGPT); repeat for several files"),
+    limit: Optional[int] = typer.Option(None, help="prompts per file"),
+    max_tokens: int = typer.Option(1024, help="output budget M"),
+    layers: Optional[str] = typer.Option(None, "--layers", "--layer",
+                                         help="decoder layer L (default: the model's), or 'all' for the layer study"),
+    sample_seed: Optional[int] = typer.Option(None, "--sample-seed",
+                                              help="take --limit prompts in this seeded order instead of file order"),
+    model: Optional[str] = typer.Option(None),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Run prompts through the engine; record true lengths and layer-L features (cached, resumable)."""
-    import numpy as np
-
     from serving.config import LeapConfig
+    from serving.corpus import length_report
     from serving.experiment import corpus_for, open_live
 
-    items = _prompts(prompts, limit)
-    live = open_live(model, LeapConfig(policy="fcfs", rls=False, layer=layer, max_resident=256),
-                     max_tokens=max_tokens)
+    every = layers is not None and layers.lower() == "all"
+    layer = None if layers is None or every else int(layers)
+    items = [item for path in (prompts or [None]) for item in _prompts(path, limit, seed=sample_seed)]
+    live = open_live(model, LeapConfig(policy="fcfs", rls=False, layer=layer, capture_all_layers=every,
+                                       max_resident=256), max_tokens=max_tokens)
     try:
         with progress_bar(as_json) as bar:
             task = bar.add_task("corpus", total=len(items))
             corpus = corpus_for(live, items, lambda done, total: bar.update(task, completed=done, total=total))
     finally:
         live.close()
-    per_set = {}
-    for name in sorted(set(corpus.sets.tolist())):
-        mask = corpus.sets == name
-        lengths = corpus.output_tokens[mask]
-        per_set[name] = {"n": int(mask.sum()), "p10": float(np.percentile(lengths, 10)),
-                         "p50": float(np.percentile(lengths, 50)), "p90": float(np.percentile(lengths, 90)),
-                         "capped_fraction": float(np.mean(corpus.finish_reasons[mask] == "length"))}
-    emit({"n": len(corpus), "requested": len(items), "layer": corpus.layer, "max_tokens": max_tokens,
-          "folder": str(live.corpus_folder()), "per_set": per_set}, as_json, "corpus")
+    emit({"n": len(corpus), "requested": len(items), "layer": "all" if every else corpus.layer,
+          "max_tokens": max_tokens, "decoding": live.decoding, "folder": str(live.corpus_folder()),
+          "per_set": length_report(corpus)}, as_json, "corpus")
 
 
 @app.command("replay")

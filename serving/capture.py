@@ -82,24 +82,42 @@ class FeatureSender:
 
 
 class PrefillCapture:
-    """A forward hook on one decoder layer of a model runner's model."""
+    """Forward hooks on one decoder layer (serving) or on several (the layer study), one message per request.
 
-    def __init__(self, runner: Any, layer: int, sender: FeatureSender) -> None:
+    With several layers, each hook keeps its rows and the last one sends them concatenated in layer order,
+    so a request's vector is `len(layers) * hidden_size` long.
+    """
+
+    def __init__(self, runner: Any, layer: int | list[int], sender: FeatureSender) -> None:
         self.runner = runner
-        self.layer = layer
         self.sender = sender
         self._copies: queue.SimpleQueue | None = None
         layers = decoder_layers(runner.get_model())
-        if not -len(layers) <= layer < len(layers):
-            raise ValueError(f"layer {layer} out of range: the model has {len(layers)} decoder layers")
         self.num_layers = len(layers)
-        self.handle = layers[layer].register_forward_hook(self._hook)
+        wanted = [layer] if isinstance(layer, int) else list(layer)
+        for index in wanted:
+            if not -len(layers) <= index < len(layers):
+                raise ValueError(f"layer {index} out of range: the model has {len(layers)} decoder layers")
+        self.layers = [index % len(layers) for index in wanted]
+        self.layer = self.layers[0] if len(self.layers) == 1 else -1
+        self._parts: list[torch.Tensor] = []
+        self.handles = [layers[index].register_forward_hook(self._hook_for(position))
+                        for position, index in enumerate(self.layers)]
         self.captured = 0
 
     def remove(self) -> None:
-        self.handle.remove()
+        for handle in self.handles:
+            handle.remove()
 
-    def _hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _hook_for(self, position: int):
+        last = position == len(self.layers) - 1
+
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            self._hook(output, position, last)
+
+        return hook
+
+    def _hook(self, output: Any, position: int, last: bool) -> None:
         batch = self.runner.input_batch
         n = batch.num_reqs
         if n == 0:
@@ -115,6 +133,14 @@ class PrefillCapture:
         if residual is not None:
             state = state + residual.index_select(0, row_index)
         state = state.float()
+        if len(self.layers) > 1:
+            if position == 0:
+                self._parts = []
+            self._parts.append(state)
+            if not last:
+                return
+            state = torch.cat(self._parts, dim=1)
+            self._parts = []
         req_ids = batch.req_ids
         ids = [req_ids[i] for i in index]
         self.captured += int(index.size)

@@ -24,6 +24,7 @@ class LeapConfig(BaseSettings):
     readout_path: str | None = Field(None, description="leap_core readout file served at start")
     rls_state_path: str | None = Field(None, description="RLS anchor (theta, P) saved with the readout")
     layer: int | None = Field(None, description="decoder layer to capture; default: the readout's layer")
+    capture_all_layers: bool = Field(False, description="capture every decoder layer (layer study, not serving)")
     max_resident: int = Field(512, ge=1, description="R: requests kept resident (vLLM max_num_seqs)")
     decode_slots: int = Field(64, ge=1, description="K: requests decoded per step")
     waiting_cap: int = Field(128, ge=1, description="C: steps a resident request may be held out")

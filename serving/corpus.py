@@ -50,9 +50,13 @@ class Corpus:
         return float(np.mean(self.finish_reasons == "length")) if len(self) else float("nan")
 
 
+ALL_LAYERS = -1  # the `layer` of a corpus whose features are every decoder layer, concatenated in order
+
+
 def corpus_key(fingerprint: str, layer: int, max_tokens: int, decoding: dict) -> str:
     blob = json.dumps({"fp": fingerprint, "layer": layer, "M": max_tokens, "decoding": decoding}, sort_keys=True)
-    return f"L{layer}-M{max_tokens}-" + hashlib.sha256(blob.encode()).hexdigest()[:12]
+    name = "Lall" if layer == ALL_LAYERS else f"L{layer}"
+    return f"{name}-M{max_tokens}-" + hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 def corpus_dir(key: str) -> Path:
@@ -84,9 +88,41 @@ def load_corpus(folder: Path, layer: int, max_tokens: int, ids: Sequence[str] | 
     return corpus.subset(keep)
 
 
-def _write_shard(folder: Path, rows: list[dict], dim: int) -> None:
+def length_report(corpus: Corpus) -> dict[str, dict]:
+    """Output-length distribution per prompt set, and how many hit the budget."""
+    report = {}
+    for name in sorted(set(corpus.sets.tolist())):
+        mask = corpus.sets == name
+        lengths = corpus.output_tokens[mask]
+        p10, p50, p90 = (float(v) for v in np.percentile(lengths, [10, 50, 90]))
+        report[name] = {"n": int(mask.sum()), "mean": float(lengths.mean()), "p10": p10, "p50": p50, "p90": p90,
+                        "capped_fraction": float(np.mean(corpus.finish_reasons[mask] == "length"))}
+    return report
+
+
+SKIPPED = "skipped-too-long.txt"
+
+
+def _note_skipped(folder: Path, ids: Sequence[str]) -> None:
+    """Remember prompts too long for the engine, so a cache check does not count them as missing."""
+    if ids:
+        with open(folder / SKIPPED, "a", encoding="utf-8") as handle:
+            handle.writelines(f"{i}\n" for i in ids)
+
+
+def missing_ids(folder: Path, layer: int, max_tokens: int, ids: Sequence[str]) -> list[str]:
+    """Prompt ids neither recorded in the corpus nor known to be too long for the engine."""
+    done = set(load_corpus(folder, layer, max_tokens).ids.tolist())
+    skipped_file = folder / SKIPPED
+    if skipped_file.exists():
+        done |= set(skipped_file.read_text(encoding="utf-8").split())
+    return [i for i in ids if i not in done]
+
+
+def _write_shard(folder: Path, rows: list[dict]) -> None:
     if not rows:
         return
+    dim = len(rows[0]["feature"])
     flat = np.concatenate([np.asarray(r["feature"], dtype=np.float32) for r in rows])
     table = pa.table({
         "id": [r["id"] for r in rows], "set": [r["set"] for r in rows], "domain": [r["domain"] for r in rows],
@@ -101,14 +137,37 @@ def _write_shard(folder: Path, rows: list[dict], dim: int) -> None:
     tmp.rename(folder / name)
 
 
+def copy_layer_rows(all_layers: Path, folder: Path, layer: int, dim: int, max_tokens: int,
+                    ids: Sequence[str]) -> int:
+    """Fill a layer-L corpus from an all-layers one with the same key otherwise (no generation needed)."""
+    have = set(load_corpus(folder, layer, max_tokens).ids.tolist())
+    missing = [i for i in ids if i not in have]
+    if not missing or not any(all_layers.glob("shard-*.parquet")):
+        return 0
+    source = load_corpus(all_layers, ALL_LAYERS, max_tokens, ids=missing)
+    rows = [{"id": source.ids[k], "set": source.sets[k], "domain": source.domains[k], "lang": source.langs[k],
+             "prompt_tokens": int(source.prompt_tokens[k]), "output_tokens": int(source.output_tokens[k]),
+             "finish_reason": source.finish_reasons[k],
+             "feature": source.features[k, layer * dim:(layer + 1) * dim]} for k in range(len(source))]
+    _write_shard(folder, rows)
+    return len(rows)
+
+
+def corpus_layer(runtime) -> int:
+    """The layer a runtime's captured features belong to (ALL_LAYERS in the layer study)."""
+    return ALL_LAYERS if runtime.config.capture_all_layers else runtime.layer
+
+
 def build_corpus(engine, runtime, prompts: Sequence[dict], folder: Path, max_tokens: int,
                  decoding: dict | None = None, max_prompt_tokens: int = 2048, shard_rows: int = 256,
                  on_progress: Callable[[int, int], None] | None = None) -> dict:
     """Generate for every prompt not yet in `folder`; all are queued at once for throughput."""
     decoding = decoding or DEFAULT_DECODING
-    done_ids = set(load_corpus(folder, runtime.layer, max_tokens).ids.tolist())
+    done_ids = set(load_corpus(folder, corpus_layer(runtime), max_tokens).ids.tolist())
     todo = [p for p in prompts if p["id"] not in done_ids]
     encoded, dropped = encode_prompts(engine.get_tokenizer(), todo, max_prompt_tokens)
+    kept = {p["id"] for p in encoded}
+    _note_skipped(folder, [p["id"] for p in todo if p["id"] not in kept])
     meta = {p["id"]: p for p in encoded}
     rows: list[dict] = []
     collected = [0]
@@ -136,10 +195,10 @@ def build_corpus(engine, runtime, prompts: Sequence[dict], folder: Path, max_tok
                     if on_progress is not None:
                         on_progress(finished, len(encoded))
             if len(rows) >= shard_rows:
-                _write_shard(folder, rows, runtime.dim)
+                _write_shard(folder, rows)
                 collected[0] += len(rows)
                 rows.clear()
-        _write_shard(folder, rows, runtime.dim)
+        _write_shard(folder, rows)
         collected[0] += len(rows)
         rows.clear()
     finally:

@@ -213,3 +213,15 @@ def available_prompts(limit: int | None = None, sets: Iterable[str] | None = Non
     if sets is not None and "sharegpt" not in set(sets):
         raise FileNotFoundError(f"prompt sets {sorted(sets)} need the shared folder; set LEAP_SHARED")
     return default_prompts(limit)
+
+
+def sample_prompts(prompts: list[dict], limit: int | None, seed: int | None = 0) -> list[dict]:
+    """`limit` prompts spread over the whole list (files are often ordered by language or source).
+
+    A seeded permutation, so every command that samples the same file with the same seed gets the same
+    prompts (and hits the same corpus cache); `seed=None` keeps the file's order.
+    """
+    if seed is not None:
+        order = np.random.default_rng(seed).permutation(len(prompts))
+        prompts = [prompts[i] for i in order]
+    return prompts if limit is None else prompts[:limit]

@@ -16,7 +16,8 @@ import numpy as np
 from leap_core.readout import LinearReadout
 from leap_core.rls import RLS
 from serving.config import LeapConfig
-from serving.corpus import Corpus, build_corpus, corpus_dir, corpus_key, load_corpus
+from serving.corpus import (ALL_LAYERS, Corpus, build_corpus, copy_layer_rows, corpus_dir, corpus_key, corpus_layer,
+                            load_corpus)
 from serving.engine import EngineSettings, build_engine, leap_scheduler
 from serving.model_prep import ModelInfo, describe_model, prepare_model
 from serving.replay import DEFAULT_DECODING, ReplayRequest, encode_prompts
@@ -36,7 +37,8 @@ class LiveSetup:
     decoding: dict
 
     def corpus_folder(self):
-        return corpus_dir(corpus_key(self.model.fingerprint, self.runtime.layer, self.max_tokens, self.decoding))
+        return corpus_dir(corpus_key(self.model.fingerprint, corpus_layer(self.runtime), self.max_tokens,
+                                     self.decoding))
 
     def close(self) -> None:
         """Shut the engine down so the process can build another one."""
@@ -60,6 +62,9 @@ def corpus_for(live: LiveSetup, prompts: Sequence[dict],
     """Lengths and features of `prompts` from the cache, generating the missing ones with all slots open."""
     folder = live.corpus_folder()
     runtime = live.runtime
+    if not runtime.config.capture_all_layers:
+        every = corpus_dir(corpus_key(live.model.fingerprint, ALL_LAYERS, live.max_tokens, live.decoding))
+        copy_layer_rows(every, folder, runtime.layer, runtime.dim, live.max_tokens, [p["id"] for p in prompts])
     saved = (runtime.config.policy, runtime.config.decode_slots)
     runtime.configure(policy="fcfs", rls=False)
     runtime.config.decode_slots = runtime.config.max_resident
@@ -70,7 +75,7 @@ def corpus_for(live: LiveSetup, prompts: Sequence[dict],
     finally:
         runtime.config.decode_slots = saved[1]
         runtime.configure(policy=saved[0])
-    return load_corpus(folder, runtime.layer, live.max_tokens, ids=[p["id"] for p in prompts])
+    return load_corpus(folder, corpus_layer(runtime), live.max_tokens, ids=[p["id"] for p in prompts])
 
 
 def _max_prompt_tokens(live: LiveSetup) -> int:

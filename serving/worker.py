@@ -46,8 +46,12 @@ def install_capture(worker) -> PrefillCapture:
     num_layers = len(decoder_layers(worker.model_runner.get_model()))
     layer = capture_layer(worker.vllm_config, num_layers)
     sender = FeatureSender(channel_address(worker.vllm_config, config))
-    capture = PrefillCapture(worker.model_runner, layer, sender)
-    logger.info("LEAP capture installed on decoder layer %d of %d", layer, num_layers)
+    if config.capture_all_layers:
+        capture = PrefillCapture(worker.model_runner, list(range(num_layers)), sender)
+        logger.info("LEAP capture installed on all %d decoder layers (layer study)", num_layers)
+    else:
+        capture = PrefillCapture(worker.model_runner, layer, sender)
+        logger.info("LEAP capture installed on decoder layer %d of %d", layer, num_layers)
     return capture
 
 
