@@ -30,6 +30,7 @@ class ReplayRequest:
     fixed_length: int | None = None
     domain: str | None = None
     oracle_length: int | None = None
+    text: str | None = None  # the user message, for predictors that read text at arrival
 
 
 @dataclass
@@ -44,14 +45,16 @@ class ReplayResult:
     ready_before_decode: float | None
     max_steps_held_out: int
     makespan_s: float
+    arrival_predict_s: float
     output_tokens: int
     steps: int
     step_time_mean_ms: float
     schedule_overhead_ms_per_step: float
     per_request: dict[str, np.ndarray] = field(repr=False, default_factory=dict)
+    per_step: dict[str, np.ndarray] = field(repr=False, default_factory=dict)
 
     def summary(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "per_request"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("per_request", "per_step")}
 
 
 def encode_prompts(tokenizer: Any, prompts: Sequence[dict], max_prompt_tokens: int) -> tuple[list[dict], int]:
@@ -96,10 +99,19 @@ def sampling_params(request: ReplayRequest, decoding: dict) -> Any:
                           **{k: v for k, v in decoding.items() if k != "max_tokens"})
 
 
+ArrivalPredictor = Callable[[list[ReplayRequest]], np.ndarray]
+
+
 def replay(engine: Any, requests: Sequence[ReplayRequest], arrivals: np.ndarray, policy: str,
            decoding: dict | None = None, runtime: Any = None,
-           on_progress: Callable[[int, int], None] | None = None, tag: str = "") -> ReplayResult:
-    """Release `requests` at `arrivals` (seconds from now) into `engine`, step until all finish."""
+           on_progress: Callable[[int, int], None] | None = None, tag: str = "",
+           predict_at_arrival: ArrivalPredictor | None = None) -> ReplayResult:
+    """Release `requests` at `arrivals` (seconds from now) into `engine`, step until all finish.
+
+    `predict_at_arrival` (a separate predictor that reads the prompt, as SSJF/LTR-style systems do) runs
+    in the serving loop on each batch of newly arrived requests before they are added, so its time delays
+    the engine exactly as a predictor sharing the accelerator would; its lengths go to the `client` policy.
+    """
     decoding = decoding or DEFAULT_DECODING
     order = np.argsort(arrivals, kind="stable")
     n = len(requests)
@@ -108,19 +120,31 @@ def replay(engine: Any, requests: Sequence[ReplayRequest], arrivals: np.ndarray,
     finish = np.full(n, np.nan)
     out_tokens = np.zeros(n, dtype=np.int64)
     step_times: list[float] = []
+    step_shapes: list[tuple[int, int]] = []
     start = time.time()
     planned = start + np.asarray(arrivals, dtype=np.float64)
     released, done = 0, 0
+    predict_s = 0.0
     while done < n:
         now = time.time()
+        arrived = []
         while released < n and planned[order[released]] <= now:
-            i = int(order[released])
-            request = requests[i]
-            params = sampling_params(request, decoding)
-            params.extra_args["leap_planned_arrival"] = float(planned[i])
-            engine.add_request(f"{tag}{request.id}", {"prompt_token_ids": request.prompt_token_ids}, params,
-                               arrival_time=float(planned[i]))
+            arrived.append(int(order[released]))
             released += 1
+        if arrived:
+            lengths = None
+            if predict_at_arrival is not None:
+                predict_start = time.perf_counter()
+                lengths = predict_at_arrival([requests[i] for i in arrived])
+                predict_s += time.perf_counter() - predict_start
+            for k, i in enumerate(arrived):
+                request = requests[i]
+                params = sampling_params(request, decoding)
+                params.extra_args["leap_planned_arrival"] = float(planned[i])
+                if lengths is not None:
+                    params.extra_args["leap_predicted_length"] = float(lengths[k])
+                engine.add_request(f"{tag}{request.id}", {"prompt_token_ids": request.prompt_token_ids}, params,
+                                   arrival_time=float(planned[i]))
         if not engine.has_unfinished_requests():
             if released < n:
                 time.sleep(max(0.0, min(planned[order[released]] - time.time(), 0.05)))
@@ -128,6 +152,8 @@ def replay(engine: Any, requests: Sequence[ReplayRequest], arrivals: np.ndarray,
         step_start = time.perf_counter()
         outputs = engine.step()
         step_times.append(time.perf_counter() - step_start)
+        if runtime is not None:
+            step_shapes.append(runtime.last_step_shape)
         now = time.time()
         for output in outputs:
             i = index_of.get(output.request_id)
@@ -153,9 +179,11 @@ def replay(engine: Any, requests: Sequence[ReplayRequest], arrivals: np.ndarray,
         throughput_tok_s=float(out_tokens.sum() / makespan) if makespan > 0 else float("nan"),
         ready_before_decode=stats.get("ready_before_decode"),
         max_steps_held_out=int(stats.get("max_steps_held_out", 0)), makespan_s=makespan,
+        arrival_predict_s=predict_s,
         output_tokens=int(out_tokens.sum()), steps=steps,
         step_time_mean_ms=1000.0 * float(np.mean(step_times)) if steps else float("nan"),
         schedule_overhead_ms_per_step=1000.0 * stats.get("schedule_overhead_s", 0.0) / max(steps, 1),
         per_request={"ptl": per_request_ptl, "ttft": ttft, "output_tokens": out_tokens,
                      "finish": finish - start, "arrival": planned - start},
+        per_step={"seconds": np.asarray(step_times), "shapes": np.asarray(step_shapes, dtype=np.int64)},
     )

@@ -124,6 +124,7 @@ class LeapRuntime:
         self._swap_lock = threading.Lock()
         self.listeners: list[Callable[[dict], None]] = []
         self.last_held: set[str] = set()
+        self.last_step_shape: tuple[int, int] = (0, 0)  # (decoded requests, prefill tokens) of the last step
         self._init_metrics()
 
         self.readout: LinearReadout | None = None
@@ -212,7 +213,7 @@ class LeapRuntime:
                 self.predictor.start()
             live = [rid for rid in self.features if rid in self.tracked]
             if live:
-                values = readout.predict(np.stack([self.features[rid] for rid in live]))
+                values = readout.predict(np.stack([self.serving_slice(self.features[rid]) for rid in live]))
                 version = str(readout.metadata.get("version", ""))
                 for rid, value in zip(live, values):
                     self.predictions[rid] = float(value)
@@ -241,9 +242,15 @@ class LeapRuntime:
                     feature = np.frombuffer(payload, dtype=np.float32)
                     self.features[request_id] = feature
                     if self.readout is not None:
-                        self.predictor.submit(request_id, feature)
+                        self.predictor.submit(request_id, self.serving_slice(feature))
         finally:
             socket.close(linger=0)
+
+    def serving_slice(self, feature: np.ndarray) -> np.ndarray:
+        """The layer-L part of a captured vector (all of it unless every layer is captured)."""
+        if feature.shape[0] == self.dim:
+            return feature
+        return feature[self.layer * self.dim:(self.layer + 1) * self.dim]
 
     def _on_predictions(self, ids, values, version, enqueued) -> None:
         predictions, versions, tracked = self.predictions, self.prediction_version, self.tracked
@@ -316,6 +323,7 @@ class LeapRuntime:
         self._m_decoding.set(n)
         held = 0
         self.last_held: set[str] = set()
+        self.last_step_shape: tuple[int, int] = (0, 0)  # (decoded requests, prefill tokens) of the last step
         if n > self.config.decode_slots:
             predicted = np.fromiter((self._predicted_total(r, e) for r, e in zip(candidates, entries)),
                                     dtype=np.float64, count=n)
@@ -334,7 +342,9 @@ class LeapRuntime:
         self.counters.schedule_s += time.perf_counter() - start
 
     def after_schedule(self, running: list, num_scheduled_tokens: dict[str, int]) -> None:
-        """Count hold-outs from what the engine actually scheduled."""
+        """Count hold-outs from what the engine actually scheduled, and the step's shape."""
+        decodes = sum(1 for tokens in num_scheduled_tokens.values() if tokens == 1)
+        self.last_step_shape = (decodes, sum(num_scheduled_tokens.values()) - decodes)
         worst = self.counters.max_held_out
         for request in running:
             entry = self.tracked.get(request.request_id)
@@ -371,7 +381,7 @@ class LeapRuntime:
                 self._m_spearman.set(spearman(pairs[:, 1], pairs[:, 0]))
                 self._m_mae.set(mae(pairs[:, 1], pairs[:, 0]))
         if feature is not None and output_tokens > 0 and reason_name != "abort":
-            self.learner.observe(feature, output_tokens)
+            self.learner.observe(self.serving_slice(feature), output_tokens)
         if feature is not None and entry is not None and (self.feedback is not None or self.listeners):
             row = self._feedback_row(request, entry, feature, output_tokens, reason_name, predicted, version)
             if self.feedback is not None:
@@ -406,6 +416,15 @@ class LeapRuntime:
             self.config.rls = rls
         self.counters = Counters()
         self._m_max_held.set(0)
+
+    def serve_predictor(self, predictor: Any, version: str) -> None:
+        """Serve any object with `predict(X) -> lengths` on the captured features, without RLS.
+
+        For evaluation heads that are not linear readouts (an MLP on the hidden state); it runs on the
+        same predictor thread, so its cost lands where LEAP's does.
+        """
+        self.learner.reanchor(None, version)
+        self._publish(predictor)
 
     def reset_readout(self, readout: LinearReadout | None, rls_state: dict[str, np.ndarray] | None) -> None:
         """Serve `readout` (validated like a push) with its RLS anchor; None serves no readout."""
