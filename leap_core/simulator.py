@@ -6,6 +6,11 @@ to `decode_slots` of the requests already resident, chosen by the policy. A step
 a linear `StepTimeModel` that can be calibrated from measured engine steps. Within a step everything is
 vectorised, and a stretch of steps in which the selection cannot change (no request finishes, joins or
 is forced in by the waiting cap) is taken in one move, so a 20,000-request trace takes seconds.
+
+Optionally the predictions can be refreshed during decoding (the alternative to LEAP's one-shot
+countdown): every `refresh_every` generated tokens a resident request gets a new estimate of its
+remaining length, and the step pays `refresh_cost_s` per refreshed request. The estimate is modelled as
+the true remaining length times log-normal noise, `remaining * exp(refresh_sigma * z)`, z ~ N(0, 1).
 """
 
 from __future__ import annotations
@@ -52,7 +57,13 @@ class StepTimeModel:
 
 @dataclass(frozen=True)
 class SimConfig:
-    """Engine shape and policy. `predicted` passed to `simulate` orders countdown; the true lengths make the oracle."""
+    """Engine shape and policy. `predicted` passed to `simulate` orders countdown; the true lengths make the oracle.
+
+    Refresh (off when `refresh_every` is 0): after a step in which a request's generated count reaches a
+    multiple of `refresh_every`, its predicted total becomes generated + remaining * exp(refresh_sigma * z),
+    z drawn from a generator seeded with `refresh_seed`, and the step takes `refresh_cost_s` longer per
+    refreshed request. The prefill prediction is never refreshed at admission.
+    """
 
     max_resident: int = 512
     decode_slots: int = 64
@@ -61,6 +72,10 @@ class SimConfig:
     policy: str = "countdown"
     max_prefill_tokens_per_step: int = 2048
     step_model: StepTimeModel = field(default_factory=StepTimeModel)
+    refresh_every: int = 0
+    refresh_cost_s: float = 0.0
+    refresh_sigma: float = 0.0
+    refresh_seed: int = 0
 
 
 @dataclass
@@ -127,6 +142,8 @@ def simulate(arrival, prompt_tokens, output_tokens, predicted, config: SimConfig
         raise ValueError("every request needs output_tokens >= 1")
     if config.max_resident < 1 or config.decode_slots < 1:
         raise ValueError("max_resident and decode_slots must be positive")
+    if config.refresh_every < 0 or config.refresh_cost_s < 0 or config.refresh_sigma < 0:
+        raise ValueError("refresh_every, refresh_cost_s and refresh_sigma must be >= 0")
 
     order = np.argsort(arrival, kind="stable")  # admission is FCFS, so work in arrival order
     arr, prompt, out, pred = arrival[order], prompt_tokens[order], output_tokens[order], predicted[order]
@@ -137,6 +154,8 @@ def simulate(arrival, prompt_tokens, output_tokens, predicted, config: SimConfig
     policy = make_policy(config.policy, k=config.decode_slots, waiting_cap=config.waiting_cap, aging=config.aging)
     model = config.step_model
     k, cap_resident, budget = config.decode_slots, config.max_resident, config.max_prefill_tokens_per_step
+    every = config.refresh_every
+    refresh_rng = np.random.default_rng(config.refresh_seed) if every else None
 
     # Resident requests as parallel arrays, kept in admission (= arrival) order.
     r_id = np.empty(0, dtype=np.int64)
@@ -185,6 +204,8 @@ def simulate(arrival, prompt_tokens, output_tokens, predicted, config: SimConfig
         if admitted == 0:
             dt = model.step_seconds(num_decodes, 0)
             jump = min(stable_steps, int((r_out - r_gen)[decoding].min()))
+            if every:  # stop at the first step after which a decoding request is due a refresh
+                jump = min(jump, int((every - r_gen % every)[decoding].min()))
             if n_res < cap_resident and next_waiting < n:
                 jump = max(min(jump, int(np.ceil((arr[next_waiting] - now) / dt))), 1)
             now = now + jump * dt
@@ -195,6 +216,14 @@ def simulate(arrival, prompt_tokens, output_tokens, predicted, config: SimConfig
         r_gen = r_gen + jump * decoding
         r_held = advance_held_out(r_held, decoding, jump)
         r_max_held = np.maximum(r_max_held, r_held)
+        if every:
+            refreshed = decoding & (r_gen % every == 0) & (r_gen < r_out)
+            count = int(np.count_nonzero(refreshed))
+            if count:
+                remaining = (r_out[refreshed] - r_gen[refreshed]).astype(np.float64)
+                noise = np.exp(config.refresh_sigma * refresh_rng.standard_normal(count))
+                r_pred[refreshed] = r_gen[refreshed] + remaining * noise
+                now = now + count * config.refresh_cost_s  # the step's outputs arrive after the refresh
 
         if admitted:
             new = slice(next_waiting, admit_end)

@@ -1,0 +1,1 @@
+"""The evidence studies behind docs/results.md: baselines, offline ablations, transfer, live and simulated replay."""
