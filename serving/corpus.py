@@ -159,7 +159,7 @@ def corpus_layer(runtime) -> int:
 
 
 def build_corpus(engine, runtime, prompts: Sequence[dict], folder: Path, max_tokens: int,
-                 decoding: dict | None = None, max_prompt_tokens: int = 2048, shard_rows: int = 256,
+                 decoding: dict | None = None, max_prompt_tokens: int = 2048, shard_rows: int = 64,
                  on_progress: Callable[[int, int], None] | None = None) -> dict:
     """Generate for every prompt not yet in `folder`; all are queued at once for throughput."""
     decoding = decoding or DEFAULT_DECODING

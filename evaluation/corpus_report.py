@@ -1,0 +1,87 @@
+"""The length corpus itself: how long the serving model's answers are per prompt set, and how often the
+output budget cuts them (the budget M is chosen so that at most 10% of chat outputs reach it)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from evaluation.corpora import load_or_build
+from evaluation.selections import CHAT_TRAIN, DOMAINS, domain_spec, select
+from serving.corpus import length_report
+
+CHAT_BUDGET_GOAL = 0.10
+STUDY_SELECTIONS = (CHAT_TRAIN, "sharegpt:300", domain_spec("instruction", 100), domain_spec("math", 100),
+                    domain_spec("multilingual", 300))
+
+
+def corpus_study(specs: Sequence[str], max_tokens: int = 1024, model: str | None = None, say=print) -> dict:
+    """Per-set length distribution of the given selections (built where the cache lacks them)."""
+    lists: list[list[dict]] = []
+    seen: set[str] = set()
+    for spec in specs:
+        lists.append(select(spec, exclude=seen))
+        seen.update(p["id"] for p in lists[-1])
+    corpora = load_or_build(lists, max_tokens, model, say=say)
+    per_set: dict[str, dict] = {}
+    chat_capped, chat_n = 0.0, 0
+    for corpus in corpora:
+        for name, row in length_report(corpus).items():
+            per_set[name] = row
+            if name in DOMAINS["chat"]:
+                chat_capped += row["capped_fraction"] * row["n"]
+                chat_n += row["n"]
+            lengths = corpus.output_tokens[corpus.sets == name]
+            row["histogram"] = np.histogram(lengths, bins=16, range=(0, max_tokens))[0].tolist()
+    capped = chat_capped / chat_n if chat_n else float("nan")
+    return {"selections": list(specs), "max_tokens": max_tokens, "n": int(sum(r["n"] for r in per_set.values())),
+            "per_set": per_set, "chat_capped_fraction": capped,
+            "goals": {"chat_capped_fraction": {"target": f"<= {CHAT_BUDGET_GOAL}", "measured": capped,
+                                               "met": bool(capped <= CHAT_BUDGET_GOAL)}}}
+
+
+def plot_corpus(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["per_set"])
+    fig, ax = plt.subplots(figsize=(8, 4), dpi=120)
+    p10 = [result["per_set"][n]["p10"] for n in names]
+    p50 = [result["per_set"][n]["p50"] for n in names]
+    p90 = [result["per_set"][n]["p90"] for n in names]
+    x = np.arange(len(names))
+    ax.vlines(x, p10, p90, color="tab:blue", linewidth=6, alpha=0.4, label="p10-p90")
+    ax.plot(x, p50, "o", color="tab:blue", label="median")
+    ax.axhline(result["max_tokens"], color="gray", linestyle="--", label="budget M")
+    ax.set_xticks(x, names, rotation=35, ha="right")
+    ax.set_ylabel("output tokens")
+    ax.set_title("Output length of SmolLM2-135M-Instruct per prompt set")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def section_corpus(result: dict, image: str) -> str:
+    rows = ["| set | n | mean | p10 | median | p90 | reached M |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, row in result["per_set"].items():
+        rows.append(f"| {name} | {row['n']} | {row['mean']:.0f} | {row['p10']:.0f} | {row['p50']:.0f} | "
+                    f"{row['p90']:.0f} | {100 * row['capped_fraction']:.1f}% |")
+    goal = result["goals"]["chat_capped_fraction"]
+    return "\n".join([
+        "## The length corpus",
+        "",
+        f"True output lengths of the serving model for {result['n']} prompts, budget M = {result['max_tokens']}. "
+        f"Chat outputs reaching M: {100 * goal['measured']:.1f}% (goal {goal['target']}: "
+        f"{'met' if goal['met'] else 'not met'}).",
+        "",
+        *rows,
+        "",
+        f"![output lengths per set]({image})",
+        "",
+        f"Regenerate: `{result['command']}`" if "command" in result else "",
+    ])

@@ -1,0 +1,172 @@
+"""Each study end to end: choose prompts, read (or build) their corpora, fit on training rows only, run.
+
+The CLI (`leap eval ...`) is a thin shell over these; each returns the JSON-able result that
+`docs/results.md` is rendered from.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from evaluation import offline, simulated
+from evaluation.baselines import LengthData, fit_cached, make_predictor, measure_cost
+from evaluation.corpora import load_or_build, model_info
+from evaluation.data import length_data
+from evaluation.selections import CHAT_TRAIN, select
+from evaluation.transfer import FEEDBACK_COUNTS, domain_predictions, fit_leap, run_transfer
+from leap_core.simulator import StepTimeModel
+from serving.paths import sub_dir
+
+BASELINES = ("prompt_length", "minilm_ridge", "minilm_finetuned", "minilm_ltr", "trail_mlp")
+CHAT_TEST = "sharegpt:300"
+Say = Callable[[str], None]
+
+
+def _quiet(message: str) -> None:
+    return None
+
+
+def datasets(specs: Sequence[str], max_tokens: int, model: str | None, say: Say,
+             limit: int | None = None) -> list[LengthData]:
+    """LengthData per selection spec; later specs never repeat an earlier one's prompts."""
+    lists: list[list[dict]] = []
+    seen: set[str] = set()
+    for spec in specs:
+        prompts = select(spec, limit, exclude=seen)
+        seen.update(p["id"] for p in prompts)
+        lists.append(prompts)
+    corpora = load_or_build(lists, max_tokens, model, say=say)
+    return [length_data(corpus, prompts) for corpus, prompts in zip(corpora, lists)]
+
+
+def fitted_baselines(train: LengthData, names: Sequence[str], say: Say) -> dict[str, Any]:
+    """Each baseline fitted on the training rows (cached by rows and hyper-parameters)."""
+    fitted = {}
+    for name in names:
+        say(f"training {name} on {len(train)} prompts (cached)")
+        fitted[name] = fit_cached(make_predictor(name), train, sub_dir("baselines"))
+    return fitted
+
+
+def transfer_study(train_spec: str, test_specs: Sequence[str], limit: int | None, baselines: Sequence[str],
+                   counts: Sequence[int] = FEEDBACK_COUNTS, max_tokens: int = 1024, model: str | None = None,
+                   say: Say = _quiet) -> dict:
+    train, target = datasets([train_spec, ",".join(test_specs)], max_tokens, model, say, limit)
+    result = run_transfer(train, target, fitted_baselines(train, baselines, say), counts)
+    result.update(train=train_spec, test=list(test_specs), max_tokens=max_tokens)
+    return result
+
+
+def chat_split(max_tokens: int, model: str | None, say: Say) -> tuple[LengthData, LengthData]:
+    train, test = datasets([CHAT_TRAIN, CHAT_TEST], max_tokens, model, say)
+    return train, test
+
+
+def targets_study(max_tokens: int = 1024, model: str | None = None, say: Say = _quiet) -> dict:
+    train, test = chat_split(max_tokens, model, say)
+    result = offline.run_targets(train.features, train.lengths, test.features, test.lengths, max_tokens)
+    result.update(train=CHAT_TRAIN, test=CHAT_TEST)
+    return result
+
+
+def layers_study(n_prompts: int = 500, test_fraction: float = 0.3, max_tokens: int = 1024,
+                 model: str | None = None, say: Say = _quiet) -> dict:
+    """Every layer's state for ShareGPT prompts, split once into training and test rows."""
+    from serving.worker import default_layer
+
+    prompts = select(f"sharegpt:{n_prompts}")
+    corpus = load_or_build([prompts], max_tokens, model, all_layers=True, say=say)[0]
+    data = length_data(corpus, prompts)
+    info = model_info(model)
+    features = data.features.reshape(len(data), info.num_layers, info.hidden_size)
+    order = np.random.default_rng(0).permutation(len(data))
+    n_test = int(round(test_fraction * len(data)))
+    test, train = order[:n_test], order[n_test:]
+    result = offline.run_layers(features[train], data.lengths[train], features[test], data.lengths[test],
+                                max_tokens, default_layer(info.num_layers))
+    result.update(prompts=f"sharegpt:{n_prompts}")
+    return result
+
+
+def step_model_from(path: Path | None, max_tokens: int, model: str | None, say: Say) -> tuple[StepTimeModel, str]:
+    """The step-time model a live run calibrated (its JSON), else a fresh calibration on the engine."""
+    if path is not None and path.exists():
+        saved = json.loads(path.read_text())["step_model"]
+        return StepTimeModel(**saved), str(path)
+    from evaluation.live import calibrated_step_model
+
+    say("calibrating the step-time model on the live engine")
+    return calibrated_step_model(max_tokens, model), "calibrated now"
+
+
+def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, baselines: Sequence[str],
+               step_model: StepTimeModel, max_tokens: int = 1024, model: str | None = None,
+               say: Say = _quiet, **options: Any) -> dict:
+    """Simulated scheduling of a target domain's evaluation rows under every predictor (Table 4, Figure 6)."""
+    train, target = datasets([train_spec, ",".join(test_specs)], max_tokens, model, say, limit)
+    evaluation, predictions = domain_predictions(train, target, fitted_baselines(train, baselines, say))
+    result = simulated.run_load(evaluation.prompt_tokens, evaluation.lengths, predictions, step_model, **options)
+    result.update(train=train_spec, test=list(test_specs), n_pool=len(evaluation))
+    return result
+
+
+def chat_predictions(names: Sequence[str], max_tokens: int, model: str | None,
+                     say: Say) -> tuple[LengthData, dict[str, np.ndarray], dict[str, dict]]:
+    """Chat test rows, the predictions of LEAP and `names` for them, and each predictor's measured cost."""
+    train, test = chat_split(max_tokens, model, say)
+    readout = fit_leap(train)
+    fitted = fitted_baselines(train, names, say)
+    predictions = {"leap": readout.predict(test.features)}
+    predictions.update({name: np.asarray(p.predict(test), dtype=np.float64) for name, p in fitted.items()})
+    costs = {name: measure_cost(p, test) for name, p in fitted.items()}
+    costs["leap"] = _readout_cost(readout, test)
+    return test, predictions, costs
+
+
+def _readout_cost(readout: Any, data: LengthData) -> dict:
+    from evaluation.live import readout_cost
+
+    return readout_cost(readout, data)
+
+
+def refresh_study(step_model: StepTimeModel, max_tokens: int = 1024, model: str | None = None,
+                  say: Say = _quiet, **options: Any) -> dict:
+    """Countdown against refreshing during decode, for LEAP and the hidden-state MLP (Table 2)."""
+    test, predictions, costs = chat_predictions(["trail_mlp"], max_tokens, model, say)
+    refresh_costs = {name: costs[name]["ms_per_request"] / 1000.0 for name in predictions}
+    result = simulated.run_refresh(test.prompt_tokens, test.lengths, predictions, step_model, refresh_costs,
+                                   **options)
+    result.update(costs=costs, pool=CHAT_TEST)
+    return result
+
+
+def tail_study(step_model: StepTimeModel, max_tokens: int = 1024, model: str | None = None,
+               say: Say = _quiet, **options: Any) -> dict:
+    """Long-request P95 against the waiting cap and aging strength, LEAP's predictions on chat."""
+    test, predictions, _ = chat_predictions([], max_tokens, model, say)
+    result = simulated.run_tail(test.prompt_tokens, test.lengths, predictions["leap"], step_model, **options)
+    result.update(pool=CHAT_TEST)
+    return result
+
+
+def live_study(quick: bool, n_requests: int | None = None, repeats: int | None = None, load: float = 1.5,
+               max_tokens: int = 1024, model: str | None = None, say: Say = _quiet) -> dict:
+    """The live replay: `quick` is a smaller run (fewer requests and training prompts, one repeat, the
+    baselines that train in seconds) that finishes in minutes; the full run is the Table 3 study."""
+    from evaluation.live import FULL_POLICIES, QUICK_POLICIES, LiveSettings, run_live
+
+    train_spec = "sharegpt:200" if quick else CHAT_TRAIN
+    train = select(train_spec)
+    replayed = select(f"sharegpt:{n_requests or (40 if quick else 150)}",
+                      exclude={p["id"] for p in select(CHAT_TRAIN)})
+    settings = LiveSettings(n_requests=len(replayed), n_train=len(train), repeats=repeats or (1 if quick else 3),
+                            load=load, max_tokens=max_tokens, policies=QUICK_POLICIES if quick else FULL_POLICIES,
+                            calibration_requests=24 if quick else 48)
+    result = run_live(train, replayed, settings, model, say)
+    result.update(quick=quick, train=train_spec)
+    return result

@@ -1,0 +1,88 @@
+"""The study plumbing without the engine: prompt selection, the feedback/evaluation split, the transfer
+study's RLS curve, and the report rendered from saved results."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from evaluation.baselines import LengthData
+
+
+def synthetic(n: int, d: int = 12, seed: int = 0, shift: float = 0.0, max_tokens: int = 1024) -> LengthData:
+    """Lengths from a direction of the features; `shift` rotates that direction (a new domain)."""
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, d)).astype(np.float32)
+    w = np.zeros(d)
+    w[0], w[1] = np.cos(shift), np.sin(shift)
+    lengths = np.clip((12 + 5 * X @ w + rng.normal(scale=0.5, size=n)) ** 2, 1, max_tokens).astype(np.int64)
+    return LengthData(ids=np.array([f"s-{i}" for i in range(n)], dtype=object), texts=["x " * (5 + i % 40)
+                      for i in range(n)], prompt_tokens=np.full(n, 20), features=X, lengths=lengths,
+                      max_tokens=max_tokens)
+
+
+def test_selection_is_seeded_disjoint_and_per_file(tmp_path):
+    from evaluation.selections import select
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p-{i}", "set": "p", "domain": "d", "lang": "en",
+                                        "prompt": f"prompt {i}"}) + "\n" for i in range(50)))
+    first = select(f"{path}:10")
+    assert len(first) == 10 and first == select(f"{path}:10")
+    assert [p["id"] for p in first] != [f"p-{i}" for i in range(10)]  # spread over the file, not its head
+    rest = select(str(path), exclude=[p["id"] for p in first])
+    assert len(rest) == 40 and not {p["id"] for p in rest} & {p["id"] for p in first}
+    with pytest.raises(FileNotFoundError):
+        select("no_such_set")
+
+
+def test_split_stream_keeps_a_fifth_for_evaluation():
+    from evaluation.data import split_stream
+
+    stream, evaluation = split_stream(1300, (100, 500, 1000))
+    assert len(stream) == 1000 and len(evaluation) == 300
+    assert not set(stream) & set(evaluation) and len(set(stream) | set(evaluation)) == 1300
+    stream, evaluation = split_stream(200, (100, 500, 1000))
+    assert len(evaluation) == 40 and len(stream) == 160
+
+
+def test_transfer_rls_recovers_a_rotated_domain():
+    from evaluation.baselines import make_predictor
+    from evaluation.transfer import run_transfer
+
+    train, target = synthetic(600, seed=1), synthetic(1300, seed=2, shift=1.2)
+    baselines = {"prompt_length": make_predictor("prompt_length").fit(train)}
+    result = run_transfer(train, target, baselines)
+    assert set(result["spearman_rls"]) == {"100", "500", "1000"}
+    assert result["n_feedback_pool"] == 1000 and result["n_eval"] == 300
+    curve = [result["spearman_rls"][k] for k in ("100", "500", "1000")]
+    assert result["spearman_frozen"] < curve[0] <= curve[-1] + 0.02
+    assert curve[-1] <= result["spearman_refit"] + 0.02
+    assert result["gap_closed"]["fraction"] > 0.6
+    assert "prompt_length" in result["spearman_baselines"]
+
+
+def test_report_renders_every_saved_study(tmp_path):
+    from evaluation.report import ORDER, render_report
+    from evaluation.transfer import run_transfer
+
+    train, target = synthetic(300, seed=1), synthetic(400, seed=2, shift=0.8)
+    transfer = run_transfer(train, target, {}, counts=(50, 200))
+    transfer.update(study="transfer", command="leap eval transfer --test x.jsonl --save")
+    (tmp_path / "transfer-multilingual.json").write_text(json.dumps(transfer))
+    corpus = {"study": "corpus", "max_tokens": 1024, "n": 3, "chat_capped_fraction": 0.05, "command": "leap eval corpus",
+              "per_set": {"sharegpt": {"n": 3, "mean": 100.0, "p10": 10.0, "p50": 90.0, "p90": 300.0,
+                                       "capped_fraction": 0.05}},
+              "goals": {"chat_capped_fraction": {"target": "<= 0.1", "measured": 0.05, "met": True}}}
+    (tmp_path / "corpus.json").write_text(json.dumps(corpus))
+    out = tmp_path / "results.md"
+    rendered = render_report(tmp_path, out)
+    assert rendered["sections"] == ["corpus", "transfer"]
+    assert set(rendered["missing"]) == set(ORDER) - {"corpus", "transfer"}
+    text = out.read_text()
+    assert "leap eval transfer --test x.jsonl --save" in text and "leap eval corpus" in text
+    assert f"{transfer['spearman_frozen']:.3f}" in text
+    for png in ("corpus.png", "transfer.png"):
+        assert (tmp_path / png).stat().st_size > 5000 and f"]({png})" in text
