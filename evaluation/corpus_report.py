@@ -13,7 +13,7 @@ from evaluation.selections import CHAT_TRAIN, DOMAINS, domain_spec, select
 from serving.corpus import length_report
 
 CHAT_BUDGET_GOAL = 0.10
-STUDY_SELECTIONS = (CHAT_TRAIN, "sharegpt:300", domain_spec("instruction", 100), domain_spec("math", 100),
+STUDY_SELECTIONS = (CHAT_TRAIN, "sharegpt:150", domain_spec("instruction", 100), domain_spec("math", 100),
                     domain_spec("multilingual", 300))
 
 

@@ -187,8 +187,10 @@ def refresh_sigma(lengths: ArrayLike, target_spearman: float, seed: int = 0) -> 
         raise ValueError(f"target_spearman must be > 0 for multiplicative noise, got {target_spearman}")
     z = np.random.default_rng(seed).standard_normal(out.size)
 
-    def gap(sigma: float) -> float:
-        return spearman(out, out * np.exp(sigma * z)) - target_spearman
+    log_out = np.log(np.maximum(out, 1.0))
+
+    def gap(sigma: float) -> float:  # ranks of out * exp(sigma z), without overflow
+        return spearman(out, log_out + sigma * z) - target_spearman
 
     high = 1.0
     while gap(high) > 0:

@@ -64,8 +64,8 @@ def transfer(
 
 @eval_app.command("live")
 def live(
-    quick: bool = typer.Option(False, "--quick", help="40 requests, 1 repeat, fast baselines (minutes)"),
-    requests: Optional[int] = typer.Option(None, help="replayed requests (default 150; 40 with --quick)"),
+    quick: bool = typer.Option(False, "--quick", help="32 requests, 1 repeat, the baselines that train in seconds (minutes)"),
+    requests: Optional[int] = typer.Option(None, help="replayed requests (default 60; 32 with --quick)"),
     repeats: Optional[int] = typer.Option(None, help="repeats (default 3; 1 with --quick)"),
     load: float = typer.Option(1.5, help="arrival rate as a multiple of the engine's FCFS capacity"),
     max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,

@@ -144,3 +144,21 @@ def test_live_replay_study_conserves_requests_and_work(all_layers, prompt_file):
     assert result["best_baseline"] in ("prompt_length", "trail_mlp")
     assert result["policies"]["leap"]["runs"][0]["ready_before_decode"] is not None
     assert result["capacity_rps"] > 0 and result["step_model"]["per_decode_s"] >= 0
+
+
+def test_eval_transfer_command_takes_any_prompt_file(all_layers, prompt_file):
+    from typer.testing import CliRunner
+
+    import leap_cli.cmd_eval  # noqa: F401  (registers the command)
+    from leap_cli.apps import app
+
+    outcome = CliRunner().invoke(app, ["eval", "transfer", "--train", f"{prompt_file}:12", "--test", str(prompt_file),
+                                       "--limit", "0", "--feedback", "2,4", "--baselines", "prompt_length",
+                                       "--max-tokens", str(M), "--json"])
+    assert outcome.exit_code == 0, outcome.output
+    result = json.loads(outcome.stdout.strip().splitlines()[-1])
+    assert result["n_train"] == 12 and result["n_feedback_pool"] + result["n_eval"] == 12
+    assert set(result["spearman_rls"]) == {"2", "4"}
+    for key in ("spearman_frozen", "spearman_refit", "spearman_baselines", "command"):
+        assert key in result
+    assert set(result["spearman_baselines"]) == {"prompt_length"}

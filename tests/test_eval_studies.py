@@ -38,14 +38,14 @@ def test_selection_is_seeded_disjoint_and_per_file(tmp_path):
         select("no_such_set")
 
 
-def test_split_stream_keeps_a_fifth_for_evaluation():
+def test_split_stream_keeps_at_least_15_percent_for_evaluation():
     from evaluation.data import split_stream
 
     stream, evaluation = split_stream(1300, (100, 500, 1000))
     assert len(stream) == 1000 and len(evaluation) == 300
     assert not set(stream) & set(evaluation) and len(set(stream) | set(evaluation)) == 1300
     stream, evaluation = split_stream(200, (100, 500, 1000))
-    assert len(evaluation) == 40 and len(stream) == 160
+    assert len(evaluation) == 30 and len(stream) == 170
 
 
 def test_transfer_rls_recovers_a_rotated_domain():
