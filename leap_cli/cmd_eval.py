@@ -64,7 +64,8 @@ def transfer(
 
 @eval_app.command("live")
 def live(
-    quick: bool = typer.Option(False, "--quick", help="32 requests, 1 repeat, the baselines that train in seconds (minutes)"),
+    quick: bool = typer.Option(False, "--quick",
+                               help="32 requests, 1 repeat, the baselines that train in seconds (minutes)"),
     requests: Optional[int] = typer.Option(None, help="replayed requests (default 60; 32 with --quick)"),
     repeats: Optional[int] = typer.Option(None, help="repeats (default 3; 1 with --quick)"),
     load: float = typer.Option(1.5, help="arrival rate as a multiple of the engine's FCFS capacity"),
@@ -129,30 +130,29 @@ def load(
     _finish(result, "load", name or "load-" + "-".join(Path(t).stem for t in test), as_json, save)
 
 
+def _simulated_study(study: str, step_model: Path, max_tokens: int, model: Optional[str], as_json: bool,
+                     save: bool) -> None:
+    from evaluation import studies
+
+    say = _say(as_json)
+    steps, source = studies.step_model_from(step_model, max_tokens, model, say)
+    result = getattr(studies, f"{study}_study")(steps, max_tokens, model, say)
+    result["step_model_source"] = source
+    _finish(result, study, study, as_json, save)
+
+
 @eval_app.command("refresh")
 def refresh(step_model: Path = STEP_MODEL, max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL,
             as_json: bool = JSON, save: bool = SAVE) -> None:
     """Refreshing predictions during decode against countdown, for LEAP and the hidden-state MLP."""
-    from evaluation.studies import refresh_study, step_model_from
-
-    say = _say(as_json)
-    steps, source = step_model_from(step_model, max_tokens, model, say)
-    result = refresh_study(steps, max_tokens, model, say)
-    result["step_model_source"] = source
-    _finish(result, "refresh", "refresh", as_json, save)
+    _simulated_study("refresh", step_model, max_tokens, model, as_json, save)
 
 
 @eval_app.command("tail")
 def tail(step_model: Path = STEP_MODEL, max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL,
          as_json: bool = JSON, save: bool = SAVE) -> None:
     """Long-request P95 latency against the waiting cap and the aging strength."""
-    from evaluation.studies import step_model_from, tail_study
-
-    say = _say(as_json)
-    steps, source = step_model_from(step_model, max_tokens, model, say)
-    result = tail_study(steps, max_tokens, model, say)
-    result["step_model_source"] = source
-    _finish(result, "tail", "tail", as_json, save)
+    _simulated_study("tail", step_model, max_tokens, model, as_json, save)
 
 
 @eval_app.command("report")

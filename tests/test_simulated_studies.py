@@ -11,8 +11,8 @@ from evaluation.simulated import (plot_load, plot_refresh, plot_tail, refresh_si
                                   run_tail, section_load, section_refresh, section_tail)
 from leap_core.metrics import spearman
 from leap_core.noise import noisy_predictions
-from leap_core.policy import make_policy
 from leap_core.simulator import SimConfig, StepTimeModel, fcfs_capacity, poisson_arrivals, simulate
+from tests.sim_reference import reference_simulate
 
 STEP_MODEL = StepTimeModel()
 
@@ -22,57 +22,6 @@ def _pool(n: int = 400, seed: int = 0):
     prompt = rng.integers(20, 800, n)
     out = np.clip(np.round(rng.lognormal(np.log(150), 1.0, n)), 1, 2000).astype(int)
     return prompt, out, noisy_predictions(out, 0.6, seed=seed + 1)
-
-
-def _reference_with_refresh(arrival, prompt, out, predicted, config: SimConfig):
-    """The step loop one step and one request at a time, refreshing decoded requests at multiples of N."""
-    n = len(arrival)
-    predicted = np.array(predicted, dtype=float)
-    rng = np.random.default_rng(config.refresh_seed)
-    order = sorted(range(n), key=lambda i: (arrival[i], i))
-    policy = make_policy(config.policy, config.decode_slots, config.waiting_cap, config.aging)
-    first, finish = np.full(n, np.nan), np.full(n, np.nan)
-    generated, held = {}, {}
-    resident: list[int] = []
-    now, next_pos, done = arrival[order[0]], 0, 0
-    while done < n:
-        if not resident and arrival[order[next_pos]] > now:
-            now = arrival[order[next_pos]]
-        admitted, prefill = [], 0
-        while (next_pos < n and arrival[order[next_pos]] <= now
-               and len(resident) + len(admitted) < config.max_resident):
-            request = order[next_pos]
-            if admitted and prefill + prompt[request] > config.max_prefill_tokens_per_step:
-                break
-            admitted.append(request)
-            prefill += prompt[request]
-            next_pos += 1
-        chosen = set()
-        if resident:
-            chosen = set(policy.select(predicted[resident], np.array([generated[r] for r in resident]),
-                                       np.array([held[r] for r in resident]), arrival[resident]).tolist())
-        refreshed = 0
-        for slot, request in enumerate(resident):
-            if slot in chosen:
-                generated[request] += 1
-                held[request] = 0
-                if generated[request] % config.refresh_every == 0 and generated[request] < out[request]:
-                    remaining = out[request] - generated[request]
-                    predicted[request] = generated[request] + remaining * np.exp(
-                        config.refresh_sigma * rng.standard_normal())
-                    refreshed += 1
-            else:
-                held[request] += 1
-        now += config.step_model.step_seconds(len(chosen), prefill) + refreshed * config.refresh_cost_s
-        for request in admitted:
-            first[request] = now
-            generated[request], held[request] = 1, 0
-            resident.append(request)
-        for request in [r for r in resident if generated[r] == out[r]]:
-            finish[request] = now
-            resident.remove(request)
-            done += 1
-    return first, finish
 
 
 def test_refresh_off_is_exactly_the_plain_simulator():
@@ -99,7 +48,7 @@ def test_refresh_matches_a_literal_step_by_step_loop(every, sigma, cost):
                        step_model=StepTimeModel(base_s=0.02, per_decode_s=0.004, per_prefill_token_s=0.0002),
                        refresh_every=every, refresh_cost_s=cost, refresh_sigma=sigma, refresh_seed=4)
     result = simulate(arrival, prompt, out, predicted, config)
-    first, finish = _reference_with_refresh(arrival, prompt, out, predicted, config)
+    first, finish, _ = reference_simulate(arrival, prompt, out, predicted, config)
     np.testing.assert_allclose(result.first_token, first, rtol=1e-9)
     np.testing.assert_allclose(result.finish, finish, rtol=1e-9)
     assert result.tokens == out.sum()

@@ -7,55 +7,8 @@ import numpy as np
 import pytest
 
 from leap_core.noise import noisy_predictions
-from leap_core.policy import make_policy
 from leap_core.simulator import SimConfig, StepTimeModel, fcfs_capacity, poisson_arrivals, simulate
-
-
-def _reference_simulate(arrival, prompt, out, predicted, config: SimConfig):
-    """The step loop exactly as specified, one step and one request at a time, with no shortcuts."""
-    n = len(arrival)
-    order = sorted(range(n), key=lambda i: (arrival[i], i))
-    policy = make_policy(config.policy, config.decode_slots, config.waiting_cap, config.aging)
-    first, finish, max_held = np.full(n, np.nan), np.full(n, np.nan), np.zeros(n, dtype=int)
-    generated, held = {}, {}
-    resident: list[int] = []
-    now, next_pos, done = arrival[order[0]], 0, 0
-    while done < n:
-        if not resident and arrival[order[next_pos]] > now:
-            now = arrival[order[next_pos]]
-        admitted, prefill = [], 0
-        while (next_pos < n and arrival[order[next_pos]] <= now
-               and len(resident) + len(admitted) < config.max_resident):
-            request = order[next_pos]
-            if admitted and prefill + prompt[request] > config.max_prefill_tokens_per_step:
-                break
-            admitted.append(request)
-            prefill += prompt[request]
-            next_pos += 1
-        decoded = 0
-        if resident:
-            chosen = set(policy.select(np.array([predicted[r] for r in resident], dtype=float),
-                                       np.array([generated[r] for r in resident]),
-                                       np.array([held[r] for r in resident]),
-                                       np.array([arrival[r] for r in resident])).tolist())
-            for slot, request in enumerate(resident):
-                if slot in chosen:
-                    generated[request] += 1
-                    held[request] = 0
-                    decoded += 1
-                else:
-                    held[request] += 1
-                    max_held[request] = max(max_held[request], held[request])
-        now += config.step_model.step_seconds(decoded, prefill)
-        for request in admitted:
-            first[request] = now
-            generated[request], held[request] = 1, 0
-            resident.append(request)
-        for request in [r for r in resident if generated[r] == out[r]]:
-            finish[request] = now
-            resident.remove(request)
-            done += 1
-    return first, finish, max_held
+from tests.sim_reference import reference_simulate
 
 
 def _small_load(seed: int, n: int = 300):
@@ -79,7 +32,7 @@ def test_matches_a_literal_step_by_step_loop(policy, aging, predictions):
                        max_prefill_tokens_per_step=100,
                        step_model=StepTimeModel(base_s=0.02, per_decode_s=0.004, per_prefill_token_s=0.0002))
     result = simulate(arrival, prompt, out, predicted, config)
-    first, finish, max_held = _reference_simulate(arrival, prompt, out, predicted, config)
+    first, finish, max_held = reference_simulate(arrival, prompt, out, predicted, config)
     np.testing.assert_allclose(result.first_token, first, rtol=1e-9)
     np.testing.assert_allclose(result.finish, finish, rtol=1e-9)
     np.testing.assert_array_equal(result.max_held_out, max_held)

@@ -1,0 +1,62 @@
+"""The simulator's step loop written out literally, one step and one request at a time, with no shortcuts:
+the reference the vectorised `leap_core.simulator.simulate` is checked against (refresh included)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from leap_core.policy import make_policy
+from leap_core.simulator import SimConfig
+
+
+def reference_simulate(arrival, prompt, out, predicted, config: SimConfig):
+    """(first token time, finish time, most consecutive steps held out) per request."""
+    n = len(arrival)
+    predicted = np.array(predicted, dtype=float)
+    rng = np.random.default_rng(config.refresh_seed)
+    order = sorted(range(n), key=lambda i: (arrival[i], i))
+    policy = make_policy(config.policy, config.decode_slots, config.waiting_cap, config.aging)
+    first, finish, max_held = np.full(n, np.nan), np.full(n, np.nan), np.zeros(n, dtype=int)
+    generated, held = {}, {}
+    resident: list[int] = []
+    now, next_pos, done = arrival[order[0]], 0, 0
+    while done < n:
+        if not resident and arrival[order[next_pos]] > now:
+            now = arrival[order[next_pos]]
+        admitted, prefill = [], 0
+        while (next_pos < n and arrival[order[next_pos]] <= now
+               and len(resident) + len(admitted) < config.max_resident):
+            request = order[next_pos]
+            if admitted and prefill + prompt[request] > config.max_prefill_tokens_per_step:
+                break
+            admitted.append(request)
+            prefill += prompt[request]
+            next_pos += 1
+        decoded = refreshed = 0
+        if resident:
+            chosen = set(policy.select(predicted[resident], np.array([generated[r] for r in resident]),
+                                       np.array([held[r] for r in resident]), arrival[resident]).tolist())
+            for slot, request in enumerate(resident):
+                if slot in chosen:
+                    generated[request] += 1
+                    held[request] = 0
+                    decoded += 1
+                    every = config.refresh_every
+                    if every and generated[request] % every == 0 and generated[request] < out[request]:
+                        remaining = out[request] - generated[request]
+                        predicted[request] = generated[request] + remaining * np.exp(
+                            config.refresh_sigma * rng.standard_normal())
+                        refreshed += 1
+                else:
+                    held[request] += 1
+                    max_held[request] = max(max_held[request], held[request])
+        now += config.step_model.step_seconds(decoded, prefill) + refreshed * config.refresh_cost_s
+        for request in admitted:
+            first[request] = now
+            generated[request], held[request] = 1, 0
+            resident.append(request)
+        for request in [r for r in resident if generated[r] == out[r]]:
+            finish[request] = now
+            resident.remove(request)
+            done += 1
+    return first, finish, max_held
