@@ -13,8 +13,8 @@ from evaluation.selections import CHAT_TRAIN, DOMAINS, domain_spec, select
 from serving.corpus import length_report
 
 CHAT_BUDGET_GOAL = 0.10
-STUDY_SELECTIONS = (CHAT_TRAIN, "sharegpt:150", domain_spec("instruction", 100), domain_spec("math", 100),
-                    domain_spec("multilingual", 300))
+STUDY_SELECTIONS = (CHAT_TRAIN, "sharegpt:150", domain_spec("instruction", 60), domain_spec("math", 60),
+                    domain_spec("multilingual", 150))
 
 
 def corpus_study(specs: Sequence[str], max_tokens: int = 1024, model: str | None = None, say=print) -> dict:

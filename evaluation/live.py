@@ -38,7 +38,7 @@ REFERENCE = ("fcfs", "leap", "leap-rls", "oracle")
 
 @dataclass
 class LiveSettings:
-    n_requests: int = 60
+    n_requests: int = 40
     n_train: int = 500
     repeats: int = 3
     load: float = 1.5

@@ -17,7 +17,7 @@ DOMAINS = {
     "math": ("math", "gsm8k"),
     "multilingual": ("mgsm", "llmzoo", "mtbench_x", "alpaca_zh"),
 }
-CHAT_TRAIN = "sharegpt:500,arena_hard:150"
+CHAT_TRAIN = "sharegpt:500,arena_hard:100"
 SEED = 0
 
 

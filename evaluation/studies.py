@@ -162,7 +162,7 @@ def live_study(quick: bool, n_requests: int | None = None, repeats: int | None =
 
     train_spec = "sharegpt:200" if quick else CHAT_TRAIN
     train = select(train_spec)
-    replayed = select(f"sharegpt:{n_requests or (32 if quick else 60)}",
+    replayed = select(f"sharegpt:{n_requests or (32 if quick else 40)}",
                       exclude={p["id"] for p in select(CHAT_TRAIN)})
     settings = LiveSettings(n_requests=len(replayed), n_train=len(train), repeats=repeats or (1 if quick else 3),
                             load=load, max_tokens=max_tokens, policies=QUICK_POLICIES if quick else FULL_POLICIES,

@@ -11,6 +11,7 @@ from typing import Optional
 
 import typer
 
+from evaluation.selections import CHAT_TRAIN
 from leap_cli.apps import eval_app
 from leap_cli.output import _clean, console, emit
 
@@ -46,7 +47,7 @@ def _names(value: str) -> list[str]:
 
 @eval_app.command("transfer")
 def transfer(
-    train: str = typer.Option("sharegpt:500,arena_hard:150", help="training sets: NAME_OR_FILE[:N],..."),
+    train: str = typer.Option(CHAT_TRAIN, help="training sets: NAME_OR_FILE[:N],..."),
     test: list[str] = typer.Option(..., help="target prompts: a JSONL in the shared schema or a set name; repeat"),
     limit: Optional[int] = typer.Option(300, help="prompts per test file (a seeded sample; 0 = all)"),
     feedback: str = typer.Option("100,500,1000", help="RLS feedback counts scored"),
@@ -66,7 +67,7 @@ def transfer(
 def live(
     quick: bool = typer.Option(False, "--quick",
                                help="32 requests, 1 repeat, the baselines that train in seconds (minutes)"),
-    requests: Optional[int] = typer.Option(None, help="replayed requests (default 60; 32 with --quick)"),
+    requests: Optional[int] = typer.Option(None, help="replayed requests (default 40; 32 with --quick)"),
     repeats: Optional[int] = typer.Option(None, help="repeats (default 3; 1 with --quick)"),
     load: float = typer.Option(1.5, help="arrival rate as a multiple of the engine's FCFS capacity"),
     max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
@@ -112,7 +113,7 @@ def layers(prompts: int = typer.Option(500, help="ShareGPT prompts with every la
 
 @eval_app.command("load")
 def load(
-    train: str = typer.Option("sharegpt:500,arena_hard:150"),
+    train: str = typer.Option(CHAT_TRAIN),
     test: list[str] = typer.Option(..., help="target prompts (JSONL or set name); repeat"),
     limit: Optional[int] = typer.Option(300), name: Optional[str] = typer.Option(None),
     baselines: str = typer.Option("prompt_length,minilm_ridge,minilm_finetuned,minilm_ltr,trail_mlp"),
