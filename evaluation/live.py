@@ -182,8 +182,8 @@ def _replay_policy(live: Any, name: str, requests: list[ReplayRequest], arrivals
     predict_at_arrival = None
     runtime.reset_readout(None, None)
     if name in ("leap", "leap-rls"):
+        runtime.configure(policy="leap", rls=name == "leap-rls")  # first: the reset anchors RLS only if on
         runtime.reset_readout(readout, anchor)
-        runtime.configure(policy="leap", rls=name == "leap-rls")
     elif name in HIDDEN_BASELINES:
         runtime.serve_predictor(HeadOnFeatures(predictors[name], max_tokens), name)
         runtime.configure(policy="leap", rls=False)
@@ -192,9 +192,12 @@ def _replay_policy(live: Any, name: str, requests: list[ReplayRequest], arrivals
         runtime.configure(policy="client", rls=False)
     else:
         runtime.configure(policy=name, rls=False)
+    updates = runtime.learner.updates
     result = replay(live.engine, requests, arrivals, name, runtime=runtime, tag=tag,
                     predict_at_arrival=predict_at_arrival)
+    runtime.learner.wait_idle()
     summary = result.summary()
+    summary["rls_updates"] = runtime.learner.updates - updates
     if name not in ("leap", "leap-rls", *HIDDEN_BASELINES):
         summary["ready_before_decode"] = None
     return summary

@@ -83,9 +83,9 @@ def run_replay(policies: Sequence[str], prompts: list[dict], train_prompts: list
         results = []
         for name in policies:
             policy, rls = _engine_policy(name)
+            runtime.configure(policy=policy, rls=rls)  # before the reset, which anchors RLS only if it is on
             if policy == "leap":
                 runtime.reset_readout(readout, rls_state)
-            runtime.configure(policy=policy, rls=rls)
             result = _with_progress(progress, f"replay {name}", len(requests),
                                     lambda cb: replay(live.engine, requests, arrivals, name, runtime=runtime,
                                                       on_progress=cb, tag=f"{name}-"))

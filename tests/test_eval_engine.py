@@ -134,7 +134,7 @@ def test_live_replay_study_conserves_requests_and_work(all_layers, prompt_file):
 
     prompts = load_prompts(prompt_file)
     settings = LiveSettings(n_requests=8, n_train=16, repeats=1, load=2.0, max_tokens=M,
-                            policies=("fcfs", "prompt_length", "trail_mlp", "leap", "oracle"),
+                            policies=("fcfs", "prompt_length", "trail_mlp", "leap", "leap-rls", "oracle"),
                             calibration_requests=8, max_resident=16, decode_slots=4)
     result = run_live(prompts[:16], prompts[16:], settings)
     assert set(result["mean_ptl"]) == set(settings.policies)
@@ -144,6 +144,8 @@ def test_live_replay_study_conserves_requests_and_work(all_layers, prompt_file):
     assert result["best_baseline"] in ("prompt_length", "trail_mlp")
     assert result["policies"]["leap"]["runs"][0]["ready_before_decode"] is not None
     assert result["capacity_rps"] > 0 and result["step_model"]["per_decode_s"] >= 0
+    assert result["policies"]["leap-rls"]["runs"][0]["rls_updates"] >= 1  # 8 finished requests: one publish
+    assert result["policies"]["leap"]["runs"][0]["rls_updates"] == 0
 
 
 def test_eval_transfer_command_takes_any_prompt_file(all_layers, prompt_file):
