@@ -19,7 +19,7 @@ from sklearn.model_selection import KFold
 from leap_core import metrics, targets
 from leap_core.readout import LinearReadout, Standardizer
 
-ALPHAS: tuple[float, ...] = tuple(float(a) for a in np.logspace(0, 5, 6))
+ALPHAS: tuple[float, ...] = tuple(float(a) for a in np.logspace(0, 6, 7))
 TARGET_ORDER = ("raw", "log", "sqrt")
 BUCKETS = ("short", "medium", "long", "all")
 N_SPLITS = 5

@@ -13,30 +13,22 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from sklearn.model_selection import GridSearchCV, KFold
 
 from evaluation.baselines import LengthData
 from evaluation.data import split_stream
+from evaluation.offline import choose_alpha
 from leap_core.metrics import spearman
 from leap_core.readout import LinearReadout
 from leap_core.rls import RLS
 
-ALPHAS = tuple(float(a) for a in np.logspace(0, 5, 6))
 FEEDBACK_COUNTS = (100, 500, 1000)
 RLS_BATCH = 8
 
 
-def choose_alpha(data: LengthData, alphas: Sequence[float] = ALPHAS, folds: int = 5, seed: int = 0) -> float:
-    """The ridge penalty with the lowest cross-validated MAE (tokens) on these rows only."""
-    search = GridSearchCV(LinearReadout(target="sqrt", max_tokens=data.max_tokens), {"alpha": list(alphas)},
-                          scoring="neg_mean_absolute_error", cv=KFold(folds, shuffle=True, random_state=seed))
-    search.fit(data.features, data.lengths)
-    return float(search.best_params_["alpha"])
-
-
 def fit_leap(data: LengthData, alpha: float | None = None) -> LinearReadout:
     """LEAP's sqrt-target readout on these rows (alpha chosen on them when not given)."""
-    alpha = choose_alpha(data) if alpha is None else alpha
+    if alpha is None:
+        alpha = choose_alpha(data.features, data.lengths, "sqrt", data.max_tokens)
     return LinearReadout(alpha=alpha, target="sqrt", max_tokens=data.max_tokens).fit(data.features, data.lengths)
 
 
