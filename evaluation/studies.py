@@ -155,18 +155,20 @@ def tail_study(step_model: StepTimeModel, max_tokens: int = 1024, model: str | N
 
 
 def live_study(quick: bool, n_requests: int | None = None, repeats: int | None = None, load: float = 1.5,
-               max_tokens: int = 1024, model: str | None = None, say: Say = _quiet) -> dict:
+               decode_slots: int | None = None, max_tokens: int = 1024, model: str | None = None,
+               say: Say = _quiet) -> dict:
     """The live replay: `quick` is a smaller run (fewer requests and training prompts, one repeat, the
     baselines that train in seconds) that finishes in minutes; the full run is the Table 3 study."""
     from evaluation.live import FULL_POLICIES, QUICK_POLICIES, LiveSettings, run_live
 
     train_spec = "sharegpt:200" if quick else CHAT_TRAIN
     train = select(train_spec)
-    replayed = select(f"sharegpt:{n_requests or (32 if quick else 40)}",
+    replayed = select(f"sharegpt:{n_requests or (16 if quick else 20)}",
                       exclude={p["id"] for p in select(CHAT_TRAIN)})
     settings = LiveSettings(n_requests=len(replayed), n_train=len(train), repeats=repeats or (1 if quick else 3),
                             load=load, max_tokens=max_tokens, policies=QUICK_POLICIES if quick else FULL_POLICIES,
-                            calibration_requests=24 if quick else 48)
+                            calibration_requests=16 if quick else 32,
+                            decode_slots=decode_slots or (4 if quick else 8))
     result = run_live(train, replayed, settings, model, say)
     result.update(quick=quick, train=train_spec)
     return result

@@ -66,16 +66,19 @@ def transfer(
 @eval_app.command("live")
 def live(
     quick: bool = typer.Option(False, "--quick",
-                               help="32 requests, 1 repeat, the baselines that train in seconds (minutes)"),
-    requests: Optional[int] = typer.Option(None, help="replayed requests (default 40; 32 with --quick)"),
+                               help="16 requests, 4 decode slots, 1 repeat, baselines that train in seconds"),
+    requests: Optional[int] = typer.Option(None, help="replayed requests (default 20; 16 with --quick)"),
     repeats: Optional[int] = typer.Option(None, help="repeats (default 3; 1 with --quick)"),
     load: float = typer.Option(1.5, help="arrival rate as a multiple of the engine's FCFS capacity"),
+    decode_slots: Optional[int] = typer.Option(
+        None, help="K, requests decoded per step (default 8; 4 with --quick): scaled so that a few dozen "
+                   "requests queue for slots on 2 CPU cores, as 512 do for 64 on a GPU"),
     max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
 ) -> None:
     """Replay the same real requests through the real engine under FCFS, each baseline, LEAP, LEAP + RLS, oracle."""
     from evaluation.studies import live_study
 
-    result = live_study(quick, requests, repeats, load, max_tokens, model, _say(as_json))
+    result = live_study(quick, requests, repeats, load, decode_slots, max_tokens, model, _say(as_json))
     _finish(result, "live", "live-quick" if quick else "live", as_json, save)
 
 

@@ -323,7 +323,6 @@ class LeapRuntime:
         self._m_decoding.set(n)
         held = 0
         self.last_held: set[str] = set()
-        self.last_step_shape: tuple[int, int] = (0, 0)  # (decoded requests, prefill tokens) of the last step
         if n > self.config.decode_slots:
             predicted = np.fromiter((self._predicted_total(r, e) for r, e in zip(candidates, entries)),
                                     dtype=np.float64, count=n)
