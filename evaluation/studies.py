@@ -163,11 +163,11 @@ def live_study(quick: bool, n_requests: int | None = None, repeats: int | None =
 
     train_spec = "sharegpt:200" if quick else CHAT_TRAIN
     train = select(train_spec)
-    replayed = select(f"sharegpt:{n_requests or (16 if quick else 20)}",
+    replayed = select(f"sharegpt:{n_requests or (12 if quick else 20)}",
                       exclude={p["id"] for p in select(CHAT_TRAIN)})
     settings = LiveSettings(n_requests=len(replayed), n_train=len(train), repeats=repeats or (1 if quick else 3),
                             load=load, max_tokens=max_tokens, policies=QUICK_POLICIES if quick else FULL_POLICIES,
-                            calibration_requests=16 if quick else 32,
+                            calibration_requests=8 if quick else 32,
                             decode_slots=decode_slots or (4 if quick else 8))
     result = run_live(train, replayed, settings, model, say)
     result.update(quick=quick, train=train_spec)

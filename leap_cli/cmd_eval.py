@@ -66,8 +66,8 @@ def transfer(
 @eval_app.command("live")
 def live(
     quick: bool = typer.Option(False, "--quick",
-                               help="16 requests, 4 decode slots, 1 repeat, baselines that train in seconds"),
-    requests: Optional[int] = typer.Option(None, help="replayed requests (default 20; 16 with --quick)"),
+                               help="12 requests, 4 decode slots, 1 repeat, baselines that train in seconds"),
+    requests: Optional[int] = typer.Option(None, help="replayed requests (default 20; 12 with --quick)"),
     repeats: Optional[int] = typer.Option(None, help="repeats (default 3; 1 with --quick)"),
     load: float = typer.Option(1.5, help="arrival rate as a multiple of the engine's FCFS capacity"),
     decode_slots: Optional[int] = typer.Option(
