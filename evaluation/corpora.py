@@ -20,8 +20,9 @@ def model_info(model: str | None) -> ModelInfo:
 
 def load_or_build(prompt_lists: Sequence[Sequence[dict]], max_tokens: int, model: str | None = None,
                   all_layers: bool = False, layer: int | None = None,
-                  say: Callable[[str], None] = lambda message: None) -> list[Corpus]:
-    """One corpus per prompt list (rows in prompt order), generating only what the cache lacks."""
+                  say: Callable[[str], None] = lambda message: None, build: bool = True) -> list[Corpus]:
+    """One corpus per prompt list (rows in prompt order), generating only what the cache lacks
+    (`build=False`: use only the rows already recorded)."""
     from serving.worker import default_layer
 
     info = model_info(model)
@@ -32,7 +33,9 @@ def load_or_build(prompt_lists: Sequence[Sequence[dict]], max_tokens: int, model
         every = corpus_dir(corpus_key(info.fingerprint, ALL_LAYERS, max_tokens, DEFAULT_DECODING))
         copy_layer_rows(every, folder, layer, info.hidden_size, max_tokens, wanted)
     missing = set(missing_ids(folder, layer, max_tokens, wanted))
-    if missing:
+    if missing and not build:
+        say(f"{len(missing)} prompts not in the corpus yet: left out (no build)")
+    elif missing:
         from serving.experiment import corpus_for, open_live
 
         say(f"running {len(missing)} prompts through the engine")

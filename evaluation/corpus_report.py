@@ -17,14 +17,15 @@ STUDY_SELECTIONS = (CHAT_TRAIN, "sharegpt:150", domain_spec("instruction", 60), 
                     domain_spec("multilingual", 150))
 
 
-def corpus_study(specs: Sequence[str], max_tokens: int = 1024, model: str | None = None, say=print) -> dict:
+def corpus_study(specs: Sequence[str], max_tokens: int = 1024, model: str | None = None, say=print,
+                 build: bool = True) -> dict:
     """Per-set length distribution of the given selections (built where the cache lacks them)."""
     lists: list[list[dict]] = []
     seen: set[str] = set()
     for spec in specs:
         lists.append(select(spec, exclude=seen))
         seen.update(p["id"] for p in lists[-1])
-    corpora = load_or_build(lists, max_tokens, model, say=say)
+    corpora = load_or_build(lists, max_tokens, model, say=say, build=build)
     per_set: dict[str, dict] = {}
     chat_capped, chat_n = 0.0, 0
     for corpus in corpora:

@@ -28,7 +28,8 @@ def length_data(corpus: Corpus, prompts: Sequence[dict]) -> LengthData:
                       sets=np.asarray(rows.sets, dtype=object))
 
 
-def split_stream(n: int, counts: Sequence[int], min_eval_fraction: float = 0.15, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def split_stream(n: int, counts: Sequence[int], min_eval_fraction: float = 0.15,
+                 seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(feedback stream, evaluation rows) of a target domain, disjoint, in a seeded order.
 
     The stream is as long as the largest feedback count allows while keeping at least

@@ -32,7 +32,7 @@ def _quiet(message: str) -> None:
 
 
 def datasets(specs: Sequence[str], max_tokens: int, model: str | None, say: Say,
-             limit: int | None = None) -> list[LengthData]:
+             limit: int | None = None, build: bool = True) -> list[LengthData]:
     """LengthData per selection spec; later specs never repeat an earlier one's prompts."""
     lists: list[list[dict]] = []
     seen: set[str] = set()
@@ -40,7 +40,7 @@ def datasets(specs: Sequence[str], max_tokens: int, model: str | None, say: Say,
         prompts = select(spec, limit, exclude=seen)
         seen.update(p["id"] for p in prompts)
         lists.append(prompts)
-    corpora = load_or_build(lists, max_tokens, model, say=say)
+    corpora = load_or_build(lists, max_tokens, model, say=say, build=build)
     return [length_data(corpus, prompts) for corpus, prompts in zip(corpora, lists)]
 
 
@@ -55,8 +55,8 @@ def fitted_baselines(train: LengthData, names: Sequence[str], say: Say) -> dict[
 
 def transfer_study(train_spec: str, test_specs: Sequence[str], limit: int | None, baselines: Sequence[str],
                    counts: Sequence[int] = FEEDBACK_COUNTS, max_tokens: int = 1024, model: str | None = None,
-                   say: Say = _quiet) -> dict:
-    train, target = datasets([train_spec, ",".join(test_specs)], max_tokens, model, say, limit)
+                   say: Say = _quiet, build: bool = True) -> dict:
+    train, target = datasets([train_spec, ",".join(test_specs)], max_tokens, model, say, limit, build)
     result = run_transfer(train, target, fitted_baselines(train, baselines, say), counts)
     result.update(train=train_spec, test=list(test_specs), max_tokens=max_tokens)
     return result
@@ -106,9 +106,9 @@ def step_model_from(path: Path | None, max_tokens: int, model: str | None, say: 
 
 def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, baselines: Sequence[str],
                step_model: StepTimeModel, max_tokens: int = 1024, model: str | None = None,
-               say: Say = _quiet, **options: Any) -> dict:
+               say: Say = _quiet, build: bool = True, **options: Any) -> dict:
     """Simulated scheduling of a target domain's evaluation rows under every predictor (Table 4, Figure 6)."""
-    train, target = datasets([train_spec, ",".join(test_specs)], max_tokens, model, say, limit)
+    train, target = datasets([train_spec, ",".join(test_specs)], max_tokens, model, say, limit, build)
     evaluation, predictions = domain_predictions(train, target, fitted_baselines(train, baselines, say))
     result = simulated.run_load(evaluation.prompt_tokens, evaluation.lengths, predictions, step_model, **options)
     result.update(train=train_spec, test=list(test_specs), n_pool=len(evaluation))

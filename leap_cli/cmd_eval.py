@@ -20,6 +20,8 @@ LIVE_RESULT = RESULTS / "live.json"
 
 JSON = typer.Option(False, "--json", help="one JSON object on stdout")
 SAVE = typer.Option(False, "--save", help="also write the result to docs/results/ for `leap eval report`")
+BUILD = typer.Option(True, "--build/--no-build",
+                     help="run prompts missing from the corpus (--no-build: leave them out)")
 MODEL = typer.Option(None, help="HF model folder (default: the prepared SmolLM2)")
 MAX_TOKENS = typer.Option(1024, help="output budget M (at most 10% of chat outputs reach it)")
 STEP_MODEL = typer.Option(LIVE_RESULT, help="JSON holding a `step_model` (default: the live study's); "
@@ -54,12 +56,13 @@ def transfer(
     baselines: str = typer.Option("prompt_length,minilm_ridge,minilm_finetuned,minilm_ltr,trail_mlp"),
     name: Optional[str] = typer.Option(None, help="result name under docs/results/ (default from --test)"),
     max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
+    build: bool = BUILD,
 ) -> None:
     """Train on one domain, score another: frozen LEAP, LEAP + RLS by feedback count, a refit, baselines."""
     from evaluation.studies import transfer_study
 
     result = transfer_study(train, test, limit or None, _names(baselines), [int(c) for c in _names(feedback)],
-                            max_tokens, model, _say(as_json))
+                            max_tokens, model, _say(as_json), build)
     _finish(result, "transfer", name or "transfer-" + "-".join(Path(t).stem for t in test), as_json, save)
 
 
@@ -86,11 +89,12 @@ def live(
 def corpus(
     select: Optional[list[str]] = typer.Option(None, help="selections NAME_OR_FILE[:N],... (default: every study's)"),
     max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
+    build: bool = BUILD,
 ) -> None:
     """Output-length distribution per prompt set and how often the budget M is reached."""
     from evaluation.corpus_report import STUDY_SELECTIONS, corpus_study
 
-    result = corpus_study(select or STUDY_SELECTIONS, max_tokens, model, _say(as_json))
+    result = corpus_study(select or STUDY_SELECTIONS, max_tokens, model, _say(as_json), build)
     _finish(result, "corpus", "corpus", as_json, save)
 
 
@@ -122,13 +126,14 @@ def load(
     baselines: str = typer.Option("prompt_length,minilm_ridge,minilm_finetuned,minilm_ltr,trail_mlp"),
     step_model: Path = STEP_MODEL, n_requests: int = typer.Option(2000), repeats: int = typer.Option(3),
     max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
+    build: bool = BUILD,
 ) -> None:
     """Simulated replay at 1.0, 1.5 and 2.0 times FCFS capacity and a load sweep, per predictor."""
     from evaluation.studies import load_study, step_model_from
 
     say = _say(as_json)
     steps, source = step_model_from(step_model, max_tokens, model, say)
-    result = load_study(train, test, limit or None, _names(baselines), steps, max_tokens, model, say,
+    result = load_study(train, test, limit or None, _names(baselines), steps, max_tokens, model, say, build,
                         n_requests=n_requests, repeats=repeats)
     result["step_model_source"] = source
     _finish(result, "load", name or "load-" + "-".join(Path(t).stem for t in test), as_json, save)
