@@ -109,7 +109,9 @@ def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, ba
                say: Say = _quiet, build: bool = True, **options: Any) -> dict:
     """Simulated scheduling of a target domain's evaluation rows under every predictor (Table 4, Figure 6)."""
     train, target = datasets([train_spec, ",".join(test_specs)], max_tokens, model, say, limit, build)
-    evaluation, predictions = domain_predictions(train, target, fitted_baselines(train, baselines, say))
+    # half the target rows feed RLS, the other half is the pool the simulator draws requests from
+    evaluation, predictions = domain_predictions(train, target, fitted_baselines(train, baselines, say),
+                                                 counts=(len(target) // 2,))
     result = simulated.run_load(evaluation.prompt_tokens, evaluation.lengths, predictions, step_model, **options)
     result.update(train=train_spec, test=list(test_specs), n_pool=len(evaluation))
     return result
