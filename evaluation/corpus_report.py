@@ -20,22 +20,18 @@ STUDY_SELECTIONS = (CHAT_TRAIN, "sharegpt:150", domain_spec("instruction", 60), 
 def corpus_study(specs: Sequence[str], max_tokens: int = 1024, model: str | None = None, say=print,
                  build: bool = True) -> dict:
     """Per-set length distribution of the given selections (built where the cache lacks them)."""
-    lists: list[list[dict]] = []
-    seen: set[str] = set()
-    for spec in specs:
-        lists.append(select(spec, exclude=seen))
-        seen.update(p["id"] for p in lists[-1])
-    corpora = load_or_build(lists, max_tokens, model, say=say, build=build)
-    per_set: dict[str, dict] = {}
+    prompts: list[dict] = []
+    for spec in specs:  # one corpus over every selection, so a set named by two of them is counted once
+        prompts.extend(select(spec, exclude={p["id"] for p in prompts}))
+    corpus = load_or_build([prompts], max_tokens, model, say=say, build=build)[0]
+    per_set = length_report(corpus)
     chat_capped, chat_n = 0.0, 0
-    for corpus in corpora:
-        for name, row in length_report(corpus).items():
-            per_set[name] = row
-            if name in DOMAINS["chat"]:
-                chat_capped += row["capped_fraction"] * row["n"]
-                chat_n += row["n"]
-            lengths = corpus.output_tokens[corpus.sets == name]
-            row["histogram"] = np.histogram(lengths, bins=16, range=(0, max_tokens))[0].tolist()
+    for name, row in per_set.items():
+        if name in DOMAINS["chat"]:
+            chat_capped += row["capped_fraction"] * row["n"]
+            chat_n += row["n"]
+        lengths = corpus.output_tokens[corpus.sets == name]
+        row["histogram"] = np.histogram(lengths, bins=16, range=(0, max_tokens))[0].tolist()
     capped = chat_capped / chat_n if chat_n else float("nan")
     return {"selections": list(specs), "max_tokens": max_tokens, "n": int(sum(r["n"] for r in per_set.values())),
             "per_set": per_set, "chat_capped_fraction": capped,
