@@ -164,3 +164,29 @@ def test_eval_transfer_command_takes_any_prompt_file(all_layers, prompt_file):
     for key in ("spearman_frozen", "spearman_refit", "spearman_baselines", "command"):
         assert key in result
     assert set(result["spearman_baselines"]) == {"prompt_length"}
+
+
+def test_simulated_studies_on_the_small_real_corpus(all_layers, prompt_file):
+    from evaluation.corpora import load_or_build
+    from evaluation.data import length_data
+    from evaluation.simulated import run_load, run_refresh, run_tail
+    from evaluation.transfer import fit_leap
+    from leap_core.simulator import StepTimeModel
+    from serving.datasets import load_prompts
+
+    prompts = load_prompts(prompt_file)
+    data = length_data(load_or_build([prompts], M)[0], prompts)
+    train, pool = data.subset(np.arange(12)), data.subset(np.arange(12, len(data)))
+    predicted = {"leap": fit_leap(train).predict(pool.features)}
+    steps = StepTimeModel(base_s=0.04, per_decode_s=0.003, per_prefill_token_s=0.002)
+    load = run_load(pool.prompt_tokens, pool.lengths, predicted, steps, n_requests=60, repeats=1, decode_slots=2)
+    assert set(load["table"]) == {"1.0", "1.5", "2.0"}
+    assert set(load["table"]["1.5"]) == {"leap", "fcfs", "oracle"}
+    oracle, fcfs = load["table"]["2.0"]["oracle"]["mean_ptl"], load["table"]["2.0"]["fcfs"]["mean_ptl"]
+    assert oracle <= fcfs
+    refresh = run_refresh(pool.prompt_tokens, pool.lengths, predicted, steps, {"leap": 0.001}, n_requests=60,
+                          repeats=1, decode_slots=2)
+    assert {row["mode"] for row in refresh["rows"]} >= {"countdown", "refresh"}
+    tail = run_tail(pool.prompt_tokens, pool.lengths, predicted["leap"], steps, n_requests=60, repeats=1,
+                    decode_slots=2)
+    assert len(tail["cap"]) == 6 and len(tail["aging"]) == 4
