@@ -367,6 +367,13 @@ class LeapReadoutPredictor(BaseEstimator):
     def __init__(self, alpha: float = 1000.0):
         self.alpha = alpha
 
+    @classmethod
+    def from_readout(cls, readout: LinearReadout) -> LeapReadoutPredictor:
+        """Wrap an already fitted readout (to measure its cost like the baselines')."""
+        predictor = cls(alpha=readout.alpha)
+        predictor.readout_, predictor.n_params_ = readout, readout.n_params_
+        return predictor
+
     def fit(self, data: LengthData) -> LeapReadoutPredictor:
         self.readout_ = LinearReadout(alpha=self.alpha, target="sqrt", max_tokens=int(data.max_tokens))
         self.readout_.fit(data.features, data.lengths)

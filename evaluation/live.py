@@ -13,13 +13,12 @@ model, which the simulated studies reuse.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from evaluation.baselines import LengthData, fit_cached, make_predictor, measure_cost
+from evaluation.baselines import LengthData, LeapReadoutPredictor, fit_cached, make_predictor, measure_cost
 from evaluation.data import length_data
 from evaluation.transfer import fit_leap
 from leap_core.rls import RLS
@@ -134,7 +133,7 @@ def run_live(train_prompts: Sequence[dict], replay_prompts: Sequence[dict], sett
         readout = fit_leap(train)
         readout.metadata.update(model_fingerprint=live.model.fingerprint, model_id=live.model.model_id,
                                 layer=live.runtime.layer, version="live-train")
-        costs["leap"] = costs["leap-rls"] = readout_cost(readout, replayed)
+        costs["leap"] = costs["leap-rls"] = measure_cost(LeapReadoutPredictor.from_readout(readout), replayed)
         anchor = RLS.from_readout(readout, train.features).state_arrays()
         say("calibrating the step-time model (saturated FCFS)")
         step_model, capacity = calibrate(live, requests, settings)
@@ -161,19 +160,6 @@ def _fit_predictors(train: LengthData, policies: Sequence[str], say: Callable[[s
             say(f"training {name} on {len(train)} prompts (cached)")
             fitted[name] = fit_cached(make_predictor(name), train, sub_dir("baselines"))
     return fitted
-
-
-def readout_cost(readout: Any, data: LengthData) -> dict:
-    """LEAP's cost measured like the baselines' (`measure_cost`): one request at a time."""
-    rows = data.features[:64]
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        for row in rows:
-            readout.predict(row[None, :])
-        times.append((time.perf_counter() - start) / max(len(rows), 1))
-    return {"ms_per_request": 1000.0 * float(np.median(times)), "batch_size": 1,
-            "n_params": int(readout.n_params_), "input": "hidden"}
 
 
 def _replay_policy(live: Any, name: str, requests: list[ReplayRequest], arrivals: np.ndarray,

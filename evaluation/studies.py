@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from evaluation import offline, simulated
-from evaluation.baselines import LengthData, fit_cached, make_predictor, measure_cost
+from evaluation.baselines import LengthData, LeapReadoutPredictor, fit_cached, make_predictor, measure_cost
 from evaluation.corpora import load_or_build, model_info
 from evaluation.data import length_data
 from evaluation.selections import CHAT_TRAIN, select
@@ -126,14 +126,8 @@ def chat_predictions(names: Sequence[str], max_tokens: int, model: str | None,
     predictions = {"leap": readout.predict(test.features)}
     predictions.update({name: np.asarray(p.predict(test), dtype=np.float64) for name, p in fitted.items()})
     costs = {name: measure_cost(p, test) for name, p in fitted.items()}
-    costs["leap"] = _readout_cost(readout, test)
+    costs["leap"] = measure_cost(LeapReadoutPredictor.from_readout(readout), test)
     return test, predictions, costs
-
-
-def _readout_cost(readout: Any, data: LengthData) -> dict:
-    from evaluation.live import readout_cost
-
-    return readout_cost(readout, data)
 
 
 def refresh_study(step_model: StepTimeModel, max_tokens: int = 1024, model: str | None = None,
