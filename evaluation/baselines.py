@@ -358,7 +358,7 @@ class OraclePredictor(BaseEstimator):
 class LeapReadoutPredictor(BaseEstimator):
     """LEAP's own linear readout on the hidden state, behind the same interface as the baselines.
 
-    The default penalty is the one the live experiments use (`serving.experiment.DEFAULT_ALPHA`).
+    The default penalty is the one the live experiments use (`harness.experiment.DEFAULT_ALPHA`).
     """
 
     name = "leap"

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from serving.config import LeapConfig
-from serving.corpus import ALL_LAYERS, Corpus, copy_layer_rows, corpus_dir, corpus_key, load_corpus, missing_ids
-from serving.model_prep import ModelInfo, describe_model, prepare_model
-from serving.replay import DEFAULT_DECODING
+from harness.corpus import ALL_LAYERS, Corpus, copy_layer_rows, corpus_dir, corpus_key, load_corpus, missing_ids
+from harness.model_prep import ModelInfo, describe_model, prepare_model
+from harness.replay import DEFAULT_DECODING
 
 
 def model_info(model: str | None) -> ModelInfo:
@@ -36,7 +36,7 @@ def load_or_build(prompt_lists: Sequence[Sequence[dict]], max_tokens: int, model
     if missing and not build:
         say(f"{len(missing)} prompts not in the corpus yet: left out (no build)")
     elif missing:
-        from serving.experiment import corpus_for, open_live
+        from harness.experiment import corpus_for, open_live
 
         say(f"running {len(missing)} prompts through the engine")
         todo = [p for prompts in prompt_lists for p in prompts if p["id"] in missing]

@@ -10,7 +10,7 @@ import numpy as np
 
 from evaluation.corpora import load_or_build
 from evaluation.selections import CHAT_TRAIN, DOMAINS, domain_spec, select
-from serving.corpus import length_report
+from harness.corpus import length_report
 
 CHAT_BUDGET_GOAL = 0.10
 STUDY_SELECTIONS = (CHAT_TRAIN, "sharegpt:150", domain_spec("instruction", 60), domain_spec("math", 60),

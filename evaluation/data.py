@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from evaluation.baselines import LengthData
-from serving.corpus import Corpus
+from harness.corpus import Corpus
 
 
 def length_data(corpus: Corpus, prompts: Sequence[dict]) -> LengthData:

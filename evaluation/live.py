@@ -24,9 +24,9 @@ from evaluation.transfer import fit_leap
 from leap_core.rls import RLS
 from leap_core.simulator import SimConfig, StepTimeModel, fcfs_capacity
 from serving.config import LeapConfig
-from serving.experiment import corpus_for, fixed_length_requests, open_live
-from serving.paths import sub_dir
-from serving.replay import ReplayRequest, planned_arrivals, replay
+from harness.experiment import corpus_for, fixed_length_requests, open_live
+from leap_io.paths import sub_dir
+from harness.replay import ReplayRequest, planned_arrivals, replay
 
 TEXT_BASELINES = ("prompt_length", "minilm_ridge", "minilm_finetuned", "minilm_ltr")
 HIDDEN_BASELINES = ("trail_mlp",)

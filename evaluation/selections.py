@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from serving.datasets import available_prompts, load_prompts, sample_prompts, shared_dir
+from harness.datasets import available_prompts, load_prompts, sample_prompts, shared_dir
 
 DOMAINS = {
     "chat": ("sharegpt", "arena_hard"),

@@ -20,7 +20,7 @@ from evaluation.data import length_data
 from evaluation.selections import CHAT_TRAIN, select
 from evaluation.transfer import FEEDBACK_COUNTS, domain_predictions, fit_leap, run_transfer
 from leap_core.simulator import StepTimeModel
-from serving.paths import sub_dir
+from leap_io.paths import sub_dir
 
 BASELINES = ("prompt_length", "minilm_ridge", "minilm_finetuned", "minilm_ltr", "trail_mlp")
 CHAT_TEST = "sharegpt:150"

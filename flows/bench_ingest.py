@@ -18,8 +18,7 @@ import pyarrow.parquet as pq
 
 from flows.ingest import ingest_folder, totals
 from flows.store import LogStore
-from serving.feedback import segment_metadata
-from serving.feedback_schema import feedback_schema
+from leap_io.feedback_schema import feedback_schema, segment_metadata
 
 BENCH_MODEL_ID = "bench-model"
 BENCH_FINGERPRINT = "bench-fingerprint"

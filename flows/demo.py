@@ -52,9 +52,9 @@ def run_demo(n_prompts: int = 240, max_tokens: int = 128, concurrency: int = 256
     """Run the whole loop once and return the summary the README promises."""
     started = time.time()
     say = progress or (lambda message: None)
-    from serving.datasets import available_prompts
-    from serving.model_prep import prepare_model
-    from serving.paths import state_dir
+    from harness.datasets import available_prompts
+    from harness.model_prep import prepare_model
+    from leap_io.paths import state_dir
 
     home = state_dir()
     say("preparing the model")

@@ -108,8 +108,8 @@ def replay_gate(engine_settings: Any, prompts: Sequence[Mapping[str, Any]], fixe
     shut down before returning, so the process can build another.
     """
     from serving.config import LeapConfig
-    from serving.engine import build_engine, leap_scheduler
-    from serving.replay import ReplayRequest, encode_prompts, planned_arrivals, replay
+    from harness.engine import build_engine, leap_scheduler
+    from harness.replay import ReplayRequest, encode_prompts, planned_arrivals, replay
 
     if readouts.get("challenger") is None:
         raise ValueError("the gate needs a challenger readout")

@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from flows.store import FINISH_REASONS, REQUIRED_COLUMNS, SCALAR_COLUMNS, LogStore, stored_dims
-from serving.feedback_schema import (
+from leap_io.feedback_schema import (
     META_DIM,
     META_LAYER,
     META_MODEL_FINGERPRINT,
@@ -556,7 +556,7 @@ def ingest_folder(store: LogStore, folder: str | Path | None = None, *, transact
     its data: the group's ledger rows roll back with it, so a rerun ingests the group again).
     """
     if folder is None:
-        from serving.paths import sub_dir
+        from leap_io.paths import sub_dir
 
         folder = sub_dir("feedback")
     segments = complete_segments(folder)

@@ -44,7 +44,7 @@ def serving_version(endpoint: str, timeout: float = 10.0) -> str:
 
 def push_readout(endpoint: str, token: str, bundle_bytes: bytes, expected_version: str, retries: int = 3,
                  timeout: float = 30.0, backoff_s: float = 0.5) -> dict[str, Any]:
-    """POST `bundle_bytes` (see `serving.runtime.make_bundle`) and verify `expected_version` serves.
+    """POST `bundle_bytes` (see `leap_io.push_bundle.make_bundle`) and verify `expected_version` serves.
 
     Returns {"endpoint", "version", "previous", "attempts"}; raises PushFailed when the replica
     refuses the bundle or does not report `expected_version` after `retries` further attempts.

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from serving.paths import state_dir
+from leap_io.paths import state_dir
 
 
 class PipelineSettings(BaseSettings):
@@ -122,7 +122,7 @@ class PipelineSettings(BaseSettings):
     def resolved_model_path(self) -> Path:
         if self.model_path is not None:
             return Path(self.model_path)
-        from serving.model_prep import DEFAULT_MODEL_ID
+        from harness.model_prep import DEFAULT_MODEL_ID
 
         return self.home / "models" / DEFAULT_MODEL_ID
 

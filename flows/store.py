@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from serving.feedback_schema import feedback_schema
+from leap_io.feedback_schema import feedback_schema
 
 FINISH_REASONS = ("stop", "length", "abort")
 

@@ -280,18 +280,18 @@ def _readout_pair(registry: ReadoutRegistry, name: str, version: str):
 @task(name="run-gate", cache_policy=NO_CACHE)
 def run_gate(settings: PipelineSettings, name: str, challenger: str, champion: str | None) -> dict[str, Any]:
     """Replay one slice of served prompts with recorded lengths under FCFS, champion and challenger."""
-    from serving.engine import EngineSettings
+    from harness.engine import EngineSettings
 
     registry = ReadoutRegistry(settings.mlflow_tracking_uri)
     readouts = {"challenger": _readout_pair(registry, name, challenger),
                 "champion": _readout_pair(registry, name, champion) if champion is not None else None}
     fingerprint = str(readouts["challenger"][0].metadata.get("model_fingerprint") or "") or None
     if settings.gate_prompts is not None:
-        from serving.datasets import load_prompts
+        from harness.datasets import load_prompts
 
         prompts = load_prompts(settings.gate_prompts)
     else:
-        from serving.datasets import available_prompts
+        from harness.datasets import available_prompts
 
         prompts = available_prompts()
     chosen, lengths = gate_slice(LogStore(settings.duckdb_path), prompts, settings.replay_slice,
@@ -348,7 +348,7 @@ def promote_if_passed(tracking_uri: str, name: str, version: str, verdict: Mappi
 
 def _bundle(registry: ReadoutRegistry, name: str, version: str) -> tuple[bytes, str]:
     from leap_core.readout_format import to_bytes
-    from serving.runtime import make_bundle
+    from leap_io.push_bundle import make_bundle
 
     readout, state = _readout_pair(registry, name, version)
     return make_bundle(to_bytes(readout), state), str(readout.metadata.get("version", ""))

@@ -58,7 +58,7 @@ def simulate_command(
     """
     from leap_core.noise import noisy_predictions
     from leap_core.simulator import SimConfig, simulate
-    from serving.datasets import load_trace, trace_path
+    from harness.datasets import load_trace, trace_path
 
     if policy is not SimPolicy.countdown and (predictions is not None or noise_spearman is not None):
         raise typer.BadParameter("only --policy countdown reads predictions", param_hint="--predictions")

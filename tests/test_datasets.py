@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from serving.datasets import (
+from harness.datasets import (
     PROMPT_KEYS,
     available_prompts,
     default_prompts,

@@ -12,7 +12,7 @@ import pytest
 from leap_core.readout import LinearReadout
 from leap_core.readout_format import to_bytes
 from leap_core.rls import RLS
-from serving.runtime import make_bundle
+from leap_io.push_bundle import make_bundle
 from tests.engine_fixtures import LAYER, PROMPTS, chat_ids, spread_readout
 
 pytestmark = pytest.mark.engine
@@ -21,7 +21,7 @@ TOKEN = "engine-test-token"
 
 @pytest.fixture(scope="module")
 def model():
-    from serving.model_prep import prepare_model
+    from harness.model_prep import prepare_model
 
     return prepare_model()
 
@@ -29,7 +29,7 @@ def model():
 @pytest.fixture(scope="module")
 def live(model, tmp_path_factory):
     from serving.config import LeapConfig
-    from serving.engine import EngineSettings, build_engine, leap_scheduler
+    from harness.engine import EngineSettings, build_engine, leap_scheduler
 
     feedback = tmp_path_factory.mktemp("feedback")
     config = LeapConfig(policy="leap", layer=LAYER, max_resident=16, decode_slots=4, waiting_cap=1000,

@@ -20,8 +20,8 @@ M = 48
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
     """A fresh LEAP_HOME (empty corpus cache) that reuses the prepared model."""
-    from serving.model_prep import prepare_model
-    from serving.paths import sub_dir
+    from harness.model_prep import prepare_model
+    from leap_io.paths import sub_dir
 
     models = sub_dir("models")
     prepare_model()
@@ -59,7 +59,7 @@ def all_layers(home, prompt_file):
 
 def test_corpus_build_records_every_prompt_once_with_every_layer(all_layers, prompt_file):
     from evaluation.corpora import load_or_build, model_info
-    from serving.datasets import load_prompts
+    from harness.datasets import load_prompts
 
     assert all_layers["layer"] == "all" and all_layers["n"] == all_layers["requested"] == 16
     assert set(all_layers["per_set"]) == {"qa", "task"}
@@ -76,7 +76,7 @@ def test_corpus_build_records_every_prompt_once_with_every_layer(all_layers, pro
 
 def test_one_layer_corpus_reuses_the_all_layers_rows_and_generates_the_rest(all_layers, prompt_file):
     from evaluation.corpora import load_or_build, model_info
-    from serving.datasets import load_prompts
+    from harness.datasets import load_prompts
     from serving.worker import default_layer
 
     prompts = load_prompts(prompt_file)
@@ -105,7 +105,7 @@ def test_offline_and_transfer_studies_on_the_small_corpus(all_layers, prompt_fil
     from evaluation.data import length_data
     from evaluation.offline import run_layers, run_targets
     from evaluation.transfer import run_transfer
-    from serving.datasets import load_prompts
+    from harness.datasets import load_prompts
 
     prompts = load_prompts(prompt_file)[:16]
     corpus = load_or_build([prompts], M, all_layers=True)[0]
@@ -130,7 +130,7 @@ def test_offline_and_transfer_studies_on_the_small_corpus(all_layers, prompt_fil
 
 def test_live_replay_study_conserves_requests_and_work(all_layers, prompt_file):
     from evaluation.live import LiveSettings, run_live
-    from serving.datasets import load_prompts
+    from harness.datasets import load_prompts
 
     prompts = load_prompts(prompt_file)
     settings = LiveSettings(n_requests=8, n_train=16, repeats=1, load=2.0, max_tokens=M,
@@ -172,7 +172,7 @@ def test_simulated_studies_on_the_small_real_corpus(all_layers, prompt_file):
     from evaluation.simulated import run_load, run_refresh, run_tail
     from evaluation.transfer import fit_leap
     from leap_core.simulator import StepTimeModel
-    from serving.datasets import load_prompts
+    from harness.datasets import load_prompts
 
     prompts = load_prompts(prompt_file)
     data = length_data(load_or_build([prompts], M)[0], prompts)

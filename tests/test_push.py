@@ -15,7 +15,8 @@ from leap_core.readout import LinearReadout
 from leap_core.readout_format import to_bytes
 from leap_core.rls import RLS
 from serving.admin import AdminServer
-from serving.runtime import make_bundle, validate_push
+from leap_io.push_bundle import make_bundle
+from serving.push import validate_push
 
 pytest.importorskip("mlflow")
 
@@ -42,7 +43,7 @@ def _readout(dim: int, version: str, seed: int) -> tuple[LinearReadout, RLS]:
 class Replica:
     """The admin target of a serving process: validates a push against its features, then swaps.
 
-    It validates with `serving.runtime.validate_push`, exactly as `LeapRuntime.push_readout` does, so
+    It validates with `serving.push.validate_push`, exactly as `LeapRuntime.push_readout` does, so
     any refusal leaves the old readout; only the engine is left out.
     """
 

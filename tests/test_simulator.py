@@ -134,7 +134,7 @@ def test_simulate_command_on_the_real_trace(tmp_path):
 
     import leap_cli.cmd_core_sim  # noqa: F401  (registers the command)
     from leap_cli.apps import app
-    from serving.datasets import shared_dir
+    from harness.datasets import shared_dir
 
     if shared_dir() is None or not (shared_dir() / "data" / "traces" / "AzureLLMInferenceTrace_conv.csv").is_file():
         pytest.skip("the shared Azure trace is not present")
@@ -155,7 +155,7 @@ def test_simulate_command_on_the_real_trace(tmp_path):
     assert summaries["oracle"]["mean_ptl"] <= summaries["countdown"]["mean_ptl"] <= summaries["fcfs"]["mean_ptl"]
 
     # countdown on a file of the true lengths is the oracle
-    from serving.datasets import load_trace, trace_path
+    from harness.datasets import load_trace, trace_path
 
     predictions = tmp_path / "predicted.txt"
     np.savetxt(predictions, load_trace(trace_path("conv"), limit=2000)["output_tokens"], fmt="%d")

@@ -15,8 +15,8 @@ import numpy as np
 
 from leap_core.readout_format import from_bytes
 from serving.config import LeapConfig
-from serving.experiment import corpus_for, fit_on_corpus, fixed_length_requests, open_live
-from serving.replay import ReplayRequest, encode_prompts, planned_arrivals, replay
+from harness.experiment import corpus_for, fit_on_corpus, fixed_length_requests, open_live
+from harness.replay import ReplayRequest, encode_prompts, planned_arrivals, replay
 
 POLICIES = ("fcfs", "leap", "leap-rls", "oracle")
 
@@ -103,7 +103,7 @@ def run_replay(policies: Sequence[str], prompts: list[dict], train_prompts: list
 def _arrivals(n: int, rate: float | None, trace: Path | None, rate_scale: float, seed: int) -> np.ndarray:
     trace_arrivals = None
     if trace is not None:
-        from serving.datasets import load_trace
+        from harness.datasets import load_trace
 
         trace_arrivals = load_trace(trace, limit=n)["arrival"] / rate_scale
     return planned_arrivals(n, rate, trace_arrivals, seed)

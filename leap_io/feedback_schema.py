@@ -45,3 +45,9 @@ def feedback_schema(dim: int) -> pa.Schema:
 
 
 COLUMNS = tuple(feedback_schema(1).names)
+
+
+def segment_metadata(dim: int, layer: int, model_id: str, fingerprint: str) -> dict[bytes, bytes]:
+    return {META_SCHEMA_VERSION: SCHEMA_VERSION.encode(), META_DIM: str(dim).encode(),
+            META_LAYER: str(layer).encode(), META_MODEL_ID: model_id.encode(),
+            META_MODEL_FINGERPRINT: fingerprint.encode()}

@@ -16,11 +16,11 @@ import numpy as np
 from leap_core.readout import LinearReadout
 from leap_core.rls import RLS
 from serving.config import LeapConfig
-from serving.corpus import (ALL_LAYERS, Corpus, build_corpus, copy_layer_rows, corpus_dir, corpus_key, corpus_layer,
+from harness.corpus import (ALL_LAYERS, Corpus, build_corpus, copy_layer_rows, corpus_dir, corpus_key, corpus_layer,
                             load_corpus)
-from serving.engine import EngineSettings, build_engine, leap_scheduler
-from serving.model_prep import ModelInfo, describe_model, prepare_model
-from serving.replay import DEFAULT_DECODING, ReplayRequest, encode_prompts
+from harness.engine import EngineSettings, build_engine, leap_scheduler
+from harness.model_prep import ModelInfo, describe_model, prepare_model
+from harness.replay import DEFAULT_DECODING, ReplayRequest, encode_prompts
 
 DEFAULT_MAX_TOKENS = 1024
 DEFAULT_ALPHA = 1000.0

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serving.config import LeapConfig
-from serving.paths import sub_dir
+from leap_io.paths import sub_dir
 
 
 def engine_environment() -> None:

@@ -15,8 +15,8 @@ import numpy as np
 
 from leap_core.readout import LinearReadout
 from serving.config import LeapConfig
-from serving.experiment import open_live
-from serving.replay import ReplayRequest, encode_prompts, replay
+from harness.experiment import open_live
+from harness.replay import ReplayRequest, encode_prompts, replay
 
 
 def _readout_for(live) -> LinearReadout:

@@ -19,8 +19,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from serving.paths import sub_dir
-from serving.replay import DEFAULT_DECODING, ReplayRequest, encode_prompts, sampling_params
+from leap_io.paths import sub_dir
+from harness.replay import DEFAULT_DECODING, ReplayRequest, encode_prompts, sampling_params
 
 
 @dataclass
