@@ -1,8 +1,8 @@
 """An in-process vLLM engine with LEAP active, for the replay harness, the corpus builder and tests.
 
 Everything runs in the calling process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so the scheduler and its
-LEAP runtime are reachable as Python objects. The CPU engine needs `enforce_eager=True` for the capture
-hook to fire (under torch.compile forward hooks never run).
+LEAP runtime are reachable as Python objects. The engine runs as vLLM would by default (compiled,
+the model's own dtype): LEAP's capture reads aux hidden states, which survive compilation.
 """
 
 from __future__ import annotations
@@ -29,12 +29,6 @@ def engine_environment() -> None:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries `--json` results
 
 
-def default_dtype() -> str:
-    """float32 on CPUs: eager mode (needed by the hook) runs bf16 matmuls 4-5x slower there when the CPU
-    has no native bf16 (measured 62 against 289 decoded tok/s, 80 against 367 prefill tok/s)."""
-    return "float32" if is_cpu_platform() else "bfloat16"
-
-
 @dataclass
 class EngineSettings:
     """The engine-side knobs that matter for LEAP experiments."""
@@ -42,8 +36,9 @@ class EngineSettings:
     model: str
     max_model_len: int = 4096
     max_num_batched_tokens: int = 2048
-    dtype: str = ""
+    dtype: str = "auto"
     seed: int = 0
+    enforce_eager: bool = False  # only for a model without aux hidden states (the forward-hook fallback)
 
 
 def is_cpu_platform() -> bool:
@@ -52,33 +47,35 @@ def is_cpu_platform() -> bool:
     return current_platform.is_cpu()
 
 
+def leap_engine_args(leap: LeapConfig) -> dict[str, Any]:
+    """The engine arguments that turn a stock engine into a LEAP one (and nothing else)."""
+    from serving.scheduler import scheduler_class
+
+    return dict(scheduler_cls=scheduler_class(async_scheduling=not is_cpu_platform()),
+                worker_cls="serving.worker.LeapWorker", max_num_seqs=leap.max_resident,
+                additional_config={"leap": leap.model_dump(exclude_none=True)})
+
+
 def build_engine(settings: EngineSettings, leap: LeapConfig | None, stock: bool = False) -> Any:
-    """An LLMEngine; `stock=True` keeps vLLM's own scheduler and no capture (the overhead baseline)."""
+    """An LLMEngine; `stock=True` keeps vLLM's own scheduler and worker, with the same engine shape."""
     engine_environment()
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
     leap = leap or LeapConfig()
     kwargs: dict[str, Any] = dict(
-        model=settings.model, max_model_len=settings.max_model_len, dtype=settings.dtype or default_dtype(),
-        enforce_eager=True, max_num_seqs=leap.max_resident,
+        model=settings.model, max_model_len=settings.max_model_len, dtype=settings.dtype or "auto",
+        enforce_eager=settings.enforce_eager, max_num_seqs=leap.max_resident,
         max_num_batched_tokens=settings.max_num_batched_tokens, seed=settings.seed,
         enable_prefix_caching=False,
     )
-    if stock:
-        # vLLM's own scheduler; only the eager-mode kernels are shared, so a comparison measures LEAP alone
-        kwargs.update(worker_cls="serving.worker.EagerKernelsWorker")
-    else:
-        from serving.scheduler import scheduler_class
-
-        kwargs.update(
-            scheduler_cls=scheduler_class(async_scheduling=not is_cpu_platform()),
-            worker_cls="serving.worker.LeapWorker",
-            additional_config={"leap": leap.model_dump(exclude_none=True)},
-        )
+    if not stock:
+        kwargs.update(leap_engine_args(leap))
     return LLMEngine.from_engine_args(EngineArgs(**kwargs))
 
 
 def leap_scheduler(engine: Any) -> Any:
     """The scheduler object of an in-process engine (holds `.leap`, the runtime)."""
-    return engine.engine_core.engine_core.scheduler
+    from serving.vllm_compat import in_process_scheduler
+
+    return in_process_scheduler(engine)

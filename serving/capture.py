@@ -1,11 +1,20 @@
 """Capture the residual stream after decoder layer L at the last prompt token, in the step that ends prefill.
 
-The hook runs inside the model's forward. It reads the model runner's flattened batch layout (which rows
-belong to which request, how many prompt tokens each has computed) to find, with a few numpy operations,
-the requests whose prompt ends in this step; chunked prefill is covered because a chunk that does not
-reach the prompt's end is skipped. The selected rows are copied off the accelerator (non-blocking, into
-pinned memory on a GPU) and pushed to the scheduler process over a ZeroMQ socket, so the model never
-waits for the predictor. Hooks only fire in eager mode: the engine must run with `enforce_eager=True`.
+Two routes, one result (a float32 vector per request, pushed to the scheduler process over ZeroMQ):
+
+- `AuxStateCapture` (the default): vLLM's auxiliary hidden-state outputs, the path EAGLE-3 uses. The
+  model returns the residual stream of the chosen layers beside its final hidden states from inside the
+  compiled graph, so it works under torch.compile and CUDA graphs at the engine's full speed. After each
+  forward (before sampling) the rows of requests whose prompt ends in this step are selected.
+- `PrefillCapture`, the fallback for models without aux-state support: PyTorch forward hooks, which fire
+  only in eager mode. It is used only when the operator runs the engine with `enforce_eager=True`
+  (docs/serving.md gives its measured cost); LEAP never switches to eager by itself.
+
+Either way the batch layout (which flattened rows belong to which request, how many prompt tokens each
+has computed) finds with a few numpy operations the requests whose prompt ends in this step; chunked
+prefill is covered because a chunk that does not reach the prompt's end is skipped. On an accelerator
+the rows are copied into pinned host memory without blocking, and a helper thread waits for the copy,
+so the step never synchronizes with the device for LEAP.
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 import zmq
+
+from serving import vllm_compat
 
 logger = logging.getLogger(__name__)
 
@@ -81,76 +92,35 @@ class FeatureSender:
                 self.dropped += 1
 
 
-class PrefillCapture:
-    """Forward hooks on one decoder layer (serving) or on several (the layer study), one message per request.
+class RowSink:
+    """Selects the prompt-end rows of one step from a [tokens, hidden] state and sends them, never blocking."""
 
-    With several layers, each hook keeps its rows and the last one sends them concatenated in layer order,
-    so a request's vector is `len(layers) * hidden_size` long.
-    """
-
-    def __init__(self, runner: Any, layer: int | list[int], sender: FeatureSender) -> None:
-        self.runner = runner
+    def __init__(self, sender: FeatureSender) -> None:
         self.sender = sender
-        self._copies: queue.SimpleQueue | None = None
-        layers = decoder_layers(runner.get_model())
-        self.num_layers = len(layers)
-        wanted = [layer] if isinstance(layer, int) else list(layer)
-        for index in wanted:
-            if not -len(layers) <= index < len(layers):
-                raise ValueError(f"layer {index} out of range: the model has {len(layers)} decoder layers")
-        self.layers = [index % len(layers) for index in wanted]
-        self.layer = self.layers[0] if len(self.layers) == 1 else -1
-        self._parts: list[torch.Tensor] = []
-        self.handles = [layers[index].register_forward_hook(self._hook_for(position))
-                        for position, index in enumerate(self.layers)]
         self.captured = 0
+        self._copies: queue.SimpleQueue | None = None
 
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-    def _hook_for(self, position: int):
-        last = position == len(self.layers) - 1
-
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            self._hook(output, position, last)
-
-        return hook
-
-    def _hook(self, output: Any, position: int, last: bool) -> None:
-        batch = self.runner.input_batch
-        n = batch.num_reqs
-        if n == 0:
-            return
-        query_start = self.runner.query_start_loc.np[: n + 1]
-        index, rows = prompt_end_rows(batch.num_computed_tokens_cpu[:n], batch.num_prompt_tokens[:n],
-                                      query_start)
+    def prompt_end(self, runner: Any) -> tuple[list[str], np.ndarray] | None:
+        """(request ids, flattened rows) of the requests whose prompt ends in this step, or None."""
+        req_ids, num_computed, num_prompt, query_start = vllm_compat.step_prompt_layout(runner)
+        if len(req_ids) == 0:
+            return None
+        index, rows = prompt_end_rows(np.asarray(num_computed), np.asarray(num_prompt), np.asarray(query_start))
         if index.size == 0:
+            return None
+        return [req_ids[i] for i in index], rows
+
+    def send(self, ids: list[str], states: list[torch.Tensor], rows: np.ndarray) -> None:
+        """Concatenate `states[k][rows]` along features and send one vector per request."""
+        row_index = torch.from_numpy(rows).to(states[0].device, non_blocking=True)
+        parts = [state.index_select(0, row_index) for state in states]
+        selected = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).float()
+        self.captured += len(ids)
+        if selected.device.type == "cpu":
+            self.sender.send(ids, selected.numpy())
             return
-        hidden, residual = residual_stream(output)
-        row_index = torch.from_numpy(rows).to(hidden.device, non_blocking=True)
-        state = hidden.index_select(0, row_index)
-        if residual is not None:
-            state = state + residual.index_select(0, row_index)
-        state = state.float()
-        if len(self.layers) > 1:
-            if position == 0:
-                self._parts = []
-            self._parts.append(state)
-            if not last:
-                return
-            state = torch.cat(self._parts, dim=1)
-            self._parts = []
-        req_ids = batch.req_ids
-        ids = [req_ids[i] for i in index]
-        self.captured += int(index.size)
-        if state.device.type == "cpu":
-            self.sender.send(ids, state.numpy())
-            return
-        # Accelerator: copy into pinned memory without blocking, and let a helper thread wait for the copy
-        # while the host keeps launching the remaining layers.
-        host = torch.empty(state.shape, dtype=torch.float32, pin_memory=True)
-        host.copy_(state, non_blocking=True)
+        host = torch.empty(selected.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(selected, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         if self._copies is None:
@@ -162,5 +132,122 @@ class PrefillCapture:
         assert self._copies is not None
         while True:
             done, host, ids = self._copies.get()
-            done.synchronize()
-            self.sender.send(ids, host.numpy())
+            try:
+                done.synchronize()
+                self.sender.send(ids, host.numpy())
+            except Exception:  # one failed copy must not end the thread that serves every request
+                logger.exception("LEAP capture copy failed; %d features lost", len(ids))
+                self.sender.dropped += len(ids)
+
+
+def checked_layers(layer: int | list[int], num_layers: int) -> list[int]:
+    wanted = [layer] if isinstance(layer, int) else list(layer)
+    for index in wanted:
+        if not -num_layers <= index < num_layers:
+            raise ValueError(f"layer {index} out of range: the model has {num_layers} decoder layers")
+    return sorted({index % num_layers for index in wanted})
+
+
+class AuxStateCapture:
+    """The compiled-mode capture: the model returns layer L's residual stream as an aux hidden state.
+
+    Aux index L + 1 is the stream after decoder layer L (vLLM adds `hidden + residual` after each listed
+    index), i.e. transformers' `hidden_states[L + 1]`. With several layers the model returns them in
+    index order and one vector per request is their concatenation, `len(layers) * hidden_size` long.
+    """
+
+    method = "aux_hidden_states"
+
+    def __init__(self, runner: Any, layer: int | list[int], sender: FeatureSender) -> None:
+        self.runner = runner
+        self.num_layers = len(decoder_layers(runner.get_model()))
+        self.layers = checked_layers(layer, self.num_layers)
+        self.layer = self.layers[0] if len(self.layers) == 1 else -1
+        self.sink = RowSink(sender)
+        vllm_compat.enable_aux_hidden_states(runner, tuple(index + 1 for index in self.layers))
+        vllm_compat.after_each_forward(runner, self._after_forward)
+
+    @property
+    def sender(self) -> FeatureSender:
+        return self.sink.sender
+
+    @property
+    def captured(self) -> int:
+        return self.sink.captured
+
+    def _after_forward(self, runner: Any) -> None:
+        try:
+            found = self.sink.prompt_end(runner)
+            if found is None:
+                return
+            states = vllm_compat.step_aux_states(runner)
+            if not states:
+                return
+            ids, rows = found
+            self.sink.send(ids, list(states), rows)
+        except Exception:  # never fail the engine's step for LEAP: the request is served without a prediction
+            logger.exception("LEAP capture failed for one step")
+            self.sink.sender.dropped += 1
+
+
+class PrefillCapture:
+    """The eager-mode fallback: forward hooks on one decoder layer or several, one message per request.
+
+    Hooks never fire under torch.compile, so this serves only engines run with `enforce_eager=True`, on
+    the V1 model runner. With several layers each hook keeps its layer's residual stream for the step and
+    the last one sends the rows concatenated in layer order.
+    """
+
+    method = "forward_hook"
+
+    def __init__(self, runner: Any, layer: int | list[int], sender: FeatureSender) -> None:
+        if vllm_compat.is_v2_model_runner(runner):
+            raise RuntimeError("the forward-hook capture reads the V1 model runner's batch; "
+                               "set VLLM_USE_V2_MODEL_RUNNER=0 or use a model with aux hidden states")
+        self.runner = runner
+        layers = decoder_layers(runner.get_model())
+        self.num_layers = len(layers)
+        self.layers = checked_layers(layer, self.num_layers)
+        self.layer = self.layers[0] if len(self.layers) == 1 else -1
+        self.sink = RowSink(sender)
+        self._found: tuple[list[str], np.ndarray] | None = None
+        self._states: list[torch.Tensor] = []
+        self.handles = [layers[index].register_forward_hook(self._hook_for(position))
+                        for position, index in enumerate(self.layers)]
+
+    @property
+    def sender(self) -> FeatureSender:
+        return self.sink.sender
+
+    @property
+    def captured(self) -> int:
+        return self.sink.captured
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def _hook_for(self, position: int):
+        last = position == len(self.layers) - 1
+
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            try:
+                self._hook(output, position, last)
+            except Exception:  # never fail the forward pass for LEAP
+                logger.exception("LEAP capture hook failed for one step")
+                self.sink.sender.dropped += 1
+
+        return hook
+
+    def _hook(self, output: Any, position: int, last: bool) -> None:
+        if position == 0:
+            self._found = self.sink.prompt_end(self.runner)
+            self._states = []
+        if self._found is None:
+            return
+        hidden, residual = residual_stream(output)
+        self._states.append(hidden if residual is None else hidden + residual)
+        if last:
+            ids, rows = self._found
+            self.sink.send(ids, self._states, rows)
+            self._states, self._found = [], None

