@@ -5,8 +5,32 @@ transaction: accepted rows go to `requests` and `features`, failing rows to `qua
 first reason they fail, and the ledger records the segment's checksum and counts. Every row read is
 accounted for exactly once: rows_read == accepted + quarantined + duplicates. Rerunning is safe: a
 segment whose (path, checksum) is in the ledger is skipped, and a request id already stored is a
-duplicate, never a second row. Segments are immutable once renamed; a segment whose checksum changed
-(say, an unreadable file that was repaired) is ingested again and its ledger row replaced.
+duplicate, never a second row.
+
+Segments are isolated from each other: bad input in one segment never aborts the run or blocks the
+next one. What cannot be parsed is recorded `unreadable`; a segment whose processing raises (an
+Arrow or DuckDB error, a value no check foresaw) is rolled back alone and recorded `failed` with
+reason `segment_error` and the error, while the other segments of the run (and of its transaction
+group) are ingested. Both get one quarantine row (row_index -1) and a ledger row with zero counts, so
+later runs skip them; `retry_failed` tries `failed` ones again (after a fix). Errors of the
+environment rather than of the segment (the store locked, disk or memory exhausted, a DuckDB fatal
+error) still end the run: quarantining every segment of a full disk would be wrong.
+
+A segment's content never changes once renamed. When it does:
+- the path was recorded `unreadable` or `failed` (nothing of it was ingested): the new content is
+  ingested and replaces the ledger row (a repaired file);
+- the path was ingested (`ok`): the new content is NOT ingested, since its rows would be counted
+  against a ledger row that describes other rows; it is quarantined with reason
+  `checksum_changed` (one quarantine row, and a `changed_segments` row keyed by path and checksum,
+  so later runs skip it). The rows ingested from the first content stay, as do their ledger counts.
+
+Finish reasons (see `flows.store`): `stop` and `length` rows are training labels; `abort`, `error` and
+`repetition` rows are stored but never trained on, and each report counts them by reason
+(`not_trainable`); any other reason is quarantined as `unknown_finish_reason`.
+
+Feedback folders: segments are read from the folder itself and from its sub-folders one level down,
+`<feedback>/<replica id>/*.parquet`, whose name is stored as each row's `replica_id`. Hidden names,
+the writer's open streams (`*.arrows.partial`), temporary names and `quarantine/` are never read.
 
 While one segment is written, a helper thread already reads, checksums, parses and judges the next
 (all of which release the GIL), so reading and writing overlap. The checks that depend on the store
@@ -21,7 +45,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -32,7 +56,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from flows.store import FINISH_REASONS, REQUIRED_COLUMNS, SCALAR_COLUMNS, LogStore, stored_dims
+from flows.store import (
+    FINISH_REASONS,
+    NOT_TRAINING_FINISH_REASONS,
+    REQUIRED_COLUMNS,
+    SCALAR_COLUMNS,
+    LogStore,
+    StoreBusyError,
+    stored_dims,
+)
 from leap_io.feedback_schema import (
     META_DIM,
     META_LAYER,
@@ -43,8 +75,13 @@ from leap_io.feedback_schema import (
 
 STATUS_OK = "ok"
 STATUS_UNREADABLE = "unreadable"
+STATUS_FAILED = "failed"
+STATUS_CHECKSUM_CHANGED = "checksum_changed"
+STATUS_VANISHED = "vanished"  # listed, then gone before it was read: nothing to record
 
 REASON_UNREADABLE = "unreadable_segment"
+REASON_SEGMENT_ERROR = "segment_error"
+REASON_CHECKSUM_CHANGED = "checksum_changed"
 REASON_MISSING_ID = "missing_request_id"
 REASON_MISSING_SEGMENT_DIM = "missing_segment_dim"
 REASON_FEATURE_WRONG_DIM = "feature_wrong_dim"
@@ -70,6 +107,28 @@ def bad_column_type_reason(column: str) -> str:
     return f"bad_column_type:{column}"
 
 
+def bad_metadata_reason(column: str) -> str:
+    """A row needed the segment metadata's value for `column`, and that value does not fit the column."""
+    return f"bad_metadata:{column}"
+
+
+QUARANTINE_DIR = "quarantine"
+"""A sub-folder of the feedback folder that ingest never reads (the writer sets bad files aside there)."""
+PARTIAL_SUFFIX = ".arrows.partial"
+"""The writer's open stream; it becomes a `*.parquet` segment by an atomic rename when complete."""
+
+_RUN_ERRORS: tuple[type[BaseException], ...] = (
+    StoreBusyError,
+    MemoryError,
+    duckdb.IOException,
+    duckdb.OutOfMemoryException,
+    duckdb.FatalException,
+    duckdb.InternalException,
+    duckdb.InterruptException,
+)
+"""Errors of the environment, not of a segment: they end the run instead of quarantining the segment."""
+
+
 _TOKEN_COLUMNS = ("prompt_tokens", "output_tokens")
 _TIME_COLUMNS = ("arrival_time", "first_token_time", "finish_time")
 # Columns a row may leave null because the segment's metadata says the same thing for every row.
@@ -84,7 +143,12 @@ _SCHEMA = feedback_schema(1)
 
 @dataclass(frozen=True)
 class IngestReport:
-    """What one segment contributed; for a skipped segment every count is zero."""
+    """What one segment contributed; for a skipped segment every count is zero.
+
+    `status` is ok, unreadable, failed or checksum_changed (the last three with `reason` and
+    `error`); `not_trainable` counts the accepted rows of each finish reason that is not a training
+    label; `replica_id` is the sub-folder the segment came from (None at the top level).
+    """
 
     segment: str
     checksum: str
@@ -94,6 +158,18 @@ class IngestReport:
     duplicates: int
     skipped: bool = False
     status: str = STATUS_OK
+    reason: str | None = None
+    error: str | None = None
+    not_trainable: Mapping[str, int] = field(default_factory=dict)
+    replica_id: str | None = None
+
+
+class _Crash(BaseException):
+    """An exception of the test hook: it stands for the process dying, so no isolation may catch it."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(error)
+        self.error = error
 
 
 StageHook = Callable[[str], None]
@@ -161,6 +237,7 @@ class _Segment:
         self.verdicts = _Verdicts(self.n)
         self.columns: dict[str, pa.Array] = {}
         column_problems: list[str] = []
+        self._row_problems: list[tuple[np.ndarray, str]] = []  # rows a column problem touches
         for name in SCALAR_COLUMNS:
             self.columns[name] = self._conform(name, metadata, column_problems)
         self.feature = self._conform_feature(column_problems)
@@ -189,7 +266,13 @@ class _Segment:
                 problems.append(bad_column_type_reason(name))
                 column = pa.nulls(self.n, pa.float64() if name in _TOKEN_COLUMNS else target)
         if fallback is not None and column.null_count:
-            column = pc.fill_null(column, pa.scalar(fallback, target))
+            try:
+                value = pa.scalar(fallback, column.type)
+            except (pa.ArrowException, OverflowError, TypeError, ValueError):
+                # e.g. a layer above int32: the rows that needed it fail, the others stand
+                self._row_problems.append((_mask(column.is_null()), bad_metadata_reason(name)))
+            else:
+                column = pc.fill_null(column, value)
         return column
 
     def _conform_feature(self, problems: list[str]) -> pa.Array:
@@ -217,6 +300,8 @@ class _Segment:
         flag, columns = self.verdicts.flag, self.columns
         for problem in column_problems:
             flag(True, problem)
+        for rows, problem in self._row_problems:
+            flag(rows, problem)
 
         ids = columns["request_id"]
         flag(_mask(pc.or_kleene(ids.is_null(), pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(ids)), 0))),
@@ -355,7 +440,14 @@ def _checksum(data: bytes) -> str:
 
 def _stage(hook: StageHook | None, name: str) -> None:
     if hook is not None:
-        hook(name)
+        try:
+            hook(name)
+        except Exception as error:
+            raise _Crash(error) from error
+
+
+def _error_text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"[:2000]
 
 
 def _insert_arrow(con: duckdb.DuckDBPyConnection, view: str, table: pa.Table, sql: str, params: list) -> None:
@@ -363,7 +455,8 @@ def _insert_arrow(con: duckdb.DuckDBPyConnection, view: str, table: pa.Table, sq
     try:
         con.execute(sql, params)
     finally:
-        con.unregister(view)
+        with suppress(duckdb.Error):  # fails in an aborted transaction, and must not mask why it aborted
+            con.unregister(view)
 
 
 def _write_ledger(con: duckdb.DuckDBPyConnection, report: IngestReport, now: datetime) -> None:
@@ -374,19 +467,53 @@ def _write_ledger(con: duckdb.DuckDBPyConnection, report: IngestReport, now: dat
     )
 
 
-def _ingest_unreadable(con: duckdb.DuckDBPyConnection, segment: str, checksum: str, error: Exception,
-                       hook: StageHook | None) -> IngestReport:
+def _quarantine_segment(con: duckdb.DuckDBPyConnection, segment: str, reason: str, detail: Mapping[str, Any],
+                        now: datetime) -> None:
+    """One quarantine row (row_index -1) standing for a whole segment."""
+    con.execute("INSERT INTO quarantine VALUES (?, -1, NULL, ?, ?::JSON, ?)", [segment, reason, _to_json(dict(detail)), now])
+
+
+def _ingest_unreadable(con: duckdb.DuckDBPyConnection, read: _ReadSegment, hook: StageHook | None) -> IngestReport:
     """Record a segment nothing can be read from: no row is known, so none is counted."""
     now = _now()
-    con.execute(
-        "INSERT INTO quarantine VALUES (?, -1, NULL, ?, ?::JSON, ?)",
-        [segment, REASON_UNREADABLE, _to_json({"error": f"{type(error).__name__}: {error}"}), now],
-    )
+    if read.replaces:
+        con.execute("DELETE FROM quarantine WHERE segment = ? AND row_index = -1", [read.segment])
+    _quarantine_segment(con, read.segment, REASON_UNREADABLE, {"error": _error_text(read.error)}, now)
     _stage(hook, "quarantine")
-    report = IngestReport(segment, checksum, 0, 0, 0, 0, status=STATUS_UNREADABLE)
+    report = IngestReport(read.segment, read.checksum, 0, 0, 0, 0, status=STATUS_UNREADABLE,
+                          reason=REASON_UNREADABLE, error=_error_text(read.error), replica_id=read.replica_id)
     _write_ledger(con, report, now)
     _stage(hook, "ledger")
     return report
+
+
+def _record_failed(con: duckdb.DuckDBPyConnection, read: _ReadSegment, error: BaseException, stage: str) -> IngestReport:
+    """Record a segment whose processing raised: nothing of it is stored, later runs skip it."""
+    now = _now()
+    if read.replaces:
+        con.execute("DELETE FROM quarantine WHERE segment = ? AND row_index = -1", [read.segment])
+    rows = read.judged.n if read.judged is not None else read.rows
+    _quarantine_segment(con, read.segment, REASON_SEGMENT_ERROR,
+                        {"error": _error_text(error), "stage": stage, "rows": rows, "replica_id": read.replica_id},
+                        now)
+    report = IngestReport(read.segment, read.checksum, 0, 0, 0, 0, status=STATUS_FAILED,
+                          reason=REASON_SEGMENT_ERROR, error=_error_text(error), replica_id=read.replica_id)
+    _write_ledger(con, report, now)
+    return report
+
+
+def _record_changed(con: duckdb.DuckDBPyConnection, read: _ReadSegment) -> IngestReport:
+    """Quarantine new content at the path of a segment already ingested, without ingesting any of it."""
+    now = _now()
+    _quarantine_segment(con, read.segment, REASON_CHECKSUM_CHANGED,
+                        {"checksum": read.checksum, "ingested_checksum": read.changed_from,
+                         "size_bytes": read.size_bytes, "replica_id": read.replica_id}, now)
+    con.execute("INSERT OR IGNORE INTO changed_segments VALUES (?, ?, ?, ?, ?)",
+                [read.segment, read.checksum, read.changed_from, read.size_bytes, now])
+    return IngestReport(read.segment, read.checksum, 0, 0, 0, 0, status=STATUS_CHECKSUM_CHANGED,
+                        reason=REASON_CHECKSUM_CHANGED,
+                        error=f"the segment was ingested with checksum {read.changed_from}; its content changed since",
+                        replica_id=read.replica_id)
 
 
 def _stored_ids(con: duckdb.DuckDBPyConnection, ids: pa.Array) -> pa.Array:
@@ -397,15 +524,26 @@ def _stored_ids(con: duckdb.DuckDBPyConnection, ids: pa.Array) -> pa.Array:
             "SELECT request_id FROM _incoming_ids SEMI JOIN requests USING (request_id)"
         ).to_arrow_table().column("request_id")
     finally:
-        con.unregister("_incoming_ids")
+        with suppress(duckdb.Error):
+            con.unregister("_incoming_ids")
     return stored.combine_chunks()
 
 
-def _ingest_table(con: duckdb.DuckDBPyConnection, segment: str, checksum: str, judged: _Segment,
-                  known_dims: Mapping[tuple[str, int], int],
+def _not_trainable(rows: pa.Table) -> dict[str, int]:
+    """Accepted rows of each finish reason that is not a training label."""
+    if not rows.num_rows:
+        return {}
+    counts = pc.value_counts(rows.column("finish_reason")).to_pylist()
+    return {item["values"]: int(item["counts"]) for item in counts if item["values"] in NOT_TRAINING_FINISH_REASONS}
+
+
+def _ingest_table(con: duckdb.DuckDBPyConnection, read: _ReadSegment, known_dims: Mapping[tuple[str, int], int],
                   hook: StageHook | None) -> tuple[IngestReport, dict[tuple[str, int], int]]:
     """Write one judged segment; also returns the dims it stored for each feature space."""
+    segment, judged = read.segment, read.judged
     now = _now()
+    if read.replaces:  # a repaired file replaces what its earlier version left in quarantine
+        con.execute("DELETE FROM quarantine WHERE segment = ? AND row_index = -1", [segment])
     judged.judge_against_store(known_dims)
     firsts = judged.first_occurrences()
     ids = judged.columns["request_id"]
@@ -415,8 +553,8 @@ def _ingest_table(con: duckdb.DuckDBPyConnection, segment: str, checksum: str, j
     rows = judged.accepted_rows(accepted)
     columns = ", ".join(SCALAR_COLUMNS)
     _insert_arrow(con, "_incoming_requests", rows.select(list(SCALAR_COLUMNS)),
-                  f"INSERT INTO requests ({columns}, segment, ingested_at) "
-                  f"SELECT {columns}, ?, ? FROM _incoming_requests", [segment, now])
+                  f"INSERT INTO requests ({columns}, segment, ingested_at, replica_id) "
+                  f"SELECT {columns}, ?, ?, ? FROM _incoming_requests", [segment, now, read.replica_id])
     _stage(hook, "requests")
     _insert_arrow(con, "_incoming_features", rows.select(["request_id", "layer", "model_fingerprint", "feature"]),
                   "INSERT INTO features (request_id, dim, layer, model_fingerprint, feature) "
@@ -432,11 +570,20 @@ def _ingest_table(con: duckdb.DuckDBPyConnection, segment: str, checksum: str, j
 
     n_accepted = int(accepted.sum())
     n_quarantined = quarantine.num_rows
-    report = IngestReport(segment, checksum, judged.n, n_accepted, n_quarantined,
-                          judged.n - n_accepted - n_quarantined)
+    report = IngestReport(segment, read.checksum, judged.n, n_accepted, n_quarantined,
+                          judged.n - n_accepted - n_quarantined, not_trainable=_not_trainable(rows),
+                          replica_id=read.replica_id)
     _write_ledger(con, report, now)
     _stage(hook, "ledger")
     return report, judged.dims_by_space(accepted)
+
+
+@dataclass(frozen=True)
+class SegmentFile:
+    """A complete segment found in the feedback folder, and the replica whose sub-folder holds it."""
+
+    path: Path
+    replica_id: str | None = None
 
 
 @dataclass
@@ -445,115 +592,214 @@ class _ReadSegment:
 
     segment: str
     checksum: str
-    seen_status: str | None = None  # set when the ledger already holds this exact file
+    replica_id: str | None = None
+    skip_status: str | None = None  # set when nothing is to be written: seen before, or vanished
+    replaces: bool = False  # the ledger holds an earlier content that left nothing stored
+    changed_from: str | None = None  # set when the ledger holds an ingested earlier content
+    size_bytes: int = 0
+    rows: int = 0
     judged: _Segment | None = None
-    error: Exception | None = None
+    error: Exception | None = None  # unreadable
+    failure: Exception | None = None  # parsed, but judging it raised
 
 
-def _read_segment(path: Path, ledger: Mapping[str, tuple[str, str]]) -> _ReadSegment:
+def _read_segment(source: SegmentFile, ledger: Mapping[str, tuple[str, str]], changed: set[tuple[str, str]],
+                  retry_failed: bool) -> _ReadSegment:
     """Read, checksum, parse and judge one segment; runs on the read-ahead thread (no store access).
 
-    `ledger` maps each segment already ingested to (checksum, status), as it was when the
-    writing connection opened: only that connection writes, and each path comes once per run.
+    `ledger` maps each segment already ingested to (checksum, status) and `changed` holds the
+    (segment, checksum) contents already quarantined as changed, as they were when the writing
+    connection opened: only that connection writes, and each path comes once per run.
     """
+    path, replica = source.path, source.replica_id
     segment = str(path.resolve())
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return _ReadSegment(segment, "", replica, skip_status=STATUS_VANISHED)
     checksum = _checksum(data)
     seen = ledger.get(segment)
-    if seen is not None and seen[0] == checksum:
-        return _ReadSegment(segment, checksum, seen_status=seen[1])
+    if seen is not None and seen[0] == checksum and not (retry_failed and seen[1] == STATUS_FAILED):
+        return _ReadSegment(segment, checksum, replica, skip_status=seen[1])
+    if (segment, checksum) in changed:
+        return _ReadSegment(segment, checksum, replica, skip_status=STATUS_CHECKSUM_CHANGED)
+    read = _ReadSegment(segment, checksum, replica, size_bytes=len(data), replaces=seen is not None)
+    if seen is not None and seen[1] == STATUS_OK:
+        read.replaces, read.changed_from = False, seen[0]
+        return read
     try:
         # One thread: the feature column is nearly all the bytes and decodes on one thread anyway,
         # while Arrow's pool would take cores from the writing thread and DuckDB.
         raw = pq.read_table(pa.BufferReader(data), use_threads=False)
-    except (pa.ArrowException, OSError, ValueError) as error:
-        return _ReadSegment(segment, checksum, error=error)
-    return _ReadSegment(segment, checksum, judged=_Segment(raw))
+    except _RUN_ERRORS:
+        raise
+    except Exception as error:  # noqa: BLE001  (anything the reader raises means the bytes are not a segment)
+        read.error = error
+        return read
+    read.rows = raw.num_rows
+    try:
+        read.judged = _Segment(raw)
+    except _RUN_ERRORS:
+        raise
+    except Exception as error:  # noqa: BLE001  (isolation: this segment fails, the run goes on)
+        read.failure = error
+    return read
 
 
-def _write_segment(con: duckdb.DuckDBPyConnection, read: _ReadSegment, replaces: bool,
-                   known_dims: Mapping[tuple[str, int], int],
+def _write_segment(con: duckdb.DuckDBPyConnection, read: _ReadSegment, known_dims: Mapping[tuple[str, int], int],
                    hook: StageHook | None) -> tuple[IngestReport, dict[tuple[str, int], int]]:
-    """Write one read segment inside the open transaction; `replaces` an earlier version of it."""
-    if replaces:  # a changed segment replaces what an earlier version of it left in quarantine
-        con.execute("DELETE FROM quarantine WHERE segment = ?", [read.segment])
+    """Write one read segment inside the open transaction (raises if writing it fails)."""
+    if read.changed_from is not None:
+        return _record_changed(con, read), {}
+    if read.failure is not None:
+        return _record_failed(con, read, read.failure, "judge"), {}
     if read.judged is None:
-        return _ingest_unreadable(con, read.segment, read.checksum, read.error, hook), {}
-    return _ingest_table(con, read.segment, read.checksum, read.judged, known_dims, hook)
+        return _ingest_unreadable(con, read, hook), {}
+    return _ingest_table(con, read, known_dims, hook)
 
 
-def _ingest_paths(con: duckdb.DuckDBPyConnection, paths: Sequence[Path], hook: StageHook | None,
-                  transaction_rows: int = 0) -> list[IngestReport]:
-    """Ingest `paths` in order, reading the next segment while writing this one.
+def _rollback(con: duckdb.DuckDBPyConnection) -> None:
+    with suppress(duckdb.Error):
+        con.execute("ROLLBACK")
+
+
+def _write_alone(con: duckdb.DuckDBPyConnection, read: _ReadSegment, known_dims: dict[tuple[str, int], int],
+                 hook: StageHook | None) -> IngestReport:
+    """Write one segment in a transaction of its own; if writing it raises, record it failed instead."""
+    con.execute("BEGIN TRANSACTION")
+    try:
+        report, dims = _write_segment(con, read, known_dims, hook)
+        con.execute("COMMIT")
+    except (_Crash, *_RUN_ERRORS):
+        _rollback(con)
+        raise
+    except Exception as error:  # noqa: BLE001  (isolation: this segment fails, the run goes on)
+        _rollback(con)
+        con.execute("BEGIN TRANSACTION")
+        try:
+            report, dims = _record_failed(con, read, error, "write"), {}
+            con.execute("COMMIT")
+        except BaseException:
+            _rollback(con)
+            raise
+    known_dims.update(dims)
+    return report
+
+
+def _ingest_paths(con: duckdb.DuckDBPyConnection, sources: Sequence[SegmentFile], hook: StageHook | None,
+                  transaction_rows: int = 0, retry_failed: bool = False) -> list[IngestReport]:
+    """Ingest `sources` in order, reading the next segment while writing this one.
 
     A transaction holds one segment, or consecutive segments until they hold `transaction_rows`
     rows. Either way a crash rolls back whole segments together with their ledger rows, so a rerun
-    ingests exactly what is missing.
+    ingests exactly what is missing. A segment whose writing raises is rolled back with its group;
+    the group's other segments are then written again one by one and the failing one is recorded
+    `failed`, so one bad segment costs the run nothing else.
     """
     ledger = {segment: (checksum, status) for segment, checksum, status
               in con.execute("SELECT segment, checksum, status FROM ingest_ledger").fetchall()}
+    changed = {(segment, checksum) for segment, checksum
+               in con.execute("SELECT segment, checksum FROM changed_segments").fetchall()}
     known_dims = stored_dims(con)
     pending_dims: dict[tuple[str, int], int] = {}  # written by the open transaction
     reports: list[IngestReport] = []
-    rows_in_transaction, in_transaction = 0, False
+    group: list[_ReadSegment] = []  # segments written in the open transaction
+    rows_in_transaction = 0
+
+    def read_ahead(index: int) -> Future | None:
+        if index >= len(sources):
+            return None
+        return reader.submit(_read_segment, sources[index], ledger, changed, retry_failed)
+
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="leap-ingest-read") as reader:
-        ahead: Future | None = reader.submit(_read_segment, paths[0], ledger) if paths else None
+        ahead = read_ahead(0)
         try:
-            for index in range(len(paths)):
+            for index in range(len(sources)):
                 read = ahead.result()
-                ahead = reader.submit(_read_segment, paths[index + 1], ledger) if index + 1 < len(paths) else None
-                if read.seen_status is not None:
-                    reports.append(IngestReport(read.segment, read.checksum, 0, 0, 0, 0, skipped=True,
-                                                status=read.seen_status))
+                ahead = read_ahead(index + 1)
+                if read.skip_status is not None:
+                    if read.skip_status != STATUS_VANISHED:
+                        reports.append(IngestReport(read.segment, read.checksum, 0, 0, 0, 0, skipped=True,
+                                                    status=read.skip_status, replica_id=read.replica_id))
                     continue
-                if not in_transaction:
+                if not group:
                     con.execute("BEGIN TRANSACTION")
-                    in_transaction = True
-                report, dims = _write_segment(con, read, read.segment in ledger, {**known_dims, **pending_dims},
-                                              hook)
+                group.append(read)
+                try:
+                    report, dims = _write_segment(con, read, {**known_dims, **pending_dims}, hook)
+                except (_Crash, *_RUN_ERRORS):
+                    raise
+                except Exception:  # noqa: BLE001  (isolation: redo the group without this segment)
+                    _rollback(con)
+                    earlier, group = group[:-1], []
+                    del reports[len(reports) - len(earlier):]
+                    pending_dims.clear()
+                    rows_in_transaction = 0
+                    for segment in earlier:
+                        reports.append(_write_alone(con, segment, known_dims, hook))
+                    reports.append(_write_alone(con, read, known_dims, hook))  # fails again, or not
+                    continue
                 reports.append(report)
                 pending_dims.update(dims)
                 rows_in_transaction += report.rows_read
                 if rows_in_transaction >= transaction_rows:
                     con.execute("COMMIT")
-                    in_transaction, rows_in_transaction = False, 0
+                    group, rows_in_transaction = [], 0
                     known_dims.update(pending_dims)
                     pending_dims.clear()
-            if in_transaction:
+            if group:
                 con.execute("COMMIT")
-        except BaseException:
-            if in_transaction:
-                with suppress(duckdb.Error):
-                    con.execute("ROLLBACK")
+                group = []
+        except BaseException as error:
+            if group:
+                _rollback(con)
             if ahead is not None:
                 ahead.cancel()
+            if isinstance(error, _Crash):
+                raise error.error from None
             raise
     return reports
 
 
-def ingest_segment(store: LogStore, path: str | Path, *, _after_stage: StageHook | None = None) -> IngestReport:
+def ingest_segment(store: LogStore, path: str | Path, *, replica_id: str | None = None,
+                   _after_stage: StageHook | None = None) -> IngestReport:
     """Ingest one complete segment in one transaction; a crash part-way leaves nothing of it."""
     with store.connect() as con:
-        return _ingest_paths(con, [Path(path)], _after_stage)[0]
+        return _ingest_paths(con, [SegmentFile(Path(path), replica_id)], _after_stage)[0]
 
 
-def complete_segments(folder: str | Path) -> list[Path]:
-    """The renamed (complete) `*.parquet` segments of `folder`, by name; temporary names never match."""
-    return sorted(
-        (path for path in Path(folder).glob("*.parquet") if path.is_file() and not path.name.startswith(".")),
-        key=lambda path: path.name,
-    )
+def _is_segment(path: Path) -> bool:
+    return path.suffix == ".parquet" and not path.name.startswith(".") and path.is_file()
+
+
+def complete_segments(folder: str | Path) -> list[SegmentFile]:
+    """The renamed (complete) `*.parquet` segments of `folder` and of its replica sub-folders.
+
+    Top-level segments come first, by name, then each sub-folder's by name, sub-folders by name.
+    Temporary and hidden names, open streams (`*.arrows.partial`), deeper folders and the
+    `quarantine/` folder never match.
+    """
+    folder = Path(folder)
+    found = [SegmentFile(path) for path in sorted(folder.iterdir(), key=lambda p: p.name) if _is_segment(path)]
+    replicas = sorted((p for p in folder.iterdir()
+                       if p.is_dir() and not p.name.startswith(".") and p.name != QUARANTINE_DIR),
+                      key=lambda p: p.name)
+    for replica in replicas:
+        found += [SegmentFile(path, replica.name)
+                  for path in sorted(replica.iterdir(), key=lambda p: p.name) if _is_segment(path)]
+    return found
 
 
 def ingest_folder(store: LogStore, folder: str | Path | None = None, *, transaction_rows: int = 0,
-                  _after_stage: StageHook | None = None) -> list[IngestReport]:
-    """Ingest every complete segment of `folder` (default: the feedback folder).
+                  retry_failed: bool = False, _after_stage: StageHook | None = None) -> list[IngestReport]:
+    """Ingest every complete segment of `folder` (default: the feedback folder) and its replica sub-folders.
 
     Each segment gets its own transaction unless `transaction_rows` > 0, which groups consecutive
     segments into one until they hold that many rows. That saves a commit per segment, which counts
     for a backlog of segments smaller than a row group (DuckDB's inserts of 2000-row segments ran 3x
     faster in one transaction), at the price of a crash losing the whole group's progress (never
     its data: the group's ledger rows roll back with it, so a rerun ingests the group again).
+    `retry_failed` tries segments recorded `failed` again, e.g. after a fix of the ingest.
     """
     if folder is None:
         from leap_io.paths import sub_dir
@@ -561,12 +807,22 @@ def ingest_folder(store: LogStore, folder: str | Path | None = None, *, transact
         folder = sub_dir("feedback")
     segments = complete_segments(folder)
     with store.connect() as con:
-        return _ingest_paths(con, segments, _after_stage, transaction_rows)
+        return _ingest_paths(con, segments, _after_stage, transaction_rows, retry_failed)
 
 
-def totals(reports: Iterable[IngestReport]) -> dict[str, int]:
-    """Summed counts of several reports (they reconcile as each report does)."""
+def totals(reports: Iterable[IngestReport]) -> dict[str, Any]:
+    """Summed counts of several reports (they reconcile as each report does).
+
+    `failed`, `unreadable` and `checksum_changed` count the segments of this run quarantined
+    whole (not those skipped because an earlier run did); `not_trainable` sums the accepted rows
+    of each finish reason that is not a training label.
+    """
     reports = list(reports)
+    not_trainable: dict[str, int] = {}
+    for report in reports:
+        for reason, count in report.not_trainable.items():
+            not_trainable[reason] = not_trainable.get(reason, 0) + int(count)
+    fresh = [report for report in reports if not report.skipped]
     return {
         "segments": len(reports),
         "skipped": sum(report.skipped for report in reports),
@@ -574,4 +830,8 @@ def totals(reports: Iterable[IngestReport]) -> dict[str, int]:
         "accepted": sum(report.accepted for report in reports),
         "quarantined": sum(report.quarantined for report in reports),
         "duplicates": sum(report.duplicates for report in reports),
+        "failed": sum(report.status == STATUS_FAILED for report in fresh),
+        "unreadable": sum(report.status == STATUS_UNREADABLE for report in fresh),
+        "checksum_changed": sum(report.status == STATUS_CHECKSUM_CHANGED for report in fresh),
+        "not_trainable": dict(sorted(not_trainable.items())),
     }

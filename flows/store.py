@@ -8,13 +8,27 @@ whose dims differ) and travel to and from numpy through Arrow, never row by row.
 Writers attach the file with small row groups: DuckDB writes each complete row group a transaction
 appends straight into the database file, so a feedback segment's features are written once instead
 of into the write-ahead log and again at the next checkpoint.
+
+Finish reasons. A row is stored whatever way its request finished, as long as the reason is one the
+serving side writes (`FINISH_REASONS`); only `stop` and `length` rows are training labels
+(`TRAINING_FINISH_REASONS`): a stopped request's length is its true length, and a length-capped
+one's is the budget M, which is what a readout clipped to [1, M] must predict for it. `abort`,
+`error` and `repetition` rows end where something cut the request off (a client, an engine error, a
+repetition detector), not where the model would have stopped, so they are kept for the record but
+never trained on, and every place that leaves them out counts them by reason. Any other reason is
+quarantined as unknown.
+
+Schema versions. `SCHEMA_VERSION` is written to `store_meta`; opening an older file (read-only too)
+migrates it once under the write lock: version 2 added `requests.replica_id` (the serving replica
+whose feedback sub-folder held the row; NULL for rows ingested before, or from top-level segments)
+and the `changed_segments` table.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import NamedTuple
 
@@ -25,7 +39,17 @@ import pyarrow.compute as pc
 
 from leap_io.feedback_schema import feedback_schema
 
-FINISH_REASONS = ("stop", "length", "abort")
+TRAINING_FINISH_REASONS = ("stop", "length")
+"""Finish reasons whose output length is a training label (see the module docstring)."""
+
+NOT_TRAINING_FINISH_REASONS = ("abort", "error", "repetition")
+"""Finish reasons stored for the record but never trained on: the length is where the request was cut off."""
+
+FINISH_REASONS = TRAINING_FINISH_REASONS + NOT_TRAINING_FINISH_REASONS
+"""Every finish reason a row may carry; any other is quarantined."""
+
+SCHEMA_VERSION = 2
+"""Version of the store's tables; see the module docstring for what each version added."""
 
 SCALAR_COLUMNS = tuple(name for name in feedback_schema(1).names if name != "feature")
 """Every column of a feedback segment except the feature vector, in schema order."""
@@ -61,7 +85,8 @@ def _requests_ddl() -> str:
             columns.append(f"{name} {sql_type} PRIMARY KEY")
         else:
             columns.append(f"{name} {sql_type}{' NOT NULL' if name in REQUIRED_COLUMNS else ''}")
-    columns += ["segment VARCHAR NOT NULL", "ingested_at TIMESTAMP NOT NULL"]
+    # replica_id last: version 1 stores get it by ALTER TABLE, which appends, so both orders agree
+    columns += ["segment VARCHAR NOT NULL", "ingested_at TIMESTAMP NOT NULL", "replica_id VARCHAR"]
     return "CREATE TABLE IF NOT EXISTS requests (\n  " + ",\n  ".join(columns) + "\n)"
 
 
@@ -93,7 +118,54 @@ SCHEMA_DDL = (
   status VARCHAR NOT NULL,
   CHECK (rows_read = rows_accepted + rows_quarantined + rows_duplicate)
 )""",
+    # New content found at the path of a segment already ingested: never ingested (its rows would
+    # mix with the first content's), kept here so later runs skip it, and quarantined with a reason.
+    """CREATE TABLE IF NOT EXISTS changed_segments (
+  segment VARCHAR NOT NULL,
+  checksum VARCHAR NOT NULL,
+  ingested_checksum VARCHAR NOT NULL,
+  size_bytes BIGINT NOT NULL,
+  seen_at TIMESTAMP NOT NULL,
+  PRIMARY KEY (segment, checksum)
+)""",
+    """CREATE TABLE IF NOT EXISTS store_meta (
+  key VARCHAR PRIMARY KEY,
+  value VARCHAR NOT NULL
+)""",
 )
+
+
+def _columns(con: duckdb.DuckDBPyConnection, table: str) -> set[str]:
+    rows = con.execute(
+        "SELECT column_name FROM information_schema.columns WHERE table_name = ? "
+        "AND table_catalog = current_database()", [table]).fetchall()
+    return {name for (name,) in rows}
+
+
+def _schema_version(con: duckdb.DuckDBPyConnection) -> int:
+    """The version written in `store_meta`; 1 for a file from before versions were written, 0 for none."""
+    tables = {name for (name,) in con.execute(
+        "SELECT table_name FROM information_schema.tables WHERE table_catalog = current_database()").fetchall()}
+    if "store_meta" not in tables:
+        return 1 if "requests" in tables else 0
+    rows = con.execute("SELECT value FROM store_meta WHERE key = 'schema_version'").fetchall()
+    return int(rows[0][0]) if rows else 1
+
+
+def _migrate(con: duckdb.DuckDBPyConnection) -> None:
+    """Create missing tables and bring an older store to SCHEMA_VERSION, in one transaction."""
+    con.execute("BEGIN TRANSACTION")
+    try:
+        for ddl in SCHEMA_DDL:
+            con.execute(ddl)
+        if "replica_id" not in _columns(con, "requests"):  # version 1 -> 2
+            con.execute("ALTER TABLE requests ADD COLUMN replica_id VARCHAR")
+        con.execute("INSERT OR REPLACE INTO store_meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
+        con.execute("COMMIT")
+    except BaseException:
+        with suppress(duckdb.Error):
+            con.execute("ROLLBACK")
+        raise
 
 
 class StoreBusyError(RuntimeError):
@@ -213,22 +285,45 @@ class LogStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         con = self._open(read_only=False)
         try:
-            for ddl in SCHEMA_DDL:
-                con.execute(ddl)
+            if _schema_version(con) != SCHEMA_VERSION:
+                _migrate(con)
         finally:
             con.close()
         self._schema_ready = True
 
+    def _open_current(self, read_only: bool) -> duckdb.DuckDBPyConnection:
+        """A connection to a file at SCHEMA_VERSION. A reader of a current file never takes the write
+        lock; a reader of an older file migrates it first (once per LogStore), then reads."""
+        if not (read_only and self.path.exists()):
+            self._ensure_schema()
+            return self._open(read_only)
+        con = self._open(read_only=True)
+        if self._schema_ready:
+            return con
+        try:
+            current = _schema_version(con) == SCHEMA_VERSION
+        except BaseException:
+            con.close()
+            raise
+        if current:
+            self._schema_ready = True
+            return con
+        con.close()
+        self._ensure_schema()
+        return self._open(read_only=True)
+
     @contextmanager
     def connect(self, read_only: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
         """A connection closed on exit; raises `StoreBusyError` when the lock stays taken."""
-        if not (read_only and self.path.exists()):
-            self._ensure_schema()  # readers of an existing file must not need the write lock
-        con = self._open(read_only)
+        con = self._open_current(read_only)
         try:
             yield con
         finally:
             con.close()
+
+    def schema_version(self) -> int:
+        with self.connect(read_only=True) as con:
+            return _schema_version(con)
 
     def counts(self) -> dict[str, int]:
         """Row counts of every table and the ledger's totals (which reconcile row for row)."""
@@ -239,13 +334,28 @@ class LogStore:
             }
             row = con.execute(
                 """SELECT count(*), count(*) FILTER (WHERE status = 'unreadable'),
+                          count(*) FILTER (WHERE status = 'failed'),
                           coalesce(sum(rows_read), 0), coalesce(sum(rows_accepted), 0),
                           coalesce(sum(rows_quarantined), 0), coalesce(sum(rows_duplicate), 0)
                    FROM ingest_ledger"""
             ).fetchone()
-        keys = ("segments", "segments_unreadable", "rows_read", "rows_accepted",
+            [(changed,)] = con.execute("SELECT count(*) FROM changed_segments").fetchall()
+        keys = ("segments", "segments_unreadable", "segments_failed", "rows_read", "rows_accepted",
                 "rows_quarantined", "rows_duplicate")
-        return {**tables, **{key: int(value) for key, value in zip(keys, row)}}
+        return {**tables, **{key: int(value) for key, value in zip(keys, row)}, "segments_changed": int(changed)}
+
+    def finish_reasons(self) -> dict[str, int]:
+        """How many stored requests finished with each reason (only `TRAINING_FINISH_REASONS` train)."""
+        with self.connect(read_only=True) as con:
+            rows = con.execute(
+                "SELECT finish_reason, count(*) FROM requests GROUP BY ALL ORDER BY finish_reason").fetchall()
+        return {reason: int(count) for reason, count in rows}
+
+    def changed_segments(self) -> list[dict]:
+        """Contents found at an already-ingested segment's path and left out (see `flows.ingest`)."""
+        with self.connect(read_only=True) as con:
+            table = con.sql("SELECT * FROM changed_segments ORDER BY segment, seen_at").to_arrow_table()
+        return table.to_pylist()
 
     def ledger(self) -> list[dict]:
         """One dict per ingested segment path, ordered by path."""

@@ -26,10 +26,15 @@ from flows.gate import gate_verdict, replay_gate
 from flows.ingest import ingest_folder, totals
 from flows.push import PushFailed, push_readout
 from flows.settings import PipelineSettings
-from flows.store import LogStore, TrainingFrame
+from flows.store import TRAINING_FINISH_REASONS, LogStore, TrainingFrame
 from flows.training import fit_readout, select_window, time_split
 from leap_core.rls import RLS
-from registry.client import CHAMPION, GATE_EXPERIMENT, READOUT_EXPERIMENT, ReadoutRegistry
+from registry.client import (
+    CHAMPION,
+    GATE_EXPERIMENT,
+    READOUT_EXPERIMENT,
+    ReadoutRegistry,
+)
 
 GATES_DDL = """CREATE TABLE IF NOT EXISTS gates (
   gate_key VARCHAR PRIMARY KEY,
@@ -102,14 +107,18 @@ def largest_max_tokens(store: LogStore, space: FeatureSpace) -> int | None:
 
 def recorded_lengths(store: LogStore, request_ids: Sequence[str],
                      model_fingerprint: str | None = None) -> dict[str, tuple[int, float]]:
-    """(output_tokens, arrival_time) the store recorded for those request ids (of one model when given)."""
+    """(output_tokens, arrival_time) the store recorded for those request ids (of one model when given).
+
+    Only rows finished by a training-label reason (stop, length) count: an aborted, errored or
+    repetition-cut request's length is where it was cut off, which no replay should take as its length.
+    """
     import pyarrow as pa
 
     query = ("SELECT r.request_id, r.output_tokens, r.arrival_time FROM requests r "
-             "SEMI JOIN _wanted w USING (request_id)")
-    params: list[Any] = []
+             "SEMI JOIN _wanted w USING (request_id) WHERE list_contains(?::VARCHAR[], r.finish_reason)")
+    params: list[Any] = [list(TRAINING_FINISH_REASONS)]
     if model_fingerprint:
-        query += " WHERE r.model_fingerprint = ?"
+        query += " AND r.model_fingerprint = ?"
         params.append(model_fingerprint)
     with store.connect(read_only=True) as con:
         con.register("_wanted", pa.table({"request_id": pa.array(list(request_ids), pa.string())}))

@@ -3,8 +3,10 @@
 Plain functions (the fit flow wraps them in Prefect tasks). The test set is the newest part of the
 window, because a readout is always applied to requests that arrive after it was fitted; the ridge
 penalty is chosen the same way, on the newest part of the training split, so the test set stays
-unseen until the final figures. Aborted requests are left out: their length is where they were cut
-off, not where they would have stopped.
+unseen until the final figures. Only rows whose finish reason is a training label (`stop`,
+`length`: `flows.store.TRAINING_FINISH_REASONS`) are fitted on; `abort`, `error` and `repetition`
+rows are left out, because their length is where they were cut off, not where the model would have
+stopped, and the fit's params count them by reason (`n_excluded_<reason>`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
-
-from flows.store import LogStore, TrainingFrame
 from threadpoolctl import threadpool_limits
 
+from flows.store import (
+    NOT_TRAINING_FINISH_REASONS,
+    TRAINING_FINISH_REASONS,
+    LogStore,
+    TrainingFrame,
+)
 from leap_core import metrics, targets
 from leap_core.readout import LinearReadout, Standardizer
 from leap_core.rls import RLS
@@ -39,10 +45,11 @@ MIN_DOMAIN_TEST_ROWS = 10
 """Fewest test rows of a domain for its own Spearman figure (fewer gives a number, not a measurement)."""
 
 ABORT = "abort"
+_TRAINING = frozenset(TRAINING_FINISH_REASONS)
 
 
 class NotEnoughRowsError(ValueError):
-    """The training window holds fewer usable (not aborted) requests than the fit needs."""
+    """The training window holds fewer usable requests (finished by `stop` or `length`) than the fit needs."""
 
 
 class AlphaSelection(NamedTuple):
@@ -65,10 +72,22 @@ class FitResult:
 
 
 def _usable(frame: TrainingFrame) -> np.ndarray:
-    return np.asarray(frame.finish_reason != ABORT, dtype=bool)
+    """Rows whose finish reason is a training label."""
+    reasons = frame.finish_reason
+    return np.fromiter((reason in _TRAINING for reason in reasons), dtype=bool, count=len(reasons))
+
+
+def excluded_by_reason(frame: TrainingFrame) -> dict[str, int]:
+    """How many rows of each finish reason that is not a training label the frame holds (others too,
+    should a frame hold a reason the store does not know)."""
+    reasons, counts = np.unique(np.asarray([str(r) for r in frame.finish_reason[~_usable(frame)]], dtype=object),
+                                return_counts=True)
+    found = {str(reason): int(count) for reason, count in zip(reasons.tolist(), counts.tolist())}
+    return {**{reason: 0 for reason in NOT_TRAINING_FINISH_REASONS}, **found}
 
 
 def _without_aborted(frame: TrainingFrame) -> TrainingFrame:
+    """The frame without the rows that are not training labels (aborted, errored, cut for repetition)."""
     usable = _usable(frame)
     return frame if usable.all() else frame.take(usable)  # no copy of the features when nothing is dropped
 
@@ -92,9 +111,10 @@ def select_window(
                                  model_fingerprint=model_fingerprint, layer=layer)
     usable = int(_usable(frame).sum())
     if usable < min_rows:
+        excluded = ", ".join(f"{count} {reason}" for reason, count in excluded_by_reason(frame).items() if count)
         raise NotEnoughRowsError(
-            f"{usable} usable finished requests in the window ({len(frame.request_ids)} in all, aborted ones "
-            f"excluded); the fit needs at least {min_rows}")
+            f"{usable} usable finished requests in the window ({len(frame.request_ids)} in all; not training "
+            f"labels, excluded: {excluded or 'none'}); the fit needs at least {min_rows}")
     return frame
 
 
@@ -231,7 +251,7 @@ def fit_readout(
     blas_threads: BLAS threads for the fit (None: the library's default). One by default: the fit
         shares its host with the serving process, and on a loaded 2-core machine two BLAS threads
         made the fit on 100k rows at d = 576 2-4x slower than one (36-70 s against 16-21 s).
-    Aborted rows are dropped from both frames.
+    Rows that are not training labels (abort, error, repetition) are dropped from both frames.
     """
     with threadpool_limits(limits=blas_threads, user_api="blas"):
         return _fit(frame_train, frame_test, alpha=alpha, target=target, max_tokens=max_tokens,
@@ -243,13 +263,16 @@ def _fit(frame_train: TrainingFrame, frame_test: TrainingFrame, *, alpha: float 
          max_tokens: int | None, model_id: str, model_fingerprint: str, layer: int, version: str,
          alphas: Sequence[float]) -> FitResult:
     budget = _budget(frame_train, max_tokens)
+    excluded = {reason: excluded_by_reason(frame_train).get(reason, 0) + excluded_by_reason(frame_test).get(reason, 0)
+                for reason in {*excluded_by_reason(frame_train), *excluded_by_reason(frame_test)}}
     train = _without_aborted(frame_train)
     test = _without_aborted(frame_test)
     aborted = (len(frame_train.request_ids) - len(train.request_ids)
                + len(frame_test.request_ids) - len(test.request_ids))
     if len(train.request_ids) < 3 or len(test.request_ids) < 1:
         raise NotEnoughRowsError(f"{len(train.request_ids)} training and {len(test.request_ids)} test rows "
-                                 "remain after dropping aborted requests; need at least 3 and 1")
+                                 "remain after dropping rows that are not training labels (abort, error, "
+                                 "repetition); need at least 3 and 1")
     X_train = np.asarray(train.features)
     lengths_train = np.asarray(train.output_tokens, dtype=np.float64)
 
@@ -296,7 +319,8 @@ def _fit(frame_train: TrainingFrame, frame_test: TrainingFrame, *, alpha: float 
         "window_until": float(arrivals.max()),
         "n_train": int(len(train.request_ids)),
         "n_test": int(len(test.request_ids)),
-        "n_aborted_excluded": int(aborted),
+        "n_aborted_excluded": int(aborted),  # every row left out, whatever its reason (see n_excluded_*)
+        **{f"n_excluded_{reason}": int(count) for reason, count in sorted(excluded.items())},
         "data_hash": _data_hash(train.request_ids),
     }
     if selection is not None:

@@ -67,16 +67,25 @@ def write_segment(
     layer: int = 20,
     start_time: float = 1_700_000_000.0,
     domains: tuple[str, ...] = ("chat", "code", "math"),
+    finish_reasons: tuple[str, ...] = ("stop", "length", "abort"),
 ) -> FuzzedSegment:
     """Write a segment of `n` rows the way the serving process does (temporary name, then rename).
 
     `corrupt` maps a name of ROW_CORRUPTIONS to a row count, and may also hold
-    `drop_columns` (names left out of the file) and `metadata_dim` (a dim written to the metadata
-    instead of `dim`).
+    `drop_columns` (names left out of the file), `metadata_dim` (a dim written to the metadata
+    instead of `dim`), `metadata_layer` (a layer written to the metadata instead of `layer`),
+    `null_layer` (a count of rows, from the first, whose layer column is null, so that they need the
+    metadata's layer) and `invalid_utf8` (string column -> a count of rows, from the first, whose
+    bytes there are not UTF-8: Parquet and Arrow read them, Arrow's string kernels and DuckDB refuse
+    them).
+    `finish_reasons` is what each row's finish reason is drawn from.
     """
     corrupt = dict(corrupt or {})
     drop_columns = list(corrupt.pop("drop_columns", []))
     metadata_dim = int(corrupt.pop("metadata_dim", dim))
+    metadata_layer = int(corrupt.pop("metadata_layer", layer))
+    null_layer = int(corrupt.pop("null_layer", 0))
+    invalid_utf8 = dict(corrupt.pop("invalid_utf8", {}))
     unknown = set(corrupt) - set(ROW_CORRUPTIONS)
     if unknown:
         raise ValueError(f"unknown corruptions {sorted(unknown)}")
@@ -111,7 +120,7 @@ def write_segment(
     finish = first_token + rng.uniform(0.1, 30.0, n)
     prompt_tokens = rng.integers(1, 2048, n).astype(np.float64)
     output_tokens = rng.integers(1, 4096, n).astype(np.float64)
-    finish_reason = rng.choice(np.array(["stop", "length", "abort"], dtype=object), n)
+    finish_reason = rng.choice(np.array(finish_reasons, dtype=object), n)
     features = rng.standard_normal((n, dim)).astype(np.float32)
 
     ids_null = np.zeros(n, dtype=bool)
@@ -133,7 +142,7 @@ def write_segment(
         "request_id": pa.array(ids, pa.string(), mask=ids_null),
         "model_id": pa.array(["fuzz-model"] * n, pa.string()),
         "model_fingerprint": pa.array([model_fingerprint] * n, pa.string()),
-        "layer": pa.array(np.full(n, layer, dtype=np.int32)),
+        "layer": pa.array(np.full(n, layer, dtype=np.int32), mask=np.arange(n) < null_layer),
         "policy": pa.array(["leap"] * n, pa.string()),
         "arrival_time": pa.array(arrival, pa.float64(), mask=arrival_null),
         "first_token_time": pa.array(first_token, pa.float64()),
@@ -159,6 +168,12 @@ def write_segment(
     else:
         columns["feature"] = pa.FixedSizeListArray.from_arrays(pa.array(features.ravel()), dim)
 
+    for name, count in invalid_utf8.items():
+        values = [b"\xff\xfe not utf-8" if i < count else (None if v is None else str(v).encode())
+                  for i, v in enumerate(columns[name].to_pylist())]
+        as_bytes = pa.array(values, pa.binary())
+        columns[name] = pa.Array.from_buffers(pa.string(), n, as_bytes.buffers())  # unchecked bytes
+
     fields = []
     for schema_field in schema:
         if schema_field.name in drop_columns:
@@ -167,7 +182,7 @@ def write_segment(
     metadata = {
         META_SCHEMA_VERSION: SCHEMA_VERSION.encode(),
         META_DIM: str(metadata_dim).encode(),
-        META_LAYER: str(layer).encode(),
+        META_LAYER: str(metadata_layer).encode(),
         META_MODEL_ID: b"fuzz-model",
         META_MODEL_FINGERPRINT: model_fingerprint.encode(),
     }
@@ -187,3 +202,15 @@ def truncate(path: str | Path, nbytes: int) -> bytes:
     with open(path, "r+b") as handle:
         handle.truncate(nbytes)
     return original
+
+
+def assert_reconciles(store) -> None:
+    """Every row read is accounted for once, in the ledger and in the tables alike."""
+    counts = store.counts()
+    assert counts["rows_read"] == counts["rows_accepted"] + counts["rows_quarantined"] + counts["rows_duplicate"]
+    assert counts["requests"] == counts["features"] == counts["rows_accepted"]
+    # one quarantine row stands for each segment quarantined whole
+    whole_segments = counts["segments_unreadable"] + counts["segments_failed"] + counts["segments_changed"]
+    assert counts["quarantine"] == counts["rows_quarantined"] + whole_segments
+    for entry in store.ledger():
+        assert entry["rows_read"] == entry["rows_accepted"] + entry["rows_quarantined"] + entry["rows_duplicate"]
