@@ -29,8 +29,11 @@ Finish reasons (see `flows.store`): `stop` and `length` rows are training labels
 (`not_trainable`); any other reason is quarantined as `unknown_finish_reason`.
 
 Feedback folders: segments are read from the folder itself and from its sub-folders one level down,
-`<feedback>/<replica id>/*.parquet`, whose name is stored as each row's `replica_id`. Hidden names,
-the writer's open streams (`*.arrows.partial`), temporary names and `quarantine/` are never read.
+`<feedback>/<replica id>/*.parquet`. Each row's `replica_id` is the sub-folder's name; for a
+top-level segment it is the segment metadata's `leap.replica_id` when present, else the replica in a
+writer's segment name (`feedback-<time>-<replica>-<sequence>-<id>.parquet`), else NULL. Hidden
+names, the writer's open streams (`*.arrows.partial`), temporary names, deeper folders and
+`quarantine/` are never read.
 
 While one segment is written, a helper thread already reads, checksums, parses and judges the next
 (all of which release the GIL), so reading and writing overlap. The checks that depend on the store
@@ -42,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
@@ -111,6 +115,11 @@ def bad_metadata_reason(column: str) -> str:
     """A row needed the segment metadata's value for `column`, and that value does not fit the column."""
     return f"bad_metadata:{column}"
 
+
+META_REPLICA_ID = b"leap.replica_id"
+"""Segment metadata naming the replica that wrote it (read when present; the writer may add it)."""
+_WRITER_NAME = re.compile(r"^feedback-\d{8}T\d{6}-(?P<replica>.+)-\d{6}-[0-9a-f]+\.parquet$")
+"""A segment name as serving.feedback.FeedbackWriter makes it; the replica id sits between fixed fields."""
 
 QUARANTINE_DIR = "quarantine"
 """A sub-folder of the feedback folder that ingest never reads (the writer sets bad files aside there)."""
@@ -637,6 +646,8 @@ def _read_segment(source: SegmentFile, ledger: Mapping[str, tuple[str, str]], ch
         read.error = error
         return read
     read.rows = raw.num_rows
+    if read.replica_id is None:
+        read.replica_id = _replica_of(path, raw.schema.metadata or {})
     try:
         read.judged = _Segment(raw)
     except _RUN_ERRORS:
@@ -644,6 +655,16 @@ def _read_segment(source: SegmentFile, ledger: Mapping[str, tuple[str, str]], ch
     except Exception as error:  # noqa: BLE001  (isolation: this segment fails, the run goes on)
         read.failure = error
     return read
+
+
+def _replica_of(path: Path, metadata: Mapping[bytes, bytes]) -> str | None:
+    """The replica of a top-level segment: its metadata's, else the one in a writer's segment name."""
+    given = metadata.get(META_REPLICA_ID)
+    if given:
+        with suppress(UnicodeDecodeError):
+            return given.decode().strip() or None
+    match = _WRITER_NAME.match(path.name)
+    return match.group("replica") if match else None
 
 
 def _write_segment(con: duckdb.DuckDBPyConnection, read: _ReadSegment, known_dims: Mapping[tuple[str, int], int],

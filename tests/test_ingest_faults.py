@@ -235,6 +235,43 @@ def test_replica_sub_folders_are_read_with_their_replica_id_and_top_level_segmen
     assert_reconciles(store)
 
 
+def _writer_rows(start: int, n: int, dim: int) -> list[dict]:
+    rng = np.random.default_rng(start)
+    return [{"request_id": f"w-{i:05d}", "model_id": "m", "model_fingerprint": "fp-w", "layer": 3,
+             "policy": "leap", "arrival_time": 1_750_000_000.0 + i, "first_token_time": 1_750_000_000.1 + i,
+             "finish_time": 1_750_000_001.0 + i, "prompt_tokens": 12, "output_tokens": 7 + i % 5,
+             "finish_reason": ALL_REASONS[i % len(ALL_REASONS)], "max_tokens": 64, "decoding": "{}",
+             "domain": "chat", "tenant": None, "predicted_at_admission": None, "predicted_latest": None,
+             "readout_version": "", "feature": rng.normal(size=dim).astype(np.float32)}
+            for i in range(start, start + n)]
+
+
+def test_segments_of_the_real_feedback_writer_are_ingested_with_their_replica(
+    store: LogStore, feedback: Path
+) -> None:
+    """Two replicas' writers share one feedback folder; their open streams, locks and quarantine
+    folders sit beside the segments and are never read."""
+    from serving.feedback import FeedbackWriter
+
+    writers = {name: FeedbackWriter(feedback, 4, 3, "m", "fp-w", replica_id=name, flush_rows=1)
+               for name in ("replica-a", "host-b-8001")}
+    for offset, writer in enumerate(writers.values()):
+        for row in _writer_rows(100 * offset, 20, 4):
+            assert writer.write(row)
+    for writer in writers.values():
+        writer.close()
+
+    reports = ingest_folder(store, feedback)
+
+    assert sorted((r.replica_id, r.accepted, r.status) for r in reports) == [
+        ("host-b-8001", 20, STATUS_OK), ("replica-a", 20, STATUS_OK)]
+    assert sum(sum(r.not_trainable.values()) for r in reports) == 24  # 3 of each 5 reasons
+    with store.connect(read_only=True) as con:
+        replicas = dict(con.execute("SELECT replica_id, count(*) FROM requests GROUP BY ALL").fetchall())
+    assert replicas == {"replica-a": 20, "host-b-8001": 20}
+    assert_reconciles(store)
+
+
 _V1_DDL = (
     """CREATE TABLE requests (request_id VARCHAR PRIMARY KEY, model_id VARCHAR,
       model_fingerprint VARCHAR NOT NULL, layer INTEGER NOT NULL, policy VARCHAR, arrival_time DOUBLE NOT NULL,
