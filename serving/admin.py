@@ -4,27 +4,45 @@ A small threaded HTTP server inside the engine-core process, beside the schedule
 so a push takes effect at the next step without touching the OpenAI front end. Writes need
 `Authorization: Bearer <token>`; every refusal is a JSON error and leaves the old readout serving.
 
-  GET  /leap/health            liveness
+  GET  /leap/health            200 while the target reports healthy (target.health(), when it has one), else 503
   GET  /leap/readout           current readout metadata, version, RLS stats
-  POST /leap/readout           body: a leap_core readout file, or a bundle (readout + RLS anchor)
+  POST /leap/readout           body: a leap_core readout file, or a bundle (readout + RLS anchor);
+                               `?force=1` lets an older version replace a newer one (a rollback)
   POST /leap/feedback/flush    close the open feedback segment so ingest sees every finished request
   GET  /metrics                Prometheus text format
+
+No client can take the process down through it: a push body needs a Content-Length (411 without one,
+400 when it is not a number) within the cap (413 beyond), every socket has a timeout, the body must
+arrive within a deadline (408), and at most `max_handlers` requests are served at once (503 beyond).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
+import queue
+import re
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
+from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY = 1 << 30
+DEFAULT_MAX_BODY = 64 << 20
+"""The body cap when the target does not say its dim (else: what a full RLS bundle of that dim needs)."""
+DEFAULT_MAX_HANDLERS = 8
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
+DEFAULT_BODY_DEADLINE_S = 300.0
+_CHUNK = 1 << 20
+_DIGITS = re.compile(r"^[0-9]{1,19}$")
+_TRUE = ("1", "true", "yes", "on")
 
 
 class PushRefused(ValueError):
@@ -45,34 +63,98 @@ class AdminTarget(Protocol):
     def flush_feedback(self) -> dict: ...
 
 
-def _handler(target: AdminTarget, token: str | None) -> type[BaseHTTPRequestHandler]:
+class _Refusal(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def body_limit(target: Any, max_body: int | None) -> int:
+    """The largest push body accepted: `max_body`, else enough for a full bundle of the target's dim."""
+    if max_body is not None:
+        return int(max_body)
+    dim = getattr(target, "dim", None)
+    if isinstance(dim, int) and not isinstance(dim, bool) and dim > 0:
+        from leap_io.push_bundle import max_bundle_bytes
+
+        return max(DEFAULT_MAX_BODY, max_bundle_bytes(dim))
+    return DEFAULT_MAX_BODY
+
+
+def _handler(target: AdminTarget, token: str | None, max_body: int | None, timeout_s: float,
+             body_deadline_s: float) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "leap-admin"
+        timeout = timeout_s  # every read and write on the socket
 
         def log_message(self, fmt: str, *args: Any) -> None:  # route to logging, not stderr
             logger.debug("admin: " + fmt, *args)
 
         def _reply(self, status: int, payload: dict | bytes, content_type: str = "application/json") -> None:
-            body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            body = payload if isinstance(payload, bytes) else json.dumps(payload, default=str).encode()
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                if status == 503:
+                    self.send_header("Retry-After", "1")
+                self.end_headers()
+                self.wfile.write(body)
+            except OSError as exc:  # the client went away; nothing to answer
+                logger.debug("admin: could not answer %s: %s", self.path, exc)
+            self.close_connection = True
+
+        def _serving(self) -> Any:
+            try:
+                return target.describe().get("version")
+            except Exception:  # noqa: BLE001 - the refusal is the answer; the version is a courtesy
+                return None
+
+        def _guarded(self, work) -> None:
+            try:
+                work()
+            except _Refusal as refusal:
+                self._reply(refusal.status, {"error": str(refusal)})
+            except Exception as exc:  # a request never takes the server down
+                logger.exception("admin: %s %s failed", self.command, self.path)
+                self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})
 
         def do_GET(self) -> None:
-            if self.path == "/leap/health":
-                self._reply(200, {"status": "ok"})
-            elif self.path == "/leap/readout":
-                self._reply(200, target.describe())
-            elif self.path == "/metrics":
-                self._reply(200, generate_latest(target.metrics_registry), CONTENT_TYPE_LATEST)
-            else:
-                self._reply(404, {"error": f"no such endpoint: {self.path}"})
+            self._guarded(self._get)
 
         def do_POST(self) -> None:
-            if self.path not in ("/leap/readout", "/leap/feedback/flush"):
-                self._reply(404, {"error": f"no such endpoint: {self.path}"})
+            self._guarded(self._post)
+
+        def _get(self) -> None:
+            path = urlsplit(self.path).path
+            if path == "/leap/health":
+                self._health()
+            elif path == "/leap/readout":
+                self._reply(200, target.describe())
+            elif path == "/metrics":
+                self._reply(200, generate_latest(target.metrics_registry), CONTENT_TYPE_LATEST)
+            else:
+                self._reply(404, {"error": f"no such endpoint: {path}"})
+
+        def _health(self) -> None:
+            check = getattr(target, "health", None)
+            if not callable(check):
+                self._reply(200, {"status": "ok"})
+                return
+            try:
+                report = check()
+            except Exception as exc:  # a health check that fails is an unhealthy answer
+                logger.exception("admin: health check failed")
+                self._reply(503, {"status": "unhealthy", "healthy": False, "error": f"{type(exc).__name__}: {exc}"})
+                return
+            report = report if isinstance(report, dict) else {"healthy": bool(report)}
+            healthy = bool(report.get("healthy"))
+            self._reply(200 if healthy else 503, {"status": "ok" if healthy else "unhealthy", **report})
+
+        def _post(self) -> None:
+            split = urlsplit(self.path)
+            if split.path not in ("/leap/readout", "/leap/feedback/flush"):
+                self._reply(404, {"error": f"no such endpoint: {split.path}"})
                 return
             if not token:
                 self._reply(403, {"error": "pushes are disabled: no admin token is configured "
@@ -82,35 +164,158 @@ def _handler(target: AdminTarget, token: str | None) -> type[BaseHTTPRequestHand
             if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
                 self._reply(401, {"error": "missing or wrong admin token"})
                 return
-            if self.path == "/leap/feedback/flush":
-                self._reply(200, target.flush_feedback())
+            if split.path == "/leap/feedback/flush":
+                try:
+                    self._reply(200, target.flush_feedback())
+                except Exception as exc:  # noqa: BLE001 - the writer says what is not on disk
+                    logger.error("admin: feedback flush failed: %s", exc)
+                    self._reply(500, {"flushed": False, "error": f"feedback flush failed: {exc}"})
                 return
-            length = int(self.headers.get("Content-Length") or 0)
-            if length <= 0 or length > MAX_BODY:
-                self._reply(400, {"error": f"body must be a readout file of 1..{MAX_BODY} bytes"})
-                return
-            body = self.rfile.read(length)
+            body = self._read_body()
+            force = parse_qs(split.query).get("force", [""])[-1].strip().lower() in _TRUE
+            if force:
+                from leap_io.push_bundle import BundleError, with_force
+
+                try:
+                    body = with_force(body)
+                except BundleError as exc:
+                    raise _Refusal(exc.status, f"refused: {exc}") from exc
             try:
                 self._reply(200, target.push_readout(body))
             except PushRefused as exc:
-                self._reply(exc.status, {"error": str(exc), "serving": target.describe().get("version")})
+                self._reply(exc.status, {"error": str(exc), "serving": self._serving()})
             except Exception as exc:  # anything unexpected is still a refusal, never a half swap
                 logger.exception("admin: push failed")
-                self._reply(500, {"error": f"push failed: {exc}", "serving": target.describe().get("version")})
+                self._reply(500, {"error": f"push failed: {exc}", "serving": self._serving()})
+
+        def _read_body(self) -> bytes:
+            if self.headers.get("Transfer-Encoding", "").strip():
+                raise _Refusal(411, "send the readout with a Content-Length; chunked bodies are not accepted")
+            raw = self.headers.get("Content-Length")
+            if raw is None:
+                raise _Refusal(411, "a push needs a Content-Length header")
+            raw = raw.strip()
+            if not _DIGITS.match(raw):
+                raise _Refusal(400, f"Content-Length must be a non-negative integer, got {raw[:40]!r}")
+            length = int(raw)
+            limit = body_limit(target, max_body)
+            if length == 0:
+                raise _Refusal(400, "the body is empty; send a readout file or bundle")
+            if length > limit:
+                raise _Refusal(413, f"the body has {length} bytes; this replica accepts at most {limit}")
+            deadline = time.monotonic() + body_deadline_s
+            parts, received = [], 0
+            try:
+                while received < length:
+                    if time.monotonic() > deadline:
+                        raise _Refusal(408, f"the body did not arrive within {body_deadline_s:.0f}s "
+                                            f"({received} of {length} bytes)")
+                    chunk = self.rfile.read1(min(_CHUNK, length - received))
+                    if not chunk:
+                        raise _Refusal(400, f"the body ended after {received} of {length} bytes")
+                    parts.append(chunk)
+                    received += len(chunk)
+            except TimeoutError as exc:
+                raise _Refusal(408, f"the body stalled for {timeout_s:.0f}s after {received} of {length} "
+                                    f"bytes") from exc
+            return b"".join(parts)
 
     return Handler
 
 
-class AdminServer:
-    """Runs the admin API on a daemon thread; `port=0` picks a free port (see `.port`)."""
+class _BoundedServer(ThreadingHTTPServer):
+    """A threading HTTP server that serves at most `max_handlers` requests at once and answers 503 beyond.
 
-    def __init__(self, target: AdminTarget, host: str, port: int, token: str | None) -> None:
-        self._server = ThreadingHTTPServer((host, port), _handler(target, token))
-        self._server.daemon_threads = True
+    The 503 is written by one refuser thread (after reading the request head, so closing does not reset
+    the connection before the client reads the answer); when even its short queue is full, the
+    connection is closed at once. The accept loop itself never waits on a client.
+    """
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_handlers: int) -> None:
+        self._slots = threading.BoundedSemaphore(max_handlers)
+        self.max_handlers = max_handlers
+        self.refused_busy = 0
+        self._refusals: queue.Queue[socket.socket | None] = queue.Queue(maxsize=64)
+        super().__init__(address, handler)
+        self._refuser = threading.Thread(target=self._refuse_loop, name="leap-admin-busy", daemon=True)
+        self._refuser.start()
+
+    def process_request(self, request: socket.socket, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused_busy += 1
+            try:
+                self._refusals.put_nowait(request)
+            except queue.Full:
+                self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def _refuse_loop(self) -> None:
+        body = json.dumps({"error": f"the admin API is busy ({self.max_handlers} requests in progress); "
+                                    f"try again"}).encode()
+        answer = (f"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n").encode() + body
+        while True:
+            request = self._refusals.get()
+            if request is None:
+                return
+            try:
+                request.settimeout(1.0)
+                head, deadline = b"", time.monotonic() + 1.0
+                while b"\r\n\r\n" not in head and len(head) < 65536 and time.monotonic() < deadline:
+                    chunk = request.recv(65536)
+                    if not chunk:
+                        break
+                    head += chunk
+                request.sendall(answer)
+            except OSError:
+                pass
+            finally:
+                self.shutdown_request(request)
+
+    def server_close(self) -> None:
+        super().server_close()
+        with contextlib.suppress(queue.Full):
+            self._refusals.put_nowait(None)
+
+
+class AdminServer:
+    """Runs the admin API on a daemon thread; `port=0` picks a free port (see `.port`).
+
+    `max_body` caps a push body (default: what a full RLS bundle of the target's dim needs, at least
+    64 MiB); `max_handlers` caps concurrent requests; `request_timeout` bounds every socket read and
+    write; `body_deadline` bounds the whole upload of a push.
+    """
+
+    def __init__(self, target: AdminTarget, host: str, port: int, token: str | None, *,
+                 max_body: int | None = None, max_handlers: int = DEFAULT_MAX_HANDLERS,
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 body_deadline: float = DEFAULT_BODY_DEADLINE_S) -> None:
+        if max_handlers < 1:
+            raise ValueError("max_handlers must be >= 1")
+        handler = _handler(target, token, max_body, request_timeout, body_deadline)
+        self._server = _BoundedServer((host, port), handler, max_handlers)
         self.host = host
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="leap-admin", daemon=True)
         self._thread.start()
+
+    @property
+    def refused_busy(self) -> int:
+        """Requests answered 503 because `max_handlers` were in progress."""
+        return self._server.refused_busy
 
     def close(self) -> None:
         self._server.shutdown()
