@@ -5,20 +5,49 @@ predicted remaining length (prediction minus tokens already generated), so short
 behind long ones. A prediction that is badly wrong must not starve a request forever, so each request
 counts the consecutive steps it was held out, and no request is held out more than `waiting_cap` steps.
 
-Both policies share one signature so the engine scheduler and the simulator can swap them freely.
+Both implement `DecodePolicy`, so the engine scheduler and the simulator can swap them freely (as vLLM
+isolates its waiting-queue order behind `RequestQueue`); `make_policy` builds one from its name.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["CountdownPolicy", "FcfsPolicy", "make_policy", "advance_held_out", "POLICY_NAMES", "UNBOUNDED_STEPS"]
+__all__ = [
+    "POLICY_NAMES",
+    "UNBOUNDED_STEPS",
+    "CountdownPolicy",
+    "DecodePolicy",
+    "FcfsPolicy",
+    "advance_held_out",
+    "make_policy",
+]
 
 POLICY_NAMES = ("fcfs", "countdown")
 _NONE = np.empty(0, dtype=np.intp)
 UNBOUNDED_STEPS = sys.maxsize  # a selection that only a finish or an arrival can change
+
+
+@runtime_checkable
+class DecodePolicy(Protocol):
+    """Which of the resident decode candidates run this step.
+
+    All arrays are aligned, one entry per candidate: `predicted_total` is the predicted total output
+    length (tokens), `generated` the tokens produced so far, `held_out` the consecutive steps each has
+    been left out, `arrival` the arrival time (ties). `select` returns the indices of at most `k`
+    candidates to decode, most urgent first; it must not modify its inputs.
+    """
+
+    k: int
+
+    def select(self, predicted_total: np.ndarray, generated: np.ndarray, held_out: np.ndarray,
+               arrival: np.ndarray) -> np.ndarray: ...
+
+    def select_steps(self, predicted_total: np.ndarray, generated: np.ndarray, held_out: np.ndarray,
+                     arrival: np.ndarray) -> tuple[np.ndarray, int]: ...
 
 
 def advance_held_out(held_out: np.ndarray, selected_mask: np.ndarray, steps: int = 1) -> np.ndarray:
@@ -162,7 +191,7 @@ class FcfsPolicy:
         return self.select(predicted_total, generated, held_out, arrival), UNBOUNDED_STEPS
 
 
-def make_policy(name: str, k: int = 64, waiting_cap: int = 128, aging: float = 0.0) -> CountdownPolicy | FcfsPolicy:
+def make_policy(name: str, k: int = 64, waiting_cap: int = 128, aging: float = 0.0) -> DecodePolicy:
     """The policy called `name` ("fcfs" or "countdown"). The oracle is countdown fed the true lengths."""
     if name == "countdown":
         return CountdownPolicy(k=k, waiting_cap=waiting_cap, aging=aging)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from leap_core.policy import CountdownPolicy, FcfsPolicy, advance_held_out, make_policy
+from leap_core.policy import CountdownPolicy, DecodePolicy, FcfsPolicy, advance_held_out, make_policy
 
 
 def _reference_order(priority: np.ndarray, arrival: np.ndarray) -> np.ndarray:
@@ -147,6 +147,16 @@ def test_make_policy():
     assert isinstance(make_policy("fcfs", k=8), FcfsPolicy)
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("oracle")
+
+
+def test_both_orders_are_decode_policies_built_by_name():
+    for name, cls in (("countdown", CountdownPolicy), ("fcfs", FcfsPolicy)):
+        policy = make_policy(name, k=3)
+        assert isinstance(policy, DecodePolicy) and isinstance(policy, cls) and policy.k == 3
+        chosen = policy.select(np.array([9.0, 1.0, 5.0, 3.0]), np.zeros(4), np.zeros(4, int),
+                               np.array([0.0, 1.0, 2.0, 3.0]))
+        assert len(chosen) == 3
+    assert not isinstance(object(), DecodePolicy)
 
 
 def test_advance_held_out_over_several_steps_equals_repeated_single_steps():
