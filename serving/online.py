@@ -1,8 +1,16 @@
 """Online correction: an RLS thread that learns from finished requests and publishes new readouts.
 
 Finished requests arrive as (feature, true output length). Every `every` of them the thread applies one
-batch RLS update, builds a readout with the new weights, and calls `publish` (which swaps the predictor's
-readout and rescores the live requests from their cached features). The scheduler never waits for it.
+batch RLS update, builds a readout with the new weights, and calls `publish(readout, generation)` (which
+swaps the predictor's readout and rescores the live requests from their cached features). The scheduler
+never waits for it.
+
+Each anchor (a pushed readout and its RLS state) is a generation: `reanchor` starts a new one and rows
+buffered under the old one are dropped, not learned. Every publish carries the generation it was
+learned in, because an update computed just before a push can reach `publish` just after it; the
+receiver compares it with the current generation and drops the stale one instead of letting it
+overwrite the push. The queue is bounded (rows beyond it are dropped and counted) and the thread runs
+under `SupervisedThread`, so a row that breaks an update costs that update, not online learning.
 """
 
 from __future__ import annotations
@@ -17,96 +25,181 @@ import numpy as np
 
 from leap_core.readout import LinearReadout
 from leap_core.rls import RLS
+from serving.supervise import RateLimitedLog, SupervisedThread
 
 logger = logging.getLogger(__name__)
 
+Publish = Callable[[LinearReadout, int], None]
+"""publish(readout, generation): serve an RLS-corrected readout learned under anchor `generation`."""
+
 
 class OnlineLearner:
-    """Owns one RLS state; thread-safe `observe`, `reanchor` and `stats`."""
+    """Owns one RLS state; thread-safe `observe`, `reanchor` and `stats`.
 
-    def __init__(self, rls: RLS | None, base_version: str, publish: Callable[[LinearReadout], None],
-                 every: int = 8) -> None:
+    Counters: `submitted`/`observed` (rows queued / processed), `updates` (since the last anchor),
+    `dropped` (rows refused: queue full, wrong dimension, or a batch that failed), `errors` (updates or
+    publishes that raised, loop restarts).
+    """
+
+    def __init__(self, rls: RLS | None, base_version: str, publish: Publish, every: int = 8,
+                 max_queue: int = 65_536, on_drop: Callable[[str, int], None] | None = None,
+                 on_error: Callable[[], None] | None = None) -> None:
         self._rls = rls
         self._base_version = base_version
         self._publish = publish
         self._every = every
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._on_drop = on_drop
+        self._on_error = on_error
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()
+        self._idle = threading.Condition()
+        self._warn = RateLimitedLog(logger)
         self.updates = 0
         self.submitted = 0
         self.observed = 0
-        self._generation = 0  # bumped by reanchor: rows buffered before it are dropped, not learned
+        self.dropped = 0
+        self.errors = 0
+        self._generation = 0
+        self._features: list[np.ndarray] = []
+        self._lengths: list[int] = []
+        self._buffered_generation = 0
         self.published_version = base_version
-        self._thread = threading.Thread(target=self._run, name="leap-rls", daemon=True)
+        self._thread = SupervisedThread("leap-rls", self._run, on_error=lambda exc: self._error())
         self._thread.start()
 
-    def observe(self, feature: np.ndarray, output_tokens: int) -> None:
+    @property
+    def generation(self) -> int:
+        """The current anchor's generation; a publish tagged with another one is stale."""
+        return self._generation
+
+    @property
+    def active(self) -> bool:
+        """Whether rows are learned now (an anchor with RLS state is set)."""
+        return self._rls is not None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.alive
+
+    def observe(self, feature: np.ndarray, output_tokens: int) -> bool:
+        """Queue one finished request; False when it was dropped because the queue is full."""
+        try:
+            self._queue.put_nowait((feature, output_tokens, self._generation))
+        except queue.Full:
+            self._drop("queue_full", 1)
+            return False
         self.submitted += 1
-        self._queue.put((feature, output_tokens, self._generation))
+        return True
 
     def wait_idle(self, timeout: float = 5.0) -> bool:
         """Until every observed row is processed (replays and tests read the learner's state after it)."""
         deadline = time.monotonic() + timeout
-        while self.observed < self.submitted:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
+        with self._idle:
+            while self.observed < self.submitted:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._thread.alive:
+                    return False
+                self._idle.wait(min(remaining, 0.1))
         return True
 
-    def reanchor(self, rls: RLS | None, base_version: str) -> None:
-        """Start again from a pushed readout's anchor (None pauses learning until one arrives)."""
+    def reanchor(self, rls: RLS | None, base_version: str) -> int:
+        """Start again from a pushed readout's anchor (None pauses learning); the new generation."""
         with self._lock:
             self._rls = rls
             self._base_version = base_version
             self.published_version = base_version
             self.updates = 0
             self._generation += 1
+            return self._generation
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(5)
+        self._thread.stopping.set()
+        try:
+            self._queue.put(None, timeout=1.0)
+        except queue.Full:
+            pass
+        self._thread.stop(5)
 
     def stats(self) -> dict:
         with self._lock:
             rls = self._rls
             stats = {"active": rls is not None, "updates": self.updates, "observed": self.observed,
-                     "base_version": self._base_version, "published_version": self.published_version}
+                     "base_version": self._base_version, "published_version": self.published_version,
+                     "generation": self._generation, "dropped": self.dropped, "errors": self.errors}
             if rls is not None:
                 stats.update(rls.stats())
         return stats
 
+    def health(self) -> dict:
+        return {**self._thread.stats(), "errors": self.errors, "dropped": self.dropped,
+                "queue_depth": self._queue.qsize()}
+
+    # -- the learner thread ----------------------------------------------------------------------
+    def _drop(self, reason: str, count: int) -> None:
+        self.dropped += count
+        if self._on_drop is not None:
+            self._on_drop(reason, count)
+
+    def _error(self) -> None:
+        self.errors += 1
+        if self._on_error is not None:
+            self._on_error()
+
     def _run(self) -> None:
-        features: list[np.ndarray] = []
-        lengths: list[int] = []
-        buffered_generation = self._generation
+        stopping = self._thread.stopping
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                if stopping.is_set():
+                    return
+                continue
             if item is None:
                 return
             try:
-                feature, output_tokens, generation = item
-                if generation != buffered_generation:  # rows kept from before a reanchor are not learned
-                    features, lengths = [], []
-                    buffered_generation = generation
-                if generation != self._generation:
-                    continue
-                features.append(feature)
-                lengths.append(output_tokens)
-                if len(features) >= self._every:
-                    X, y = np.stack(features), np.asarray(lengths, dtype=np.float64)
-                    features, lengths = [], []
-                    self._learn(X, y)
+                self._take(*item)
+            except Exception:  # noqa: BLE001 - one row must not end online learning
+                self._error()
+                self._warn.warning("row", "LEAP RLS: a finished request could not be learned", exc_info=True)
             finally:
-                self.observed += 1
+                with self._idle:
+                    self.observed += 1
+                    self._idle.notify_all()
 
-    def _learn(self, X: np.ndarray, y: np.ndarray) -> None:
+    def _take(self, feature: np.ndarray, output_tokens: int, generation: int) -> None:
+        if generation != self._buffered_generation:  # rows kept from before a reanchor are not learned
+            self._drop("reanchored", len(self._features))
+            self._features, self._lengths = [], []
+            self._buffered_generation = generation
+        if generation != self._generation:
+            self._drop("reanchored", 1)
+            return
+        rls = self._rls
+        feature = np.asarray(feature)
+        if rls is not None and feature.shape != (rls.dim_,):
+            self._drop("wrong_dim", 1)
+            return
+        self._features.append(feature)
+        self._lengths.append(int(output_tokens))
+        if len(self._features) >= self._every:
+            X, y = self._features, np.asarray(self._lengths, dtype=np.float64)
+            self._features, self._lengths = [], []
+            try:
+                X = np.stack(X)
+            except ValueError:
+                self._drop("bad_batch", len(y))
+                raise
+            self._learn(X, y, generation)
+
+    def _learn(self, X: np.ndarray, y: np.ndarray, generation: int) -> None:
         with self._lock:
             rls = self._rls
-            if rls is None:
+            if rls is None or generation != self._generation:
                 return
             try:
                 rls.partial_fit(X, y)
             except Exception:
+                self._error()
                 logger.exception("RLS update failed; keeping the published readout")
                 return
             self.updates += 1
@@ -114,4 +207,4 @@ class OnlineLearner:
             version = f"{self._base_version}+rls{self.updates}"
             readout.metadata["version"] = version
             self.published_version = version
-        self._publish(readout)
+        self._publish(readout, generation)

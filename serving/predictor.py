@@ -1,21 +1,32 @@
 """The CPU predictor service: batches whatever features have arrived and predicts with the published readout.
 
 It runs in its own thread beside the engine. Producers (the capture receiver) call `submit`, which only
-appends to a deque and sets an event, so it never blocks the engine loop. The worker drains the deque,
-stacks the features, does one matrix product with the readout that is published *at that moment*, and
-hands the batch to the callback. `publish` swaps the readout with a single reference assignment, which
-is atomic under the GIL, so a batch is always predicted entirely by one version.
+appends to a bounded deque and sets an event, so it never blocks the engine loop; past `max_pending`
+items a submit is dropped and counted instead of growing memory without bound. The worker drains the
+deque, stacks the features, does one matrix product with the readout that is published *at that moment*,
+and hands the batch to the callback. `publish` swaps the readout with a single reference assignment,
+which is atomic under the GIL, so a batch is always predicted entirely by one version; the readout is
+read after the batch is taken, so an item submitted after a publish is never predicted by the old one.
+
+A batch that fails (one vector the readout cannot take, a predictor that raises on some input) is
+predicted again row by row, so one bad vector costs one prediction, not up to `max_batch`. The thread
+runs under `SupervisedThread`: whatever escapes a batch is counted and the loop restarts.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, Self
 
 import numpy as np
+
+from serving.supervise import RateLimitedLog, SupervisedThread
+
+logger = logging.getLogger(__name__)
 
 
 class Readout(Protocol):
@@ -27,42 +38,60 @@ class Readout(Protocol):
 PredictionCallback = Callable[[Sequence[str], np.ndarray, str, np.ndarray], None]
 """callback(request_ids, predicted_lengths, readout_version, enqueue_times)."""
 
+DropCallback = Callable[[str, int], None]
+"""on_drop(reason, count): items that left the service without a prediction."""
+
 
 class PredictorService:
-    """A thread that turns (request id, feature vector) items into predicted output lengths."""
+    """A thread that turns (request id, feature vector) items into predicted output lengths.
 
-    def __init__(self, readout: Readout, callback: PredictionCallback, max_batch: int = 1024,
-                 name: str = "leap-predictor") -> None:
+    Counters: `predicted` (items handed to the callback), `batches`, `errors` (batches that failed as a
+    whole, callbacks that raised, loop restarts), `row_errors` (items no prediction could be made for)
+    and `dropped` (items refused because the queue was full or no readout was published).
+    """
+
+    def __init__(self, readout: Readout | None, callback: PredictionCallback, max_batch: int = 1024,
+                 name: str = "leap-predictor", max_pending: int = 1 << 20,
+                 on_drop: DropCallback | None = None) -> None:
         self._readout = readout
         self._callback = callback
         self._max_batch = max_batch
+        self._max_pending = max_pending
+        self._on_drop = on_drop
         self._items: deque[tuple[str, np.ndarray, float]] = deque()
         self._wake = threading.Event()
         self._idle = threading.Condition()
         self._in_flight = 0
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._warn = RateLimitedLog(logger)
+        self._thread = SupervisedThread(name, self._run, on_error=self._count_loop_error)
         self.predicted = 0
         self.batches = 0
         self.errors = 0
+        self.row_errors = 0
+        self.dropped = 0
 
     # -- producer side -------------------------------------------------------------------------
-    def submit(self, request_id: str, feature: np.ndarray) -> None:
-        """Queue one feature vector; returns at once."""
+    def submit(self, request_id: str, feature: np.ndarray) -> bool:
+        """Queue one feature vector; returns at once. False when it was dropped (queue full)."""
+        if len(self._items) >= self._max_pending:
+            self._drop("queue_full", 1)
+            return False
         self._items.append((request_id, feature, time.perf_counter()))
         self._wake.set()
+        return True
 
-    def publish(self, readout: Readout) -> None:
-        """Make `readout` the one used for every batch from now on."""
+    def publish(self, readout: Readout | None) -> None:
+        """Make `readout` the one used for every batch taken from now on (None: drop what arrives)."""
         self._readout = readout
 
     @property
-    def readout(self) -> Readout:
+    def readout(self) -> Readout | None:
         return self._readout
 
     @property
     def version(self) -> str:
-        return str(self._readout.metadata.get("version", ""))
+        readout = self._readout
+        return "" if readout is None else str(readout.metadata.get("version", ""))
 
     def pending(self) -> int:
         return len(self._items) + self._in_flight
@@ -80,27 +109,43 @@ class PredictorService:
         return True
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def start(self) -> "PredictorService":
-        self._thread.start()
+    def start(self) -> Self:
+        if not self._thread.started:
+            self._thread.start()
         return self
 
     @property
     def running(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.alive
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._stop = True
+        self._thread.stopping.set()
         self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        self._thread.stop(timeout)
 
-    def __enter__(self) -> "PredictorService":
+    def stats(self) -> dict:
+        return {**self._thread.stats(), "predicted": self.predicted, "batches": self.batches,
+                "batch_errors": self.errors, "row_errors": self.row_errors, "dropped": self.dropped,
+                "pending": self.pending()}
+
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
     # -- worker side ---------------------------------------------------------------------------
+    def _drop(self, reason: str, count: int) -> None:
+        self.dropped += count
+        if self._on_drop is not None:
+            self._on_drop(reason, count)
+
+    def _count_loop_error(self, exc: BaseException) -> None:
+        self.errors += 1
+        with self._idle:
+            self._in_flight = 0
+            self._idle.notify_all()
+
     def _take_batch(self) -> list[tuple[str, np.ndarray, float]]:
         batch = []
         items = self._items
@@ -109,24 +154,65 @@ class PredictorService:
         self._in_flight = len(batch)
         return batch
 
+    def _predict(self, readout: Readout, batch: list[tuple[str, np.ndarray, float]]) -> tuple[np.ndarray, np.ndarray]:
+        """(values, predicted) for the batch: one product, or after a failure one row at a time.
+
+        `predicted[i]` is False for a row no prediction could be made for. Values are passed on as the
+        readout gave them; whoever stores them decides what a non-finite one means.
+        """
+        try:
+            values = np.asarray(readout.predict(np.stack([item[1] for item in batch])), dtype=np.float64)
+            if values.shape != (len(batch),):
+                raise ValueError(f"predictor returned shape {values.shape} for {len(batch)} rows")
+            return values, np.ones(len(batch), dtype=bool)
+        except Exception:  # noqa: BLE001 - any failure of a batch is retried row by row
+            self.errors += 1
+            self._warn.warning("batch", "LEAP predictor: a batch of %d failed; predicting row by row", len(batch),
+                               exc_info=True)
+        values = np.full(len(batch), np.nan)
+        predicted = np.zeros(len(batch), dtype=bool)
+        for i, item in enumerate(batch):
+            try:
+                row = np.asarray(readout.predict(item[1][None, :]), dtype=np.float64).reshape(-1)
+                if row.shape != (1,):
+                    raise ValueError(f"predictor returned {row.shape[0]} values for one row")
+                values[i], predicted[i] = row[0], True
+            except Exception:  # noqa: BLE001 - the row is lost, not the thread
+                self.row_errors += 1
+                self._warn.warning("row", "LEAP predictor: no prediction for request %s", item[0], exc_info=True)
+        return values, predicted
+
     def _run(self) -> None:
-        while not self._stop:
+        stopping = self._thread.stopping
+        while not stopping.is_set():
             if not self._items:
                 self._wake.wait(0.1)
                 self._wake.clear()
                 continue
             batch = self._take_batch()
-            readout = self._readout
-            ids = [item[0] for item in batch]
             try:
-                features = np.stack([item[1] for item in batch])
-                predictions = readout.predict(features)
+                readout = self._readout  # read after taking the batch: see the module docstring
+                if readout is None:
+                    self._drop("no_readout", len(batch))
+                    continue
+                values, predicted = self._predict(readout, batch)
+                if not predicted.all():
+                    self._drop("predict_error", int((~predicted).sum()))
+                    keep = np.flatnonzero(predicted)
+                    batch, values = [batch[i] for i in keep], values[keep]
+                if not batch:
+                    continue
+                ids = [item[0] for item in batch]
                 enqueued = np.fromiter((item[2] for item in batch), dtype=np.float64, count=len(batch))
-                self._callback(ids, predictions, str(readout.metadata.get("version", "")), enqueued)
+                try:
+                    self._callback(ids, values, str(readout.metadata.get("version", "")), enqueued)
+                except Exception:  # noqa: BLE001 - a consumer's bug must not stop predictions
+                    self.errors += 1
+                    self._drop("callback_error", len(batch))
+                    self._warn.warning("callback", "LEAP predictor: the prediction callback failed", exc_info=True)
+                    continue
                 self.predicted += len(batch)
                 self.batches += 1
-            except Exception:  # a bad vector must not kill the thread that serves every request
-                self.errors += 1
             finally:
                 with self._idle:
                     self._in_flight = 0

@@ -1,0 +1,90 @@
+"""The runtime's Prometheus metrics, and the drop and error counts its health report repeats.
+
+One registry per runtime (served at `/metrics` by the admin API), so two engines in one process do not
+share counts. Everything LEAP throws away is counted here with what it was and why
+(`leap_dropped_total{what, reason}`), every `leap_*` request extra a client got wrong by key
+(`leap_bad_request_extras_total{key}`), and every error a background thread survived by thread
+(`leap_thread_errors_total{thread}`); `snapshot()` returns the same numbers as plain dicts for
+`/leap/health`, without parsing Prometheus text.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter as Tally
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Info
+
+
+class Telemetry:
+    """Every metric of one LEAP runtime; the counting methods are safe from any thread."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.predictions = Counter("leap_predictions", "Length predictions stored", registry=r)
+        self.ready = Counter("leap_prediction_ready", "Requests whose prediction was ready before decode",
+                             registry=r)
+        self.missed = Counter("leap_prediction_missed", "Requests that reached decode before their prediction",
+                              registry=r)
+        self.wait_seconds = Counter("leap_prediction_wait_seconds",
+                                    "Engine-thread time spent waiting for missing predictions", registry=r)
+        self.finished = Counter("leap_finished_requests", "Finished requests seen", registry=r)
+        self.rls_updates = Gauge("leap_rls_updates", "RLS batch updates since the last anchor", registry=r)
+        self.spearman = Gauge("leap_rolling_spearman", "Spearman of prediction vs length, last 256", registry=r)
+        self.mae = Gauge("leap_rolling_mae", "MAE in tokens, last 256 finished requests", registry=r)
+        self.resident = Gauge("leap_resident_requests", "Resident (running) requests", registry=r)
+        self.decoding = Gauge("leap_decode_candidates", "Resident requests past prefill", registry=r)
+        self.held = Gauge("leap_held_out_requests", "Requests held out this step", registry=r)
+        self.max_held = Gauge("leap_max_steps_held_out", "Longest hold-out seen", registry=r)
+        self.pending = Gauge("leap_predictor_queue", "Features waiting for a prediction", registry=r)
+        self.tracked = Gauge("leap_tracked_state", "Per-request entries held, by kind", ["kind"], registry=r)
+        self.readout = Info("leap_readout", "The readout serving now and where it came from", registry=r)
+        self._dropped = Counter("leap_dropped", "Items LEAP dropped, by what they were and why",
+                                ["what", "reason"], registry=r)
+        self._bad_extras = Counter("leap_bad_request_extras",
+                                   "Requests whose leap_* extra was ignored as invalid, by key", ["key"], registry=r)
+        self._thread_errors = Counter("leap_thread_errors", "Errors a LEAP background thread survived",
+                                      ["thread"], registry=r)
+        self._thread_alive = Gauge("leap_thread_alive", "1 while a LEAP background thread runs", ["thread"],
+                                   registry=r)
+        self._lock = threading.Lock()
+        self._dropped_tally: Tally[tuple[str, str]] = Tally()
+        self._bad_extras_tally: Tally[str] = Tally()
+        self._errors_tally: Tally[str] = Tally()
+
+    def drop(self, what: str, reason: str, count: int = 1) -> None:
+        """Count `count` dropped `what`s (capture, feature, prediction, rls_row, ...) for `reason`."""
+        if count <= 0:
+            return
+        self._dropped.labels(what=what, reason=reason).inc(count)
+        with self._lock:
+            self._dropped_tally[(what, reason)] += count
+
+    def bad_extra(self, key: str) -> None:
+        self._bad_extras.labels(key=key).inc()
+        with self._lock:
+            self._bad_extras_tally[key] += 1
+
+    def thread_error(self, thread: str, count: int = 1) -> None:
+        self._thread_errors.labels(thread=thread).inc(count)
+        with self._lock:
+            self._errors_tally[thread] += count
+
+    def watch_thread(self, thread: str, alive: Callable[[], bool]) -> None:
+        """Export `alive()` as `leap_thread_alive{thread}`, read at every scrape."""
+        self._thread_alive.labels(thread=thread).set_function(lambda: float(bool(alive())))
+
+    def set_readout(self, version: str, source: str) -> None:
+        self.readout.info({"version": version, "source": source})
+
+    def dropped(self, what: str, reason: str) -> int:
+        with self._lock:
+            return self._dropped_tally[(what, reason)]
+
+    def snapshot(self) -> dict:
+        """The drop, bad-extra and thread-error counts as plain dicts (for `/leap/health`)."""
+        with self._lock:
+            return {"dropped": {f"{what}/{reason}": n for (what, reason), n in sorted(self._dropped_tally.items())},
+                    "bad_request_extras": dict(sorted(self._bad_extras_tally.items())),
+                    "thread_errors": dict(sorted(self._errors_tally.items()))}
