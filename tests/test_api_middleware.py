@@ -1,0 +1,159 @@
+"""The `vllm_xargs` middleware in front of a real FastAPI app (and loaded the way vLLM loads --middleware)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from argparse import Namespace
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.testclient import TestClient
+
+from serving.api_middleware import LeapExtrasMiddleware
+
+
+def _app(wrap: bool = True) -> tuple[FastAPI, list[bytes]]:
+    """An OpenAI-shaped app that records every body it receives and echoes its digest."""
+    app = FastAPI()
+    seen: list[bytes] = []
+
+    async def echo(request: Request):
+        body = await request.body()
+        seen.append(body)
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict) and parsed.get("stream"):
+            async def events():
+                for i in range(3):
+                    yield f"data: {json.dumps({'chunk': i})}\n\n".encode()
+                    await asyncio.sleep(0)
+                yield b"data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return JSONResponse({"sha256": hashlib.sha256(body).hexdigest(), "len": len(body)})
+
+    app.post("/v1/completions")(echo)
+    app.post("/v1/chat/completions")(echo)
+    app.post("/v1/embeddings")(echo)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"data": [{"id": "m"}]}
+
+    if wrap:
+        app.add_middleware(LeapExtrasMiddleware)
+    return app, seen
+
+
+GOOD = {"leap_request_id": "r-1", "leap_domain": "chat", "leap_oracle_length": 120, "session_id": "other plugin"}
+
+
+def test_valid_extras_pass_through_with_the_body_byte_for_byte():
+    app, seen = _app()
+    body = json.dumps({"model": "m", "prompt": "hi", "vllm_xargs": GOOD}).encode()
+    with TestClient(app) as client:
+        response = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 200
+    assert response.json() == {"sha256": hashlib.sha256(body).hexdigest(), "len": len(body)}
+    assert seen == [body]
+
+
+def test_bad_extras_are_400_naming_each_key_and_the_app_never_sees_them():
+    app, seen = _app()
+    xargs = {"leap_domain": 5, "leap_oracle_length": float("inf"), "leap_typo": 1, "other_plugin": "fine"}
+    body = json.dumps({"model": "m", "messages": [], "vllm_xargs": xargs}).encode()
+    with TestClient(app) as client:
+        response = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "BadRequestError" and error["code"] == 400 and error["param"] == "vllm_xargs"
+    assert set(error["invalid_keys"]) == {"leap_domain", "leap_oracle_length", "leap_typo"}
+    assert "leap_domain: must be a string" in error["message"]
+    assert "leap_oracle_length: must be finite" in error["message"]
+    assert "unknown LEAP extra" in error["invalid_keys"]["leap_typo"]
+    assert seen == []
+
+
+def test_one_bad_key_is_named_as_the_param_and_a_non_object_is_refused():
+    app, _ = _app()
+    with TestClient(app) as client:
+        one = client.post("/v1/completions", json={"prompt": "x", "vllm_xargs": {"leap_tenant": ["a"]}})
+        assert one.status_code == 400 and one.json()["error"]["param"] == "vllm_xargs.leap_tenant"
+        odd = client.post("/v1/completions", json={"prompt": "x", "vllm_xargs": "leap_domain=chat"})
+        assert odd.status_code == 400 and "must be an object" in odd.json()["error"]["message"]
+        escaped = b'{"prompt": "x", "vllm\\u005fxargs": {"leap\\u005fdomain": 5}}'
+        sneaky = client.post("/v1/completions", content=escaped, headers={"content-type": "application/json"})
+        assert sneaky.status_code == 400 and "leap_domain" in sneaky.json()["error"]["message"]
+
+
+def test_a_streamed_response_passes_through_untouched():
+    app, _ = _app()
+    with TestClient(app) as client, client.stream(
+            "POST", "/v1/chat/completions",
+            json={"messages": [], "stream": True, "vllm_xargs": {"leap_domain": "code"}}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        text = "".join(response.iter_text())
+    assert text == "".join(f"data: {json.dumps({'chunk': i})}\n\n" for i in range(3)) + "data: [DONE]\n\n"
+
+
+def test_other_paths_methods_and_bodies_are_left_alone():
+    app, seen = _app()
+    bad = {"prompt": "x", "vllm_xargs": {"leap_domain": 5}}
+    with TestClient(app) as client:
+        assert client.post("/v1/embeddings", json=bad).status_code == 200  # not a generation endpoint
+        assert client.get("/v1/models").json() == {"data": [{"id": "m"}]}
+        assert client.post("/v1/completions", json={"prompt": "no extras"}).status_code == 200
+        assert client.post("/v1/completions", json={"prompt": "x", "vllm_xargs": None}).status_code == 200
+        garbage = b"{not json vllm_xargs"
+        response = client.post("/v1/completions", content=garbage)
+        assert response.status_code == 200 and response.json()["len"] == len(garbage)
+    assert seen[-1] == garbage and len(seen) == 4
+
+
+def test_a_body_in_several_parts_is_validated_whole_and_replayed_in_order():
+    app, seen = _app()
+    body = json.dumps({"prompt": "p" * 1000, "vllm_xargs": {"leap_domain": "chat"}}).encode()
+    parts = [body[:10], body[10:600], body[600:]]
+
+    def call(chunks: list[bytes]) -> tuple[int, bytes]:
+        messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+                    for i, c in enumerate(chunks)]
+        sent: list[dict] = []
+
+        async def receive():
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "root_path": "",
+                 "headers": [(b"content-type", b"application/json")], "query_string": b"",
+                 "http_version": "1.1", "scheme": "http", "server": ("t", 80), "client": ("c", 1)}
+        asyncio.run(app(scope, receive, send))
+        status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+        return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+    status, _ = call(parts)
+    assert status == 200 and seen == [body]
+    bad = json.dumps({"prompt": "p" * 1000, "vllm_xargs": {"leap_domain": 5}}).encode()
+    status, answer = call([bad[:700], bad[700:]])
+    assert status == 400 and b"leap_domain" in answer and len(seen) == 1
+
+
+def test_vllm_loads_it_from_the_middleware_flag():
+    register = pytest.importorskip("vllm.entrypoints.serve.middleware.register")
+    app, seen = _app(wrap=False)
+    args = Namespace(allowed_origins=["*"], allow_credentials=False, allowed_methods=["*"],
+                     allowed_headers=["*"], api_key=None, enable_request_id_headers=False,
+                     middleware=["serving.api_middleware.LeapExtrasMiddleware"])
+    register.init_entrypoints_middleware(args, app, ())
+    with TestClient(app) as client:
+        refused = client.post("/v1/completions", json={"prompt": "x", "vllm_xargs": {"leap_oracle_length": -1}})
+        assert refused.status_code == 400 and "leap_oracle_length" in refused.json()["error"]["message"]
+        assert client.post("/v1/completions", json={"prompt": "x", "vllm_xargs": GOOD}).status_code == 200
+    assert len(seen) == 1
