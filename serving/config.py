@@ -3,24 +3,49 @@
 vLLM hands the same `VllmConfig` to the engine-core process (scheduler) and to every worker, so the
 settings travel in `additional_config["leap"]`. Fields not given there fall back to `LEAP_*`
 environment variables, so stock `vllm serve --scheduler-cls ...` can be configured without code.
+Assignments are validated too (`configure` switches the policy of a running engine).
+
+A policy name says two things: the decode order (`decode_order`: FCFS, or countdown by predicted
+remaining length) and where the predicted length comes from (`length_source`):
+
+- "fcfs": arrival order, no prediction used;
+- "leap": countdown on the readout's (or a served evaluation predictor's) predictions;
+- "oracle": countdown on the true length the client sent (`leap_oracle_length`), for evaluation;
+- "client": countdown on the length the client predicted (`leap_predicted_length`);
+- a name registered with `register_predictor_policy` (the evaluation heads served with
+  `LeapRuntime.serve_predictor`): like "leap", with its name recorded in the feedback rows.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-POLICIES = ("fcfs", "leap", "oracle")
+POLICIES = ("fcfs", "leap", "oracle", "client")
+_PREDICTOR_POLICIES: set[str] = set()
+
+
+def register_predictor_policy(name: str) -> str:
+    """Allow `name` as a policy: countdown on the predictions of a predictor served under that name."""
+    if not name or not name.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"a policy name is letters, digits, '-' and '_', not {name!r}")
+    if name not in POLICIES:
+        _PREDICTOR_POLICIES.add(name)
+    return name
+
+
+def known_policies() -> tuple[str, ...]:
+    return (*POLICIES, *sorted(_PREDICTOR_POLICIES))
 
 
 class LeapConfig(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="LEAP_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="LEAP_", extra="ignore", validate_assignment=True)
 
-    policy: str = Field("leap", description="fcfs | leap | oracle, or a registered evaluation predictor")
+    policy: str = Field("leap", description="fcfs | leap | oracle | client, or a registered evaluation predictor")
     readout_path: str | None = Field(None, description="leap_core readout file served at start")
     rls_state_path: str | None = Field(None, description="RLS anchor (theta, P) saved with the readout")
     layer: int | None = Field(None, description="decoder layer to capture; default: the readout's layer")
@@ -41,6 +66,37 @@ class LeapConfig(BaseSettings):
     admin_token: str | None = Field(None, description="admin token; else LEAP_ADMIN_TOKEN_FILE")
     admin_token_file: str | None = None
     channel: str | None = Field(None, description="capture channel address; default from the instance id")
+    state_dir: str | None = Field(None, description="folder where every accepted push is kept and restored "
+                                                    "from at start; None: pushes are not persisted")
+    registry_uri: str | None = Field(None, description="MLflow tracking URI whose champion serves at start "
+                                                       "when state_dir holds no push")
+    registry_model: str | None = Field(None, description="registered model name; default "
+                                                         "leap-readout-<model id>-L<layer>")
+    queue_max: int = Field(65_536, ge=1, description="longest predictor / RLS queue; beyond it items are "
+                                                     "dropped and counted")
+    finished_memory: int = Field(65_536, ge=1, description="recently finished ids remembered to drop their "
+                                                           "late features and predictions")
+    orphan_ttl_s: float = Field(120.0, gt=0.0, description="how long a feature or prediction may wait for its "
+                                                           "request to become resident")
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in POLICIES and value not in _PREDICTOR_POLICIES:
+            raise ValueError(f"unknown policy {value!r}; expected one of {known_policies()}")
+        return value
+
+    @property
+    def decode_order(self) -> Literal["fcfs", "countdown"]:
+        """The `leap_core.policy.make_policy` name of this policy's decode order."""
+        return "fcfs" if self.policy == "fcfs" else "countdown"
+
+    @property
+    def length_source(self) -> Literal["none", "predicted", "oracle", "client"]:
+        """Where a request's predicted total length comes from under this policy."""
+        if self.policy in ("fcfs", "oracle", "client"):
+            return "none" if self.policy == "fcfs" else self.policy
+        return "predicted"
 
     def token(self) -> str | None:
         if self.admin_token:

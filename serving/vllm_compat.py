@@ -89,10 +89,38 @@ def external_request_id(internal_id: str) -> str:
     return internal_id
 
 
+def request_extra_args(request: Any) -> object:
+    """The request's `SamplingParams.extra_args` (the OpenAI API's `vllm_xargs`), unvalidated, or None."""
+    params = getattr(request, "sampling_params", None)
+    return getattr(params, "extra_args", None) if params is not None else None
+
+
+def request_sampling_params(request: Any) -> Any:
+    return getattr(request, "sampling_params", None)
+
+
+def past_prefill(request: Any) -> bool:
+    """Whether a resident request has its whole prompt computed and a first token: a decode candidate."""
+    return request.num_output_tokens > 0 and request.num_computed_tokens >= request.num_prompt_tokens
+
+
+def finish_reason(request: Any) -> str:
+    """"stop", "length", "abort", ... for a finished request; "abort" when vLLM records no reason."""
+    reason = request.get_finished_reason()
+    return str(getattr(reason, "name", reason)).lower() if reason is not None else "abort"
+
+
 # -- engine ------------------------------------------------------------------------------------------
 def in_process_scheduler(engine: Any) -> Any:
     """The scheduler object of an in-process `LLMEngine` (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
     return engine.engine_core.engine_core.scheduler
+
+
+def served_model_shape(vllm_config: Any) -> tuple[int, int, str, int]:
+    """(hidden size, decoder layers, model name or path, max model length) of the served model."""
+    model = vllm_config.model_config
+    hf = model.hf_text_config
+    return int(hf.hidden_size), int(hf.num_hidden_layers), str(model.model), int(model.max_model_len)
 
 
 # -- worker and model runner (capture) ---------------------------------------------------------------

@@ -1,0 +1,327 @@
+"""The readout that serves: where it came from, its version, the threads that apply and correct it.
+
+`ReadoutService` owns the predictor thread (features -> predicted lengths), the RLS learner (finished
+requests -> corrected readouts), pushes (validated, served, persisted) and the restore at start. Every
+change of readout goes through `_publish` under one lock, which swaps the predictor's readout and
+rescores every live request from its cached feature, so requests admitted under the old readout are
+ordered by the new one from the next step.
+
+Generations. A push, a restore or a reset starts a new anchor generation (the learner's). An RLS update
+is tagged with the generation it was learned in and is dropped if a push arrived meanwhile, so a stale
+correction can never overwrite a newer push. The same holds for the registry champion, which loads in
+the background: a push that lands first wins.
+
+Where the readout at start comes from (`source` in `describe()`):
+
+1. "state": the last push this replica accepted, from `state_dir` (every accepted push is written
+   there atomically: `readout.bin`, `rls.npz`, and `readout.json` last, with the others' digests, so a
+   torn write is detected, logged and skipped, never served);
+2. "config": the readout file named by `readout_path`;
+3. "registry": the champion of this model and layer in the MLflow registry at `registry_uri`,
+   loaded lazily on a background thread; failures are logged, never fatal;
+4. "none": no readout until the first push. Later pushes report "push".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from leap_core.readout import LinearReadout
+from leap_core.readout_format import to_bytes
+from leap_core.rls import RLS
+from leap_io.push_bundle import make_bundle, read_bundle
+from serving.config import LeapConfig
+from serving.online import OnlineLearner
+from serving.predictor import PredictorService, Readout
+from serving.push import validate_push
+from serving.telemetry import Telemetry
+from serving.tracking import RequestTracker
+
+logger = logging.getLogger(__name__)
+
+SOURCES = ("push", "state", "registry", "config", "none")
+
+
+class StateDamaged(RuntimeError):
+    """The state folder holds a readout that must not serve (torn write, edited file)."""
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as sink:
+        sink.write(data)
+        sink.flush()
+        os.fsync(sink.fileno())
+    os.replace(tmp, path)
+
+
+def _digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+class ReadoutState:
+    """The last accepted push of a replica, kept in one folder so a restart serves it again."""
+
+    READOUT = "readout.bin"
+    RLS = "rls.npz"
+    META = "readout.json"
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+
+    def save(self, readout_bytes: bytes, rls_state: dict[str, np.ndarray] | None, version: str) -> None:
+        """Write the push; `readout.json` goes last and names the digests of what it belongs to."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        _write_atomically(self.folder / self.READOUT, readout_bytes)
+        rls_bytes = None
+        if rls_state is not None:
+            rls_bytes = make_bundle(b"", rls_state)  # an npz of the rls_* arrays (and an empty readout)
+            _write_atomically(self.folder / self.RLS, rls_bytes)
+        meta = {"version": version, "saved_at": time.time(), "readout_sha256": _digest(readout_bytes),
+                "rls_sha256": _digest(rls_bytes) if rls_bytes is not None else None}
+        _write_atomically(self.folder / self.META, json.dumps(meta, indent=1).encode())
+
+    def load(self) -> tuple[bytes, dict[str, np.ndarray] | None, dict] | None:
+        """(readout bytes, RLS state or None, metadata), None when nothing was saved, StateDamaged else."""
+        meta_path = self.folder / self.META
+        if not meta_path.is_file():
+            return None
+        try:
+            meta = json.loads(meta_path.read_text())
+            readout_bytes = (self.folder / self.READOUT).read_bytes()
+            if _digest(readout_bytes) != meta["readout_sha256"]:
+                raise StateDamaged(f"{self.READOUT} does not match {self.META} (torn write or edited)")
+            rls_state = None
+            if meta.get("rls_sha256"):
+                rls_bytes = (self.folder / self.RLS).read_bytes()
+                if _digest(rls_bytes) != meta["rls_sha256"]:
+                    raise StateDamaged(f"{self.RLS} does not match {self.META} (torn write or edited)")
+                rls_state = read_bundle(rls_bytes)[1]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise StateDamaged(f"unreadable state in {self.folder}: {exc}") from exc
+        return readout_bytes, rls_state, meta
+
+
+class ReadoutService:
+    """The serving readout of one runtime, its predictor thread and its RLS learner.
+
+    Parameters
+    ----------
+    config : the runtime's settings (read live: `configure` may switch RLS between replays).
+    expect : what a readout must match to serve here (layer, dim, model fingerprint).
+    tracker : the per-request state predictions are stored in and live features read from.
+    telemetry : counts and the readout info metric.
+    serving_slice : the layer-L part of a captured vector.
+    model_id : the served model's id, which names its registered readout model with the layer.
+    """
+
+    def __init__(self, config: LeapConfig, expect: dict, tracker: RequestTracker, telemetry: Telemetry,
+                 serving_slice: Callable[[np.ndarray], np.ndarray], model_id: str = "") -> None:
+        self.config = config
+        self._expect = dict(expect)
+        self._tracker = tracker
+        self._telemetry = telemetry
+        self._slice = serving_slice
+        self._model_id = model_id
+        self._lock = threading.RLock()
+        self.readout: Readout | None = None
+        self.source = "none"
+        self._generation = 0
+        self.persisted_at: float | None = None
+        self.registry_status: dict[str, Any] = {"state": "off"}
+        self.state = ReadoutState(config.state_dir) if config.state_dir else None
+        self.predictor = PredictorService(None, self._on_predictions, max_pending=config.queue_max,
+                                          on_drop=lambda reason, n: telemetry.drop("prediction", reason, n))
+        telemetry.watch_thread("predictor", lambda: self.predictor.running)
+        self.learner = OnlineLearner(None, "", self.publish_learned, every=config.rls_every,
+                                     max_queue=config.queue_max,
+                                     on_drop=lambda reason, n: telemetry.drop("rls_row", reason, n),
+                                     on_error=lambda: telemetry.thread_error("rls"))
+        telemetry.watch_thread("rls", lambda: self.learner.alive)
+
+    # -- what serves -------------------------------------------------------------------------------
+    @property
+    def version(self) -> str:
+        readout = self.readout
+        return "" if readout is None else str(readout.metadata.get("version", ""))
+
+    def start(self) -> ReadoutService:
+        """Start the predictor and serve the readout a restart should serve (see the module docstring)."""
+        self.predictor.start()
+        if self._restore_state():
+            return self
+        if self.config.readout_path:
+            readout_bytes = Path(self.config.readout_path).read_bytes()  # an explicit file must load: fail loudly
+            rls_state = None
+            if self.config.rls_state_path and Path(self.config.rls_state_path).is_file():
+                with np.load(self.config.rls_state_path) as npz:
+                    rls_state = {k: npz[k] for k in npz.files}
+            readout, rls = validate_push(make_bundle(readout_bytes, rls_state), self._expect, None)
+            self._serve(readout, rls, "config")
+            return self
+        if self.config.registry_uri:
+            self._load_registry_in_background()
+        return self
+
+    def _restore_state(self) -> bool:
+        if self.state is None:
+            return False
+        try:
+            saved = self.state.load()
+            if saved is None:
+                return False
+            readout_bytes, rls_state, meta = saved
+            readout, rls = validate_push(make_bundle(readout_bytes, rls_state), self._expect, None)
+        except Exception as exc:  # noqa: BLE001 - a damaged or foreign state folder must never keep a replica down
+            self._telemetry.drop("state", "unusable")
+            logger.warning("LEAP state in %s is not served: %s", self.state.folder, exc)
+            return False
+        self._serve(readout, rls, "state")
+        self.persisted_at = meta.get("saved_at")
+        logger.info("LEAP serves readout %s restored from %s", self.version, self.state.folder)
+        return True
+
+    def _load_registry_in_background(self) -> None:
+        generation = self._generation
+        self.registry_status = {"state": "loading", "uri": self.config.registry_uri}
+
+        def load() -> None:
+            try:
+                from registry.client import CHAMPION, ReadoutRegistry
+
+                registry = ReadoutRegistry(self.config.registry_uri)
+                name = self.config.registry_model or ReadoutRegistry.model_name(self._model_id,
+                                                                                int(self._expect["layer"]))
+                champion = registry.load_readout(name, CHAMPION, expect=self._expect)
+                anchor = registry.load_rls_state(name, CHAMPION, readout=champion)
+                # checked exactly like a push: the registry is one more place a bad readout can come from
+                bundle = make_bundle(to_bytes(champion), anchor.state_arrays() if anchor is not None else None)
+                readout, rls = validate_push(bundle, self._expect, None)
+            except Exception as exc:
+                self.registry_status = {"state": "failed", "error": f"{type(exc).__name__}: {exc}"}
+                logger.warning("LEAP could not load the registry champion from %s: %s", self.config.registry_uri,
+                               exc, exc_info=True)
+                return
+            with self._lock:
+                if self._generation != generation:  # a push arrived first: it wins
+                    self.registry_status = {"state": "superseded"}
+                    return
+                self._serve(readout, rls, "registry")
+                self.registry_status = {"state": "loaded", "model": name}
+            logger.info("LEAP serves registry champion %s of %s", self.version, name)
+
+        threading.Thread(target=load, name="leap-registry-load", daemon=True).start()
+
+    # -- changing what serves ----------------------------------------------------------------------
+    def push(self, body: bytes) -> dict:
+        """Validate and hot-swap a pushed readout (PushRefused keeps the old one), then persist it."""
+        readout, rls = validate_push(body, self._expect, self.readout)
+        previous = self.version
+        with self._lock:
+            self._serve(readout, rls, "push")
+            version = self.version
+        persisted = self._persist(body, version)
+        logger.info("LEAP readout %s replaced %s", version, previous)
+        return {"version": version, "previous": previous, "rls": self.learner.stats(), "persisted": persisted}
+
+    def _persist(self, body: bytes, version: str) -> bool:
+        if self.state is None:
+            return False
+        try:
+            readout_bytes, rls_state = read_bundle(body)
+            self.state.save(readout_bytes, rls_state, version)
+        except Exception:
+            self._telemetry.drop("state", "write_error")
+            logger.exception("LEAP could not persist readout %s to %s; it serves, but a restart will not "
+                             "restore it", version, self.state.folder)
+            return False
+        self.persisted_at = time.time()
+        return True
+
+    def clear(self) -> None:
+        """Serve no readout (and learn nothing) until the next push."""
+        with self._lock:
+            self._generation = self.learner.reanchor(None, "")
+            self.source = "none"
+            self._publish(None)
+
+    def serve_predictor(self, predictor: Readout, version: str) -> None:
+        """Serve any object with `predict(X) -> lengths` on the captured features, without RLS."""
+        with self._lock:
+            self._generation = self.learner.reanchor(None, version)
+            self.source = "push"
+            self._publish(predictor)
+
+    def _serve(self, readout: LinearReadout, rls: RLS | None, source: str) -> None:
+        with self._lock:
+            if rls is not None and self.config.rls_forgetting != 1.0:
+                rls.forgetting = self.config.rls_forgetting
+            version = str(readout.metadata.get("version", ""))
+            self._generation = self.learner.reanchor(rls if self.config.rls else None, version)
+            self.source = source
+            self._publish(readout)
+
+    def publish_learned(self, readout: LinearReadout, generation: int) -> None:
+        """The learner's publish: served only if no push, restore or reset happened since it was learned."""
+        with self._lock:
+            if generation != self._generation:
+                self._telemetry.drop("readout", "stale_generation")
+                return
+            self._publish(readout)
+
+    def _publish(self, readout: Readout | None) -> None:
+        """Serve `readout` from now on and rescore the live requests from their cached features."""
+        with self._lock:
+            self.readout = readout
+            self.predictor.publish(readout)
+            self._telemetry.set_readout(self.version, self.source)
+            self._telemetry.rls_updates.set(self.learner.updates)
+            if readout is None:
+                return
+            ids, features = self._tracker.live_features()
+            if not ids:
+                return
+            try:
+                values = np.asarray(readout.predict(np.stack([self._slice(f) for f in features])), dtype=np.float64)
+            except Exception:
+                self._telemetry.drop("prediction", "rescore_error", len(ids))
+                logger.exception("LEAP: rescoring %d live requests with %s failed; they keep their predictions",
+                                 len(ids), self.version)
+                return
+            self._tracker.add_predictions(ids, values.reshape(-1), self.version)
+
+    # -- the threads' inputs -----------------------------------------------------------------------
+    def submit(self, request_id: str, feature: np.ndarray) -> None:
+        """Queue a captured feature for prediction (nothing to do while no readout serves)."""
+        if self.readout is not None:
+            self.predictor.submit(request_id, self._slice(feature))
+
+    def observe(self, feature: np.ndarray, output_tokens: int) -> None:
+        """Hand a finished request to RLS, when it learns."""
+        if self.learner.active:
+            self.learner.observe(self._slice(feature), output_tokens)
+
+    def _on_predictions(self, ids: Sequence[str], values: np.ndarray, version: str, enqueued: np.ndarray) -> None:
+        if version != self.version:  # predicted by a readout replaced meanwhile; the publish rescored them
+            self._telemetry.drop("prediction", "superseded", len(ids))
+            return
+        self._tracker.add_predictions(ids, values, version)
+
+    # -- reporting ---------------------------------------------------------------------------------
+    def describe(self) -> dict:
+        return {"version": self.version, "source": self.source, "generation": self._generation,
+                "persisted_at": self.persisted_at, "registry": dict(self.registry_status)}
+
+    def close(self) -> None:
+        self.predictor.stop()
+        self.learner.close()

@@ -1,0 +1,122 @@
+"""Finished requests: their feedback row, for the writer and the in-process listeners, and the quality gauges.
+
+One row per finished request that was resident and had its feature captured (the feature is the row's
+training input). The row carries what the engine measured (tokens, times, finish reason), what LEAP
+predicted (at admission and latest, with the readout version) and the client's validated extras; an
+extra that failed validation is simply absent (None), never a reason to lose the row.
+
+Listeners are in-process consumers (the harness collects its corpus through one); a listener that raises
+is counted (`leap_thread_errors_total{thread="listener"}`) and the others still get the row.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from leap_core.metrics import mae, spearman
+from serving import vllm_compat
+from serving.supervise import RateLimitedLog
+from serving.telemetry import Telemetry
+from serving.tracking import Tracked
+
+logger = logging.getLogger(__name__)
+
+DECODING_KEYS = ("temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty",
+                 "repetition_penalty", "ignore_eos", "seed")
+QUALITY_WINDOW = 256
+
+
+class FeedbackRecorder:
+    """Builds each finished request's row and hands it to the feedback writer and the listeners.
+
+    `writer` is a `serving.feedback.FeedbackWriter` or None (no feedback written, listeners only).
+    """
+
+    def __init__(self, writer: Any, model_id: str, fingerprint: str, layer: int, telemetry: Telemetry) -> None:
+        self.writer = writer
+        self.model_id, self.fingerprint, self.layer = model_id, fingerprint, layer
+        self.listeners: list[Callable[[dict], None]] = []
+        self._telemetry = telemetry
+        self._warn = RateLimitedLog(logger)
+        self.rows = 0
+        self.finished = 0
+        self.recent: deque[tuple[float, int]] = deque(maxlen=QUALITY_WINDOW)
+
+    def record(self, request: Any, entry: Tracked | None, feature: np.ndarray | None, predicted: float | None,
+               version: str, policy: str) -> dict | None:
+        """Account for one finished request; its row when one was written or listened to."""
+        output_tokens = int(request.num_output_tokens)
+        self.finished += 1
+        self._telemetry.finished.inc()
+        if entry is not None and predicted is not None and output_tokens > 0:
+            self._quality(predicted, output_tokens)
+        if feature is None or entry is None or (self.writer is None and not self.listeners):
+            return None
+        row = self.row(request, entry, feature, predicted, version, policy)
+        if self.writer is not None and self.writer.write(row) is not False:  # the writer counts its drops
+            self.rows += 1
+        for listener in list(self.listeners):
+            try:
+                listener(row)
+            except Exception:  # noqa: BLE001 - one listener's bug must not cost the others their row
+                self._telemetry.thread_error("listener")
+                self._warn.warning("listener", "LEAP feedback listener %r failed", listener, exc_info=True)
+        return row
+
+    def row(self, request: Any, entry: Tracked, feature: np.ndarray, predicted: float | None, version: str,
+            policy: str) -> dict:
+        params = vllm_compat.request_sampling_params(request)
+        decoding = {k: getattr(params, k, None) for k in DECODING_KEYS} if params is not None else {}
+        extras = entry.extras
+        arrival = extras.leap_planned_arrival if extras.leap_planned_arrival is not None else entry.arrival
+        return {
+            "request_id": extras.leap_request_id or vllm_compat.external_request_id(request.request_id),
+            "model_id": self.model_id, "model_fingerprint": self.fingerprint, "layer": self.layer,
+            "policy": policy, "arrival_time": float(arrival), "first_token_time": entry.first_token_time,
+            "finish_time": time.time(), "prompt_tokens": int(request.num_prompt_tokens),
+            "output_tokens": int(request.num_output_tokens), "finish_reason": vllm_compat.finish_reason(request),
+            "max_tokens": int(request.max_tokens), "decoding": json.dumps(decoding, default=str),
+            "domain": extras.leap_domain, "tenant": extras.leap_tenant,
+            "predicted_at_admission": entry.predicted_at_admission, "predicted_latest": predicted,
+            "readout_version": version, "feature": feature,
+        }
+
+    def _quality(self, predicted: float, output_tokens: int) -> None:
+        self.recent.append((predicted, output_tokens))
+        if self.finished % 16 == 0 and len(self.recent) >= 16:
+            pairs = np.asarray(self.recent)
+            self._telemetry.spearman.set(spearman(pairs[:, 1], pairs[:, 0]))
+            self._telemetry.mae.set(mae(pairs[:, 1], pairs[:, 0]))
+
+    # -- the writer --------------------------------------------------------------------------------
+    def flush(self) -> dict:
+        """Close the open segment so everything finished so far can be ingested (raises if it cannot)."""
+        if self.writer is None:
+            return {"flushed": False, "reason": "this process writes no feedback"}
+        stats = self.writer.flush()
+        return {"flushed": True, "rows_written": self.writer.rows_written,
+                "segments": getattr(self.writer, "segments_closed", None),
+                **(stats if isinstance(stats, dict) else {})}
+
+    def writer_health(self) -> dict:
+        """The writer thread's report (`FeedbackWriter.stats()` and `healthy()` where it has them)."""
+        if self.writer is None:
+            return {"alive": None, "enabled": False}
+        stats = getattr(self.writer, "stats", None)
+        report = dict(stats()) if callable(stats) else {"rows_written": getattr(self.writer, "rows_written", None),
+                                                        "alive": None}
+        healthy = getattr(self.writer, "healthy", None)
+        report["healthy"] = bool(healthy()) if callable(healthy) else report.get("alive") is not False
+        report["enabled"] = True
+        return report
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,226 @@
+"""Per-request state: what LEAP knows about each resident request, its captured feature and its prediction.
+
+Three threads write here: the engine thread (a request becomes resident, decodes, finishes), the
+capture receiver (a feature arrives) and the predictor / readout publisher (a prediction arrives). The
+per-request dicts are only mutated and iterated under one lock, so a publish that rescores every live
+request never sees a dict change size under it; the engine thread's hot reads (`predictions.get`) are
+single dict operations and need no lock.
+
+Nothing here may grow with the number of requests served, only with the number resident:
+
+- a request's entries are removed when it finishes;
+- a feature or prediction that arrives after its request finished (an abort during prefill, a
+  prediction batch still in flight) is recognised by a bounded memory of recently finished ids and
+  dropped (`leap_dropped_total{what, reason="finished"}`);
+- a feature or prediction for an id that never becomes resident is dropped after `orphan_ttl_s`
+  (`reason="expired"`), by `expire`, which the runtime calls about once a second.
+
+Client-supplied `leap_*` extras are validated once, when a request becomes resident, by
+`serving.request_extras.parse_leap_extras`; a bad key is ignored (the engine falls back to what it
+knows), counted by key and warned about at a limited rate.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from serving import vllm_compat
+from serving.request_extras import LeapExtras, parse_leap_extras
+from serving.supervise import RateLimitedLog
+from serving.telemetry import Telemetry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Tracked:
+    """What LEAP remembers about one resident request."""
+
+    arrival: float
+    extras: LeapExtras
+    held_out: int = 0
+    first_token_time: float | None = None
+    decode_seen: bool = False
+    predicted_at_admission: float | None = None
+
+    @property
+    def oracle(self) -> float | None:
+        return self.extras.leap_oracle_length
+
+    @property
+    def client_prediction(self) -> float | None:
+        return self.extras.leap_predicted_length
+
+
+class RequestTracker:
+    """The per-request dicts of one runtime, with their locking, pruning and counting.
+
+    Parameters
+    ----------
+    telemetry : where drops and bad extras are counted.
+    finished_memory : how many recently finished ids are remembered to recognise late arrivals.
+    orphan_ttl_s : how long a feature or prediction may wait for its request to become resident.
+    clock : monotonic seconds (a parameter so expiry can be exercised without sleeping).
+    """
+
+    def __init__(self, telemetry: Telemetry, finished_memory: int = 65_536, orphan_ttl_s: float = 120.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.telemetry = telemetry
+        self.tracked: dict[str, Tracked] = {}
+        self.features: dict[str, np.ndarray] = {}
+        self.predictions: dict[str, float] = {}
+        self.versions: dict[str, str] = {}
+        self._finished_memory = finished_memory
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._orphans: dict[str, float] = {}  # id -> when its first untracked feature/prediction arrived
+        self._orphan_ttl_s = orphan_ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
+        self._warn = RateLimitedLog(logger)
+
+    # -- the engine thread -------------------------------------------------------------------------
+    def track(self, request: Any) -> Tracked:
+        """The entry of a resident request, created (and its extras validated) the first time."""
+        entry = self.tracked.get(request.request_id)
+        if entry is None:
+            extras = self._extras(request)
+            entry = Tracked(arrival=float(request.arrival_time), extras=extras)
+            rid = request.request_id
+            with self._lock:
+                self.tracked[rid] = entry
+                self._orphans.pop(rid, None)
+                self._finished.pop(rid, None)  # an id reused after it finished is a new request
+                prediction = self.predictions.get(rid)
+            if prediction is not None:
+                entry.predicted_at_admission = prediction
+        return entry
+
+    def _extras(self, request: Any) -> LeapExtras:
+        extras, errors = parse_leap_extras(vllm_compat.request_extra_args(request))
+        if errors:
+            for key in errors:
+                self.telemetry.bad_extra(key)
+            self._warn.warning("extras", "LEAP ignored invalid extras of request %s: %s", request.request_id,
+                               "; ".join(f"{key}: {reason}" for key, reason in sorted(errors.items())))
+        return extras
+
+    def finish(self, request_id: str) -> tuple[Tracked | None, np.ndarray | None, float | None, str]:
+        """Forget a finished request: (entry, feature, latest prediction, its readout version)."""
+        with self._lock:
+            entry = self.tracked.pop(request_id, None)
+            feature = self.features.pop(request_id, None)
+            predicted = self.predictions.pop(request_id, None)
+            version = self.versions.pop(request_id, "")
+            self._orphans.pop(request_id, None)
+            self._finished[request_id] = None
+            if len(self._finished) > self._finished_memory:
+                self._finished.popitem(last=False)
+        return entry, feature, predicted, version
+
+    def wait_for(self, request_ids: Sequence[str], timeout: float) -> list[str]:
+        """Wait until every id has a prediction or `timeout` passes; the ids still without one.
+
+        One deadline for all of them: the engine thread waits at most `timeout` per step however many
+        requests reach decode without a prediction. It sleeps on a condition that every stored
+        prediction signals, so it wakes as soon as the last one arrives.
+        """
+        deadline = time.monotonic() + timeout
+        predictions = self.predictions
+        with self._arrived:
+            missing = [rid for rid in request_ids if rid not in predictions]
+            while missing:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._arrived.wait(remaining)
+                missing = [rid for rid in missing if rid not in predictions]
+        return missing
+
+    def expire(self) -> int:
+        """Drop features and predictions whose request has not become resident within the TTL."""
+        now = self._clock()
+        with self._lock:
+            stale = [rid for rid, since in self._orphans.items()
+                     if now - since > self._orphan_ttl_s and rid not in self.tracked]
+            features = predictions = 0
+            for rid in stale:
+                del self._orphans[rid]
+                features += self.features.pop(rid, None) is not None
+                predictions += self.predictions.pop(rid, None) is not None
+                self.versions.pop(rid, None)
+        self.telemetry.drop("feature", "expired", features)
+        self.telemetry.drop("prediction", "expired", predictions)
+        return len(stale)
+
+    # -- the receiver and predictor threads --------------------------------------------------------
+    def add_feature(self, request_id: str, feature: np.ndarray) -> bool:
+        """Keep a captured feature; False (and counted) when its request already finished."""
+        with self._lock:
+            if request_id in self._finished:
+                accepted = False
+            else:
+                accepted = True
+                self.features[request_id] = feature
+                if request_id not in self.tracked:
+                    self._orphans.setdefault(request_id, self._clock())
+        if not accepted:
+            self.telemetry.drop("feature", "finished")
+        return accepted
+
+    def add_predictions(self, request_ids: Iterable[str], values: np.ndarray, version: str) -> int:
+        """Store predictions; non-finite ones and those of finished requests are dropped and counted.
+
+        A NaN stored as a prediction would sort after every number and hold its request out until the
+        waiting cap forces it in; without a prediction it goes by its max_tokens instead.
+        """
+        stored = non_finite = finished = 0
+        admitted: list[tuple[Tracked, float]] = []
+        with self._arrived:
+            tracked, predictions, versions, done = self.tracked, self.predictions, self.versions, self._finished
+            for rid, value in zip(request_ids, values):
+                value = float(value)
+                if not math.isfinite(value):
+                    non_finite += 1
+                    continue
+                if rid in done:
+                    finished += 1
+                    continue
+                predictions[rid] = value
+                versions[rid] = version
+                stored += 1
+                entry = tracked.get(rid)
+                if entry is None:
+                    self._orphans.setdefault(rid, self._clock())
+                elif entry.predicted_at_admission is None:
+                    admitted.append((entry, value))
+            if stored:
+                self._arrived.notify_all()
+        for entry, value in admitted:
+            entry.predicted_at_admission = value
+        self.telemetry.predictions.inc(stored)
+        self.telemetry.drop("prediction", "non_finite", non_finite)
+        self.telemetry.drop("prediction", "finished", finished)
+        if non_finite:
+            self._warn.warning("non_finite", "LEAP: %d non-finite predictions (readout %s) treated as missing",
+                               non_finite, version)
+        return stored
+
+    def live_features(self) -> tuple[list[str], list[np.ndarray]]:
+        """A consistent snapshot of (ids, features) of every request not yet finished."""
+        with self._lock:
+            return list(self.features), list(self.features.values())
+
+    def sizes(self) -> dict[str, int]:
+        return {"tracked": len(self.tracked), "features": len(self.features),
+                "predictions": len(self.predictions), "orphans": len(self._orphans),
+                "finished_memory": len(self._finished)}
