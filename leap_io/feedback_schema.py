@@ -15,6 +15,7 @@ META_DIM = b"leap.dim"
 META_LAYER = b"leap.layer"
 META_MODEL_ID = b"leap.model_id"
 META_MODEL_FINGERPRINT = b"leap.model_fingerprint"
+META_REPLICA_ID = b"leap.replica_id"  # the serving replica whose writer made the segment (optional)
 
 
 def feedback_schema(dim: int) -> pa.Schema:
@@ -47,7 +48,11 @@ def feedback_schema(dim: int) -> pa.Schema:
 COLUMNS = tuple(feedback_schema(1).names)
 
 
-def segment_metadata(dim: int, layer: int, model_id: str, fingerprint: str) -> dict[bytes, bytes]:
-    return {META_SCHEMA_VERSION: SCHEMA_VERSION.encode(), META_DIM: str(dim).encode(),
-            META_LAYER: str(layer).encode(), META_MODEL_ID: model_id.encode(),
-            META_MODEL_FINGERPRINT: fingerprint.encode()}
+def segment_metadata(dim: int, layer: int, model_id: str, fingerprint: str,
+                     replica_id: str | None = None) -> dict[bytes, bytes]:
+    metadata = {META_SCHEMA_VERSION: SCHEMA_VERSION.encode(), META_DIM: str(dim).encode(),
+                META_LAYER: str(layer).encode(), META_MODEL_ID: model_id.encode(),
+                META_MODEL_FINGERPRINT: fingerprint.encode()}
+    if replica_id:
+        metadata[META_REPLICA_ID] = replica_id.encode()
+    return metadata

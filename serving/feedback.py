@@ -289,17 +289,17 @@ class FeedbackWriter:
             raise ValueError("max_queue_rows, max_rows and flush_rows must be >= 1")
         self.root = Path(folder)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.schema = feedback_schema(dim).with_metadata(segment_metadata(dim, layer, model_id, fingerprint))
+        self.replica_id, self._lock_fd = self._claim(_safe_id(replica_id or default_replica_id()), lock_wait_s)
+        self.replica_dir = self.root / self.replica_id
+        self.quarantine_dir = self.replica_dir / QUARANTINE_DIR
+        self.schema = feedback_schema(dim).with_metadata(
+            segment_metadata(dim, layer, model_id, fingerprint, replica_id=self.replica_id))
         self._convert = _Converter(self.schema)
         self.max_rows, self.max_seconds = max_rows, max_seconds
         self.flush_rows, self.flush_seconds = flush_rows, flush_seconds
         row_bytes = 4 * dim + 1024
         self.capacity = max(1, min(max_queue_rows, max_queue_bytes // row_bytes))
         self.max_quarantine_bytes = max_quarantine_bytes
-
-        self.replica_id, self._lock_fd = self._claim(_safe_id(replica_id or default_replica_id()), lock_wait_s)
-        self.replica_dir = self.root / self.replica_id
-        self.quarantine_dir = self.replica_dir / QUARANTINE_DIR
 
         # counters: written by the writer thread, read anywhere (ints are atomic enough to read)
         self.rows_written = 0
