@@ -90,6 +90,8 @@ class ReadoutState:
         meta = {"version": version, "saved_at": time.time(), "readout_sha256": _digest(readout_bytes),
                 "rls_sha256": _digest(rls_bytes) if rls_bytes is not None else None}
         _write_atomically(self.folder / self.META, json.dumps(meta, indent=1).encode())
+        if rls_bytes is None:  # the anchor of an earlier push must not look like this one's
+            (self.folder / self.RLS).unlink(missing_ok=True)
 
     def load(self) -> tuple[bytes, dict[str, np.ndarray] | None, dict] | None:
         """(readout bytes, RLS state or None, metadata), None when nothing was saved, StateDamaged else."""
@@ -148,6 +150,7 @@ class ReadoutService:
                                      on_drop=lambda reason, n: telemetry.drop("rls_row", reason, n),
                                      on_error=lambda: telemetry.thread_error("rls"))
         telemetry.watch_thread("rls", lambda: self.learner.alive)
+        telemetry.set_readout("", "none")
 
     # -- what serves -------------------------------------------------------------------------------
     @property

@@ -129,9 +129,13 @@ class LeapRuntime:
             return None
         from serving import feedback
 
+        options = {}
+        replica_id = getattr(feedback, "default_replica_id", None)
+        if replica_id is not None:  # the admin port tells replicas on one host apart
+            options["replica_id"] = replica_id(self.config.admin_port or None)
         writer = feedback.FeedbackWriter(self.config.feedback_dir, self.dim, self.layer, self.model_id,
                                          self.fingerprint, max_rows=self.config.segment_max_rows,
-                                         max_seconds=self.config.segment_max_seconds)
+                                         max_seconds=self.config.segment_max_seconds, **options)
         collector = getattr(feedback, "FeedbackCollector", None)
         if collector is not None:
             self.metrics_registry.register(collector(writer))
@@ -372,11 +376,12 @@ class LeapRuntime:
                 "resident": len(self.tracker.tracked)}
 
     def close(self) -> None:
+        """Stop taking pushes first, then features, then predictions and learning; feedback last."""
+        if self.admin is not None:
+            self.admin.close()
         self.receiver.close()
         self.readouts.close()
         self.recorder.close()
-        if self.admin is not None:
-            self.admin.close()
 
 
 def _model_identity(model: str) -> tuple[str, str]:

@@ -3,7 +3,13 @@
 import numpy as np
 import pytest
 
-from leap_core.policy import CountdownPolicy, DecodePolicy, FcfsPolicy, advance_held_out, make_policy
+from leap_core.policy import (
+    CountdownPolicy,
+    DecodePolicy,
+    FcfsPolicy,
+    advance_held_out,
+    make_policy,
+)
 
 
 def _reference_order(priority: np.ndarray, arrival: np.ndarray) -> np.ndarray:

@@ -8,6 +8,7 @@ Each test is one way a client, a push or a fault used to take a replica down or 
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import tempfile
@@ -19,6 +20,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import zmq
+from prometheus_client import generate_latest
 
 from leap_core.readout import LinearReadout
 from leap_core.readout_format import to_bytes
@@ -307,8 +309,13 @@ def test_health_reports_every_thread_and_the_drop_counters(build, tmp_path):
     health = runtime.health()
     assert health["healthy"] is True
     assert {"receiver", "predictor", "rls", "feedback"} <= set(health["threads"])
-    assert all(t["alive"] for name, t in health["threads"].items())
-    assert "dropped" in health["counters"]
+    assert all(t["alive"] for t in health["threads"].values())
+    assert {"dropped", "bad_request_extras", "thread_errors", "state"} <= set(health["counters"])
+    json.dumps(health)  # plain data: it serialises as the admin API sends it
+    exposed = generate_latest(runtime.metrics_registry).decode()
+    for thread in ("receiver", "predictor", "rls", "feedback"):
+        assert f'leap_thread_alive{{thread="{thread}"}} 1.0' in exposed
+    assert "leap_feedback_rows_written" in exposed  # the writer's own counters, on the same registry
 
 
 # -- the readout a replica starts with -------------------------------------------------------------------
