@@ -38,6 +38,8 @@ from serving.config import (
     leap_config_from_vllm,
     register_predictor_policy,
 )
+from serving.online import OnlineLearner
+from serving.predictor import PredictorService
 from serving.readout_service import ReadoutService
 from serving.receiver import CaptureReceiver
 from serving.recorder import FeedbackRecorder
@@ -87,9 +89,8 @@ class LeapRuntime:
         self.config = config or leap_config_from_vllm(vllm_config)
         self.dim, self.num_layers, model, self.max_tokens_default = vllm_compat.served_model_shape(vllm_config)
         self.model_id, self.fingerprint = _model_identity(model)
-        from serving.worker import (
-            capture_layer,  # vLLM platform import stays out of module import
-        )
+        # imported here: serving.worker imports vLLM's platform, which module import must not
+        from serving.worker import capture_layer
 
         self.layer = capture_layer(vllm_config, self.num_layers)
         self.counters = Counters()
@@ -129,16 +130,12 @@ class LeapRuntime:
             return None
         from serving import feedback
 
-        options = {}
-        replica_id = getattr(feedback, "default_replica_id", None)
-        if replica_id is not None:  # the admin port tells replicas on one host apart
-            options["replica_id"] = replica_id(self.config.admin_port or None)
         writer = feedback.FeedbackWriter(self.config.feedback_dir, self.dim, self.layer, self.model_id,
                                          self.fingerprint, max_rows=self.config.segment_max_rows,
-                                         max_seconds=self.config.segment_max_seconds, **options)
-        collector = getattr(feedback, "FeedbackCollector", None)
-        if collector is not None:
-            self.metrics_registry.register(collector(writer))
+                                         max_seconds=self.config.segment_max_seconds,
+                                         # the admin port tells replicas on one host apart
+                                         replica_id=feedback.default_replica_id(self.config.admin_port or None))
+        self.metrics_registry.register(feedback.FeedbackCollector(writer))
         self.telemetry.watch_thread("feedback", lambda: bool(self.recorder.writer_health().get("alive")))
         return writer
 
@@ -156,15 +153,16 @@ class LeapRuntime:
         return self.readouts.version
 
     @property
-    def predictor(self):
+    def predictor(self) -> PredictorService:
         return self.readouts.predictor
 
     @property
-    def learner(self):
+    def learner(self) -> OnlineLearner:
         return self.readouts.learner
 
     @property
-    def feedback(self):
+    def feedback(self) -> Any:
+        """The `serving.feedback.FeedbackWriter`, or None when no feedback folder is configured."""
         return self.recorder.writer
 
     @property
