@@ -322,6 +322,7 @@ class FeedbackWriter:
         self._wake = threading.Condition(self._lock)
         self._rows: deque[Any] = deque()
         self._controls: deque[_Control] = deque()
+        self._current: list[_Control] = []  # the controls the thread is handling now
         self._backlog = 0  # accepted rows not yet written, quarantined or dropped
         self._closing = False
         self._pending: list[tuple[list[Any], np.ndarray]] = []  # converted, waiting for the disk
@@ -501,6 +502,14 @@ class FeedbackWriter:
                 self.errors += 1
                 self._last_error = f"{type(exc).__name__}: {exc}"
                 logger.exception("feedback: writer step failed; continuing")
+                controls, self._current = self._current, []
+                for control in controls:  # whoever waits learns at once that it did not happen
+                    control.error = f"the feedback writer failed while handling it: {self._last_error}"
+                    control.done.set()
+                if any(control.kind == "close" for control in controls):
+                    with contextlib.suppress(Exception):
+                        self._abandon_at_close()
+                    return
                 time.sleep(min(self.flush_seconds, 1.0))
 
     def _step(self) -> bool:
@@ -511,6 +520,7 @@ class FeedbackWriter:
             self._rows.clear()
             controls = list(self._controls)
             self._controls.clear()
+        self._current = controls
         bad: list[tuple[Any, str]] = []
         for row in rows:
             try:
@@ -543,6 +553,7 @@ class FeedbackWriter:
                 control.done.set()
                 return True
             control.done.set()
+        self._current = []
         return False
 
     def _wait_s(self) -> float:
@@ -742,17 +753,22 @@ class FeedbackWriter:
             self.segments_closed += 1
 
     # -- quarantine ----------------------------------------------------------------------------
-    def _quarantine(self, bad: list[tuple[Any, str]]) -> None:
-        lines = []
-        for row, reason in bad:
-            record: dict[str, Any] = {"quarantined_at": time.time(), "replica_id": self.replica_id,
-                                      "reason": reason}
+    def _quarantine_line(self, row: Any, reason: str) -> str:
+        record: dict[str, Any] = {"quarantined_at": time.time(), "replica_id": self.replica_id, "reason": reason}
+        try:
             if isinstance(row, Mapping):
                 record["row"] = {str(k)[:100]: _json_safe(v) for k, v in row.items() if k != "feature"}
                 record["feature"] = _summary(row.get("feature"))
             else:
                 record["row"] = _json_safe(row)
-            lines.append(json.dumps(record, default=repr) + "\n")
+            return json.dumps(record, default=repr) + "\n"
+        except Exception as exc:  # noqa: BLE001 - a row that cannot even be described is still accounted for
+            record["row"] = f"<a {type(row).__name__} that cannot be described: {type(exc).__name__}>"
+            record.pop("feature", None)
+            return json.dumps(record, default=repr) + "\n"
+
+    def _quarantine(self, bad: list[tuple[Any, str]]) -> None:
+        lines = [self._quarantine_line(row, reason) for row, reason in bad]
         data = "".join(lines).encode()
         if self._quarantine_bytes + len(data) > self.max_quarantine_bytes:
             logger.error("feedback: quarantine of %s is full (%d bytes); %d bad rows dropped: %s",

@@ -115,6 +115,29 @@ def test_bad_rows_are_quarantined_with_their_reason_and_the_rest_is_written(tmp_
     assert not writer.healthy()
 
 
+class _HostileRow(dict):
+    """A mapping whose every accessor raises, as a buggy caller's object might."""
+
+    def get(self, *args):
+        raise RuntimeError("get exploded")
+
+    def items(self):
+        raise RuntimeError("items exploded")
+
+
+def test_a_row_whose_methods_raise_is_quarantined_and_accounted_for(tmp_path):
+    writer = _writer(tmp_path)
+    writer.write(_HostileRow(request_id="x"))
+    writer.write(_row(1))
+    report = writer.flush()
+    assert report["rows_quarantined"] == 1 and report["rows_written"] == 1 and report["queue_depth"] == 0
+    assert report["errors"] == 0 and writer.healthy()
+    [quarantine] = (tmp_path / "r0" / "quarantine").glob("*.jsonl")
+    [record] = [json.loads(line) for line in quarantine.read_text().splitlines()]
+    assert "get exploded" in record["reason"] and "cannot be described" in record["row"]
+    writer.close()
+
+
 def test_stats_has_exactly_the_documented_keys_and_feeds_prometheus(tmp_path):
     writer = _writer(tmp_path)
     writer.write(_row(1))
