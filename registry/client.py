@@ -6,27 +6,53 @@ against it, and `previous-champion` keeps the last good version one step away fo
 
 Everything is logged through `MlflowClient` with explicit run ids: the fluent API keeps a global
 active run, which a Prefect task or a second thread would otherwise share or leak.
+
+Failures of the tracking server are retried here, with exponential backoff, and then raised as
+`RegistryUnavailable`, which says which call failed and why. Only calls that are safe to repeat are
+retried (reads, alias and tag writes, artifact uploads, creating what the caller tolerates finding
+already made); creating a run or a model version is not, since a request that reached the server
+before the connection broke would leave a second one. MLflow's own HTTP retries (seven, with backoff
+growing to minutes) are turned off by default for http URIs, so that a server that is down fails a
+command in seconds rather than hanging it.
+
+Alias writes are serialized by `AliasLock`, a file lock, rather than by a compare-and-set in MLflow:
+MLflow's alias and tag writes are unconditional (last writer wins, with no version or precondition
+to test), so a CAS built from them would still be a read followed by a write with a race between.
+An exclusive `flock` on one file next to the registry's state holds every alias writer of the host
+(the fit's challenger, promotion, rollback, the champion push) in one queue, is reentrant within a
+thread, and is released by the kernel when its holder dies, so a kill -9 never leaves it stale.
+It does not reach across hosts: every process that writes aliases must run where the state folder is
+(which is how the stack runs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import functools
+import hashlib
 import json
+import os
 import re
 import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from mlflow.entities import Metric, Param
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
-from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, RESOURCE_DOES_NOT_EXIST, ErrorCode
+from mlflow.protos.databricks_pb2 import (
+    RESOURCE_ALREADY_EXISTS,
+    RESOURCE_DOES_NOT_EXIST,
+    ErrorCode,
+)
 from mlflow.tracking import MlflowClient
 
 from registry import plots as plotting
@@ -49,6 +75,172 @@ RESULTS_FILE = "results.json"
 _MAX_TAG_LENGTH = 5000
 _ensured_uris: set[str] = set()
 _ensure_guard = threading.Lock()
+
+ALIASES = (CHAMPION, PREVIOUS_CHAMPION, CHALLENGER)
+"""Every alias LEAP writes, in the order a change of several writes them: champion first."""
+
+DEFAULT_RETRIES = 3
+DEFAULT_BACKOFF_S = 0.5
+DEFAULT_LOCK_TIMEOUT_S = 120.0
+
+# Calls not retried: a request that reached the server before the connection broke would leave a
+# second run or version behind.
+_NOT_RETRIED = frozenset({"create_run", "create_model_version"})
+_TRANSIENT_CODES = frozenset({"INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED",
+                              "DEADLINE_EXCEEDED", "ABORTED", "IO_ERROR", "UNAVAILABLE"})
+
+
+class RegistryUnavailable(RuntimeError):
+    """The MLflow tracking server (or its database) did not answer a call after every retry."""
+
+
+class AliasLockTimeout(RuntimeError):
+    """Another process held the alias lock for longer than this one was willing to wait."""
+
+
+def _transient(error: BaseException) -> bool:
+    """A failure that another try may not meet: the server down or overloaded, the database locked."""
+    if isinstance(error, MlflowException):
+        return error.error_code in _TRANSIENT_CODES
+    if isinstance(error, (ConnectionError, TimeoutError)):
+        return True
+    try:
+        import requests
+        import sqlalchemy.exc
+    except ImportError:  # pragma: no cover - both come with mlflow
+        return False
+    return isinstance(error, (requests.RequestException, sqlalchemy.exc.OperationalError))
+
+
+def call_with_retry(call: Callable[[], Any], what: str, *, retries: int = DEFAULT_RETRIES,
+                    backoff_s: float = DEFAULT_BACKOFF_S, where: str = "MLflow") -> Any:
+    """`call()`, tried again after backoff_s, 2 * backoff_s, ... on transient failures, `retries` times;
+    then `RegistryUnavailable` naming `what` and the last error. Other errors are raised at once."""
+    for attempt in range(retries + 1):
+        try:
+            return call()
+        except Exception as error:  # classified right below
+            if not _transient(error):
+                raise
+            if attempt == retries:
+                raise RegistryUnavailable(
+                    f"{where} did not answer {what} after {retries + 1} attempts: "
+                    f"{type(error).__name__}: {str(error)[:500]}") from error
+            time.sleep(backoff_s * 2 ** attempt)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+class _RetryingClient:
+    """An `MlflowClient` whose calls are retried on transient failures (see `call_with_retry`)."""
+
+    def __init__(self, client: MlflowClient, retries: int, backoff_s: float, where: str) -> None:
+        self._client = client
+        self._retries, self._backoff_s, self._where = retries, backoff_s, where
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._client, name)
+        if not callable(attribute) or name.startswith("_") or name in _NOT_RETRIED:
+            return attribute
+
+        @functools.wraps(attribute)
+        def retried(*args: Any, **kwargs: Any) -> Any:
+            return call_with_retry(lambda: attribute(*args, **kwargs), f"{name}()", retries=self._retries,
+                                   backoff_s=self._backoff_s, where=self._where)
+
+        return retried
+
+
+class AliasLock:
+    """An exclusive file lock that every alias writer of a registry takes (see the module docstring).
+
+    Reentrant within a thread; other threads of the process wait on an in-process lock first, since
+    `flock` would let two threads of one process deadlock on separate descriptors. One instance per
+    path and process (`for_path`).
+    """
+
+    _instances: ClassVar[dict[str, AliasLock]] = {}
+    _instances_guard = threading.Lock()
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._guard = threading.RLock()
+        self._depth = 0
+        self._fd: int | None = None
+
+    @classmethod
+    def for_path(cls, path: str | Path) -> AliasLock:
+        path = Path(path).resolve()
+        with cls._instances_guard:
+            lock = cls._instances.get(str(path))
+            if lock is None:
+                lock = cls._instances[str(path)] = cls(path)
+            return lock
+
+    def _take_file(self, deadline: float, timeout_s: float) -> int:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        delay = 0.01
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())  # who holds it, for whoever waits
+                return fd
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    holder = self.path.read_text().strip() if self.path.exists() else "?"
+                    raise AliasLockTimeout(f"the alias lock {self.path} stayed held (by pid {holder or '?'}) "
+                                           f"for {timeout_s:.1f}s; no alias was written") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+            except BaseException:
+                os.close(fd)
+                raise
+
+    @contextmanager
+    def held(self, timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> Iterator[AliasLock]:
+        """Hold the lock (waiting up to `timeout_s`, then AliasLockTimeout) for the `with` block."""
+        deadline = time.monotonic() + timeout_s
+        if not self._guard.acquire(timeout=timeout_s):
+            raise AliasLockTimeout(f"another thread held the alias lock {self.path} for {timeout_s:.1f}s")
+        try:
+            if self._depth == 0:
+                self._fd = self._take_file(deadline, timeout_s)
+            self._depth += 1
+            try:
+                yield self
+            finally:
+                self._depth -= 1
+                if self._depth == 0 and self._fd is not None:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+                    os.close(self._fd)
+                    self._fd = None
+        finally:
+            self._guard.release()
+
+
+class AliasLockHandle:
+    """One registry's view of the shared `AliasLock`: the same lock, with its own patience."""
+
+    def __init__(self, lock: AliasLock, timeout_s: float) -> None:
+        self.lock, self.timeout_s = lock, timeout_s
+
+    @property
+    def path(self) -> Path:
+        return self.lock.path
+
+    def held(self) -> contextlib.AbstractContextManager[AliasLock]:
+        return self.lock.held(self.timeout_s)
+
+
+def default_lock_path(tracking_uri: str) -> Path:
+    """Next to a sqlite database; for a server, one file per server URI in the temporary folder."""
+    db_path = _sqlite_path(tracking_uri)
+    if db_path is not None:
+        return db_path.resolve().parent / "aliases.lock"
+    digest = hashlib.sha256(tracking_uri.rstrip("/").encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"leap-mlflow-aliases-{digest}.lock"
 
 
 @dataclass(frozen=True)
@@ -140,10 +332,14 @@ class ReadoutRegistry:
     """Log, register, promote and load LEAP readouts in one MLflow tracking store.
 
     `artifact_location` defaults to an `artifacts` folder next to a sqlite database, so a store is
-    one self-contained folder; other stores use their server's default.
+    one self-contained folder; other stores use their server's default. `retries` and `backoff_s`
+    (default `$LEAP_MLFLOW_RETRIES`, `$LEAP_MLFLOW_BACKOFF_S`, else 3 and 0.5 s) bound how long a
+    call waits for the server; `lock_path` is the alias lock's file (default `default_lock_path`).
     """
 
-    def __init__(self, tracking_uri: str, artifact_location: str | Path | None = None) -> None:
+    def __init__(self, tracking_uri: str, artifact_location: str | Path | None = None, *,
+                 lock_path: str | Path | None = None, retries: int | None = None,
+                 backoff_s: float | None = None, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> None:
         self.tracking_uri = tracking_uri
         db_path = _sqlite_path(tracking_uri)
         if artifact_location is None and db_path is not None:
@@ -151,8 +347,21 @@ class ReadoutRegistry:
         if isinstance(artifact_location, Path):
             artifact_location = artifact_location.resolve().as_uri()
         self.artifact_location = artifact_location
-        ensure_db(tracking_uri)
-        self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        self.retries = int(os.environ.get("LEAP_MLFLOW_RETRIES", DEFAULT_RETRIES)) if retries is None else retries
+        self.backoff_s = (float(os.environ.get("LEAP_MLFLOW_BACKOFF_S", DEFAULT_BACKOFF_S))
+                          if backoff_s is None else backoff_s)
+        if tracking_uri.startswith(("http://", "https://")):
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # ours are bounded; see above
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+        self.alias_lock = AliasLockHandle(AliasLock.for_path(lock_path or default_lock_path(tracking_uri)),
+                                          lock_timeout_s)
+        self._retry(lambda: ensure_db(tracking_uri), "creating the sqlite schema")
+        self.client = _RetryingClient(MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri),
+                                      self.retries, self.backoff_s, f"MLflow at {tracking_uri}")
+
+    def _retry(self, call: Callable[[], Any], what: str) -> Any:
+        return call_with_retry(call, what, retries=self.retries, backoff_s=self.backoff_s,
+                               where=f"MLflow at {self.tracking_uri}")
 
     # ----------------------------------------------------------------- names and experiments
 
@@ -278,55 +487,103 @@ class ReadoutRegistry:
     # ----------------------------------------------------------------- aliases
 
     def set_alias(self, name: str, alias: str, version: str | int) -> None:
-        self.client.set_registered_model_alias(name, alias, str(version))
+        with self.alias_lock.held():
+            self.client.set_registered_model_alias(name, alias, str(version))
 
     def get_alias(self, name: str, alias: str) -> str | None:
         """The version an alias points at, or None when the alias or the model does not exist."""
+        return self.aliases(name).get(alias)
+
+    def aliases(self, name: str) -> dict[str, str]:
+        """Every alias of a registered model and its version, read at once ({} for no such model)."""
         try:
             aliases = self.client.get_registered_model(name).aliases
         except MlflowException as error:
             if _not_found(error):
-                return None
+                return {}
             raise
-        version = aliases.get(alias)
-        return None if version is None else str(version)
+        return {str(alias): str(version) for alias, version in aliases.items()}
 
     def _delete_alias(self, name: str, alias: str) -> None:
-        if self.get_alias(name, alias) is not None:
-            self.client.delete_registered_model_alias(name, alias)
+        with self.alias_lock.held():
+            if self.get_alias(name, alias) is not None:
+                self.client.delete_registered_model_alias(name, alias)
+
+    def apply_aliases(self, name: str, target: Mapping[str, str | int | None], *,
+                      before_write: Callable[[], None] | None = None) -> list[str]:
+        """Point each alias of `target` at its version (None: remove it), champion first; returns the
+        aliases that changed. Every version is checked to exist before any alias moves, and all of it
+        runs under the alias lock. A failure part-way leaves the aliases written so far: callers that
+        need all or nothing restore the aliases they read before (see `flows.promotion`), and
+        `before_write` is called once before the first write, so they know whether any was tried."""
+        order = [alias for alias in ALIASES if alias in target] + [a for a in target if a not in ALIASES]
+        with self.alias_lock.held():
+            for alias in order:
+                if target[alias] is not None:
+                    self.client.get_model_version(name, str(target[alias]))  # fail before touching any alias
+            current = self.aliases(name)
+            changed: list[str] = []
+            for alias in order:
+                version = target[alias]
+                if (current.get(alias) is None) if version is None else (current.get(alias) == str(version)):
+                    continue
+                if before_write is not None and not changed:
+                    before_write()
+                changed.append(alias)
+                if version is None:
+                    self.client.delete_registered_model_alias(name, alias)
+                else:
+                    self.client.set_registered_model_alias(name, alias, str(version))
+            return changed
 
     def set_challenger(self, name: str, version: str | int) -> None:
         self.set_alias(name, CHALLENGER, version)
+
+    @staticmethod
+    def promotion_target(current: Mapping[str, str], version: str | int) -> dict[str, str | None]:
+        """The aliases after promoting `version`: it is champion, the champion it replaces is
+        previous-champion, and a challenger alias on it is removed (it no longer waits for a gate)."""
+        version = str(version)
+        champion = current.get(CHAMPION)
+        previous = champion if champion is not None and champion != version else current.get(PREVIOUS_CHAMPION)
+        challenger = current.get(CHALLENGER)
+        return {CHAMPION: version, PREVIOUS_CHAMPION: previous,
+                CHALLENGER: None if challenger == version else challenger}
+
+    @staticmethod
+    def rollback_target(name: str, current: Mapping[str, str]) -> dict[str, str | None]:
+        """The aliases after a rollback: previous-champion is champion again, and the demoted version
+        becomes previous-champion, so that a mistaken rollback is itself one rollback to undo."""
+        previous = current.get(PREVIOUS_CHAMPION)
+        if previous is None:
+            raise LookupError(f"{name} has no {PREVIOUS_CHAMPION!r} version to roll back to")
+        champion = current.get(CHAMPION)
+        return {CHAMPION: previous,
+                PREVIOUS_CHAMPION: champion if champion is not None and champion != previous else None,
+                CHALLENGER: current.get(CHALLENGER)}
 
     def promote(self, name: str, version: str | int) -> str | None:
         """Make `version` the champion; the champion it replaces becomes `previous-champion`.
 
         Returns the replaced champion version (None when there was none to replace). A challenger
-        alias on the promoted version is removed: it no longer waits for a gate.
+        alias on the promoted version is removed: it no longer waits for a gate. This moves aliases
+        only; `flows.promotion.promote` also moves the replicas, all or nothing.
         """
         version = str(version)
-        self.client.get_model_version(name, version)  # fail before touching any alias
-        current = self.get_alias(name, CHAMPION)
-        if current is not None and current != version:
-            self.set_alias(name, PREVIOUS_CHAMPION, current)
-        self.set_alias(name, CHAMPION, version)
-        if self.get_alias(name, CHALLENGER) == version:
-            self._delete_alias(name, CHALLENGER)
-        return current if current != version else None
+        with self.alias_lock.held():
+            current = self.aliases(name)
+            self.apply_aliases(name, self.promotion_target(current, version))
+        champion = current.get(CHAMPION)
+        return champion if champion != version else None
 
     def rollback(self, name: str) -> str:
         """Point `champion` back at `previous-champion`, and the demoted version at
-        `previous-champion` so that a mistaken rollback is itself one call to undo."""
-        previous = self.get_alias(name, PREVIOUS_CHAMPION)
-        if previous is None:
-            raise LookupError(f"{name} has no {PREVIOUS_CHAMPION!r} version to roll back to")
-        current = self.get_alias(name, CHAMPION)
-        self.set_alias(name, CHAMPION, previous)
-        if current is not None and current != previous:
-            self.set_alias(name, PREVIOUS_CHAMPION, current)
-        else:
-            self._delete_alias(name, PREVIOUS_CHAMPION)
-        return previous
+        `previous-champion` so that a mistaken rollback is itself one call to undo. Aliases only;
+        `flows.promotion.rollback` also pushes the restored champion to the replicas."""
+        with self.alias_lock.held():
+            target = self.rollback_target(name, self.aliases(name))
+            self.apply_aliases(name, target)
+        return str(target[CHAMPION])
 
     def _resolve(self, name: str, alias_or_version: str | int) -> ModelVersion:
         text = str(alias_or_version)
@@ -356,12 +613,15 @@ class ReadoutRegistry:
 
         source = self._resolve(name, alias_or_version).source
         artifact_dir = f"{source}/artifacts"
-        listed = {Path(info.path).name for info in
-                  mlflow.artifacts.list_artifacts(artifact_uri=artifact_dir, tracking_uri=self.tracking_uri)}
+        listed = {Path(info.path).name for info in self._retry(
+            lambda: mlflow.artifacts.list_artifacts(artifact_uri=artifact_dir, tracking_uri=self.tracking_uri),
+            f"listing {artifact_dir}")}
         if file_name not in listed:
             return None
-        return Path(mlflow.artifacts.download_artifacts(artifact_uri=f"{artifact_dir}/{file_name}",
-                                                        dst_path=folder, tracking_uri=self.tracking_uri))
+        return Path(self._retry(
+            lambda: mlflow.artifacts.download_artifacts(artifact_uri=f"{artifact_dir}/{file_name}",
+                                                        dst_path=folder, tracking_uri=self.tracking_uri),
+            f"downloading {file_name} of {name}@{alias_or_version}"))
 
     def load_readout(self, name: str, alias_or_version: str | int,
                      expect: Mapping[str, Any] | None = None) -> LinearReadout:
