@@ -1,10 +1,12 @@
 """The retraining loop as Prefect flows: ingest -> fit -> gate -> push, each also runnable alone.
 
 Flows are thin: they read `PipelineSettings`, call the tasks in `flows.tasks` and return a JSON-able
-summary with a `status`. A challenger is pushed before it is promoted, and only with a passing gate
-recorded against the current champion, so a refused push leaves the registry and the replicas on the
-old champion. Retraining on unchanged data finds the version it registered before and stops there:
-re-pushing it would reset the replicas' online corrections for nothing.
+summary with a `status`. A challenger is promoted only with a passing gate recorded against the current
+champion, and promotion and rollback are each one operation over the registry and every replica
+(`flows.promotion`): either all replicas serve the new champion and the alias names it, or the earlier
+state is restored and the flow fails with `PromotionFailed`. Retraining on unchanged data finds the
+version it registered before and stops there: re-pushing it would reset the replicas' online
+corrections for nothing. MLflow and push failures are retried with backoff and then fail the flow.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from flows.tasks import (
     push_champion,
     record_gate,
     recorded_gate,
+    rollback_champion,
     run_gate,
     select_training_window,
 )
@@ -45,10 +48,11 @@ def _model_name(settings: PipelineSettings, name: str | None) -> str:
 
 
 @flow(name="leap-ingest")
-def ingest_flow(feedback_dir: str | None = None) -> dict[str, Any]:
-    """Ingest the complete feedback segments into the DuckDB log store."""
+def ingest_flow(feedback_dir: str | None = None, retry_failed: bool = False) -> dict[str, Any]:
+    """Ingest the complete feedback segments into the DuckDB log store (`retry_failed`: try segments
+    quarantined as failed again)."""
     settings = PipelineSettings()
-    summary = ingest_feedback(str(settings.duckdb_path), str(feedback_dir or settings.feedback_dir))
+    summary = ingest_feedback(str(settings.duckdb_path), str(feedback_dir or settings.feedback_dir), retry_failed)
     get_run_logger().info("ingest: %s", summary)
     return {"status": "ingested", **plain(summary)}
 
@@ -69,7 +73,8 @@ def fit_flow(since: float | None = None, until: float | None = None, alpha: str 
         result = fit_and_register(frame, settings.mlflow_tracking_uri, space, alpha or settings.alpha,
                                   settings.target, settings.max_tokens, settings.test_fraction,
                                   window={"since": since, "until": until, "domains": settings.domains},
-                                  fallback_max_tokens=largest_max_tokens(store, space))
+                                  fallback_max_tokens=largest_max_tokens(store, space),
+                                  lock_path=str(settings.alias_lock_path))
     except NotEnoughRowsError as exc:
         return {"status": "not-enough-data", "reason": str(exc), "min_rows": settings.min_rows}
     get_run_logger().info("fit: %s v%s (reused: %s)", result["name"], result["version"], result["reused"])
@@ -109,15 +114,18 @@ def gate_flow(version: str | None = None, name: str | None = None, force: bool =
 
 @flow(name="leap-push")
 def push_flow(version: str | None = None, name: str | None = None, promote: bool = False) -> dict[str, Any]:
-    """Push the champion to every replica; with `promote`, push the challenger (or `version`) and then
-    make it champion, which needs a passing gate recorded against the current champion."""
+    """Push the champion to every replica; with `promote`, make the challenger (or `version`) the
+    champion on every replica and in the registry, all or nothing, which needs a passing gate recorded
+    against the current champion."""
     settings = PipelineSettings()
     name = _model_name(settings, name)
-    registry = ReadoutRegistry(settings.mlflow_tracking_uri)
+    lock = str(settings.alias_lock_path)
     if not promote:
         pushed = push_champion(settings.mlflow_tracking_uri, name, settings.endpoints, settings.token(),
-                               version=version)
+                               version=version, retries=settings.push_retries, timeout=settings.push_timeout_s,
+                               lock_path=lock)
         return plain({"status": "pushed", **pushed})
+    registry = ReadoutRegistry(settings.mlflow_tracking_uri, lock_path=lock)
     candidate = str(version) if version else registry.get_alias(name, CHALLENGER)
     champion = registry.get_alias(name, CHAMPION)
     if candidate is None:
@@ -127,11 +135,25 @@ def push_flow(version: str | None = None, name: str | None = None, promote: bool
         reason = "no gate recorded against the current champion" if recorded is None else recorded["verdict"]["reason"]
         return {"status": "not-promoted", "name": name, "challenger": candidate, "champion": champion,
                 "reason": reason}
-    pushed = push_champion(settings.mlflow_tracking_uri, name, settings.endpoints, settings.token(),
-                           version=candidate)
-    promoted = promote_if_passed(settings.mlflow_tracking_uri, name, candidate, recorded["verdict"])
-    get_run_logger().info("push: %s v%s serving on %d replicas, promoted", name, candidate, len(pushed["pushed"]))
-    return plain({"status": "promoted", **pushed, **promoted})
+    promoted = promote_if_passed(settings.mlflow_tracking_uri, name, candidate, recorded["verdict"],
+                                 settings.endpoints, settings.token(), str(settings.promotion_journal_dir), lock,
+                                 settings.push_retries, settings.push_timeout_s)
+    get_run_logger().info("push: %s v%s serving on %d replicas, promoted", name, candidate, len(promoted["pushed"]))
+    return plain({**promoted, "status": "promoted"})
+
+
+@flow(name="leap-rollback")
+def rollback_flow(name: str | None = None) -> dict[str, Any]:
+    """Make previous-champion the champion again: the aliases move and the restored champion is pushed
+    to every replica, all or nothing (the demoted version becomes previous-champion)."""
+    settings = PipelineSettings()
+    name = _model_name(settings, name)
+    result = rollback_champion(settings.mlflow_tracking_uri, name, settings.endpoints, settings.token(),
+                               str(settings.promotion_journal_dir), str(settings.alias_lock_path),
+                               settings.push_retries, settings.push_timeout_s)
+    get_run_logger().info("rollback: %s v%s is champion again on %d replicas", name, result["version"],
+                          len(result["pushed"]))
+    return plain(result)
 
 
 @flow(name="leap-retrain")

@@ -58,6 +58,12 @@ class PipelineSettings(BaseSettings):
     alpha: str = Field("auto", description="ridge penalty, or 'auto' for cross-validation")
     target: str = "sqrt"
 
+    mlflow_retries: int = Field(3, ge=0, description="retries of a failed MLflow call (backoff doubling "
+                                                     "from mlflow_backoff_s), then the command fails")
+    mlflow_backoff_s: float = Field(0.5, ge=0.0)
+    push_retries: int = Field(3, ge=0, description="retries of a failed push to one replica")
+    push_timeout_s: float = Field(30.0, gt=0.0)
+
     stack_host: str = "127.0.0.1"
     mlflow_port: int = 5000
     prefect_port: int = 4200
@@ -95,6 +101,16 @@ class PipelineSettings(BaseSettings):
     @property
     def mlflow_dir(self) -> Path:
         return self.home / "mlflow"
+
+    @property
+    def alias_lock_path(self) -> Path:
+        """The file lock every alias writer takes (next to the sqlite registry, whichever URI is used)."""
+        return self.mlflow_dir / "aliases.lock"
+
+    @property
+    def promotion_journal_dir(self) -> Path:
+        """Where a promotion or rollback in flight records what it did, for whoever must undo it."""
+        return self.home / "promotions"
 
     @property
     def mlflow_sqlite_uri(self) -> str:

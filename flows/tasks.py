@@ -2,8 +2,10 @@
 
 Rerunning any step converges instead of duplicating: ingest skips segments already in the ledger, a fit
 on the same rows with the same settings returns the version registered before, a recorded gate is
-found by its content key, promotion only moves an alias on a passing verdict, and a push is verified
-by the version the replica reports. Tasks whose inputs are feature arrays skip Prefect's input
+found by its content key, promotion only happens on a passing verdict and is all or nothing across
+the registry and the replicas (`flows.promotion`), and a push is verified by the version the replica
+reports. MLflow calls are retried with backoff by the registry client and then fail loudly;
+every task that writes an alias or pushes takes the alias lock (`lock_path`). Tasks whose inputs are feature arrays skip Prefect's input
 hashing (NO_CACHE), which would otherwise hash megabytes per call.
 """
 
@@ -24,6 +26,9 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.gate import gate_verdict, replay_gate
 from flows.ingest import ingest_folder, totals
+from flows.promotion import PushOptions, readout_bundle
+from flows.promotion import promote as promote_everywhere
+from flows.promotion import rollback as rollback_everywhere
 from flows.push import PushFailed, push_readout
 from flows.settings import PipelineSettings
 from flows.store import TRAINING_FINISH_REASONS, LogStore, TrainingFrame
@@ -169,13 +174,19 @@ def recorded_gate(store: LogStore, name: str, challenger: str, champion: str | N
 
 # ---------------------------------------------------------------------------- tasks
 
+def registry_at(tracking_uri: str, lock_path: str | None = None) -> ReadoutRegistry:
+    """The registry client of a task; `lock_path` is the alias lock every alias writer shares."""
+    return ReadoutRegistry(tracking_uri, lock_path=lock_path)
+
+
 @task(name="ingest-feedback", retries=2, retry_delay_seconds=5)
-def ingest_feedback(duckdb_path: str, feedback_dir: str) -> dict[str, Any]:
-    """Ingest every complete feedback segment; segments already in the ledger are skipped."""
+def ingest_feedback(duckdb_path: str, feedback_dir: str, retry_failed: bool = False) -> dict[str, Any]:
+    """Ingest every complete feedback segment; segments already in the ledger are skipped, and a
+    segment that fails is quarantined (counted in `failed`) without stopping the others."""
     store = LogStore(duckdb_path)
     Path(feedback_dir).mkdir(parents=True, exist_ok=True)
-    summary = totals(ingest_folder(store, feedback_dir))
-    return {**summary, "store": store.counts()}
+    summary = totals(ingest_folder(store, feedback_dir, retry_failed=retry_failed))
+    return {**summary, "store": store.counts(), "finish_reasons": store.finish_reasons()}
 
 
 @task(name="select-training-window", cache_policy=NO_CACHE)
@@ -228,8 +239,8 @@ def _champion_budget(registry: ReadoutRegistry, name: str) -> tuple[int | None, 
 @task(name="fit-and-register", cache_policy=NO_CACHE)
 def fit_and_register(frame: TrainingFrame, tracking_uri: str, space: FeatureSpace, alpha: str | float = "auto",
                      target: str = "sqrt", max_tokens: int | None = None, test_fraction: float = 0.2,
-                     window: Mapping[str, Any] | None = None, fallback_max_tokens: int | None = None
-                     ) -> dict[str, Any]:
+                     window: Mapping[str, Any] | None = None, fallback_max_tokens: int | None = None,
+                     lock_path: str | None = None) -> dict[str, Any]:
     """Fit a readout on `frame`, register it and point `challenger` at it.
 
     A fit of the same rows with the same settings returns the version registered then (the alias is
@@ -237,7 +248,7 @@ def fit_and_register(frame: TrainingFrame, tracking_uri: str, space: FeatureSpac
     champion's, since serving refuses a readout whose budget or target differs from the one it runs.
     """
     alpha = "auto" if str(alpha).strip().lower() == "auto" else float(alpha)
-    registry = ReadoutRegistry(tracking_uri)
+    registry = registry_at(tracking_uri, lock_path)
     name = registry.model_name(space.model_id, space.layer)
     champion_budget, champion_target = _champion_budget(registry, name)
     budget = max_tokens or champion_budget or fallback_max_tokens
@@ -257,7 +268,7 @@ def fit_and_register(frame: TrainingFrame, tracking_uri: str, space: FeatureSpac
         if version != champion:
             registry.set_challenger(name, version)
         return {"name": name, "version": version, "run_id": run_id, "reused": True, "fit_key": fit_key,
-                "window_hash": rows_hash, "rows": int(len(frame.request_ids)), "champion": champion,
+                "window_hash": rows_hash, "rows": len(frame.request_ids), "champion": champion,
                 "metrics": dict(registry.client.get_run(run_id).data.metrics)}
 
     train, test = time_split(frame, test_fraction)
@@ -275,7 +286,7 @@ def fit_and_register(frame: TrainingFrame, tracking_uri: str, space: FeatureSpac
                                   tags={"fit_key": fit_key})
     registry.set_challenger(name, logged.version)
     return {"name": name, "version": logged.version, "run_id": logged.run_id, "reused": False,
-            "fit_key": fit_key, "window_hash": rows_hash, "rows": int(len(frame.request_ids)),
+            "fit_key": fit_key, "window_hash": rows_hash, "rows": len(frame.request_ids),
             "readout_version": readout_version, "champion": champion,
             "metrics": plain({k: v for k, v in dict(fit.metrics).items() if isinstance(v, (int, float, np.number))})}
 
@@ -345,48 +356,73 @@ def record_gate(duckdb_path: str, tracking_uri: str, name: str, challenger: str,
 
 
 @task(name="promote-if-passed", cache_policy=NO_CACHE)
-def promote_if_passed(tracking_uri: str, name: str, version: str, verdict: Mapping[str, Any]) -> dict[str, Any]:
-    """Move `champion` to `version` only on a passing verdict; otherwise leave every alias alone."""
-    registry = ReadoutRegistry(tracking_uri)
+def promote_if_passed(tracking_uri: str, name: str, version: str, verdict: Mapping[str, Any],
+                      endpoints: Sequence[str] = (), token: str = "", journal_dir: str | None = None,
+                      lock_path: str | None = None, push_retries: int = 3, push_timeout: float = 30.0
+                      ) -> dict[str, Any]:
+    """On a passing verdict, make `version` the champion on every replica of `endpoints` and in the
+    registry, all or nothing (`flows.promotion.promote`, which raises PromotionFailed with the
+    earlier state restored); otherwise leave every alias and replica alone."""
+    registry = registry_at(tracking_uri, lock_path)
     if not verdict.get("passed", False):
         return {"promoted": False, "champion": registry.get_alias(name, CHAMPION),
                 "reason": verdict.get("reason", "the gate did not pass")}
-    replaced = registry.promote(name, version)
-    return {"promoted": True, "champion": str(version), "replaced": replaced}
+    journal = journal_dir or str(Path(lock_path or registry.alias_lock.path).parent / "promotions")
+    result = promote_everywhere(registry, name, version, list(endpoints),
+                                PushOptions(token, retries=push_retries, timeout=push_timeout), journal)
+    return {"promoted": True, **result}
 
 
-def _bundle(registry: ReadoutRegistry, name: str, version: str) -> tuple[bytes, str]:
-    from leap_core.readout_format import to_bytes
-    from leap_io.push_bundle import make_bundle
+@task(name="rollback-champion", cache_policy=NO_CACHE)
+def rollback_champion(tracking_uri: str, name: str, endpoints: Sequence[str], token: str, journal_dir: str,
+                      lock_path: str | None = None, push_retries: int = 3, push_timeout: float = 30.0
+                      ) -> dict[str, Any]:
+    """Make previous-champion the champion again in the registry and on every replica, all or nothing."""
+    registry = registry_at(tracking_uri, lock_path)
+    return rollback_everywhere(registry, name, list(endpoints),
+                               PushOptions(token, retries=push_retries, timeout=push_timeout), journal_dir)
 
-    readout, state = _readout_pair(registry, name, version)
-    return make_bundle(to_bytes(readout), state), str(readout.metadata.get("version", ""))
+
+def _bundle(registry: ReadoutRegistry, name: str, version: str, force: bool = False) -> tuple[bytes, str]:
+    return readout_bundle(registry, name, version, force=force)
 
 
 @task(name="push-champion", cache_policy=NO_CACHE)
 def push_champion(tracking_uri: str, name: str, endpoints: Sequence[str], token: str,
-                  version: str | None = None, retries: int = 3, timeout: float = 30.0) -> dict[str, Any]:
+                  version: str | None = None, retries: int = 3, timeout: float = 30.0,
+                  lock_path: str | None = None) -> dict[str, Any]:
     """Push the champion (or `version`, the one about to become champion) to every replica.
 
     When a replica refuses it, replicas that already took it are put back on the current champion,
-    and PushFailed is raised: no alias has moved yet, so registry and serving still agree.
+    and PushFailed is raised: no alias has moved, so registry and serving still agree. The push
+    holds the alias lock, so no promotion moves the champion while it runs. The champion is pushed
+    with `force` (replicas refuse an older version otherwise): what the registry names is what must
+    serve; a `version` that is not the champion is pushed without it.
     """
-    registry = ReadoutRegistry(tracking_uri)
+    registry = registry_at(tracking_uri, lock_path)
+    with registry.alias_lock.held():
+        return _push_champion(registry, name, endpoints, token, version, retries, timeout)
+
+
+def _push_champion(registry: ReadoutRegistry, name: str, endpoints: Sequence[str], token: str,
+                   version: str | None, retries: int, timeout: float) -> dict[str, Any]:
     champion = registry.get_alias(name, CHAMPION)
     version = str(version or champion or "")
     if not version:
         raise LookupError(f"{name} has no champion to push")
     if not endpoints:
         return {"name": name, "version": version, "pushed": [], "note": "no endpoints configured"}
-    bundle, expected = _bundle(registry, name, version)
+    bundle, expected = _bundle(registry, name, version, force=version == champion)
+    old_bundle = old_expected = None
+    if champion is not None and champion != version:  # fetched before any push: a revert needs no MLflow
+        old_bundle, old_expected = _bundle(registry, name, champion, force=True)
     pushed: list[dict] = []
     for endpoint in endpoints:
         try:
             pushed.append(push_readout(endpoint, token, bundle, expected, retries=retries, timeout=timeout))
         except PushFailed as failure:
             reverted = []
-            if pushed and champion is not None and champion != version:
-                old_bundle, old_expected = _bundle(registry, name, champion)
+            if old_bundle is not None:
                 for done in pushed:
                     try:
                         push_readout(done["endpoint"], token, old_bundle, old_expected, retries=retries,
@@ -402,4 +438,3 @@ def push_champion(tracking_uri: str, name: str, endpoints: Sequence[str], token:
                 message += f"; still serving v{version} (no champion to return to): {stranded}"
             raise PushFailed(message, failure.endpoint, failure.status) from failure
     return {"name": name, "version": version, "readout_version": expected, "pushed": pushed}
-

@@ -1,6 +1,8 @@
-"""Pipeline commands: `leap ingest|fit|gate|push|retrain`, `leap stack up|down|status`, `leap deploy`.
+"""Pipeline commands: `leap ingest|fit|gate|push|rollback|retrain`, `leap stack up|down|status`, `leap deploy`.
 
-Each flow command runs one Prefect flow and prints its summary. While the local stack's Prefect
+Each flow command runs one Prefect flow and prints its summary; a failure (MLflow down after its
+retries, a refused push, a promotion that had to be undone) prints {"status": "failed", "error"}
+and exits 1. While the local stack's Prefect
 server runs (and PREFECT_API_URL is unset), runs are recorded there and show in its UI; otherwise
 Prefect starts a temporary server for the run.
 """
@@ -50,26 +52,34 @@ def _prefect_api(settings) -> Iterator[None]:
 def _run(run: Callable[[], dict[str, Any]], as_json: bool, title: str, fail_unhealthy: bool = True) -> None:
     """Run a flow or stack action; a failure prints {"status": "failed", "error"} and exits 1, and so
     does an unhealthy stack when `fail_unhealthy`."""
+    from flows.promotion import PromotionFailed
     from flows.push import PushFailed
     from flows.stack import StackError
+    from flows.store import StoreBusyError
+    from registry.client import AliasLockTimeout, RegistryUnavailable
 
     try:
         result = run()
-    except (PushFailed, StackError, LookupError, ValueError) as exc:
-        emit({"status": "failed", "error": str(exc)}, as_json, title)
+    except PromotionFailed as exc:
+        emit({"status": "failed", "error": str(exc), "restored": exc.restored}, as_json, title)
+        raise typer.Exit(1) from exc
+    except (PushFailed, StackError, LookupError, ValueError, RegistryUnavailable, AliasLockTimeout,
+            StoreBusyError) as exc:
+        emit({"status": "failed", "error": f"{type(exc).__name__}: {exc}"}, as_json, title)
         raise typer.Exit(1) from exc
     emit(result, as_json, title)
     if fail_unhealthy and result.get("healthy") is False:
         raise typer.Exit(1)
 
 
-def _flow(name: str, **kwargs: Any) -> Callable[[], dict[str, Any]]:
+def _flow(flow_name: str, /, **kwargs: Any) -> Callable[[], dict[str, Any]]:
+    # positional-only: the flows take a `name` (the registered model) of their own
     def run() -> dict[str, Any]:
         from flows import pipeline
 
         settings = _settings()
         with _prefect_api(settings):
-            return getattr(pipeline, name)(**kwargs)
+            return getattr(pipeline, flow_name)(**kwargs)
 
     return run
 
@@ -91,10 +101,13 @@ def _timestamp(text: Optional[str], option: str) -> Optional[float]:
 @app.command("ingest")
 def ingest_command(
     feedback_dir: Optional[Path] = typer.Option(None, help="segments folder (default $LEAP_HOME/feedback)"),
+    retry_failed: bool = typer.Option(False, help="try segments quarantined as failed again (after a fix)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Ingest complete feedback segments into the DuckDB log store (segments seen before are skipped)."""
-    _run(_flow("ingest_flow", feedback_dir=str(feedback_dir) if feedback_dir else None), as_json, "ingest")
+    """Ingest complete feedback segments into the DuckDB log store (segments seen before are skipped;
+    a segment that fails is quarantined with its reason, and the others are ingested)."""
+    _run(_flow("ingest_flow", feedback_dir=str(feedback_dir) if feedback_dir else None, retry_failed=retry_failed),
+         as_json, "ingest")
 
 
 @app.command("fit")
@@ -125,11 +138,22 @@ def push_command(
     version: Optional[str] = typer.Option(None, help="version to push (default: champion, or the "
                                                      "challenger with --promote)"),
     name: Optional[str] = typer.Option(None, help="registered model (default: the latest feedback's)"),
-    promote: bool = typer.Option(False, help="push a challenger whose recorded gate passed, then promote it"),
+    promote: bool = typer.Option(False, help="make a challenger whose recorded gate passed the champion on "
+                                             "every replica and in the registry, all or nothing"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Push a readout to every serving replica ($LEAP_ENDPOINTS) and verify the version each reports."""
     _run(_flow("push_flow", version=version, name=name, promote=promote), as_json, "push")
+
+
+@app.command("rollback")
+def rollback_command(
+    name: Optional[str] = typer.Option(None, help="registered model (default: the latest feedback's)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Make previous-champion the champion again: move the aliases AND push it to every replica, all or
+    nothing (the demoted version becomes previous-champion, so one more rollback undoes it)."""
+    _run(_flow("rollback_flow", name=name), as_json, "rollback")
 
 
 @app.command("retrain")

@@ -252,3 +252,64 @@ def test_passing_gate_is_pushed_then_promoted_and_retrain_then_has_nothing_to_do
     assert rerun["status"] == "unchanged"
     assert rerun["ingest"]["accepted"] == 0 and rerun["fit"]["status"] == "reused"
     assert registry.get_alias(name, CHAMPION) == version
+
+
+# ---------------------------------------------------------------------------- the CLI: promote, rollback
+
+def _cli_json(result) -> dict:
+    """The one JSON line `--json` prints on stdout."""
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert lines, (result.exit_code, result.stdout, result.stderr)
+    return json.loads(lines[-1])
+
+
+def test_cli_promotes_rolls_back_and_fails_loudly_with_the_earlier_state_restored(prefect_server, tmp_path,
+                                                                                  monkeypatch):
+    """`leap push --promote` and `leap rollback` move the aliases and every replica together; a promotion
+    a replica refuses exits 1, says the earlier state is back, and leaves replicas and aliases as they were."""
+    from typer.testing import CliRunner
+
+    import leap_cli.cmd_pipeline  # noqa: F401  (registers the commands)
+    from flows import faults
+    from flows.promotion import PushOptions, promote
+    from leap_cli.apps import app
+
+    uri = f"sqlite:///{tmp_path}/mlflow/mlflow.db"
+    registry = ReadoutRegistry(uri)
+    versions = []
+    for seed, readout_version in enumerate(("20250101T000000-cli00001", "20250102T000000-cli00002"), start=1):
+        readout, rls = faults.fitted_readout(readout_version, seed)
+        versions.append(registry.log_readout(readout, rls=rls, params={"data_hash": "cli"}, metrics={}))
+    name, (v1, v2) = versions[0].name, [entry.version for entry in versions]
+    runner = CliRunner()
+    with faults.replicas(2) as (targets, urls):
+        promote(registry, name, v1, urls, PushOptions(faults.TOKEN), tmp_path / "promotions")
+        registry.set_challenger(name, v2)
+        record_gate.fn(str(tmp_path / "leap.duckdb"), uri, name, v2, v1,
+                       {"fcfs": _summary([1.0, 1.2], [10, 20]), "challenger": _summary([0.7, 0.8], [10, 20])},
+                       _verdict(True))
+        for key, value in {"LEAP_HOME": str(tmp_path), "LEAP_MLFLOW_TRACKING_URI": uri,
+                           "LEAP_ENDPOINTS": ",".join(urls), "LEAP_ADMIN_TOKEN": faults.TOKEN,
+                           "LEAP_PUSH_RETRIES": "0"}.items():
+            monkeypatch.setenv(key, value)
+
+        promoted = runner.invoke(app, ["push", "--promote", "--name", name, "--json"])
+        assert promoted.exit_code == 0, promoted.output
+        assert _cli_json(promoted)["status"] == "promoted"
+        assert [t.version for t in targets] == ["20250102T000000-cli00002"] * 2
+        assert registry.aliases(name) == {CHAMPION: v2, PREVIOUS_CHAMPION: v1}
+
+        rolled = runner.invoke(app, ["rollback", "--name", name, "--json"])
+        assert rolled.exit_code == 0, rolled.output
+        assert _cli_json(rolled)["status"] == "rolled-back"
+        assert [t.version for t in targets] == ["20250101T000000-cli00001"] * 2
+        assert registry.aliases(name) == {CHAMPION: v1, PREVIOUS_CHAMPION: v2}
+
+        targets[1].dim += 1  # this replica now refuses every readout of the model
+        refused = runner.invoke(app, ["push", "--promote", "--version", v2, "--name", name, "--json"])
+        assert refused.exit_code == 1
+        answer = _cli_json(refused)
+        assert answer["status"] == "failed" and answer["restored"] is True
+        assert "The earlier state is back" in answer["error"] and urls[1] in answer["error"]
+        assert [t.version for t in targets] == ["20250101T000000-cli00001"] * 2
+        assert registry.aliases(name) == {CHAMPION: v1, PREVIOUS_CHAMPION: v2}

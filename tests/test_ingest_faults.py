@@ -316,3 +316,29 @@ def test_a_version_1_store_is_migrated_on_first_read_and_keeps_its_rows(tmp_path
         replicas = dict(con.execute("SELECT replica_id, count(*) FROM requests GROUP BY ALL").fetchall())
     assert replicas == {None: 1, "replica-x": 10}
     assert LogStore(path).schema_version() == SCHEMA_VERSION
+
+
+# ---------------------------------------------------------------------------- the fault scenarios
+
+
+def test_fault_scenario_ingest_killed_with_sigkill_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+    from flows.faults import ingest_kill9
+
+    result = ingest_kill9(tmp_path, segments=12, rows_per_segment=800, dim=16)
+
+    assert result["survived"], result
+    assert result["killed_by_sigkill"] and result["ingest_rows_lost_or_duplicated"] == 0
+    assert 0 < result["segments_committed_before_kill"] < 12
+    assert result["rerun_skipped"] == result["segments_committed_before_kill"]
+    assert result["rows_committed_before_kill"] + result["rerun_accepted"] == result["rows_expected"] == 12 * 800
+
+
+def test_fault_scenario_corrupt_segments_are_quarantined_and_good_ones_ingested(tmp_path: Path) -> None:
+    from flows.faults import corrupt_segments
+
+    result = corrupt_segments(tmp_path)
+
+    assert result["survived"], result
+    assert result["good_rows_lost"] == 0 and result["misjudged"] == {}
+    assert result["quarantine_reasons"] == {"bad_metadata:layer": 3, "missing_column:request_id": 3,
+                                            REASON_SEGMENT_ERROR: 1, "unreadable_segment": 2}

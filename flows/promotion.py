@@ -1,0 +1,311 @@
+"""Promotion and rollback as one operation over the registry's aliases and every serving replica.
+
+`promote(V)` ends in one of two states, never between them:
+
+- done: every replica serves V and `champion` names V (`previous-champion` the champion it replaced);
+- failed: `PromotionFailed` is raised, every replica that took V serves the previous champion again,
+  and every alias is as it was, unless the exception says exactly what could not be put back (then
+  the journal below finishes the job before anything else moves).
+
+`rollback()` is the same operation towards `previous-champion`: the aliases move AND the restored
+champion is pushed to every replica, so the registry never names one readout while replicas serve
+another.
+
+How. Under the alias lock (`registry.client.AliasLock`, held for the whole operation so no other
+alias writer or champion push interleaves), the aliases are read once, both readouts' push bundles
+are fetched from MLflow before anything moves, and a journal is written to the state folder
+(`<journal_dir>/<model>.json`, with the previous champion's bundle next to it). Then every replica
+gets V (each push verified by the version the replica reports, retried with backoff by
+`flows.push.push_readout`), and only then do the aliases move, champion first. If anything fails, the
+earlier state is restored: the previous champion's bundle (already in hand, so this needs no MLflow)
+is pushed back to every replica that reports V, and, if any alias write was attempted, the aliases
+are written back as they were read. A process killed part-way leaves its journal, and the next
+promotion or rollback of that model restores the earlier state from it first (or refuses to start
+while it cannot). MLflow calls are retried with backoff (`registry.client.call_with_retry`) and then
+fail loudly; nothing here ever changes serving except by a verified push.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from flows.push import PushFailed, push_readout, serving_version
+from registry.client import ALIASES, CHAMPION, ReadoutRegistry
+
+PROMOTE = "promote"
+ROLLBACK = "rollback"
+
+
+class PromotionFailed(RuntimeError):
+    """A promotion or rollback did not complete. `restored` says whether the earlier state (aliases
+    and replicas) is back in full; `state` says what happened to each part."""
+
+    def __init__(self, message: str, *, restored: bool, state: Mapping[str, Any]) -> None:
+        super().__init__(message)
+        self.restored = restored
+        self.state = dict(state)
+
+
+@dataclass(frozen=True)
+class PushOptions:
+    """How replicas are pushed to: admin token, retries of each push and its timeout."""
+
+    token: str
+    retries: int = 3
+    timeout: float = 30.0
+    backoff_s: float = 0.5
+
+
+def readout_bundle(registry: ReadoutRegistry, name: str, version: str, force: bool = False) -> tuple[bytes, str]:
+    """The push bundle of a registered version (readout and RLS state) and its readout version.
+
+    `force` lets the bundle replace a newer readout on a replica (replicas refuse to go back to an
+    older version otherwise): set for a rollback and for putting the previous champion back.
+    """
+    from leap_core.readout_format import to_bytes
+    from leap_io.push_bundle import make_bundle
+
+    readout = registry.load_readout(name, version)
+    rls = registry.load_rls_state(name, version, readout=readout)
+    bundle = make_bundle(to_bytes(readout), rls.state_arrays() if rls is not None else None, force=force)
+    return bundle, str(readout.metadata.get("version", ""))
+
+
+def serves(reported: str, expected: str) -> bool:
+    """Whether a replica reporting `reported` serves the readout pushed as `expected`: the same, or
+    the same corrected online by RLS since (the replica publishes `<version>+rls<n>`)."""
+    return bool(expected) and (reported == expected or reported.startswith(expected + "+rls"))
+
+
+def _reported(endpoint: str, options: PushOptions) -> str | None:
+    """The version a replica reports, or None when it does not answer (after a few tries)."""
+    for attempt in range(3):
+        try:
+            return serving_version(endpoint, timeout=min(options.timeout, 10.0))
+        except (httpx.HTTPError, ValueError):
+            time.sleep(options.backoff_s * 2 ** attempt)
+    return None
+
+
+# ---------------------------------------------------------------------------- the journal
+
+
+class _Journal:
+    """What an operation in flight has done, on disk, so that whoever comes next can undo it."""
+
+    def __init__(self, folder: str | Path, name: str) -> None:
+        self.folder = Path(folder)
+        self.path = self.folder / f"{name}.json"
+        self.bundle_path = self.folder / f"{name}.previous.bundle"
+        self.state: dict[str, Any] = {}
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def load(self) -> dict[str, Any]:
+        self.state = json.loads(self.path.read_text())
+        return self.state
+
+    def previous_bundle(self) -> bytes | None:
+        return self.bundle_path.read_bytes() if self.bundle_path.exists() else None
+
+    def start(self, state: Mapping[str, Any], previous_bundle: bytes | None) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if previous_bundle is not None:
+            self._write(self.bundle_path, previous_bundle)
+        else:
+            self.bundle_path.unlink(missing_ok=True)
+        self.update(**state)
+
+    def update(self, **changes: Any) -> None:
+        self.state.update(changes)
+        self._write(self.path, json.dumps(self.state, sort_keys=True, indent=1).encode())
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+        self.bundle_path.unlink(missing_ok=True)
+
+    @staticmethod
+    def _write(path: Path, data: bytes) -> None:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------- restoring
+
+
+def _restore(registry: ReadoutRegistry, name: str, state: Mapping[str, Any], previous_bundle: bytes | None,
+             options: PushOptions) -> dict[str, Any]:
+    """Put back the state a journal recorded before its operation: replicas, then aliases.
+
+    Returns what happened, with `complete` False when a retry could still restore more (an alias
+    write or a push back failed, or a replica that may have taken the new readout does not answer).
+    """
+    expected, previous = state["expected"], state.get("previous_expected")
+    outcome: dict[str, Any] = {"replicas_restored": [], "replicas_untouched": [], "replicas_not_restored": {},
+                               "replicas_stranded": [], "aliases_restored": None, "alias_error": None}
+    for endpoint in state["endpoints"]:
+        reported = _reported(endpoint, options)
+        if reported is None:
+            if endpoint in state.get("attempted", []):
+                outcome["replicas_not_restored"][endpoint] = "does not answer; it may serve the new readout"
+            else:
+                outcome["replicas_untouched"].append(endpoint)
+            continue
+        if not serves(reported, expected):
+            outcome["replicas_untouched"].append(endpoint)
+            continue
+        if previous_bundle is None or not previous:
+            outcome["replicas_stranded"].append(endpoint)  # no earlier champion to return it to
+            continue
+        try:
+            push_readout(endpoint, options.token, previous_bundle, previous, retries=options.retries,
+                         timeout=options.timeout, backoff_s=options.backoff_s)
+            outcome["replicas_restored"].append(endpoint)
+        except PushFailed as failure:
+            outcome["replicas_not_restored"][endpoint] = str(failure)
+    if state.get("aliases_touched"):
+        try:
+            registry.apply_aliases(name, {alias: state["before"].get(alias) for alias in ALIASES})
+            outcome["aliases_restored"] = True
+        except Exception as error:  # noqa: BLE001  (reported, and the journal is kept for a retry)
+            outcome["aliases_restored"] = False
+            outcome["alias_error"] = f"{type(error).__name__}: {error}"
+    outcome["complete"] = outcome["aliases_restored"] is not False and not outcome["replicas_not_restored"]
+    return outcome
+
+
+def _describe(outcome: Mapping[str, Any], state: Mapping[str, Any]) -> str:
+    parts = []
+    if outcome["replicas_restored"]:
+        parts.append(f"put back on v{state.get('previous')}: {outcome['replicas_restored']}")
+    if outcome["replicas_stranded"]:
+        parts.append(f"still serving v{state['version']} (there was no champion to return to): "
+                     f"{outcome['replicas_stranded']}")
+    if outcome["replicas_not_restored"]:
+        parts.append(f"NOT restored: {outcome['replicas_not_restored']}")
+    if outcome["aliases_restored"] is True:
+        parts.append(f"aliases restored to {state['before']}")
+    elif outcome["aliases_restored"] is False:
+        parts.append(f"aliases NOT restored (still to be set back to {state['before']}): {outcome['alias_error']}")
+    else:
+        parts.append("no alias was moved")
+    return "; ".join(parts)
+
+
+def _recover(registry: ReadoutRegistry, name: str, journal: _Journal, options: PushOptions) -> dict | None:
+    """Finish what an interrupted operation left (its journal): complete it if its aliases were all
+    written and every replica serves it, else restore the state before it. Raises PromotionFailed
+    when that cannot be done yet, so nothing new starts on top of it."""
+    if not journal.exists():
+        return None
+    state = journal.load()
+    current = registry.aliases(name)
+    if state.get("aliases_touched") and all(current.get(alias) == state["target"].get(alias) for alias in ALIASES):
+        reported = {endpoint: _reported(endpoint, options) for endpoint in state["endpoints"]}
+        if all(serves(value or "", state["expected"]) for value in reported.values()):
+            journal.remove()
+            return {"recovered": "completed", "kind": state["kind"], "version": state["version"]}
+    outcome = _restore(registry, name, state, journal.previous_bundle(), options)
+    if not outcome["complete"]:
+        journal.update(phase="restoring", last_restore=outcome)
+        raise PromotionFailed(
+            f"an earlier {state['kind']} of {name} to v{state['version']} was interrupted and its earlier state "
+            f"could not be restored yet ({_describe(outcome, state)}); journal {journal.path}; nothing new was "
+            "started, run the command again once MLflow and the replicas answer", restored=False,
+            state={**state, **outcome})
+    journal.remove()
+    return {"recovered": "restored", "kind": state["kind"], "version": state["version"], **outcome}
+
+
+# ---------------------------------------------------------------------------- the operation
+
+
+def _change(registry: ReadoutRegistry, name: str, kind: str,
+            target_of: Callable[[dict[str, str]], dict[str, str | None]], endpoints: Sequence[str],
+            options: PushOptions, journal_dir: str | Path) -> dict[str, Any]:
+    journal = _Journal(journal_dir, name)
+    with registry.alias_lock.held():
+        try:
+            recovered = _recover(registry, name, journal, options)
+            before = registry.aliases(name)
+            target = target_of(before)
+            version = str(target[CHAMPION])
+            previous = before.get(CHAMPION)
+            bundle, expected = readout_bundle(registry, name, version, force=kind == ROLLBACK)
+            previous_bundle = previous_expected = None
+            if previous is not None and previous != version:  # fetched now: putting it back needs no MLflow
+                previous_bundle, previous_expected = readout_bundle(registry, name, previous, force=True)
+        except PromotionFailed:
+            raise
+        except Exception as error:
+            raise PromotionFailed(f"{kind} of {name} did not start, nothing was changed: "
+                                  f"{type(error).__name__}: {error}", restored=True, state={}) from error
+        journal.start({"kind": kind, "name": name, "version": version, "expected": expected, "previous": previous,
+                       "previous_expected": previous_expected, "before": before, "target": target,
+                       "endpoints": list(endpoints), "attempted": [], "phase": "pushing",
+                       "aliases_touched": False, "pid": os.getpid(), "started_at": time.time()},
+                      previous_bundle)
+        pushed: list[dict[str, Any]] = []
+        try:
+            for endpoint in endpoints:
+                journal.update(attempted=[*journal.state["attempted"], endpoint])
+                pushed.append(push_readout(endpoint, options.token, bundle, expected, retries=options.retries,
+                                           timeout=options.timeout, backoff_s=options.backoff_s))
+            journal.update(phase="aliases")
+            changed = registry.apply_aliases(name, target,
+                                             before_write=lambda: journal.update(aliases_touched=True))
+        except Exception as error:
+            outcome = _restore(registry, name, journal.state, previous_bundle, options)
+            if outcome["complete"]:
+                journal.remove()
+            else:
+                journal.update(phase="restoring", last_restore=outcome)
+            where = "pushing to the replicas" if journal.state["phase"] == "pushing" else "moving the aliases"
+            restored = outcome["complete"] and not outcome["replicas_stranded"]
+            message = (f"{kind} of {name} to v{version} failed while {where}: {type(error).__name__}: {error}. "
+                       + ("The earlier state is back: " if restored else "The earlier state is NOT fully back: ")
+                       + _describe(outcome, journal.state))
+            if not outcome["complete"]:
+                message += f". Journal {journal.path}: the next promotion or rollback restores the rest first"
+            raise PromotionFailed(message, restored=restored, state={**journal.state, **outcome}) from error
+        journal.remove()
+    return {"name": name, "version": version, "readout_version": expected, "champion": version,
+            "replaced": previous if previous != version else None, "aliases": target, "aliases_changed": changed,
+            "pushed": pushed, "recovered": recovered}
+
+
+def promote(registry: ReadoutRegistry, name: str, version: str | int, endpoints: Sequence[str],
+            options: PushOptions, journal_dir: str | Path) -> dict[str, Any]:
+    """Make `version` the champion on every replica and in the registry, or fail with the earlier state
+    restored (see the module docstring). Returns the pushes and the aliases written."""
+    result = _change(registry, name, PROMOTE, lambda current: registry.promotion_target(current, version),
+                     endpoints, options, journal_dir)
+    return {"status": "promoted", **result}
+
+
+def rollback(registry: ReadoutRegistry, name: str, endpoints: Sequence[str], options: PushOptions,
+             journal_dir: str | Path) -> dict[str, Any]:
+    """Make `previous-champion` the champion again, in the registry AND on every replica, or fail with
+    the earlier state restored. Raises PromotionFailed (from LookupError) when there is none."""
+    result = _change(registry, name, ROLLBACK, lambda current: registry.rollback_target(name, current),
+                     endpoints, options, journal_dir)
+    return {"status": "rolled-back", **result}
+
+
+def recover(registry: ReadoutRegistry, name: str, options: PushOptions, journal_dir: str | Path) -> dict | None:
+    """Undo (or complete) an operation a killed process left in the journal; None when there is none."""
+    with registry.alias_lock.held():
+        return _recover(registry, name, _Journal(journal_dir, name), options)
