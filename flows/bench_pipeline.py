@@ -12,7 +12,13 @@ from pathlib import Path
 
 import numpy as np
 
-from flows.bench_ingest import BENCH_FINGERPRINT, BENCH_LAYER, BENCH_MODEL_ID, timed_ingest, write_synthetic_feedback
+from flows.bench_ingest import (
+    BENCH_FINGERPRINT,
+    BENCH_LAYER,
+    BENCH_MODEL_ID,
+    timed_ingest,
+    write_synthetic_feedback,
+)
 from flows.store import LogStore
 from flows.training import fit_readout, select_window, time_split
 

@@ -131,7 +131,7 @@ def time_split(frame: TrainingFrame, test_fraction: float = 0.2) -> tuple[Traini
         raise ValueError(f"a split needs at least 2 rows, the frame has {n}")
     by_id = np.argsort(np.asarray(frame.request_ids, dtype=str), kind="stable")
     order = by_id[np.argsort(np.asarray(frame.arrival_time)[by_id], kind="stable")]
-    n_test = min(max(int(round(n * test_fraction)), 1), n - 1)
+    n_test = min(max(round(n * test_fraction), 1), n - 1)
     if np.array_equal(order, np.arange(n)):  # the store's order already: views, not copies
         return frame.take(slice(0, n - n_test)), frame.take(slice(n - n_test, n))
     return frame.take(order[: n - n_test]), frame.take(order[n - n_test:])
@@ -161,7 +161,7 @@ def select_alpha(
         raise ValueError(f"alphas must be a non-empty sequence of penalties > 0, got {alphas}")
     if not 0.0 < validation_fraction < 1.0:
         raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction}")
-    n_val = min(max(int(round(n * validation_fraction)), 1), n - 2)
+    n_val = min(max(round(n * validation_fraction), 1), n - 2)
     if n_val < 1:
         raise ValueError(f"choosing alpha needs at least 3 training rows, got {n}")
     n_fit = n - n_val
@@ -317,8 +317,8 @@ def _fit(frame_train: TrainingFrame, frame_test: TrainingFrame, *, alpha: float 
         "dim": int(X_train.shape[1]),
         "window_since": float(arrivals.min()),
         "window_until": float(arrivals.max()),
-        "n_train": int(len(train.request_ids)),
-        "n_test": int(len(test.request_ids)),
+        "n_train": len(train.request_ids),
+        "n_test": len(test.request_ids),
         "n_aborted_excluded": int(aborted),  # every row left out, whatever its reason (see n_excluded_*)
         **{f"n_excluded_{reason}": int(count) for reason, count in sorted(excluded.items())},
         "data_hash": _data_hash(train.request_ids),
