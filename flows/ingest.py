@@ -800,14 +800,18 @@ def complete_segments(folder: str | Path) -> list[SegmentFile]:
     Temporary and hidden names, open streams (`*.arrows.partial`), deeper folders and the
     `quarantine/` folder never match.
     """
+    def entries(path: Path) -> list[Path]:
+        try:
+            return sorted(path.iterdir(), key=lambda entry: entry.name)
+        except (FileNotFoundError, NotADirectoryError):  # no folder yet, or a replica folder just removed
+            return []
+
     folder = Path(folder)
-    found = [SegmentFile(path) for path in sorted(folder.iterdir(), key=lambda p: p.name) if _is_segment(path)]
-    replicas = sorted((p for p in folder.iterdir()
-                       if p.is_dir() and not p.name.startswith(".") and p.name != QUARANTINE_DIR),
-                      key=lambda p: p.name)
-    for replica in replicas:
-        found += [SegmentFile(path, replica.name)
-                  for path in sorted(replica.iterdir(), key=lambda p: p.name) if _is_segment(path)]
+    top = entries(folder)
+    found = [SegmentFile(path) for path in top if _is_segment(path)]
+    for replica in top:
+        if replica.is_dir() and not replica.name.startswith(".") and replica.name != QUARANTINE_DIR:
+            found += [SegmentFile(path, replica.name) for path in entries(replica) if _is_segment(path)]
     return found
 
 

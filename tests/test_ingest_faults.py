@@ -232,6 +232,7 @@ def test_replica_sub_folders_are_read_with_their_replica_id_and_top_level_segmen
     assert rows == {**{i: None for i in _ids(top)}, **{i: "replica-a" for i in _ids(a)},
                     **{i: "replica-b" for i in _ids(b)}}
     assert all(r.skipped for r in ingest_folder(store, feedback))
+    assert ingest_folder(store, feedback / "not-yet-created") == []
     assert_reconciles(store)
 
 
