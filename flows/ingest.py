@@ -724,7 +724,7 @@ def _ingest_paths(con: duckdb.DuckDBPyConnection, sources: Sequence[SegmentFile]
     known_dims = stored_dims(con)
     pending_dims: dict[tuple[str, int], int] = {}  # written by the open transaction
     reports: list[IngestReport] = []
-    group: list[_ReadSegment] = []  # segments written in the open transaction
+    group: list[tuple[_ReadSegment, int]] = []  # segments written in the open transaction, with their report's index
     rows_in_transaction = 0
 
     def read_ahead(index: int) -> Future | None:
@@ -745,7 +745,7 @@ def _ingest_paths(con: duckdb.DuckDBPyConnection, sources: Sequence[SegmentFile]
                     continue
                 if not group:
                     con.execute("BEGIN TRANSACTION")
-                group.append(read)
+                group.append((read, len(reports)))
                 try:
                     report, dims = _write_segment(con, read, {**known_dims, **pending_dims}, hook)
                 except (_Crash, *_RUN_ERRORS):
@@ -753,11 +753,10 @@ def _ingest_paths(con: duckdb.DuckDBPyConnection, sources: Sequence[SegmentFile]
                 except Exception:  # noqa: BLE001  (isolation: redo the group without this segment)
                     _rollback(con)
                     earlier, group = group[:-1], []
-                    del reports[len(reports) - len(earlier):]
                     pending_dims.clear()
                     rows_in_transaction = 0
-                    for segment in earlier:
-                        reports.append(_write_alone(con, segment, known_dims, hook))
+                    for segment, position in earlier:  # rolled back with the group: written again, alone
+                        reports[position] = _write_alone(con, segment, known_dims, hook)
                     reports.append(_write_alone(con, read, known_dims, hook))  # fails again, or not
                     continue
                 reports.append(report)

@@ -109,6 +109,24 @@ def test_a_segment_duckdb_refuses_is_quarantined_alone_and_later_runs_skip_it(
     assert_reconciles(store)
 
 
+def test_a_failing_segment_in_a_group_with_a_skipped_one_keeps_every_report_in_place(
+    store: LogStore, feedback: Path
+) -> None:
+    write_segment(feedback / "seg-2.parquet", 20, 8, seed=2)
+    ingest_folder(store, feedback)
+    write_segment(feedback / "seg-1.parquet", 20, 8, seed=1)
+    write_segment(feedback / "seg-3.parquet", 20, 8, seed=3, corrupt={"invalid_utf8": {"domain": 1}})
+    write_segment(feedback / "seg-4.parquet", 20, 8, seed=4)
+
+    reports = ingest_folder(store, feedback, transaction_rows=10_000)
+
+    assert [(Path(r.segment).name, r.status, r.skipped, r.accepted) for r in reports] == [
+        ("seg-1.parquet", STATUS_OK, False, 20), ("seg-2.parquet", STATUS_OK, True, 0),
+        ("seg-3.parquet", STATUS_FAILED, False, 0), ("seg-4.parquet", STATUS_OK, False, 20)]
+    assert store.counts()["requests"] == 60
+    assert_reconciles(store)
+
+
 def test_a_segment_arrow_cannot_judge_is_quarantined_and_a_repaired_file_is_ingested(
     store: LogStore, feedback: Path
 ) -> None:
