@@ -58,9 +58,10 @@ class PipelineSettings(BaseSettings):
     alpha: str = Field("auto", description="ridge penalty, or 'auto' for cross-validation")
     target: str = "sqrt"
 
+    # read by registry.client.ReadoutRegistry from the same variables, so every process agrees
     mlflow_retries: int = Field(3, ge=0, description="retries of a failed MLflow call (backoff doubling "
                                                      "from mlflow_backoff_s), then the command fails")
-    mlflow_backoff_s: float = Field(0.5, ge=0.0)
+    mlflow_backoff_s: float = Field(0.5, ge=0.0, description="first backoff between MLflow retries")
     push_retries: int = Field(3, ge=0, description="retries of a failed push to one replica")
     push_timeout_s: float = Field(30.0, gt=0.0)
 
