@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -69,10 +70,30 @@ def prompt_end_rows(num_computed: np.ndarray, num_prompt: np.ndarray, query_star
     return index, rows
 
 
+# Receivers bound in this process, by channel address. With one device the worker runs inside the
+# engine-core process (vLLM's UniProcExecutor, in-process engines too), and the scheduler's receiver is
+# here: features are then handed over in the step itself instead of through a socket and two threads, so
+# a linear readout's prediction is ready before the request's first decode.
+_local_receivers: dict[str, Callable[[list[str], np.ndarray], None]] = {}
+
+
+def register_local_receiver(address: str, deliver: Callable[[list[str], np.ndarray], None]) -> None:
+    _local_receivers[address] = deliver
+
+
+def unregister_local_receiver(address: str, deliver: Callable[[list[str], np.ndarray], None]) -> None:
+    if _local_receivers.get(address) == deliver:  # bound methods are equal, never identical
+        del _local_receivers[address]
+
+
 class FeatureSender:
-    """Pushes (request id, float32 vector) messages; never blocks the forward pass."""
+    """Sends (request id, float32 vector) pairs to the scheduler's receiver; never blocks the forward pass.
+
+    In-process receivers get the whole batch by a call; others a ZeroMQ message per request.
+    """
 
     def __init__(self, address: str) -> None:
+        self.address = address
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.SNDHWM, 100_000)
@@ -80,9 +101,20 @@ class FeatureSender:
         self._socket.connect(address)
         self.sent = 0
         self.dropped = 0
+        self.local = 0
 
     def send(self, request_ids: list[str], features: np.ndarray) -> None:
         features = np.ascontiguousarray(features, dtype=np.float32)
+        local = _local_receivers.get(self.address)
+        if local is not None:
+            try:
+                local(list(request_ids), features)
+                self.sent += len(request_ids)
+                self.local += len(request_ids)
+            except Exception:  # the receiver counts what it rejects; this is only a last guard
+                logger.exception("LEAP capture: in-process delivery failed; %d features lost", len(request_ids))
+                self.dropped += len(request_ids)
+            return
         for request_id, row in zip(request_ids, features):
             try:
                 self._socket.send_multipart([request_id.encode(), row.tobytes()], flags=zmq.NOBLOCK,

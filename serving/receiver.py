@@ -69,10 +69,12 @@ class CaptureReceiver:
     """
 
     def __init__(self, address: str, sizes: Collection[int], deliver: Callable[[str, np.ndarray], None],
-                 telemetry: Telemetry, name: str = "leap-capture-receiver", high_water_mark: int = 100_000) -> None:
+                 telemetry: Telemetry, name: str = "leap-capture-receiver", high_water_mark: int = 100_000,
+                 deliver_batch: Callable[[list[str], list[np.ndarray]], None] | None = None) -> None:
         self.address = address
         self._sizes = frozenset(int(s) for s in sizes)
         self._deliver = deliver
+        self._deliver_batch = deliver_batch
         self._telemetry = telemetry
         self._high_water_mark = high_water_mark
         self._warn = RateLimitedLog(logger)
@@ -83,14 +85,57 @@ class CaptureReceiver:
         telemetry.watch_thread("receiver", lambda: self._thread.alive)
 
     def start(self, timeout: float = 5.0) -> CaptureReceiver:
-        """Start the thread and wait until the socket is bound, so no early message is lost."""
+        """Start the thread and wait until the socket is bound, so no early message is lost.
+
+        Workers in this process (one device) skip the socket: `deliver_local` takes their batches.
+        """
+        from serving.capture import register_local_receiver
+
+        register_local_receiver(self.address, self.deliver_local)
         self._thread.start()
         if not self._bound.wait(timeout):
             logger.warning("LEAP capture receiver did not bind %s within %.0f s", self.address, timeout)
         return self
 
     def close(self, timeout: float = 5.0) -> None:
+        from serving.capture import unregister_local_receiver
+
+        unregister_local_receiver(self.address, self.deliver_local)
         self._thread.stop(timeout)
+
+    def deliver_local(self, request_ids: list[str], features: np.ndarray) -> None:
+        """A step's batch from a worker in this process, checked row by row like a message.
+
+        Runs on the engine's thread, between the forward pass and sampling. The valid rows go to
+        `deliver_batch` in one call (the runtime predicts them there, before the next schedule), or
+        one by one to `deliver` when no batch handler is given.
+        """
+        ids, rows = [], []
+        for request_id, row in zip(request_ids, features):
+            self.received += 1
+            try:
+                request_id, feature = decode_message([request_id.encode("utf-8", "replace"), row.tobytes()],
+                                                     self._sizes)
+            except BadMessage as exc:
+                self._telemetry.drop("capture", exc.reason)
+                self._warn.warning(exc.reason, "LEAP capture: dropped a vector (%s): %s", exc.reason, exc)
+                continue
+            ids.append(request_id)
+            rows.append(feature)
+        if not ids:
+            return
+        try:
+            if self._deliver_batch is not None:
+                self._deliver_batch(ids, rows)
+            else:
+                for request_id, feature in zip(ids, rows):
+                    self._deliver(request_id, feature)
+        except Exception:  # noqa: BLE001 - a failed hand-off must not fail the engine's step
+            self._telemetry.drop("capture", "deliver_error", len(ids))
+            self._telemetry.thread_error("receiver")
+            self._warn.warning("deliver", "LEAP capture: handing over %d vectors failed", len(ids), exc_info=True)
+            return
+        self.delivered += len(ids)
 
     def stats(self) -> dict:
         return {**self._thread.stats(), "received": self.received, "delivered": self.delivered,

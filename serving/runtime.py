@@ -110,7 +110,7 @@ class LeapRuntime:
         self.readouts.start()
         sizes = (self.dim * self.num_layers,) if self.config.capture_all_layers else (self.dim,)
         self.receiver = CaptureReceiver(channel_address(vllm_config, self.config), sizes, self._on_feature,
-                                        self.telemetry).start()
+                                        self.telemetry, deliver_batch=self._on_features_in_step).start()
         self.admin = None
         if self.config.admin_port is not None:
             from serving.admin import AdminServer
@@ -191,6 +191,12 @@ class LeapRuntime:
         """The receiver thread's hand-off: keep the feature and queue it for a prediction."""
         if self.tracker.add_feature(request_id, feature):
             self.readouts.submit(request_id, feature)
+
+    def _on_features_in_step(self, request_ids: list[str], features: list[np.ndarray]) -> None:
+        """A worker in this process hands over a step's features: keep them and predict them now."""
+        kept = [(rid, f) for rid, f in zip(request_ids, features) if self.tracker.add_feature(rid, f)]
+        if kept:
+            self.readouts.predict_in_step([rid for rid, _ in kept], [f for _, f in kept])
 
     # -- scheduler hooks -----------------------------------------------------------------------
     def _predicted_total(self, request: Any, entry: Tracked, source: str) -> float:

@@ -184,3 +184,28 @@ def test_in_eager_mode_the_same_model_gets_the_forward_hook_capture(tmp_path):
     capture = install_capture(_worker(enforce_eager=True, tmp_path=tmp_path))
     assert capture.method == "forward_hook" and capture.layer == 2
     capture.remove()
+
+
+def test_in_process_features_skip_the_socket_and_bad_rows_are_dropped_and_counted(tmp_path):
+    from serving.capture import FeatureSender
+    from serving.receiver import CaptureReceiver
+    from serving.telemetry import Telemetry
+
+    address = f"ipc://{tmp_path}/in-process.sock"
+    batches = []
+    telemetry = Telemetry()
+    receiver = CaptureReceiver(address, (3,), lambda rid, f: None, telemetry,
+                               deliver_batch=lambda ids, rows: batches.append((ids, [r.copy() for r in rows])))
+    receiver.start()
+    try:
+        sender = FeatureSender(address)
+        features = np.array([[1, 2, 3], [np.nan, 0, 0], [4, 5, 6]], dtype=np.float32)
+        sender.send(["a", "b", "c"], features)
+        assert sender.local == 3 and sender.dropped == 0
+        assert [ids for ids, _ in batches] == [["a", "c"]]  # delivered in the call, no thread involved
+        np.testing.assert_array_equal(batches[0][1][1], [4, 5, 6])
+        assert telemetry.dropped("capture", "non_finite") == 1
+    finally:
+        receiver.close()
+    sender.send(["d"], features[:1])  # after close: the socket path again
+    assert sender.local == 3
