@@ -74,6 +74,7 @@ from leap_io.feedback_schema import (
     META_LAYER,
     META_MODEL_FINGERPRINT,
     META_MODEL_ID,
+    META_REPLICA_ID,
     feedback_schema,
 )
 
@@ -116,8 +117,6 @@ def bad_metadata_reason(column: str) -> str:
     return f"bad_metadata:{column}"
 
 
-META_REPLICA_ID = b"leap.replica_id"
-"""Segment metadata naming the replica that wrote it (read when present; the writer may add it)."""
 _WRITER_NAME = re.compile(r"^feedback-\d{8}T\d{6}-(?P<replica>.+)-\d{6}-[0-9a-f]+\.parquet$")
 """A segment name as serving.feedback.FeedbackWriter makes it; the replica id sits between fixed fields."""
 
