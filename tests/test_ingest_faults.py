@@ -291,6 +291,17 @@ def test_segments_of_the_real_feedback_writer_are_ingested_with_their_replica(
     assert_reconciles(store)
 
 
+def test_a_top_level_segment_without_replica_metadata_takes_the_replica_in_its_writer_name(
+    store: LogStore, feedback: Path
+) -> None:
+    write_segment(feedback / "feedback-20260101T000000-host-a-8001-000003-0f1e2d.parquet", 5, 4, seed=1)
+    write_segment(feedback / "other-name.parquet", 5, 4, seed=2)
+
+    reports = ingest_folder(store, feedback)
+
+    assert [r.replica_id for r in reports] == ["host-a-8001", None]
+
+
 _V1_DDL = (
     """CREATE TABLE requests (request_id VARCHAR PRIMARY KEY, model_id VARCHAR,
       model_fingerprint VARCHAR NOT NULL, layer INTEGER NOT NULL, policy VARCHAR, arrival_time DOUBLE NOT NULL,
