@@ -66,15 +66,12 @@ def corpus_for(live: LiveSetup, prompts: Sequence[dict],
         every = corpus_dir(corpus_key(live.model.fingerprint, ALL_LAYERS, live.max_tokens, live.decoding))
         copy_layer_rows(every, folder, runtime.layer, runtime.dim, live.max_tokens, [p["id"] for p in prompts])
     saved = (runtime.config.policy, runtime.config.decode_slots)
-    runtime.configure(policy="fcfs", rls=False)
-    runtime.config.decode_slots = runtime.config.max_resident
-    runtime.policy = runtime._make_policy()
+    runtime.configure(policy="fcfs", rls=False, decode_slots=runtime.config.max_resident)
     try:
         build_corpus(live.engine, runtime, prompts, folder, live.max_tokens, live.decoding,
                      max_prompt_tokens=_max_prompt_tokens(live), on_progress=on_progress)
     finally:
-        runtime.config.decode_slots = saved[1]
-        runtime.configure(policy=saved[0])
+        runtime.configure(policy=saved[0], decode_slots=saved[1])
     return load_corpus(folder, corpus_layer(runtime), live.max_tokens, ids=[p["id"] for p in prompts])
 
 
