@@ -37,13 +37,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from leap_io.feedback_schema import feedback_schema
-
-TRAINING_FINISH_REASONS = ("stop", "length")
-"""Finish reasons whose output length is a training label (see the module docstring)."""
-
-NOT_TRAINING_FINISH_REASONS = ("abort", "error", "repetition")
-"""Finish reasons stored for the record but never trained on: the length is where the request was cut off."""
+from leap_io.feedback_schema import NOT_TRAINING_FINISH_REASONS, TRAINING_FINISH_REASONS, feedback_schema
 
 FINISH_REASONS = TRAINING_FINISH_REASONS + NOT_TRAINING_FINISH_REASONS
 """Every finish reason a row may carry; any other is quarantined."""

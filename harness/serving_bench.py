@@ -87,9 +87,14 @@ def _capacity(folder: Path, corpus, cached: set, build_s: float, min_new: int = 
 
 def bench_serving(prompts: list[dict], n_requests: int = 200, n_train: int = 300, repeats: int = 2,
                   load: float = 1.2, rate: float | None = None, model: str | None = None, max_tokens: int = 1024,
-                  seed: int = 0,
+                  seed: int = 0, via: str = "engine",
                   say: Callable[[str], None] = lambda m: None) -> dict:
-    """Run the comparison; figures are ratios LEAP / stock, paired by request within each repeat."""
+    """Run the comparison; figures are ratios LEAP / stock, paired by request within each repeat.
+
+    `via="engine"`: each engine in-process in a fresh Python process (`LLMEngine.step`); `via="http"`:
+    the OpenAI servers a user starts (stock `vllm.entrypoints.openai.api_server` and `leap serve`),
+    each in its own process, driven by an async HTTP client on loopback.
+    """
     folder = Path(tempfile.mkdtemp(prefix="leap-bench-serving-"))
     spec = prepare(prompts, n_requests, n_train, folder, model, max_tokens, say)
     lengths = np.array([r["fixed_length"] for r in spec["requests"]], dtype=np.float64)
@@ -105,11 +110,13 @@ def bench_serving(prompts: list[dict], n_requests: int = 200, n_train: int = 300
         order = (STOCK, LEAP) if repeat % 2 == 0 else (LEAP, STOCK)
         for kind in order:
             say(f"{kind} engine, repeat {repeat + 1}/{repeats} ({len(lengths)} requests at {rate:.2f}/s)")
-            runs[kind].append(_run_in_subprocess(kind, folder / "spec.json", folder / f"{kind}-{repeat}.json"))
-    return summarize(runs, rate, spec)
+            runs[kind].append(_run_in_subprocess(kind, folder / "spec.json", folder / f"{kind}-{repeat}.json", via))
+    return {"via": via, **summarize(runs, rate, spec)}
 
 
-def _run_in_subprocess(kind: str, spec: Path, out: Path) -> dict:
+def _run_in_subprocess(kind: str, spec: Path, out: Path, via: str = "engine") -> dict:
+    if via == "http":
+        return run_http(kind, json.loads(spec.read_text()))
     command = [sys.executable, "-m", "harness.serving_bench", kind, str(spec), str(out)]
     done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
@@ -148,6 +155,92 @@ def summarize(runs: dict[str, list[dict]], rate: float, spec: dict) -> dict:
         "ready_before_decode": min(ready) if ready else None,
         "runs": {kind: [{k: v for k, v in r.items() if k != "latency_s"} for r in rs] for kind, rs in runs.items()},
     }
+
+
+# -- through the OpenAI API: the servers a user starts, driven by an HTTP client ------------------------------
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_command(kind: str, spec: dict, port: int, admin_port: int) -> list[str]:
+    """`python -m vllm.entrypoints.openai.api_server` as a user starts it, or `leap serve` on the same model."""
+    name = ["--served-model-name", "bench"]
+    if kind == STOCK:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec["model"],
+                "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096", *name]
+    return [sys.executable, "-m", "leap_cli.main", "serve", "--model", spec["model"], "--port", str(port),
+            "--admin-port", str(admin_port), "--readout", spec["readout_path"], "--rls-state",
+            spec["rls_state_path"], "--max-model-len", "4096", "--", *name]
+
+
+def run_http(kind: str, spec: dict, timeout_s: float = 600.0) -> dict:
+    """Start the server in its own process group, replay the trace through /v1/completions, stop it."""
+    import asyncio
+    import os
+    import signal
+
+    import httpx
+
+    port, admin_port = _free_port(), _free_port()
+    # a user's server: engine core in its own process, and a LEAP home of its own (no earlier push restored)
+    env = dict(os.environ, LEAP_HOME=tempfile.mkdtemp(prefix=f"leap-bench-{kind}-"), VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    log = open(Path(env["LEAP_HOME"]) / "server.log", "w")
+    server = subprocess.Popen(server_command(kind, spec, port, admin_port), stdout=log, stderr=subprocess.STDOUT,
+                              env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"the {kind} server exited ({server.returncode}); see {log.name}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the {kind} server did not answer /health within {timeout_s:.0f} s")
+            time.sleep(1)
+
+        async def one(client, request: dict, at: float, start: float) -> tuple[float, int]:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            body = {"model": "bench", "prompt": request["prompt_token_ids"], "max_tokens": request["fixed_length"],
+                    "min_tokens": request["fixed_length"], "temperature": 0.0, "ignore_eos": True}
+            response = await client.post(f"{base}/v1/completions", json=body)
+            response.raise_for_status()
+            return time.perf_counter() - (start + at), int(response.json()["usage"]["completion_tokens"])
+
+        async def replay_trace(requests: list[dict], arrivals: list[float]) -> tuple[list, float]:
+            limits = httpx.Limits(max_connections=len(requests) + 1)
+            async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+                start = time.perf_counter()
+                done = await asyncio.gather(*(one(client, r, a, start) for r, a in zip(requests, arrivals)))
+                return done, time.perf_counter() - start
+
+        warm = spec["requests"][:8]
+        asyncio.run(replay_trace(warm, [0.0] * len(warm)))
+        done, makespan = asyncio.run(replay_trace(spec["requests"], spec["arrivals"]))
+        latency = np.array([d[0] for d in done])
+        tokens = int(sum(d[1] for d in done))
+        result = {"kind": kind, "via": "http", "tok_s": tokens / makespan, "makespan_s": makespan,
+                  "mean_latency_s": float(latency.mean()), "output_tokens": tokens, "latency_s": latency.tolist(),
+                  "ready_before_decode": None}
+        if kind == LEAP:
+            stats = httpx.get(f"http://127.0.0.1:{admin_port}/leap/readout", timeout=10).json().get("stats", {})
+            result["ready_before_decode"] = stats.get("ready_before_decode")
+        return result
+    finally:
+        try:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
 
 
 # -- the child: one engine, one replay ---------------------------------------------------------------------

@@ -201,14 +201,18 @@ def bench_serving_command(
     rate: Optional[float] = typer.Option(None, help="arrival rate in requests/s (overrides --load)"),
     max_tokens: int = typer.Option(1024, help="output budget M of the recorded lengths"),
     seed: int = typer.Option(0, help="arrival seed"),
+    via: str = typer.Option("engine", help="engine: in-process engines; http: the OpenAI servers and a client"),
     model: Optional[str] = typer.Option(None),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Stock vLLM with its defaults against LEAP with its defaults: tok/s and mean latency on one trace."""
+    if via not in ("engine", "http"):
+        raise typer.BadParameter("--via is engine or http")
     from harness.serving_bench import bench_serving
 
     result = bench_serving(_prompts(None, requests + train, seed=0), n_requests=requests, n_train=train,
                            repeats=repeats, load=load, rate=rate, model=model, max_tokens=max_tokens, seed=seed,
+                           via=via,
                            say=lambda m: console.print(f"[bold]bench serving[/]: {m}"))
     emit(result if as_json else {k: v for k, v in result.items() if k != "runs"}, as_json,
          "stock vLLM against LEAP, each with its defaults")

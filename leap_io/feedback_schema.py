@@ -32,7 +32,7 @@ def feedback_schema(dim: int) -> pa.Schema:
             pa.field("finish_time", pa.float64()),
             pa.field("prompt_tokens", pa.int32()),
             pa.field("output_tokens", pa.int32()),
-            pa.field("finish_reason", pa.string()),  # "stop", "length", "abort"
+            pa.field("finish_reason", pa.string()),  # "stop", "length", "abort", "error", "repetition"
             pa.field("max_tokens", pa.int32()),
             pa.field("decoding", pa.string()),  # JSON of the sampling parameters that change length
             pa.field("domain", pa.string()),
@@ -56,3 +56,10 @@ def segment_metadata(dim: int, layer: int, model_id: str, fingerprint: str,
     if replica_id:
         metadata[META_REPLICA_ID] = replica_id.encode()
     return metadata
+
+
+# A stopped request's length is its true length and a capped one is censored at M, which the sqrt target
+# clips to anyway; an aborted, failed or looping request says nothing about how long the answer would be.
+# The one rule for what trains: the ingest flow and the serving process's RLS both use it.
+TRAINING_FINISH_REASONS = ("stop", "length")
+NOT_TRAINING_FINISH_REASONS = ("abort", "error", "repetition")

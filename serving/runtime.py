@@ -30,6 +30,7 @@ import numpy as np
 from leap_core.policy import DecodePolicy, make_policy
 from leap_core.readout import LinearReadout
 from leap_core.readout_format import to_bytes
+from leap_io.feedback_schema import TRAINING_FINISH_REASONS
 from leap_io.push_bundle import make_bundle
 from serving import vllm_compat
 from serving.config import (
@@ -298,7 +299,8 @@ class LeapRuntime:
         """Forget the request, write its feedback row once and hand (feature, true length) to RLS."""
         entry, feature, predicted, version = self.tracker.finish(request.request_id)
         output_tokens = int(request.num_output_tokens)
-        if feature is not None and output_tokens > 0 and vllm_compat.finish_reason(request) != "abort":
+        trains = vllm_compat.finish_reason(request) in TRAINING_FINISH_REASONS
+        if feature is not None and output_tokens > 0 and trains:
             self.readouts.observe(feature, output_tokens)
         self.recorder.record(request, entry, feature, predicted, version or self.version, self.config.policy)
 
