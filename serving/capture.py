@@ -180,7 +180,28 @@ def checked_layers(layer: int | list[int], num_layers: int) -> list[int]:
     return sorted({index % num_layers for index in wanted})
 
 
-class AuxStateCapture:
+class _LayerCapture:
+    """What both routes share: the layers captured (sorted, in range) and the sink their rows go to."""
+
+    method = ""
+
+    def __init__(self, runner: Any, layer: int | list[int], sender: FeatureSender) -> None:
+        self.runner = runner
+        self.num_layers = len(decoder_layers(runner.get_model()))
+        self.layers = checked_layers(layer, self.num_layers)
+        self.layer = self.layers[0] if len(self.layers) == 1 else -1  # -1: several (the layer study)
+        self.sink = RowSink(sender)
+
+    @property
+    def sender(self) -> FeatureSender:
+        return self.sink.sender
+
+    @property
+    def captured(self) -> int:
+        return self.sink.captured
+
+
+class AuxStateCapture(_LayerCapture):
     """The compiled-mode capture: the model returns layer L's residual stream as an aux hidden state.
 
     Aux index L + 1 is the stream after decoder layer L (vLLM adds `hidden + residual` after each listed
@@ -191,21 +212,9 @@ class AuxStateCapture:
     method = "aux_hidden_states"
 
     def __init__(self, runner: Any, layer: int | list[int], sender: FeatureSender) -> None:
-        self.runner = runner
-        self.num_layers = len(decoder_layers(runner.get_model()))
-        self.layers = checked_layers(layer, self.num_layers)
-        self.layer = self.layers[0] if len(self.layers) == 1 else -1
-        self.sink = RowSink(sender)
+        super().__init__(runner, layer, sender)
         vllm_compat.enable_aux_hidden_states(runner, tuple(index + 1 for index in self.layers))
         vllm_compat.after_each_forward(runner, self._after_forward)
-
-    @property
-    def sender(self) -> FeatureSender:
-        return self.sink.sender
-
-    @property
-    def captured(self) -> int:
-        return self.sink.captured
 
     def _after_forward(self, runner: Any) -> None:
         try:
@@ -222,7 +231,7 @@ class AuxStateCapture:
             self.sink.sender.dropped += 1
 
 
-class PrefillCapture:
+class PrefillCapture(_LayerCapture):
     """The eager-mode fallback: forward hooks on one decoder layer or several, one message per request.
 
     Hooks never fire under torch.compile, so this serves only engines run with `enforce_eager=True`, on
@@ -236,24 +245,12 @@ class PrefillCapture:
         if vllm_compat.is_v2_model_runner(runner):
             raise RuntimeError("the forward-hook capture reads the V1 model runner's batch; "
                                "set VLLM_USE_V2_MODEL_RUNNER=0 or use a model with aux hidden states")
-        self.runner = runner
+        super().__init__(runner, layer, sender)
         layers = decoder_layers(runner.get_model())
-        self.num_layers = len(layers)
-        self.layers = checked_layers(layer, self.num_layers)
-        self.layer = self.layers[0] if len(self.layers) == 1 else -1
-        self.sink = RowSink(sender)
         self._found: tuple[list[str], np.ndarray] | None = None
         self._states: list[torch.Tensor] = []
         self.handles = [layers[index].register_forward_hook(self._hook_for(position))
                         for position, index in enumerate(self.layers)]
-
-    @property
-    def sender(self) -> FeatureSender:
-        return self.sink.sender
-
-    @property
-    def captured(self) -> int:
-        return self.sink.captured
 
     def remove(self) -> None:
         for handle in self.handles:
