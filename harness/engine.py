@@ -56,6 +56,15 @@ def leap_engine_args(leap: LeapConfig) -> dict[str, Any]:
                 additional_config={"leap": leap.model_dump(exclude_none=True)})
 
 
+def build_stock_default_engine(model: str, max_model_len: int = 4096) -> Any:
+    """vLLM as a user runs it: the model and its context length, every other setting vLLM's default."""
+    engine_environment()
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_engine_args(EngineArgs(model=model, max_model_len=max_model_len))
+
+
 def build_engine(settings: EngineSettings, leap: LeapConfig | None, stock: bool = False) -> Any:
     """An LLMEngine; `stock=True` keeps vLLM's own scheduler and worker, with the same engine shape."""
     engine_environment()

@@ -48,10 +48,15 @@ class LiveSetup:
             self.engine = None
 
 
+def resolve_model(model_path: str | None) -> ModelInfo:
+    """A given HF folder, described; else the prepared default model."""
+    return describe_model(model_path) if model_path else prepare_model()
+
+
 def open_live(model_path: str | None = None, leap: LeapConfig | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
               decoding: dict | None = None, max_model_len: int = 4096, stock: bool = False) -> LiveSetup:
     """Prepare the model (or describe a given HF folder) and start an in-process engine on it."""
-    model = describe_model(model_path) if model_path else prepare_model()
+    model = resolve_model(model_path)
     engine = build_engine(EngineSettings(model=model.path, max_model_len=max_model_len), leap, stock=stock)
     runtime = None if stock else leap_scheduler(engine).leap
     return LiveSetup(engine, runtime, model, max_tokens, dict(decoding or DEFAULT_DECODING))

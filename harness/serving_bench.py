@@ -24,7 +24,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -246,7 +245,7 @@ def run_http(kind: str, spec: dict, timeout_s: float = 600.0) -> dict:
 # -- the child: one engine, one replay ---------------------------------------------------------------------
 def run_engine(kind: str, spec: dict) -> dict:
     """Build the engine as a user would, warm it up, replay the trace; per-request latency and tok/s."""
-    from harness.engine import engine_environment, leap_engine_args
+    from harness.engine import build_stock_default_engine, engine_environment, leap_engine_args
     from harness.replay import ReplayRequest, replay
     from serving.config import LeapConfig
 
@@ -254,13 +253,14 @@ def run_engine(kind: str, spec: dict) -> dict:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    args: dict[str, Any] = dict(model=spec["model"], max_model_len=4096)
     runtime = None
     if kind == LEAP:
         leap = LeapConfig(readout_path=spec["readout_path"], rls_state_path=spec["rls_state_path"],
                           layer=spec["layer"])
-        args.update(leap_engine_args(leap))
-    engine = LLMEngine.from_engine_args(EngineArgs(**args))
+        engine = LLMEngine.from_engine_args(EngineArgs(model=spec["model"], max_model_len=4096,
+                                                       **leap_engine_args(leap)))
+    else:
+        engine = build_stock_default_engine(spec["model"])
     try:
         if kind == LEAP:
             from harness.engine import leap_scheduler
