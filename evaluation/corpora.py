@@ -10,12 +10,8 @@ from collections.abc import Callable, Sequence
 
 from serving.config import LeapConfig
 from harness.corpus import ALL_LAYERS, Corpus, copy_layer_rows, corpus_dir, corpus_key, load_corpus, missing_ids
-from harness.model_prep import ModelInfo, describe_model, prepare_model
+from harness.experiment import resolve_model as model_info  # noqa: F401 - the studies' name for it
 from harness.replay import DEFAULT_DECODING
-
-
-def model_info(model: str | None) -> ModelInfo:
-    return describe_model(model) if model else prepare_model()
 
 
 def load_or_build(prompt_lists: Sequence[Sequence[dict]], max_tokens: int, model: str | None = None,
