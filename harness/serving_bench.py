@@ -49,7 +49,14 @@ def prepare(prompts: list[dict], n_requests: int, n_train: int, folder: Path, mo
         say(f"corpus: {len(train)} training + {len(trace)} trace prompts (cached after the first run)")
         cached = set(load_corpus(live.corpus_folder(), live.runtime.layer, max_tokens).ids.tolist())
         started = time.perf_counter()
-        corpus = corpus_for(live, train + trace)
+        shown = [0]
+
+        def progress(done: int, total: int) -> None:
+            if total and done * 10 // total > shown[0]:
+                shown[0] = done * 10 // total
+                say(f"corpus: {done}/{total} prompts generated")
+
+        corpus = corpus_for(live, train + trace, progress)
         capacity = _capacity(live.corpus_folder(), corpus, cached, time.perf_counter() - started)
         train_ids = {p["id"] for p in train}
         readout, rls_state = fit_on_corpus(corpus.subset(np.array([rid in train_ids for rid in corpus.ids])),
