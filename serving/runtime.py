@@ -298,6 +298,8 @@ class LeapRuntime:
     def on_finished(self, request: Any) -> None:
         """Forget the request, write its feedback row once and hand (feature, true length) to RLS."""
         entry, feature, predicted, version = self.tracker.finish(request.request_id)
+        if entry is None and feature is not None:  # finished in the step that prefilled it: still one row
+            entry = self.tracker.entry_of_unseen(request)
         output_tokens = int(request.num_output_tokens)
         trains = vllm_compat.finish_reason(request) in TRAINING_FINISH_REASONS
         if feature is not None and output_tokens > 0 and trains:

@@ -114,6 +114,12 @@ class RequestTracker:
                                "; ".join(f"{key}: {reason}" for key, reason in sorted(errors.items())))
         return extras
 
+    def entry_of_unseen(self, request: Any) -> Tracked:
+        """An entry (not stored) for a request that finished before any step began with it resident:
+        one whose first token ended it (EOS at once, or max_tokens=1) in the step that prefilled it."""
+        now = time.time()
+        return Tracked(arrival=float(request.arrival_time), extras=self._extras(request), first_token_time=now)
+
     def finish(self, request_id: str) -> tuple[Tracked | None, np.ndarray | None, float | None, str]:
         """Forget a finished request: (entry, feature, latest prediction, its readout version)."""
         with self._lock:
