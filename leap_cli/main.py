@@ -14,6 +14,7 @@ _COMMAND_MODULES = (
     "leap_cli.cmd_serving",
     "leap_cli.cmd_pipeline",
     "leap_cli.cmd_eval",
+    "leap_cli.cmd_faults",
 )
 
 for _name in _COMMAND_MODULES:
