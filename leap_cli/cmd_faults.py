@@ -78,6 +78,8 @@ def bench_faults(
     out = Console()
     out.print(table)
     state = summary["per_request_state_after_aborts"]
+    aborts_line = ("abort storm not run" if state.get("ran") is False else
+                   f"per-request state back to baseline after {state.get('aborts_run')} aborts: "
+                   f"{state.get('back_to_baseline')}")
     out.print(f"requests lost: {summary['requests_lost']}; feedback rows lost: {summary['feedback_rows_lost']}; "
-              f"ingest rows lost or duplicated: {summary['ingest_rows_lost_or_duplicated']}; per-request state back "
-              f"to baseline after {state.get('aborts_run', 0)} aborts: {state.get('back_to_baseline')}")
+              f"ingest rows lost or duplicated: {summary['ingest_rows_lost_or_duplicated']}; {aborts_line}")
