@@ -233,7 +233,8 @@ def up(settings: PipelineSettings, names: Iterable[str] | None = None, wait: boo
     return {"started": started, **status(settings, names)}
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the group `pgid` still runs."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -262,7 +263,7 @@ def stop_process(pid: int, grace_s: float = 15.0) -> str:
     send(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
-        if not _alive(pid) and (pgid is None or not _group_alive(pgid)):
+        if not _alive(pid) and (pgid is None or not group_alive(pgid)):
             return "terminated"
         time.sleep(0.2)
     try:

@@ -32,7 +32,7 @@ from harness.faults_serve import (
     openai_request,
 )
 
-FLUSH_WINDOW_S = 1.0
+FLUSH_WINDOW_S = 0.05
 """The feedback writer's `flush_seconds`: rows finished within it before a SIGKILL may not be on disk yet."""
 
 
@@ -182,7 +182,7 @@ def kill9_mid_replay(replica: Replica, restart: Callable[[], Replica], n: int = 
     detail = (f"SIGKILL after {len(finished)} of {replay.next} sent requests finished, {len(at_kill)} in flight; "
               f"restart in {restart_s:.0f}s serves {version} from {source} (last push {last_pushed}); "
               f"{len(finished) - len(missing)}/{len(finished)} finished requests have their feedback row, "
-              f"{len(missing)} missing ({len(in_window)} of them finished within {FLUSH_WINDOW_S:.0f}s of the kill, "
+              f"{len(missing)} missing ({len(in_window)} of them finished within {FLUSH_WINDOW_S * 1000:.0f} ms of the kill, "
               f"the writer's flush interval); {len(duplicated)} ids with more than one row; "
               f"{in_flight_with_row} of the in-flight requests also left a row; good request after: {good}")
     if lost_requests:

@@ -31,6 +31,8 @@ from typing import Any
 import httpx
 import numpy as np
 
+from flows.stack import group_alive
+
 LOOPBACK = "127.0.0.1"
 DEFAULT_START_TIMEOUT_S = 600.0
 MAX_TOKENS_BUDGET = 1024
@@ -46,16 +48,6 @@ def free_port() -> int:
 def base_version(version: str | None) -> str:
     """A readout version without the `+rlsN` suffix of its online corrections."""
     return re.sub(r"\+rls\d+$", "", str(version or ""))
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class ServeFailed(RuntimeError):
@@ -184,7 +176,7 @@ class ServeProcess:
         if self.process is None:
             return "not started"
         pgid = self.process.pid
-        if not _group_alive(pgid) and self.process.poll() is not None:
+        if not group_alive(pgid) and self.process.poll() is not None:
             return "gone"
         try:
             os.killpg(pgid, signal.SIGTERM)
@@ -193,7 +185,7 @@ class ServeProcess:
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             self.process.poll()
-            if self.process.returncode is not None and not _group_alive(pgid):
+            if self.process.returncode is not None and not group_alive(pgid):
                 return "terminated"
             time.sleep(0.2)
         try:
@@ -211,7 +203,7 @@ class ServeProcess:
         except subprocess.TimeoutExpired:
             pass
         deadline = time.monotonic() + timeout
-        while _group_alive(pgid) and time.monotonic() < deadline:
+        while group_alive(pgid) and time.monotonic() < deadline:
             time.sleep(0.1)
 
 

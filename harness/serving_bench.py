@@ -11,7 +11,10 @@ figures are paired per request, so drift on a shared machine hits both sides ali
   readout fitted on training prompts that the trace does not contain, RLS on).
 
 The arrival rate is `load` times the capacity measured while building the corpus (generated tok/s with
-every slot open, divided by the mean recorded length), so the stock engine queues at the default load.
+every slot open, divided by the mean recorded length). The default, 3x, is chosen so that the stock engine
+queues: its `max_num_seqs` slots (128 on CPU) fill and arrivals wait. At 1.2x on a 2-core CPU the backlog
+stays below 128 (about 25 requests in the system by Little's law: 1.27 req/s x 20 s), every request
+decodes every step in both engines, and ordering cannot matter; see docs/serving.md for both figures.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ def _capacity(folder: Path, corpus, cached: set, build_s: float, min_new: int = 
 
 
 def bench_serving(prompts: list[dict], n_requests: int = 200, n_train: int = 300, repeats: int = 2,
-                  load: float = 1.2, rate: float | None = None, model: str | None = None, max_tokens: int = 1024,
+                  load: float = 3.0, rate: float | None = None, model: str | None = None, max_tokens: int = 1024,
                   seed: int = 0, via: str = "engine",
                   say: Callable[[str], None] = lambda m: None) -> dict:
     """Run the comparison; figures are ratios LEAP / stock, paired by request within each repeat.

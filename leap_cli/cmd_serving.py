@@ -197,7 +197,8 @@ def bench_serving_command(
     requests: int = typer.Option(200, help="requests in the Poisson trace (ShareGPT prompts)"),
     train: int = typer.Option(300, help="other ShareGPT prompts the LEAP readout is fitted on"),
     repeats: int = typer.Option(2, help="stock/LEAP pairs, order alternated"),
-    load: float = typer.Option(1.2, help="arrival rate as a multiple of the measured capacity"),
+    load: float = typer.Option(3.0, help="arrival rate as a multiple of the measured capacity (3x: stock's "
+                                         "slots fill and arrivals wait)"),
     rate: Optional[float] = typer.Option(None, help="arrival rate in requests/s (overrides --load)"),
     max_tokens: int = typer.Option(1024, help="output budget M of the recorded lengths"),
     seed: int = typer.Option(0, help="arrival seed"),

@@ -281,7 +281,7 @@ class FeedbackWriter:
 
     def __init__(self, folder: str | Path, dim: int, layer: int, model_id: str, fingerprint: str,
                  max_rows: int = 5000, max_seconds: float = 300.0, flush_rows: int = 64,
-                 flush_seconds: float = 1.0, *, replica_id: str | None = None,
+                 flush_seconds: float = 0.05, *, replica_id: str | None = None,
                  max_queue_rows: int = DEFAULT_MAX_QUEUE_ROWS, max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
                  max_quarantine_bytes: int = DEFAULT_MAX_QUARANTINE_BYTES,
                  orphan_age_s: float = DEFAULT_ORPHAN_AGE_S, lock_wait_s: float = 5.0) -> None:
@@ -561,7 +561,7 @@ class FeedbackWriter:
     def _wait_s(self) -> float:
         if self._pending or self._stranded:
             return max(0.01, min(self.flush_seconds, max(self._retry_at - time.monotonic(), 0.01)))
-        return self.flush_seconds
+        return max(self.flush_seconds, 1.0)  # idle: wake only to check the segment's age
 
     def _undone(self) -> str | None:
         parts = []

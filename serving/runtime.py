@@ -51,6 +51,7 @@ from serving.tracking import RequestTracker, Tracked
 logger = logging.getLogger(__name__)
 
 EXPIRE_EVERY_S = 1.0
+LATE_FEATURE_S = 5.0  # how long a finished request's row waits for a feature still on its way
 _hook_warnings = RateLimitedLog(logger)
 
 
@@ -286,6 +287,7 @@ class LeapRuntime:
             self.counters.max_held_out = worst
             self.telemetry.max_held.set(worst)
         self.counters.steps += 1
+        self._settle_late_rows()
         self.telemetry.pending.set(self.predictor.pending())
         now = time.monotonic()
         if now >= self._next_expiry:
@@ -298,13 +300,28 @@ class LeapRuntime:
     def on_finished(self, request: Any) -> None:
         """Forget the request, write its feedback row once and hand (feature, true length) to RLS."""
         entry, feature, predicted, version = self.tracker.finish(request.request_id)
-        if entry is None and feature is not None:  # finished in the step that prefilled it: still one row
-            entry = self.tracker.entry_of_unseen(request)
+        if entry is None and (feature is not None or request.num_output_tokens > 0):
+            entry = self.tracker.entry_of_unseen(request)  # finished in the step that prefilled it
+        context = (request, entry, predicted, version or self.version, self.config.policy)
+        if feature is None and request.num_output_tokens > 0:
+            # prefilled, so its feature was captured, but a worker in another process sends it over
+            # ZeroMQ and it can land after the finish: the row waits for it (settled every step)
+            if self.tracker.await_feature(request.request_id, context, LATE_FEATURE_S):
+                return
+        self._finish_row(context, feature)
+
+    def _finish_row(self, context: tuple, feature: np.ndarray | None) -> None:
+        request, entry, predicted, version, policy = context
         output_tokens = int(request.num_output_tokens)
-        trains = vllm_compat.finish_reason(request) in TRAINING_FINISH_REASONS
-        if feature is not None and output_tokens > 0 and trains:
+        if feature is not None and output_tokens > 0 and vllm_compat.finish_reason(request) in TRAINING_FINISH_REASONS:
             self.readouts.observe(feature, output_tokens)
-        self.recorder.record(request, entry, feature, predicted, version or self.version, self.config.policy)
+        if feature is None and output_tokens > 0:
+            self.telemetry.drop("feedback_row", "feature_never_arrived")
+        self.recorder.record(request, entry, feature, predicted, version, policy)
+
+    def _settle_late_rows(self, final: bool = False) -> None:
+        for context, feature in self.tracker.settle(final):
+            self._finish_row(context, feature)
 
     # -- control, between replays and from the admin API ----------------------------------------
     def configure(self, policy: str | None = None, rls: bool | None = None, decode_slots: int | None = None,
@@ -388,6 +405,7 @@ class LeapRuntime:
         if self.admin is not None:
             self.admin.close()
         self.receiver.close()
+        self._settle_late_rows(final=True)
         self.readouts.close()
         self.recorder.close()
 

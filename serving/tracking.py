@@ -69,11 +69,12 @@ class RequestTracker:
     telemetry : where drops and bad extras are counted.
     finished_memory : how many recently finished ids are remembered to recognise late arrivals.
     orphan_ttl_s : how long a feature or prediction may wait for its request to become resident.
+    max_awaiting : how many finished requests may wait for a feature that is still on its way.
     clock : monotonic seconds (a parameter so expiry can be exercised without sleeping).
     """
 
     def __init__(self, telemetry: Telemetry, finished_memory: int = 65_536, orphan_ttl_s: float = 120.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_awaiting: int = 4096) -> None:
         self.telemetry = telemetry
         self.tracked: dict[str, Tracked] = {}
         self.features: dict[str, np.ndarray] = {}
@@ -83,6 +84,11 @@ class RequestTracker:
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._orphans: dict[str, float] = {}  # id -> when its first untracked feature/prediction arrived
         self._orphan_ttl_s = orphan_ttl_s
+        # finished before their feature arrived (a worker in another process sends it over ZeroMQ):
+        # id -> (the caller's context, deadline); their features, once they come, wait in _late_features
+        self._awaiting: OrderedDict[str, tuple[Any, float]] = OrderedDict()
+        self._late_features: dict[str, np.ndarray] = {}
+        self._max_awaiting = max_awaiting
         self._clock = clock
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
@@ -133,6 +139,34 @@ class RequestTracker:
                 self._finished.popitem(last=False)
         return entry, feature, predicted, version
 
+    def await_feature(self, request_id: str, context: Any, wait_s: float) -> bool:
+        """Keep `context` until the finished request's feature arrives or `wait_s` passes (`settle`).
+
+        False when too many already wait: the caller settles this one at once, without a feature.
+        """
+        with self._lock:
+            if request_id in self.features:  # it arrived between finish() and now
+                self._late_features[request_id] = self.features.pop(request_id)
+            elif len(self._awaiting) >= self._max_awaiting:
+                return False
+            self._awaiting[request_id] = (context, self._clock() + wait_s)
+        return True
+
+    def settle(self, final: bool = False) -> list[tuple[Any, np.ndarray | None]]:
+        """(context, feature) of waiting requests whose feature arrived; (context, None) for those whose
+        wait is over (every one when `final`)."""
+        now = self._clock()
+        settled = []
+        with self._lock:
+            if not self._awaiting:
+                return settled
+            for rid, (context, deadline) in list(self._awaiting.items()):
+                feature = self._late_features.pop(rid, None)
+                if feature is not None or final or now >= deadline:
+                    del self._awaiting[rid]
+                    settled.append((context, feature))
+        return settled
+
     def wait_for(self, request_ids: Sequence[str], timeout: float) -> list[str]:
         """Wait until every id has a prediction or `timeout` passes; the ids still without one.
 
@@ -172,6 +206,9 @@ class RequestTracker:
     def add_feature(self, request_id: str, feature: np.ndarray) -> bool:
         """Keep a captured feature; False (and counted) when its request already finished."""
         with self._lock:
+            if request_id in self._awaiting:  # its request finished first: the row waits for it
+                self._late_features[request_id] = feature
+                return False
             if request_id in self._finished:
                 accepted = False
             else:
@@ -229,4 +266,5 @@ class RequestTracker:
     def sizes(self) -> dict[str, int]:
         return {"tracked": len(self.tracked), "features": len(self.features),
                 "predictions": len(self.predictions), "orphans": len(self._orphans),
+                "awaiting_feature": len(self._awaiting),
                 "finished_memory": len(self._finished)}

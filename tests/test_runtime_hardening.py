@@ -190,6 +190,58 @@ def test_receiver_drops_malformed_messages_with_a_reason_and_keeps_serving(build
     assert health["threads"]["receiver"]["alive"] and health["healthy"]
 
 
+# -- every prefilled request gets its feedback row -------------------------------------------------------
+def test_a_request_that_ends_in_the_step_that_prefilled_it_gets_its_row(build, sender_for):
+    runtime = build(policy="leap")
+    rows = []
+    runtime.listeners.append(rows.append)
+    request = make_request("one-00000001", max_tokens=1)  # never resident at a step start: never tracked
+    sender_for(runtime).send([request.request_id], feature(3.0)[None])
+    assert eventually(lambda: request.request_id in runtime.features)
+    runtime.on_finished(finish(decode(request, 1)))
+    assert [row["request_id"] for row in rows] == ["one"] and rows[0]["output_tokens"] == 1
+
+
+def test_a_feature_that_lands_after_its_request_finished_still_makes_the_row(build, sender_for):
+    runtime = build(policy="leap")
+    rows = []
+    runtime.listeners.append(rows.append)
+    request = make_request("late-00000001")
+    runtime.before_schedule([request], 0)
+    runtime.on_finished(finish(decode(request, 3)))  # the worker's ZeroMQ message is still on its way
+    assert rows == [] and runtime.tracker.sizes()["awaiting_feature"] == 1
+    sent = feature(9.0)
+    sender_for(runtime).send([request.request_id], sent[None])
+
+    def settled() -> bool:
+        runtime.after_schedule([], {})  # every engine step settles the rows waiting for a feature
+        return bool(rows)
+
+    assert eventually(settled)
+    assert len(rows) == 1 and rows[0]["output_tokens"] == 3
+    np.testing.assert_array_equal(rows[0]["feature"], sent)
+    assert runtime.tracker.sizes()["awaiting_feature"] == 0
+    assert sample(runtime, "leap_dropped_total", what="feedback_row", reason="feature_never_arrived") == 0
+    assert sample(runtime, "leap_dropped_total", what="feature", reason="finished") == 0
+
+
+def test_a_feature_that_never_arrives_costs_one_counted_row_after_a_bounded_wait(build, monkeypatch):
+    import serving.runtime
+
+    monkeypatch.setattr(serving.runtime, "LATE_FEATURE_S", 0.05)
+    runtime = build(policy="leap")
+    rows = []
+    runtime.listeners.append(rows.append)
+    request = make_request("lost-00000001")
+    runtime.before_schedule([request], 0)
+    runtime.on_finished(finish(decode(request, 2)))
+    time.sleep(0.1)
+    runtime.after_schedule([], {})
+    assert rows == [] and runtime.tracker.sizes()["awaiting_feature"] == 0
+    assert sample(runtime, "leap_dropped_total", what="feedback_row", reason="feature_never_arrived") == 1
+    assert runtime.stats()["finished"] == 1
+
+
 # -- predictions that are not numbers ------------------------------------------------------------------
 class FlakyHead:
     """An evaluation head (a non-linear predictor on the features) that yields NaN on one input."""

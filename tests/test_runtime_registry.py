@@ -15,10 +15,9 @@ pytest.importorskip("vllm")
 from leap_core.readout_format import to_bytes
 from leap_core.rls import RLS
 from registry.client import ReadoutRegistry
-from serving.runtime import LeapRuntime
-from tests.test_runtime_hardening import (
+from tests.test_runtime_hardening import (  # noqa: F401 - `build` is a fixture shared with that module
     DIM,
-    engine_config,
+    build,
     eventually,
     first_feature_readout,
 )
@@ -36,20 +35,6 @@ def champion_store(tmp_path):
                                   metrics={"spearman": 0.5})
     registry.promote(logged.name, logged.version)
     return uri
-
-
-@pytest.fixture
-def build():
-    made = []
-
-    def _build(**leap) -> LeapRuntime:
-        runtime = LeapRuntime(engine_config(**leap))
-        made.append(runtime)
-        return runtime
-
-    yield _build
-    for runtime in made:
-        runtime.close()
 
 
 def test_the_registry_champion_serves_when_there_is_no_push(build, champion_store, tmp_path):
