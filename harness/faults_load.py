@@ -214,7 +214,7 @@ def push_during_rls(replica: Replica, pushes: int = 3, wait_for_publish_s: float
 # ---------------------------------------------------------------------------- 5. 10,000 aborted requests
 
 ABORT_MODES = ("close_after_send", "close_after_head", "close_after_first_token", "client_timeout")
-STATE_KINDS = ("tracked", "features", "predictions", "orphans")
+STATE_KINDS = ("tracked", "features", "predictions", "orphans", "awaiting_feature")
 
 
 def _request_bytes(model: str, endpoint: str, index: int, max_tokens: int) -> bytes:
