@@ -99,6 +99,7 @@ class LeapRuntime:
         self.last_held: set[str] = set()
         self.last_step_shape: tuple[int, int] = (0, 0)  # (decoded requests, prefill tokens) of the last step
         self._next_expiry = 0.0
+        self._late_rows: dict[str, tuple] = {}  # finished, waiting for their feature (engine thread only)
 
         self.telemetry = Telemetry()
         self.metrics_registry = self.telemetry.registry
@@ -299,15 +300,17 @@ class LeapRuntime:
     @_engine_hook
     def on_finished(self, request: Any) -> None:
         """Forget the request, write its feedback row once and hand (feature, true length) to RLS."""
-        entry, feature, predicted, version = self.tracker.finish(request.request_id)
-        if entry is None and (feature is not None or request.num_output_tokens > 0):
+        prefilled = request.num_output_tokens > 0
+        # a prefilled request's feature was captured, but a worker in another process sends it over
+        # ZeroMQ and it can land after the finish: then the row waits for it (settled every step)
+        entry, feature, predicted, version, awaiting = self.tracker.finish(
+            request.request_id, LATE_FEATURE_S if prefilled else None)
+        if entry is None and (feature is not None or prefilled):
             entry = self.tracker.entry_of_unseen(request)  # finished in the step that prefilled it
         context = (request, entry, predicted, version or self.version, self.config.policy)
-        if feature is None and request.num_output_tokens > 0:
-            # prefilled, so its feature was captured, but a worker in another process sends it over
-            # ZeroMQ and it can land after the finish: the row waits for it (settled every step)
-            if self.tracker.await_feature(request.request_id, context, LATE_FEATURE_S):
-                return
+        if awaiting:
+            self._late_rows[request.request_id] = context
+            return
         self._finish_row(context, feature)
 
     def _finish_row(self, context: tuple, feature: np.ndarray | None) -> None:
@@ -320,8 +323,8 @@ class LeapRuntime:
         self.recorder.record(request, entry, feature, predicted, version, policy)
 
     def _settle_late_rows(self, final: bool = False) -> None:
-        for context, feature in self.tracker.settle(final):
-            self._finish_row(context, feature)
+        for request_id, feature in self.tracker.settle(final):
+            self._finish_row(self._late_rows.pop(request_id), feature)
 
     # -- control, between replays and from the admin API ----------------------------------------
     def configure(self, policy: str | None = None, rls: bool | None = None, decode_slots: int | None = None,

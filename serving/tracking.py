@@ -85,8 +85,8 @@ class RequestTracker:
         self._orphans: dict[str, float] = {}  # id -> when its first untracked feature/prediction arrived
         self._orphan_ttl_s = orphan_ttl_s
         # finished before their feature arrived (a worker in another process sends it over ZeroMQ):
-        # id -> (the caller's context, deadline); their features, once they come, wait in _late_features
-        self._awaiting: OrderedDict[str, tuple[Any, float]] = OrderedDict()
+        # id -> deadline; their features, once they come, wait in _late_features
+        self._awaiting: OrderedDict[str, float] = OrderedDict()
         self._late_features: dict[str, np.ndarray] = {}
         self._max_awaiting = max_awaiting
         self._clock = clock
@@ -126,45 +126,42 @@ class RequestTracker:
         now = time.time()
         return Tracked(arrival=float(request.arrival_time), extras=self._extras(request), first_token_time=now)
 
-    def finish(self, request_id: str) -> tuple[Tracked | None, np.ndarray | None, float | None, str]:
-        """Forget a finished request: (entry, feature, latest prediction, its readout version)."""
+    def finish(self, request_id: str, await_feature_s: float | None = None
+               ) -> tuple[Tracked | None, np.ndarray | None, float | None, str, bool]:
+        """Forget a finished request: (entry, feature, latest prediction, its readout version, awaiting).
+
+        With `await_feature_s`, a request without its feature yet waits for it that long (`settle`), unless
+        too many already wait; `awaiting` says whether it does. Decided under the lock that `add_feature`
+        takes, so a feature landing at this moment is never lost between the two.
+        """
         with self._lock:
             entry = self.tracked.pop(request_id, None)
             feature = self.features.pop(request_id, None)
+            awaiting = (feature is None and await_feature_s is not None
+                        and len(self._awaiting) < self._max_awaiting)
+            if awaiting:
+                self._awaiting[request_id] = self._clock() + await_feature_s
             predicted = self.predictions.pop(request_id, None)
             version = self.versions.pop(request_id, "")
             self._orphans.pop(request_id, None)
             self._finished[request_id] = None
             if len(self._finished) > self._finished_memory:
                 self._finished.popitem(last=False)
-        return entry, feature, predicted, version
+        return entry, feature, predicted, version, awaiting
 
-    def await_feature(self, request_id: str, context: Any, wait_s: float) -> bool:
-        """Keep `context` until the finished request's feature arrives or `wait_s` passes (`settle`).
-
-        False when too many already wait: the caller settles this one at once, without a feature.
-        """
-        with self._lock:
-            if request_id in self.features:  # it arrived between finish() and now
-                self._late_features[request_id] = self.features.pop(request_id)
-            elif len(self._awaiting) >= self._max_awaiting:
-                return False
-            self._awaiting[request_id] = (context, self._clock() + wait_s)
-        return True
-
-    def settle(self, final: bool = False) -> list[tuple[Any, np.ndarray | None]]:
-        """(context, feature) of waiting requests whose feature arrived; (context, None) for those whose
-        wait is over (every one when `final`)."""
+    def settle(self, final: bool = False) -> list[tuple[str, np.ndarray | None]]:
+        """(id, feature) of finished requests whose feature arrived; (id, None) for those whose wait is
+        over (every one when `final`)."""
+        if not self._awaiting:  # the engine thread calls this every step: no lock when nothing waits
+            return []
         now = self._clock()
         settled = []
         with self._lock:
-            if not self._awaiting:
-                return settled
-            for rid, (context, deadline) in list(self._awaiting.items()):
+            for rid, deadline in list(self._awaiting.items()):
                 feature = self._late_features.pop(rid, None)
                 if feature is not None or final or now >= deadline:
                     del self._awaiting[rid]
-                    settled.append((context, feature))
+                    settled.append((rid, feature))
         return settled
 
     def wait_for(self, request_ids: Sequence[str], timeout: float) -> list[str]:
