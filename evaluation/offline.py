@@ -2,10 +2,14 @@
 
 Both studies pick every hyper-parameter (ridge alpha, layer) on the training rows only, by 5-fold
 cross-validated MAE in tokens, and then report test figures; the test rows never steer a choice.
-The cross-validation fits ridge for the whole alpha grid from one eigendecomposition per fold: the
-same estimator as `LinearReadout` (standardized features, unpenalized intercept, clipped to [1, M]),
-only cheaper, which keeps the 30-layer study and the 17k-wide all-layers readout within a minute on
-one core. Every reported test figure comes from a `LinearReadout` fitted on all training rows.
+Every test Spearman and MAE carries a 95% percentile bootstrap interval over the test rows, pooled and
+per prompt set when the sets are given (`leap_core.metrics.per_set_metrics`); outputs that reached the
+budget M are censored (tied at M for Spearman) and their share is reported.
+The cross-validation is `leap_core.alpha` (the fit flow's too): ridge for the whole alpha grid from
+one eigendecomposition per fold, the same estimator as `LinearReadout` (standardized features,
+unpenalized intercept, clipped to [1, M]), only cheaper, which keeps the 30-layer study and the
+17k-wide all-layers readout within a minute on one core. Every reported test figure comes from a
+`LinearReadout` fitted on all training rows.
 """
 
 from __future__ import annotations
@@ -14,65 +18,36 @@ import pathlib
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
-from sklearn.model_selection import KFold
 
-from leap_core import metrics, targets
-from leap_core.readout import LinearReadout, Standardizer
+from leap_core import alpha as alpha_path
+from leap_core import metrics
+from leap_core.readout import LinearReadout
 
-ALPHAS: tuple[float, ...] = tuple(float(a) for a in np.logspace(0, 6, 7))
+ALPHAS: tuple[float, ...] = alpha_path.ALPHAS
 TARGET_ORDER = ("raw", "log", "sqrt")
 BUCKETS = ("short", "medium", "long", "all")
-N_SPLITS = 5
-CV_SEED = 0
+N_SPLITS = alpha_path.N_SPLITS
+CV_SEED = alpha_path.CV_SEED
 _BYTES_PER_VALUE = 4  # the plugin sends float32 features
+N_BOOT = 2000
+LEVEL = 0.95
 
 
 # ------------------------------------------------------------------ ridge cross-validation
 
 
-def _ridge_path(Z: NDArray[np.float64], y: NDArray[np.float64], Z_held: NDArray[np.float64],
-                alphas: NDArray[np.float64]) -> NDArray[np.float64]:
-    """Held-out predictions (target space, one column per alpha) of ridge with an unpenalized intercept.
-
-    Z is standardized on its own rows, so its columns have mean zero and the intercept is mean(y).
-    One eigendecomposition of the smaller Gram matrix serves every alpha: Z Z^T (dual form) when
-    there are fewer rows than features, as with all layers concatenated, else Z^T Z.
-    """
-    y_mean = float(y.mean())
-    centered = y - y_mean
-    if Z.shape[0] < Z.shape[1]:  # held predictions Z_held Z^T (Z Z^T + alpha I)^-1 y
-        eigval, Q = np.linalg.eigh(Z @ Z.T)
-        left, right = (Z_held @ Z.T) @ Q, Q.T @ centered
-    else:  # held predictions Z_held (Z^T Z + alpha I)^-1 Z^T y
-        eigval, Q = np.linalg.eigh(Z.T @ Z)
-        left, right = Z_held @ Q, Q.T @ (Z.T @ centered)
-    eigval = np.maximum(eigval, 0.0)  # round-off can leave tiny negative eigenvalues
-    return left @ (right[:, None] / (eigval[:, None] + alphas[None, :])) + y_mean
-
-
 def cv_mae(X: ArrayLike, lengths: ArrayLike, target: str, max_tokens: int,
            alphas: ArrayLike = ALPHAS, n_splits: int = N_SPLITS, seed: int = CV_SEED) -> NDArray[np.float64]:
     """Out-of-fold MAE in tokens of the readout for each alpha (KFold, shuffled, standardized per fold)."""
-    X = np.asarray(X)
-    lengths = np.asarray(lengths, dtype=np.float64).reshape(-1)
-    alphas = np.asarray(alphas, dtype=np.float64).reshape(-1)
-    if not (alphas > 0).all():
-        raise ValueError("cross-validation needs every alpha > 0")
-    y = targets.transform(lengths, target)
-    abs_error = np.zeros(alphas.size)
-    for fit_rows, held_rows in KFold(n_splits, shuffle=True, random_state=seed).split(X):
-        scaler = Standardizer().fit(X[fit_rows])
-        pred = _ridge_path(scaler.transform(X[fit_rows]), y[fit_rows], scaler.transform(X[held_rows]), alphas)
-        pred_lengths = targets.to_lengths(pred, target, max_tokens)
-        abs_error += np.abs(pred_lengths - lengths[held_rows, None]).sum(axis=0)
-    return abs_error / lengths.size
+    return alpha_path.cv_scores(X, lengths, target=target, max_tokens=max_tokens, alphas=alphas,
+                                cv=alpha_path.kfold(n_splits, seed), scoring="mae")
 
 
 def choose_alpha(X: ArrayLike, lengths: ArrayLike, target: str, max_tokens: int,
                  alphas: ArrayLike = ALPHAS) -> float:
     """The alpha of the grid with the lowest cross-validated MAE on these (training) rows."""
-    alphas = np.asarray(alphas, dtype=np.float64).reshape(-1)
-    return float(alphas[int(np.argmin(cv_mae(X, lengths, target, max_tokens, alphas)))])
+    return alpha_path.select_alpha(X, lengths, target=target, max_tokens=max_tokens, alphas=alphas,
+                                   cv=alpha_path.kfold(), scoring="mae").alpha
 
 
 # ------------------------------------------------------------------ studies
@@ -87,16 +62,42 @@ def _check_split(X_train: np.ndarray, y_train: np.ndarray, X_test: np.ndarray, y
         raise ValueError(f"need at least {N_SPLITS} training rows for {N_SPLITS}-fold CV")
 
 
+def _scored(y_test: np.ndarray, pred: np.ndarray, max_tokens: int, sets: ArrayLike | None,
+            censored: ArrayLike | None, n_boot: int, seed: int, per_set: bool = True) -> dict:
+    """Test figures of one prediction: MAE (all rows) and censored Spearman, each with its interval.
+
+    mae / mae_ci: MAE in tokens over every test row (as the bucket table), with its interval;
+    spearman / spearman_ci: Spearman with censored rows tied at M, with its interval;
+    censored_share; per_set (when asked): `metrics.per_set_metrics` (per set, pooled, within-set).
+    """
+    options = dict(n_boot=n_boot, seed=seed, level=LEVEL)
+    values, mask = metrics.censor(y_test, max_tokens, censored)
+    spearman = metrics.bootstrap_ci(metrics.spearman_batch, values, pred, vectorized=True, **options)
+    figures = {
+        "mae": metrics.mae(y_test, pred),
+        "mae_ci": metrics.bootstrap_ci(metrics.mae_batch, y_test, pred, vectorized=True, **options),
+        "spearman": spearman["value"],
+        "spearman_ci": spearman,
+        "censored_share": float(mask.mean()),
+    }
+    if per_set:
+        figures["per_set"] = metrics.per_set_metrics(sets, y_test, pred, mask, max_tokens, **options)
+    return figures
+
+
 def _fit_predict(X_train: ArrayLike, y_train: ArrayLike, X_test: ArrayLike, alpha: float, target: str,
                  max_tokens: int) -> NDArray[np.float64]:
     return LinearReadout(alpha=alpha, target=target, max_tokens=max_tokens).fit(X_train, y_train).predict(X_test)
 
 
 def run_targets(X_train: ArrayLike, y_train: ArrayLike, X_test: ArrayLike, y_test: ArrayLike,
-                max_tokens: int, alpha: float | None = None) -> dict:
+                max_tokens: int, alpha: float | None = None, *, sets_test: ArrayLike | None = None,
+                censored_test: ArrayLike | None = None, n_boot: int = N_BOOT, seed: int = 0) -> dict:
     """Table 6: the readout fitted on raw, log and sqrt lengths, scored in tokens and by rank.
 
     alpha=None chooses alpha per target by 5-fold CV on the training rows over `ALPHAS`.
+    sets_test: the prompt set of each test row, for per-set figures (None: pooled only).
+    censored_test: finish_reason == "length" per test row (None: a length >= max_tokens is censored).
     """
     X_train, X_test = np.asarray(X_train), np.asarray(X_test)
     y_train = np.asarray(y_train, dtype=np.float64).reshape(-1)
@@ -106,17 +107,21 @@ def run_targets(X_train: ArrayLike, y_train: ArrayLike, X_test: ArrayLike, y_tes
     for target in TARGET_ORDER:
         chosen = float(alpha) if alpha is not None else choose_alpha(X_train, y_train, target, max_tokens)
         pred = _fit_predict(X_train, y_train, X_test, chosen, target, max_tokens)
+        scored = _scored(y_test, pred, max_tokens, sets_test, censored_test, n_boot, seed)
         per_target[target] = {
             "alpha": chosen,
-            "mae": metrics.mae(y_test, pred),
+            "mae": scored.pop("mae"),
             "mae_by_bucket": metrics.mae_by_bucket(y_test, pred, max_tokens),
-            "spearman": metrics.spearman(y_test, pred),
+            "spearman": scored.pop("spearman"),
             "kendall": metrics.kendall(y_test, pred),
+            **scored,
         }
     return {
         "n_train": int(y_train.size),
         "n_test": int(y_test.size),
         "max_tokens": int(max_tokens),
+        "censored_share": metrics.censored_share(y_test, max_tokens, censored_test),
+        "bootstrap": {"n_boot": int(n_boot), "level": LEVEL, "seed": int(seed), "resampled": "test rows"},
         "alpha_grid": None if alpha is not None else list(ALPHAS),
         "targets": per_target,
         "best_overall": min(per_target, key=lambda name: per_target[name]["mae"]),
@@ -124,12 +129,15 @@ def run_targets(X_train: ArrayLike, y_train: ArrayLike, X_test: ArrayLike, y_tes
 
 
 def run_layers(F_train: ArrayLike, y_train: ArrayLike, F_test: ArrayLike, y_test: ArrayLike,
-               max_tokens: int, default_layer: int, alpha: float | None = None) -> dict:
+               max_tokens: int, default_layer: int, alpha: float | None = None, *,
+               sets_test: ArrayLike | None = None, censored_test: ArrayLike | None = None,
+               n_boot: int = N_BOOT, seed: int = 0) -> dict:
     """Table 7: a sqrt readout on each decoder layer's state, and one on all layers concatenated.
 
     F_* have shape (n, L, d). The layer is chosen by 5-fold CV MAE on the training rows; alpha=None
     chooses one alpha for every single layer by CV on the default layer, and a separate one for the
-    concatenated features. Test MAE and Spearman are reported for every layer.
+    concatenated features. Test MAE and Spearman, with their bootstrap intervals, are reported for
+    every layer; the default, chosen and all-layers readouts also per prompt set (`sets_test`).
     """
     F_train, F_test = np.asarray(F_train), np.asarray(F_test)
     y_train = np.asarray(y_train, dtype=np.float64).reshape(-1)
@@ -144,16 +152,26 @@ def run_layers(F_train: ArrayLike, y_train: ArrayLike, F_test: ArrayLike, y_test
 
     layer_alpha = (float(alpha) if alpha is not None
                    else choose_alpha(F_train[:, default_layer], y_train, "sqrt", max_tokens))
-    layers = []
+    layers, predictions = [], []
     for layer in range(num_layers):
         pred = _fit_predict(F_train[:, layer], y_train, F_test[:, layer], layer_alpha, "sqrt", max_tokens)
+        scored = _scored(y_test, pred, max_tokens, sets_test, censored_test, n_boot, seed, per_set=False)
+        predictions.append(pred)
         layers.append({
             "layer": layer,
             "cv_mae": float(cv_mae(F_train[:, layer], y_train, "sqrt", max_tokens, [layer_alpha])[0]),
-            "mae": metrics.mae(y_test, pred),
-            "spearman": metrics.spearman(y_test, pred),
+            "mae": scored["mae"],
+            "spearman": scored["spearman"],
+            "mae_ci": scored["mae_ci"],
+            "spearman_ci": scored["spearman_ci"],
         })
     chosen_layer = min(layers, key=lambda row: row["cv_mae"])["layer"]
+
+    def summary(layer: int) -> dict:
+        figures = {key: layers[layer][key] for key in ("mae", "spearman", "mae_ci", "spearman_ci")}
+        figures["per_set"] = metrics.per_set_metrics(sets_test, y_test, predictions[layer], censored_test,
+                                                     max_tokens, n_boot=n_boot, seed=seed, level=LEVEL)
+        return figures
 
     flat_train = F_train.reshape(n_train, num_layers * dim)
     flat_test = F_test.reshape(F_test.shape[0], num_layers * dim)
@@ -161,23 +179,25 @@ def run_layers(F_train: ArrayLike, y_train: ArrayLike, F_test: ArrayLike, y_test
     all_pred = _fit_predict(flat_train, y_train, flat_test, all_alpha, "sqrt", max_tokens)
     all_layers = {
         "alpha": all_alpha,
-        "mae": metrics.mae(y_test, all_pred),
-        "spearman": metrics.spearman(y_test, all_pred),
+        **_scored(y_test, all_pred, max_tokens, sets_test, censored_test, n_boot, seed),
         "kib_per_request": num_layers * dim * _BYTES_PER_VALUE / 1024,
     }
-    default = {key: layers[default_layer][key] for key in ("mae", "spearman")}
+    all_layers.pop("censored_share")
+    default = summary(default_layer)
     return {
         "n_train": int(n_train),
         "n_test": int(y_test.size),
         "num_layers": int(num_layers),
         "dim": int(dim),
         "max_tokens": int(max_tokens),
+        "censored_share": metrics.censored_share(y_test, max_tokens, censored_test),
+        "bootstrap": {"n_boot": int(n_boot), "level": LEVEL, "seed": int(seed), "resampled": "test rows"},
         "alpha": layer_alpha,
         "default_layer": int(default_layer),
         "chosen_layer": int(chosen_layer),
         "layers": layers,
         "default": default,
-        "chosen": {key: layers[chosen_layer][key] for key in ("mae", "spearman")},
+        "chosen": default if chosen_layer == default_layer else summary(chosen_layer),
         "all_layers": all_layers,
         "one_layer_kib_per_request": dim * _BYTES_PER_VALUE / 1024,
         "all_vs_default_mae_change": (all_layers["mae"] - default["mae"]) / default["mae"],
@@ -218,7 +238,8 @@ def plot_targets(result: dict, path: pathlib.Path) -> None:
 
 
 def plot_layers(result: dict, path: pathlib.Path) -> None:
-    """Test MAE (left axis) and Spearman (right axis) per layer, all-layers as horizontal lines."""
+    """Test MAE (left axis) and Spearman (right axis) per layer with their bootstrap bands, all-layers as
+    horizontal lines."""
     plt = _pyplot()
     layer = [row["layer"] for row in result["layers"]]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
@@ -230,6 +251,12 @@ def plot_layers(result: dict, path: pathlib.Path) -> None:
                label="test Spearman")
     right.axhline(result["all_layers"]["spearman"], color=rank_color, linestyle="--",
                   label="all layers: Spearman")
+    for axis, key, color in ((ax, "mae_ci", mae_color), (right, "spearman_ci", rank_color)):
+        if all(row.get(key) for row in result["layers"]):  # 95% bootstrap band, when the result has one
+            low = [np.nan if row[key]["ci_low"] is None else row[key]["ci_low"] for row in result["layers"]]
+            high = [np.nan if row[key]["ci_high"] is None else row[key]["ci_high"] for row in result["layers"]]
+            axis.fill_between(layer, np.asarray(low, dtype=float), np.asarray(high, dtype=float), color=color,
+                              alpha=0.15, linewidth=0)
     ax.axvline(result["chosen_layer"], color="gray", linestyle=":", label=f"chosen layer {result['chosen_layer']}")
     ax.set_xlabel("decoder layer")
     ax.set_ylabel("test MAE (tokens)", color=mae_color)
@@ -260,6 +287,51 @@ def _tokens(value: float | None) -> str:
 
 def _corr(value: float | None) -> str:
     return _fmt(value, ".3f")
+
+
+def _ci(figures: dict, key: str, spec: str, bound_spec: str) -> str:
+    """figures[key] with its interval figures[key + "_ci"] as "v [lo, hi]"; the value alone without one."""
+    value = _fmt(figures.get(key), spec)
+    interval = figures.get(f"{key}_ci")
+    if not interval or value == "n/a":
+        return value
+    low, high = _fmt(interval.get("ci_low"), bound_spec), _fmt(interval.get("ci_high"), bound_spec)
+    return value if "n/a" in (low, high) else f"{value} [{low}, {high}]"
+
+
+def _tokens_ci(figures: dict) -> str:
+    return _ci(figures, "mae", ".1f", ".0f")
+
+
+def _corr_ci(figures: dict) -> str:
+    return _ci(figures, "spearman", ".3f", ".2f")
+
+
+def _within_set_note(figures: dict) -> list[str]:
+    """A line per set (n, censored share, Spearman and uncensored MAE with intervals) when sets were given."""
+    per_set = (figures.get("per_set") or {})
+    if not per_set.get("per_set"):
+        return []
+    lines = ["| Set | n | censored | Spearman | MAE (uncensored) |", "|---|---|---|---|---|"]
+    for name, row in [*per_set["per_set"].items(), ("pooled", per_set["pooled"])]:
+        flat = {"spearman": row["spearman"]["value"], "spearman_ci": row["spearman"],
+                "mae": row["mae"]["value"], "mae_ci": row["mae"]}
+        lines.append(f"| {name} | {row['n']} | {_fmt(row['censored_share'], '.1%')} | {_corr_ci(flat)} | "
+                     f"{_tokens_ci(flat)} |")
+    within = per_set.get("within_set_spearman")
+    if within:
+        flat = {"spearman": within["value"], "spearman_ci": within}
+        lines.append(f"| within-set mean | | | {_corr_ci(flat)} | |")
+    return lines + [""]
+
+
+def _interval_note(result: dict) -> str:
+    boot = result.get("bootstrap")
+    if not boot:
+        return ""
+    return (f"Brackets: {boot['level']:.0%} percentile bootstrap interval over the {result['n_test']} test rows "
+            f"({boot['n_boot']} resamples). Censored (reached M) test rows: "
+            f"{_fmt(result.get('censored_share'), '.1%')}; they tie at M for Spearman.")
 
 
 def _footer(result: dict, title: str, image: str) -> list[str]:
@@ -295,10 +367,16 @@ def section_targets(result: dict, image: str) -> str:
     for name, row in result["targets"].items():
         buckets = row["mae_by_bucket"]
         label = f"**{name}**" if name == result["best_overall"] else name
-        lines.append(f"| {label} | {row['alpha']:g} | {_tokens(row['mae'])} | {_tokens(buckets['short'])} | "
-                     f"{_tokens(buckets['medium'])} | {_tokens(buckets['long'])} | {_corr(row['spearman'])} | "
+        lines.append(f"| {label} | {row['alpha']:g} | {_tokens_ci(row)} | {_tokens(buckets['short'])} | "
+                     f"{_tokens(buckets['medium'])} | {_tokens(buckets['long'])} | {_corr_ci(row)} | "
                      f"{_corr(row['kendall'])} |")
     lines += ["", f"Lowest overall MAE: {result['best_overall']}.", ""]
+    note = _interval_note(result)
+    if note:
+        lines += [note, ""]
+    best = result["targets"][result["best_overall"]]
+    if _within_set_note(best):
+        lines += [f"Per prompt set ({result['best_overall']} target):", "", *_within_set_note(best)]
     return "\n".join(lines + _footer(result, title, image)) + "\n"
 
 
@@ -318,11 +396,11 @@ def section_layers(result: dict, image: str) -> str:
         "| Readout | Features sent (KiB/request) | Test MAE | Test Spearman |",
         "|---|---|---|---|",
         f"| default layer {default} | {result['one_layer_kib_per_request']:g} | "
-        f"{_tokens(result['default']['mae'])} | {_corr(result['default']['spearman'])} |",
+        f"{_tokens_ci(result['default'])} | {_corr_ci(result['default'])} |",
         f"| chosen layer {chosen} | {result['one_layer_kib_per_request']:g} | "
-        f"{_tokens(result['chosen']['mae'])} | {_corr(result['chosen']['spearman'])} |",
+        f"{_tokens_ci(result['chosen'])} | {_corr_ci(result['chosen'])} |",
         f"| all layers | {result['all_layers']['kib_per_request']:g} | "
-        f"{_tokens(result['all_layers']['mae'])} | {_corr(result['all_layers']['spearman'])} |",
+        f"{_tokens_ci(result['all_layers'])} | {_corr_ci(result['all_layers'])} |",
         "",
         f"All layers vs the default layer: test MAE change {result['all_vs_default_mae_change']:+.1%} "
         "(negative = better).",
@@ -333,6 +411,10 @@ def section_layers(result: dict, image: str) -> str:
     for row in result["layers"]:
         notes = [word for word, layer in (("default", default), ("chosen", chosen)) if row["layer"] == layer]
         label = f"{row['layer']} ({', '.join(notes)})" if notes else str(row["layer"])
-        lines.append(f"| {label} | {_tokens(row['cv_mae'])} | {_tokens(row['mae'])} | {_corr(row['spearman'])} |")
+        lines.append(f"| {label} | {_tokens(row['cv_mae'])} | {_tokens_ci(row)} | {_corr_ci(row)} |")
     lines.append("")
+    note = _interval_note(result)
+    if note:
+        lines += [note, ""]
+    lines += _within_set_note(result["chosen"])
     return "\n".join(lines + _footer(result, title, image)) + "\n"

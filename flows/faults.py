@@ -360,16 +360,13 @@ class MlflowServer:
 
 def fitted_readout(version: str, seed: int, dim: int = DIM):
     """A small readout of the bench feature space, with its RLS anchor, under `version`."""
-    from leap_core.readout import LinearReadout
-    from leap_core.rls import RLS
+    from leap_core.rls import fit_readout_with_anchor
 
     rng = np.random.default_rng(seed)
     features = rng.normal(size=(200, dim)).astype(np.float32)
     lengths = np.clip(np.exp(4 + 0.5 * features[:, 0]), 1, 512).round()
-    readout = LinearReadout(alpha=1.0, target="sqrt", max_tokens=512).fit(features, lengths)
-    readout.metadata.update(model_id=BENCH_MODEL_ID, model_fingerprint=BENCH_FINGERPRINT, layer=BENCH_LAYER,
-                            version=version)
-    return readout, RLS.from_readout(readout, features)
+    metadata = dict(model_id=BENCH_MODEL_ID, model_fingerprint=BENCH_FINGERPRINT, layer=BENCH_LAYER, version=version)
+    return fit_readout_with_anchor(features, lengths, alpha=1.0, max_tokens=512, metadata=metadata)
 
 
 def training_frame(n: int = 300, dim: int = DIM, seed: int = 3):

@@ -43,8 +43,6 @@ While one segment is written, a helper thread already reads, checksums, parses a
 from __future__ import annotations
 
 import hashlib
-import json
-import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -69,6 +67,7 @@ from flows.store import (
     StoreBusyError,
     stored_dims,
 )
+from leap_io.jsonable import dumps
 from leap_io.feedback_schema import (
     META_DIM,
     META_LAYER,
@@ -424,18 +423,8 @@ class _Segment:
         return {pairs[code]: int(self.dim) for code in np.unique(codes[accepted])}
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # "nan", "inf", "-inf": strict JSON has no spelling for them
-    if isinstance(value, dict):
-        return {str(key): _json_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(item) for item in value]
-    return value
-
-
 def _to_json(row: dict[str, Any]) -> str:
-    return json.dumps(_json_safe(row), allow_nan=False, default=str)
+    return dumps(row, nonfinite="string", default=str)  # "nan", "inf": strict JSON has no spelling for them
 
 
 def _now() -> datetime:

@@ -34,6 +34,7 @@ from flows.settings import PipelineSettings
 from flows.store import TRAINING_FINISH_REASONS, LogStore, TrainingFrame
 from flows.training import fit_readout, select_window, time_split
 from leap_core.rls import RLS
+from leap_io.jsonable import dumps, to_jsonable
 from registry.client import (
     CHAMPION,
     GATE_EXPERIMENT,
@@ -64,20 +65,12 @@ class FeatureSpace:
 
 
 def plain(value: Any) -> Any:
-    """numpy scalars and arrays as JSON values, recursively (flow results must be JSON-able)."""
-    if isinstance(value, Mapping):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, np.ndarray)):
-        return [plain(v) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, Path):
-        return str(value)
-    return value
+    """numpy scalars and arrays as JSON values, recursively (flow results must be JSON-able); NaN stays NaN."""
+    return to_jsonable(value, nonfinite="keep")
 
 
 def _key(payload: Any) -> str:
-    return hashlib.sha256(json.dumps(plain(payload), sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return hashlib.sha256(dumps(payload, nonfinite="keep", sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------- the log store
@@ -351,7 +344,7 @@ def record_gate(duckdb_path: str, tracking_uri: str, name: str, challenger: str,
         con.execute("INSERT OR IGNORE INTO gates VALUES (?, ?, ?, ?, ?, ?, ?::JSON, ?::JSON, ?)",
                     [gate_key, datetime.now(UTC).replace(tzinfo=None), name, str(challenger),
                      None if champion is None else str(champion), bool(verdict["passed"]),
-                     json.dumps(verdict), json.dumps(results), run_id])
+                     dumps(verdict, nonfinite="keep"), dumps(results, nonfinite="keep"), run_id])
     return {"gate_key": gate_key, "gate_run_id": run_id, "recorded": True}
 
 

@@ -16,7 +16,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -28,15 +28,17 @@ from flows.store import (
     LogStore,
     TrainingFrame,
 )
-from leap_core import metrics, targets
-from leap_core.readout import LinearReadout, Standardizer
-from leap_core.rls import RLS
+from leap_core import alpha as alpha_path
+from leap_core import metrics
+from leap_core.alpha import AlphaSelection
+from leap_core.readout import LinearReadout
+from leap_core.rls import fit_readout_with_anchor
 
 DEFAULT_MAX_TOKENS = 1024
 """The output budget M when neither the caller nor the window's rows say what it is."""
 
-ALPHA_GRID = tuple(float(alpha) for alpha in np.logspace(0, 5, 11))
-"""Ridge penalties tried by alpha="auto": 1 to 1e5, two per decade."""
+ALPHA_GRID = alpha_path.ALPHAS
+"""Ridge penalties tried by alpha="auto": the one grid of `leap_core.alpha` (1 to 1e6, two per decade)."""
 
 VALIDATION_FRACTION = 0.2
 """The newest share of the training split that scores each penalty of the grid."""
@@ -50,14 +52,6 @@ _TRAINING = frozenset(TRAINING_FINISH_REASONS)
 
 class NotEnoughRowsError(ValueError):
     """The training window holds fewer usable requests (finished by `stop` or `length`) than the fit needs."""
-
-
-class AlphaSelection(NamedTuple):
-    """The chosen penalty and each grid penalty's validation error (target space, clipped)."""
-
-    alpha: float
-    alphas: tuple[float, ...]
-    validation_mse: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -148,43 +142,15 @@ def select_alpha(
 ) -> AlphaSelection:
     """The penalty of `alphas` whose readout, fitted on the older rows, best predicts the newest.
 
-    Rows must be in arrival order. The readout's own model (standardize, ridge with an unpenalized
-    intercept, predictions clipped to [1, M] in target space) is solved for every penalty from one
-    eigendecomposition of the Gram matrix, so the whole grid costs about one fit.
+    Rows must be in arrival order. `leap_core.alpha.select_alpha` on one newest-rows split, scored by
+    mean squared error in the target space (predictions clipped to [1, M]); the whole grid costs
+    about one fit.
     """
-    X = np.asarray(X)
-    y = targets.transform(np.asarray(lengths, dtype=np.float64).reshape(-1), target)
-    n = X.shape[0]
-    if y.shape[0] != n:
-        raise ValueError(f"X has {n} rows but lengths has {y.shape[0]}")
-    if not alphas or min(alphas) <= 0:
+    if not len(alphas) or min(alphas) <= 0:
         raise ValueError(f"alphas must be a non-empty sequence of penalties > 0, got {alphas}")
-    if not 0.0 < validation_fraction < 1.0:
-        raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction}")
-    n_val = min(max(round(n * validation_fraction), 1), n - 2)
-    if n_val < 1:
-        raise ValueError(f"choosing alpha needs at least 3 training rows, got {n}")
-    n_fit = n - n_val
-
-    standardizer = Standardizer().fit(X[:n_fit])
-    Z = standardizer.transform(X[:n_fit])
-    z_mean = Z.mean(axis=0)
-    Z -= z_mean
-    y_fit, y_val = y[:n_fit], y[n_fit:]
-    y_mean = float(y_fit.mean())
-    eigenvalues, V = np.linalg.eigh(Z.T @ Z)
-    eigenvalues = np.maximum(eigenvalues, 0.0)
-    projected = V.T @ (Z.T @ (y_fit - y_mean))
-    del Z
-    Z_val = (standardizer.transform(X[n_fit:]) - z_mean) @ V
-
-    low, high = targets.bounds(target, int(max_tokens))
-    scores = []
-    for alpha in alphas:
-        prediction = Z_val @ (projected / (eigenvalues + float(alpha))) + y_mean
-        scores.append(float(np.mean(np.square(np.clip(prediction, low, high) - y_val))))
-    best = int(np.argmin(scores))
-    return AlphaSelection(float(alphas[best]), tuple(float(a) for a in alphas), tuple(scores))
+    n = np.asarray(X).shape[0]
+    return alpha_path.select_alpha(X, lengths, target=target, max_tokens=int(max_tokens), alphas=alphas,
+                                   cv=alpha_path.newest_split(n, validation_fraction), scoring="mse_target")
 
 
 def _budget(frame: TrainingFrame, max_tokens: int | None) -> int:
@@ -296,16 +262,17 @@ def _fit(frame_train: TrainingFrame, frame_test: TrainingFrame, *, alpha: float 
         "n_train": int(X_train.shape[0]),
         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
-    readout = LinearReadout(alpha=chosen, target=target, max_tokens=budget, metadata=metadata)
-    readout.fit(X_train, lengths_train)
-    rls_state = RLS.from_readout(readout, X_train).state_arrays()
+    readout, rls = fit_readout_with_anchor(X_train, lengths_train, alpha=chosen, max_tokens=budget, target=target,
+                                           metadata=metadata)
+    rls_state = rls.state_arrays()
+    del rls
 
     true = np.asarray(test.output_tokens, dtype=np.int64)
     pred = readout.predict(np.asarray(test.features))
     figures = _test_metrics(test, true, pred, budget)
     figures.update(n_train=len(train.request_ids), n_test=len(test.request_ids))
     if selection is not None:
-        figures["validation_mse"] = min(selection.validation_mse)
+        figures["validation_mse"] = min(selection.scores)
 
     arrivals = np.concatenate([train.arrival_time, test.arrival_time])
     params: dict[str, Any] = {
@@ -324,6 +291,7 @@ def _fit(frame_train: TrainingFrame, frame_test: TrainingFrame, *, alpha: float 
         "data_hash": _data_hash(train.request_ids),
     }
     if selection is not None:
+        params["alpha_scoring"] = selection.scoring
         params["alpha_grid"] = ",".join(f"{a:g}" for a in selection.alphas)
         params["validation_fraction"] = VALIDATION_FRACTION
     return FitResult(readout=readout, rls_state=rls_state, metrics=figures, params=params,

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from leap_core.readout import LinearReadout
-from leap_core.rls import RLS
+from leap_core.rls import fit_readout_with_anchor
 from serving.config import LeapConfig
 from harness.corpus import (ALL_LAYERS, Corpus, build_corpus, copy_layer_rows, corpus_dir, corpus_key, corpus_layer,
                             load_corpus)
@@ -90,10 +90,10 @@ def fit_on_corpus(corpus: Corpus, model: ModelInfo, alpha: float = DEFAULT_ALPHA
     """A sqrt-target readout and its RLS anchor, fitted on the given (training) rows only."""
     keep = corpus.finish_reasons != "abort"
     X, y = corpus.features[keep], corpus.output_tokens[keep]
-    readout = LinearReadout(alpha=alpha, target="sqrt", max_tokens=corpus.max_tokens).fit(X, y)
-    readout.metadata.update(model_id=model.model_id, model_fingerprint=model.fingerprint, layer=corpus.layer,
-                            version=version, n_train=int(keep.sum()))
-    return readout, RLS.from_readout(readout, X).state_arrays()
+    metadata = dict(model_id=model.model_id, model_fingerprint=model.fingerprint, layer=corpus.layer,
+                    version=version, n_train=int(keep.sum()))
+    readout, rls = fit_readout_with_anchor(X, y, alpha=alpha, max_tokens=corpus.max_tokens, metadata=metadata)
+    return readout, rls.state_arrays()
 
 
 def fixed_length_requests(live: LiveSetup, prompts: Sequence[dict], corpus: Corpus) -> list[ReplayRequest]:

@@ -380,18 +380,15 @@ def fault_readout(described: dict, version: str, seed: int, n: int = 256):
     Fitted on random features of the replica's dim, with the model id, fingerprint and layer the replica
     reports, so it passes every identity check; what it predicts does not matter to the suite.
     """
-    from leap_core.readout import LinearReadout
-    from leap_core.rls import RLS
+    from leap_core.rls import fit_readout_with_anchor
 
     dim = int(described["dim"])
     rng = np.random.default_rng(seed)
     features = rng.normal(size=(n, dim)).astype(np.float32)
     lengths = np.clip(np.exp(3.0 + 0.4 * features[:, 0]), 1, MAX_TOKENS_BUDGET).round()
-    readout = LinearReadout(alpha=1.0, target="sqrt", max_tokens=MAX_TOKENS_BUDGET).fit(features, lengths)
-    readout.metadata.update(model_id=described.get("model_id"),
-                            model_fingerprint=described.get("model_fingerprint") or "",
-                            layer=int(described["layer"]), version=version)
-    return readout, RLS.from_readout(readout, features)
+    metadata = dict(model_id=described.get("model_id"), model_fingerprint=described.get("model_fingerprint") or "",
+                    layer=int(described["layer"]), version=version)
+    return fit_readout_with_anchor(features, lengths, alpha=1.0, max_tokens=MAX_TOKENS_BUDGET, metadata=metadata)
 
 
 def bundle_of(readout, rls=None, force: bool = False) -> bytes:

@@ -7,7 +7,6 @@ harness/fault_suite.py for what each scenario does and what it counts.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -18,7 +17,8 @@ from typing import Annotated, Optional
 import typer
 
 from leap_cli.apps import bench_app
-from leap_cli.output import _clean, console
+from leap_cli.output import console
+from leap_io.jsonable import dumps
 
 
 @contextlib.contextmanager
@@ -64,7 +64,7 @@ def bench_faults(
     finally:
         signal.signal(signal.SIGTERM, previous)
     if as_json:
-        print(json.dumps(_clean(summary)), flush=True)
+        print(dumps(summary), flush=True)
         return
     from rich.console import Console
     from rich.table import Table

@@ -1,25 +1,17 @@
 """Printing results: one JSON object on stdout for machines, a rich table for people."""
 
 import json
-import math
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from leap_io.jsonable import to_jsonable
+
 console = Console(stderr=True)
 
-
-def _clean(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    if hasattr(value, "item") and callable(value.item):
-        return _clean(value.item())
-    return value
+_clean = to_jsonable
+"""Results as strict JSON values (NaN and infinities become null): `leap_io.jsonable.to_jsonable`."""
 
 
 def emit(result: dict[str, Any], as_json: bool, title: str = "") -> None:

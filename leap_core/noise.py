@@ -8,13 +8,10 @@ long and short requests alike, like a real predictor's relative error.
 from __future__ import annotations
 
 import numpy as np
-from scipy.stats import spearmanr
+
+from leap_core.metrics import spearman
 
 __all__ = ["noisy_predictions"]
-
-
-def _spearman(a: np.ndarray, b: np.ndarray) -> float:
-    return float(spearmanr(a, b).statistic)
 
 
 def noisy_predictions(true_lengths, target_spearman: float, seed: int = 0, tolerance: float = 0.002,
@@ -41,14 +38,14 @@ def noisy_predictions(true_lengths, target_spearman: float, seed: int = 0, toler
         return true_lengths * np.exp(sigma * z)
 
     low, high = 0.0, 1.0
-    while _spearman(predict(high), true_lengths) > target_spearman:  # widen until the target is bracketed
+    while spearman(true_lengths, predict(high)) > target_spearman:  # widen until the target is bracketed
         low, high = high, high * 2.0
         if high > 1e3:
             raise ValueError(f"target_spearman {target_spearman} is below what noise reaches on this sample")
     sigma = high
     for _ in range(max_iter):
         sigma = 0.5 * (low + high)
-        rho = _spearman(predict(sigma), true_lengths)
+        rho = spearman(true_lengths, predict(sigma))
         if abs(rho - target_spearman) <= tolerance:
             break
         if rho > target_spearman:

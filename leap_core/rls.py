@@ -368,3 +368,18 @@ class RLS(BaseEstimator):
             "p_diag_min": float(diag.min()),
             "p_diag_mean": float(diag.mean()),
         }
+
+
+def fit_readout_with_anchor(X: ArrayLike, lengths: ArrayLike, *, alpha: float, max_tokens: int,
+                            target: str = "sqrt", metadata: dict[str, Any] | None = None,
+                            **rls_params: Any) -> tuple[LinearReadout, RLS]:
+    """A `LinearReadout` fitted on (X, lengths) and the RLS anchored at the same rows and penalty.
+
+    The pair every fitting path wants: the readout serves at once, and the RLS resumes from exactly
+    the ridge problem the readout solved, so feedback folds in as if the fit had been redone on the
+    training rows plus the feedback. `rls_params` go to `RLS` (forgetting, fold_every, blas_threads);
+    `rls.state_arrays()` is what the registry stores next to the readout.
+    """
+    readout = LinearReadout(alpha=alpha, target=target, max_tokens=max_tokens,
+                            metadata=metadata).fit(X, lengths)
+    return readout, RLS.from_readout(readout, X, **rls_params)

@@ -31,7 +31,6 @@ import contextlib
 import fcntl
 import functools
 import hashlib
-import json
 import os
 import re
 import tempfile
@@ -56,6 +55,7 @@ from mlflow.protos.databricks_pb2 import (
 from mlflow.tracking import MlflowClient
 
 from registry import plots as plotting
+from leap_io.jsonable import dumps
 from registry.model import READOUT_FILE, RLS_STATE_FILE, save_readout_model
 
 if TYPE_CHECKING:
@@ -465,7 +465,7 @@ class ReadoutRegistry:
 
     def _log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
         entries = [Param(_metric_key(k), str(v) if not isinstance(v, (dict, list, tuple))
-                         else json.dumps(v, sort_keys=True, default=str))
+                         else dumps(v, nonfinite="keep", sort_keys=True, default=str))
                    for k, v in params.items()]
         for start in range(0, len(entries), 100):  # the store's per-batch limit on params
             self.client.log_batch(run_id, params=entries[start:start + 100])
@@ -663,7 +663,7 @@ class ReadoutRegistry:
         values params. The verdict is a tag on the run and on the challenger version, and a JSON
         artifact.
         """
-        verdict_json = json.dumps(dict(verdict), sort_keys=True, default=str)
+        verdict_json = dumps(dict(verdict), nonfinite="keep", sort_keys=True, default=str)
         run_tags = {
             "registered_model": name,
             "challenger_version": str(challenger_version),
@@ -688,7 +688,7 @@ class ReadoutRegistry:
             self._log_params(run_id, params)
             self._log_metrics(run_id, metrics)
             self.client.log_text(run_id, verdict_json, VERDICT_FILE)
-            self.client.log_text(run_id, json.dumps(_jsonable(results), sort_keys=True), RESULTS_FILE)
+            self.client.log_text(run_id, dumps(results, nonfinite="keep", sort_keys=True), RESULTS_FILE)
             for path in (plots or {}).values():
                 self.client.log_artifact(run_id, str(path), PLOTS_ARTIFACT_PATH)
             self.client.set_model_version_tag(name, str(challenger_version), "gate_run_id", run_id)
@@ -711,11 +711,3 @@ class ReadoutRegistry:
         return sorted(found)
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, np.ndarray)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (np.integer, np.floating)):
-        return value.item()
-    return value

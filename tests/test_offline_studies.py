@@ -101,7 +101,8 @@ def test_run_layers_finds_the_layer_that_carries_the_length(layer_result):
     cv = [row["cv_mae"] for row in result["layers"]]
     test_mae = [row["mae"] for row in result["layers"]]
     assert int(np.argmin(cv)) == SIGNAL_LAYER and int(np.argmin(test_mae)) == SIGNAL_LAYER
-    assert result["chosen"] == {key: result["layers"][SIGNAL_LAYER][key] for key in ("mae", "spearman")}
+    assert {key: result["chosen"][key] for key in ("mae", "spearman", "mae_ci", "spearman_ci")} == {
+        key: result["layers"][SIGNAL_LAYER][key] for key in ("mae", "spearman", "mae_ci", "spearman_ci")}
     assert result["chosen"]["spearman"] > 0.8
     assert result["default"]["mae"] == test_mae[1]
 
@@ -112,7 +113,12 @@ def test_run_layers_shapes_and_all_layers_figures(layer_result):
         N_TRAIN, N_TEST, NUM_LAYERS, DIM)
     assert result["default_layer"] == 1
     assert [row["layer"] for row in result["layers"]] == list(range(NUM_LAYERS))
-    assert all(set(row) == {"layer", "cv_mae", "mae", "spearman"} for row in result["layers"])
+    assert all(set(row) == {"layer", "cv_mae", "mae", "spearman", "mae_ci", "spearman_ci"} for row in result["layers"])
+    for row in result["layers"]:
+        for key in ("mae", "spearman"):
+            interval = row[f"{key}_ci"]
+            assert interval["value"] == row[key] and interval["ci_low"] <= row[key] <= interval["ci_high"]
+    assert result["chosen"]["per_set"]["pooled"]["n"] == N_TEST
     everything = result["all_layers"]
     assert np.isfinite(everything["mae"]) and np.isfinite(everything["spearman"])
     assert everything["alpha"] in offline.ALPHAS
@@ -165,3 +171,42 @@ def test_section_layers_has_tables_image_and_command(layer_result):
     assert "![Readout layer study](img/layers.png)" in text
     assert "Regenerate: `leap eval offline --study layers`" in text
     assert "Regenerate" not in offline.section_layers(layer_result, "img/layers.png")
+
+
+# ------------------------------------------------------------------ intervals, sets and censoring
+
+
+def test_run_targets_carries_intervals_per_set_and_the_censored_share(layer_data):
+    F_train, y_train, F_test, y_test = layer_data
+    sets = np.where(np.arange(N_TEST) % 2 == 0, "even", "odd")
+    result = offline.run_targets(F_train[:, SIGNAL_LAYER], y_train, F_test[:, SIGNAL_LAYER], y_test, MAX_TOKENS,
+                                 sets_test=sets, n_boot=400)
+    assert result["censored_share"] == pytest.approx(np.mean(y_test >= MAX_TOKENS))
+    assert result["bootstrap"]["n_boot"] == 400
+    for row in result["targets"].values():
+        assert row["mae_ci"]["ci_low"] < row["mae"] < row["mae_ci"]["ci_high"]
+        assert row["spearman_ci"]["ci_low"] < row["spearman"] < row["spearman_ci"]["ci_high"] <= 1.0
+        figures = row["per_set"]
+        assert set(figures["per_set"]) == {"even", "odd"}
+        assert sum(entry["n"] for entry in figures["per_set"].values()) == figures["pooled"]["n"] == N_TEST
+        assert figures["pooled"]["spearman"]["value"] == pytest.approx(row["spearman"])
+        within = figures["within_set_spearman"]
+        assert within["sets"] == ["even", "odd"] and within["ci_low"] <= within["value"] <= within["ci_high"]
+    text = offline.section_targets(result, "img/targets.png")
+    assert "| even |" in text and "within-set mean" in text and "bootstrap interval" in text
+
+
+def test_choose_alpha_is_the_shared_alpha_path(layer_data):
+    """offline.choose_alpha and the fit flow's select_alpha are leap_core.alpha on their own split."""
+    from flows.training import ALPHA_GRID, select_alpha
+    from leap_core import alpha as alpha_path
+
+    F_train, y_train, _, _ = layer_data
+    X = F_train[:, SIGNAL_LAYER]
+    assert offline.ALPHAS == ALPHA_GRID == alpha_path.ALPHAS
+    shared = alpha_path.select_alpha(X, y_train, target="sqrt", max_tokens=MAX_TOKENS, cv=KFold(5, shuffle=True,
+                                                                                               random_state=0))
+    assert offline.choose_alpha(X, y_train, "sqrt", MAX_TOKENS) == shared.alpha
+    newest = alpha_path.select_alpha(X, y_train, target="sqrt", max_tokens=MAX_TOKENS, scoring="mse_target",
+                                     cv=alpha_path.newest_split(len(y_train), 0.2))
+    assert select_alpha(X, y_train, max_tokens=MAX_TOKENS) == newest

@@ -241,3 +241,31 @@ def test_invalid_contents_raise_format_error():
     for fragment, broken in cases.items():
         with pytest.raises(ReadoutFormatError, match=fragment):
             from_bytes(broken)
+
+
+# ------------------------------------------------------------------ fit with its RLS anchor
+
+
+@pytest.mark.parametrize("target", ["sqrt", "log"])
+def test_fit_with_anchor_is_the_fit_then_the_anchor(target):
+    """fit_readout_with_anchor = LinearReadout(...).fit then RLS.from_readout on the same rows, array for array."""
+    from leap_core.rls import RLS, fit_readout_with_anchor
+
+    rng = np.random.default_rng(11)
+    X = _hidden_states(rng, 300, 24).astype(np.float32)
+    lengths = _lengths_from(rng, X)
+    metadata = {"model_id": "m", "layer": 3}
+    readout, rls = fit_readout_with_anchor(X, lengths, alpha=7.0, max_tokens=MAX_TOKENS, target=target,
+                                           metadata=metadata, forgetting=0.99)
+    before = LinearReadout(alpha=7.0, target=target, max_tokens=MAX_TOKENS, metadata=dict(metadata)).fit(X, lengths)
+    anchor = RLS.from_readout(before, X, forgetting=0.99)
+    assert (readout.alpha, readout.target, readout.max_tokens, readout.metadata) == (7.0, target, MAX_TOKENS, metadata)
+    np.testing.assert_array_equal(readout.theta_, before.theta_)
+    mine, theirs = rls.state_arrays(), anchor.state_arrays()
+    assert set(mine) == set(theirs)
+    for key in mine:
+        np.testing.assert_array_equal(mine[key], theirs[key], err_msg=key)
+    np.testing.assert_allclose(readout.theta_, _anchored_solve(X, lengths, 7.0, target), rtol=1e-6, atol=1e-8)
+    # the anchor resumes from the ridge problem the readout solved: one feedback batch moves both alike
+    X_new, y_new = X[:8] + 1.0, lengths[:8]
+    np.testing.assert_allclose(rls.partial_fit(X_new, y_new).theta_, anchor.partial_fit(X_new, y_new).theta_)

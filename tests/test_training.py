@@ -147,7 +147,7 @@ def test_auto_alpha_is_the_grid_value_that_best_predicts_the_newest_training_row
         prediction = np.clip(older.predict_transformed(X[-n_val:]), low, high)
         errors.append(np.mean((prediction - np.sqrt(lengths[-n_val:])) ** 2))
     selection = select_alpha(X, lengths, max_tokens=MAX_TOKENS)
-    np.testing.assert_allclose(selection.validation_mse, errors, rtol=1e-6)  # the readout predicts float32 in float32
+    np.testing.assert_allclose(selection.scores, errors, rtol=1e-6)  # the readout predicts float32 in float32
     assert result.params["alpha"] == ALPHA_GRID[int(np.argmin(errors))]
     assert len(set(np.round(errors, 6))) > 1  # the grid really ranks the penalties
 
@@ -178,3 +178,25 @@ def test_bench_pipeline_command_reports_ingest_and_fit(tmp_path: Path, monkeypat
     assert figures["ingest_rows_per_s"] > 0 and figures["fit_s"] > 0
     assert figures["n_train"] + figures["n_test"] < 2000  # aborted rows were left out
     assert figures["spearman"] > 0.5
+
+
+def test_flow_results_and_the_cli_share_one_json_encoder() -> None:
+    """flows.tasks.plain (NaN kept) and the CLI's strict output are leap_io.jsonable, on numpy-bearing results."""
+    from flows.tasks import plain
+    from leap_cli.output import _clean
+    from leap_io.jsonable import dumps, to_jsonable
+
+    result = {"alpha": np.float64(31.6), "n": np.int64(3), "ok": np.bool_(True), "grid": np.logspace(0, 1, 3),
+              "empty_bucket": float("nan"), "per_set": {"chat": (np.float32(0.5), Path("/tmp/x"))},
+              "scalar": np.array(2.0)}
+    strict = to_jsonable(result)
+    assert _clean(result) == strict
+    assert strict["empty_bucket"] is None and strict["per_set"] == {"chat": [0.5, "/tmp/x"]}
+    assert type(strict["alpha"]) is float and type(strict["n"]) is int and strict["ok"] is True
+    assert strict["grid"] == [1.0, math.sqrt(10), 10.0] and strict["scalar"] == 2.0
+    kept = plain(result)
+    assert math.isnan(kept["empty_bucket"]) and {k: v for k, v in kept.items() if k != "empty_bucket"} == {
+        k: v for k, v in strict.items() if k != "empty_bucket"}
+    assert json.loads(dumps(result)) == strict
+    assert '"empty_bucket": NaN' in dumps(result, nonfinite="keep")
+    assert to_jsonable(result, nonfinite="string")["empty_bucket"] == "nan"
