@@ -6,13 +6,21 @@ Each predictor is a scikit-learn-like estimator: hyper-parameters in `__init__`,
 "hidden": needs the serving model's captured hidden state, so it runs after prefill) and `n_params_`.
 The baselines stand for the predictor families of related systems: prompt length alone, a frozen
 sentence encoder with a ridge head, an end-to-end fine-tuned encoder regressor (SSJF/TIE), a
-fine-tuned encoder ranker (LTR) and an MLP classifier over length bins on the hidden state (TRAIL).
+fine-tuned encoder ranker (LTR) and an MLP on the hidden state (TRAIL).
+
+Every baseline gets a tuning budget comparable to LEAP's readout (whose penalty is chosen by
+cross-validation on the training rows): the ridge heads search their penalty by RidgeCV; the
+fine-tuned encoders and the MLP hold out a seeded validation split of the *training* rows, search a
+small grid (learning rate and epochs; penalty and learning rate) with early stopping, and pick by
+validation Spearman. The test rows are never seen. The chosen settings and the validation score are
+kept on the fitted predictor (`best_params_`, `val_spearman_`, `trials_`). Text encoders truncate long
+prompts head-and-tail (`head_tokens`) and take the encoder as a hyper-parameter (`encoder`), so a
+multilingual checkpoint can be used for the multilingual sets.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import pickle
 import time
@@ -27,10 +35,14 @@ import torch
 from torch import nn
 from sklearn.base import BaseEstimator
 from sklearn.linear_model import Ridge, RidgeCV
+from sklearn.neural_network import MLPRegressor
 from sklearn.pipeline import Pipeline, make_pipeline
 from sklearn.preprocessing import StandardScaler
 
+from leap_core.metrics import spearman
 from leap_core.readout import LinearReadout
+from leap_core.targets import to_lengths, transform
+from leap_io.jsonable import dumps
 
 # evaluation.encoder and transformers are imported inside the encoder predictors: they take seconds to
 # import, and most users of LengthData never embed a text.
@@ -46,6 +58,8 @@ class LengthData:
     lengths: np.ndarray        # (n,) int, true output tokens
     max_tokens: int            # output budget M
     sets: np.ndarray | None = None  # (n,) str prompt set of each row, for per-set reporting
+    layer: int | None = None   # the capture layer `features` come from (harness.corpus ALL_LAYERS: all)
+    corpus_hash: str | None = None  # the corpus the rows were read from (e.g. harness.corpus.corpus_key)
 
     def __post_init__(self) -> None:
         n = len(self.ids)
@@ -62,7 +76,8 @@ class LengthData:
         return LengthData(ids=self.ids[rows], texts=[self.texts[i] for i in rows],
                           prompt_tokens=self.prompt_tokens[rows], features=self.features[rows],
                           lengths=self.lengths[rows], max_tokens=self.max_tokens,
-                          sets=None if self.sets is None else self.sets[rows])
+                          sets=None if self.sets is None else self.sets[rows], layer=self.layer,
+                          corpus_hash=self.corpus_hash)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -82,13 +97,37 @@ def _torch_threads(num_threads: int | None) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def _sqrt_lengths(lengths: np.ndarray) -> np.ndarray:
-    return np.sqrt(np.maximum(np.asarray(lengths, dtype=np.float64), 1.0))
+@contextmanager
+def _blas_threads(num_threads: int | None) -> Iterator[None]:
+    """Run a block with at most `num_threads` BLAS/OpenMP threads (None: leave the setting alone)."""
+    if num_threads is None:
+        yield
+        return
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=num_threads):
+        yield
 
 
-def _from_sqrt(values: np.ndarray, max_tokens: int) -> np.ndarray:
-    """Clip sqrt-space predictions to [1, sqrt(M)], then square them back to tokens."""
-    return np.square(np.clip(np.asarray(values, dtype=np.float64), 1.0, np.sqrt(max_tokens)))
+def validation_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(fit rows, validation rows) of n training rows: a seeded permutation, at least 2 rows on each
+    side (all rows fit, none validate, when n < 4 or fraction <= 0)."""
+    if n < 4 or fraction <= 0:
+        return np.arange(n), np.arange(0)
+    n_val = min(max(int(round(fraction * n)), 2), n - 2)
+    order = np.random.default_rng(seed).permutation(n)
+    return np.sort(order[n_val:]), np.sort(order[:n_val])
+
+
+def _score(true: np.ndarray, pred: np.ndarray) -> float:
+    """Validation Spearman, with a constant prediction (NaN) scored as no signal at all."""
+    value = spearman(true, pred)
+    return -1.0 if np.isnan(value) else value
+
+
+def _as_grid(value: Any) -> tuple:
+    """A hyper-parameter that may be one value or a grid of them, as a tuple."""
+    return tuple(value) if isinstance(value, (list, tuple, np.ndarray)) else (value,)
 
 
 class PromptLengthPredictor(BaseEstimator):
@@ -102,13 +141,13 @@ class PromptLengthPredictor(BaseEstimator):
 
     def fit(self, data: LengthData) -> PromptLengthPredictor:
         self.model_ = make_pipeline(StandardScaler(), Ridge(alpha=self.alpha))
-        self.model_.fit(self._design(data), _sqrt_lengths(data.lengths))
+        self.model_.fit(self._design(data), transform(data.lengths, "sqrt"))
         self.max_tokens_ = int(data.max_tokens)
         self.n_params_ = 2
         return self
 
     def predict(self, data: LengthData) -> np.ndarray:
-        return _from_sqrt(self.model_.predict(self._design(data)), self.max_tokens_)
+        return to_lengths(self.model_.predict(self._design(data)), "sqrt", self.max_tokens_)
 
     @staticmethod
     def _design(data: LengthData) -> np.ndarray:
@@ -116,9 +155,10 @@ class PromptLengthPredictor(BaseEstimator):
 
 
 class EncoderRidgePredictor(BaseEstimator):
-    """Frozen MiniLM embedding (mean-pooled, L2-normalised) + standardized RidgeCV on sqrt length.
+    """Frozen sentence embedding (MiniLM by default; mean-pooled, L2-normalised, long prompts truncated
+    head-and-tail) + standardized RidgeCV on sqrt length.
 
-    The encoder is the shipped checkpoint and never trained, so it is shared (`frozen_encoder`) and not
+    The encoder is a shipped checkpoint and never trained, so it is shared (`frozen_encoder`) and not
     part of the fitted state: only the 384 + 1 ridge weights are learned and pickled.
     """
 
@@ -126,96 +166,210 @@ class EncoderRidgePredictor(BaseEstimator):
     input = "text"
 
     def __init__(self, alphas: tuple[float, ...] = tuple(np.logspace(-1, 4, 11)), batch_size: int = 64,
-                 max_seq_len: int = 256, num_threads: int | None = None):
+                 max_seq_len: int = 256, head_tokens: int | None = 128, encoder: str | None = None,
+                 num_threads: int | None = None):
         self.alphas = alphas
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
+        self.head_tokens = head_tokens
+        self.encoder = encoder
         self.num_threads = num_threads
 
     def fit(self, data: LengthData) -> EncoderRidgePredictor:
         self.model_: Pipeline = make_pipeline(StandardScaler(), RidgeCV(alphas=np.asarray(self.alphas)))
-        self.model_.fit(self._embed(data), _sqrt_lengths(data.lengths))
+        self.model_.fit(self._embed(data), transform(data.lengths, "sqrt"))
         self.max_tokens_ = int(data.max_tokens)
         self.n_params_ = int(self.model_[-1].coef_.size) + 1
+        self.best_params_ = {"alpha": float(self.model_[-1].alpha_)}
         return self
 
     def predict(self, data: LengthData) -> np.ndarray:
-        return _from_sqrt(self.model_.predict(self._embed(data)), self.max_tokens_)
+        return to_lengths(self.model_.predict(self._embed(data)), "sqrt", self.max_tokens_)
 
     def _embed(self, data: LengthData) -> np.ndarray:
         from evaluation.encoder import frozen_encoder
 
         with _torch_threads(self.num_threads):
-            return frozen_encoder().embed(data.texts, batch_size=self.batch_size, normalize=True,
-                                          max_seq_len=self.max_seq_len)
+            return frozen_encoder(self.encoder).embed(data.texts, batch_size=self.batch_size, normalize=True,
+                                                      max_seq_len=self.max_seq_len,
+                                                      head_tokens=self.head_tokens)
 
 
 class _FineTunedEncoder(BaseEstimator):
-    """MiniLM + a linear head on the mean pool, all weights trained end to end.
+    """A sentence encoder + a linear head on the mean pool, all weights trained end to end, tuned on a
+    validation split of the training rows.
 
-    AdamW with separate learning rates for the encoder and the freshly initialised head, linear
-    warm-up then linear decay, shuffling from a seeded numpy Generator. Subclasses choose the target
-    and the loss (`_targets`, `_loss`) and turn head outputs into lengths (`predict`, with anything it
-    needs from the trained model computed in `_finish_fit`).
+    `fit` holds out `val_fraction` of the training rows (seeded), then for each learning rate in
+    `lr_encoder` and each epoch cap in `epochs` (either may be one value or a grid) trains a fresh
+    model: AdamW with separate learning rates for the encoder and the freshly initialised head, linear
+    warm-up then linear decay over the cap, seeded shuffling. The validation Spearman is measured every
+    `eval_every` steps (None: once per epoch); a run stops early after `patience` evaluations without
+    improvement, and its best checkpoint is kept. The run with the best validation Spearman (ties: lower
+    validation loss) wins; with `refit` it is then retrained on all training rows for as many epochs as
+    its best checkpoint had seen (`refitted_`; skipped if the budget has no room). `max_steps` bounds
+    the optimizer steps of the whole search (and refit): runs that would pass it stop there (scored where
+    they stopped), and grid points left when it is spent are skipped (`trials_` marks them).
+
+    Subclasses choose the target and the loss (`_targets`, `_loss`) and turn head outputs into lengths
+    (`predict`, with anything it needs from the trained model computed in `_finish_fit`).
     """
 
     input = "text"
 
-    def __init__(self, epochs: int = 3, batch_size: int = 16, max_seq_len: int = 256,
-                 lr_encoder: float = 3e-5, lr_head: float = 1e-3, weight_decay: float = 0.01,
-                 warmup_ratio: float = 0.1, seed: int = 0, num_threads: int | None = None):
+    def __init__(self, epochs: int | tuple[int, ...] = (3, 6), batch_size: int = 16, max_seq_len: int = 256,
+                 head_tokens: int | None = 128, encoder: str | None = None,
+                 lr_encoder: float | tuple[float, ...] = (2e-5, 5e-5, 1e-4), lr_head: float = 1e-3,
+                 weight_decay: float = 0.01, warmup_ratio: float = 0.1, val_fraction: float = 0.15,
+                 patience: int = 2, eval_every: int | None = None, max_steps: int | None = 2000,
+                 refit: bool = False, seed: int = 0, num_threads: int | None = None):
         self.epochs = epochs
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
+        self.head_tokens = head_tokens
+        self.encoder = encoder
         self.lr_encoder = lr_encoder
         self.lr_head = lr_head
         self.weight_decay = weight_decay
         self.warmup_ratio = warmup_ratio
+        self.val_fraction = val_fraction
+        self.patience = patience
+        self.eval_every = eval_every
+        self.max_steps = max_steps
+        self.refit = refit
         self.seed = seed
         self.num_threads = num_threads
 
     def fit(self, data: LengthData) -> _FineTunedEncoder:
-        from transformers import get_linear_schedule_with_warmup
-
-        from evaluation.encoder import SentenceEncoder
-
-        targets = torch.as_tensor(self._targets(data), dtype=torch.float32)
-        rng = np.random.default_rng(self.seed)
-        n = len(data)
-        total_steps = self.epochs * -(-n // self.batch_size)
+        targets = self._targets(data)
+        fit_rows, val_rows = validation_split(len(data), self.val_fraction, self.seed)
+        budget = [np.inf if self.max_steps is None else int(self.max_steps)]
+        self.trials_: list[dict[str, Any]] = []
+        best: tuple[tuple[float, float], dict[str, Any], Any, Any] | None = None
         with _torch_threads(self.num_threads):
-            torch.manual_seed(self.seed)
-            encoder = SentenceEncoder()
-            head = nn.Linear(encoder.dim, 1)
-            optimizer = torch.optim.AdamW(
-                [{"params": encoder.model.parameters(), "lr": self.lr_encoder},
-                 {"params": head.parameters(), "lr": self.lr_head}], weight_decay=self.weight_decay)
-            schedule = get_linear_schedule_with_warmup(optimizer, int(self.warmup_ratio * total_steps),
-                                                       total_steps)
-            encoder.model.train()
-            for _ in range(self.epochs):
-                order = rng.permutation(n)
-                for start in range(0, n, self.batch_size):
-                    index = order[start:start + self.batch_size]
-                    outputs = head(encoder.pooled([data.texts[i] for i in index], self.max_seq_len))
-                    loss = self._loss(outputs.squeeze(-1), targets[index])
-                    optimizer.zero_grad()
-                    loss.backward()
-                    optimizer.step()
-                    schedule.step()
-            encoder.model.eval()
+            for lr in _as_grid(self.lr_encoder):
+                for epochs in _as_grid(self.epochs):
+                    if budget[0] <= 0:
+                        self.trials_.append({"lr_encoder": float(lr), "epochs": int(epochs), "skipped": True})
+                        continue
+                    trial, encoder, head = self._train(data, targets, fit_rows, val_rows, float(lr),
+                                                       int(epochs), budget)
+                    self.trials_.append(trial)
+                    rank = (trial["val_spearman"],
+                            -trial["val_loss"] if np.isfinite(trial["val_loss"]) else -np.inf)
+                    if best is None or rank > best[0]:
+                        best = (rank, trial, encoder, head)
+            if best is None:
+                raise ValueError("max_steps left no step to train any configuration")
+            _, trial, encoder, head = best
+            self.best_params_ = {"lr_encoder": trial["lr_encoder"], "epochs": trial["epochs"],
+                                 "steps": trial["best_step"]}
+            self.val_spearman_ = float(trial["val_spearman"])
+            self.val_loss_ = float(trial["val_loss"])
+            self.refitted_ = False
+            steps = int(np.ceil(trial["best_step"] * len(data) / max(len(fit_rows), 1)))
+            if self.refit and len(val_rows) and steps <= budget[0]:
+                refit, encoder, head = self._train(data, targets, np.arange(len(data)), np.arange(0),
+                                                   trial["lr_encoder"], trial["epochs"], budget, stop_at=steps)
+                self.refitted_, self.best_params_["refit_steps"] = True, refit["steps"]
+        self.n_steps_ = int(sum(t.get("steps", 0) for t in self.trials_)
+                            + self.best_params_.get("refit_steps", 0))
         self.encoder_, self.head_ = encoder, head
         self.max_tokens_ = int(data.max_tokens)
         self.n_params_ = encoder.n_params + sum(p.numel() for p in head.parameters())
         self._finish_fit(data)
         return self
 
+    def _train(self, data: LengthData, targets: np.ndarray, fit_rows: np.ndarray, val_rows: np.ndarray,
+               lr: float, epochs: int, budget: list, stop_at: int | None = None) -> tuple[dict, Any, Any]:
+        """One run: a fresh model trained on `fit_rows`, early-stopped on `val_rows` (none: trained to
+        `stop_at` or the cap), returned at its best validation checkpoint. `budget[0]` is decremented."""
+        from transformers import get_linear_schedule_with_warmup
+
+        from evaluation.encoder import SentenceEncoder
+
+        torch.manual_seed(self.seed)
+        rng = np.random.default_rng(self.seed)
+        encoder = SentenceEncoder(self.encoder)
+        head = nn.Linear(encoder.dim, 1)
+        optimizer = torch.optim.AdamW(
+            [{"params": encoder.model.parameters(), "lr": lr},
+             {"params": head.parameters(), "lr": self.lr_head}], weight_decay=self.weight_decay)
+        per_epoch = -(-len(fit_rows) // self.batch_size)
+        total = epochs * per_epoch
+        schedule = get_linear_schedule_with_warmup(optimizer, int(self.warmup_ratio * total), total)
+        every = self.eval_every or per_epoch
+        fit_targets = torch.as_tensor(targets[fit_rows], dtype=torch.float32)
+        validate = len(val_rows) > 0
+        val_data = data.subset(val_rows) if validate else None
+        trial: dict[str, Any] = {"lr_encoder": lr, "epochs": epochs, "steps": 0, "best_step": 0,
+                                 "val_spearman": float("nan"), "val_loss": float("nan"), "stopped_early": False}
+        state = {"best_rank": None, "best": None, "waited": 0, "evaluated_at": -1}
+
+        def evaluate(step: int) -> bool:
+            """Score the validation rows at `step`; keep the checkpoint if best. True: patience ran out."""
+            encoder.model.eval()
+            outputs = self._head_outputs(encoder, head, val_data)
+            encoder.model.train()
+            val_targets = targets[val_rows]
+            with torch.no_grad():
+                val_loss = float(self._loss(torch.from_numpy(outputs).float(),
+                                            torch.as_tensor(val_targets, dtype=torch.float32)))
+            rank = (_score(val_targets, outputs), -val_loss if np.isfinite(val_loss) else -np.inf)
+            state["evaluated_at"] = step
+            trial.setdefault("history", []).append({"step": step, "val_spearman": rank[0], "val_loss": val_loss})
+            if state["best_rank"] is None or rank > state["best_rank"]:
+                state.update(best_rank=rank, waited=0)
+                trial.update(best_step=step, val_spearman=rank[0], val_loss=val_loss)
+                state["best"] = ({k: v.detach().clone() for k, v in encoder.model.state_dict().items()},
+                                 {k: v.detach().clone() for k, v in head.state_dict().items()})
+                return False
+            state["waited"] += 1
+            return state["waited"] >= self.patience
+
+        step, done = 0, False
+        encoder.model.train()
+        for _ in range(epochs):
+            positions = torch.from_numpy(rng.permutation(len(fit_rows)))
+            for batch in positions.split(self.batch_size):
+                if budget[0] <= 0 or (stop_at is not None and step >= stop_at):
+                    done = True
+                    break
+                outputs = head(encoder.pooled([data.texts[i] for i in fit_rows[batch.numpy()]],
+                                              self.max_seq_len, self.head_tokens))
+                loss = self._loss(outputs.squeeze(-1), fit_targets[batch])
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                schedule.step()
+                step += 1
+                budget[0] -= 1
+                if validate and (step % every == 0 or step == total) and evaluate(step):
+                    trial["stopped_early"] = step < total
+                    done = True
+                    break
+            if done:
+                break
+        if validate and step > 0 and state["evaluated_at"] != step:
+            evaluate(step)  # cut short by the budget between two evaluations: score where it stopped
+        trial["steps"] = step
+        if not validate:
+            trial["best_step"] = step
+        if state["best"] is not None:
+            encoder.model.load_state_dict(state["best"][0])
+            head.load_state_dict(state["best"][1])
+        encoder.model.eval()
+        return trial, encoder, head
+
+    def _head_outputs(self, encoder: Any, head: nn.Module, data: LengthData) -> np.ndarray:
+        with torch.no_grad():
+            pooled = encoder.embed(data.texts, batch_size=64, normalize=False, max_seq_len=self.max_seq_len,
+                                   head_tokens=self.head_tokens)
+            return head(torch.from_numpy(pooled)).squeeze(-1).numpy().astype(np.float64)
+
     def _outputs(self, data: LengthData) -> np.ndarray:
         """Head outputs in eval mode, no gradients, batches of 64 (sorted by length)."""
-        with _torch_threads(self.num_threads), torch.no_grad():
-            pooled = self.encoder_.embed(data.texts, batch_size=64, normalize=False,
-                                         max_seq_len=self.max_seq_len)
-            return self.head_(torch.from_numpy(pooled)).squeeze(-1).numpy().astype(np.float64)
+        with _torch_threads(self.num_threads):
+            return self._head_outputs(self.encoder_, self.head_, data)
 
     def _targets(self, data: LengthData) -> np.ndarray:
         raise NotImplementedError
@@ -234,7 +388,7 @@ class EncoderRegressor(_FineTunedEncoder):
 
     def _targets(self, data: LengthData) -> np.ndarray:
         """Standardized sqrt lengths; the mean and scale are kept to undo it in predict."""
-        root = _sqrt_lengths(data.lengths)
+        root = transform(data.lengths, "sqrt")
         self.target_mean_ = float(root.mean())
         self.target_scale_ = float(root.std()) or 1.0
         return (root - self.target_mean_) / self.target_scale_
@@ -244,7 +398,7 @@ class EncoderRegressor(_FineTunedEncoder):
 
     def predict(self, data: LengthData) -> np.ndarray:
         root = self.target_mean_ + self.target_scale_ * self._outputs(data)
-        return _from_sqrt(root, self.max_tokens_)
+        return to_lengths(root, "sqrt", self.max_tokens_)
 
 
 class EncoderRanker(_FineTunedEncoder):
@@ -260,7 +414,7 @@ class EncoderRanker(_FineTunedEncoder):
     name = "minilm_ltr"
 
     def _targets(self, data: LengthData) -> np.ndarray:
-        return _sqrt_lengths(data.lengths)
+        return transform(data.lengths, "sqrt")
 
     def _loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean of log(1 + exp(-(s_i - s_j))) over pairs with t_i > t_j (0 when no pair differs)."""
@@ -282,62 +436,83 @@ class EncoderRanker(_FineTunedEncoder):
 
 
 class HiddenStateMLP(BaseEstimator):
-    """TRAIL-style: an MLP over the standardized hidden state classifying the length into equal-width bins.
+    """TRAIL-style: an MLP over the standardized hidden state, regressing the standardized sqrt length.
 
-    The prediction is the expected bin centre under the predicted distribution, so it is continuous
-    and ordered even though training is a classification.
+    TRAIL classifies equal-width length bins with cross-entropy, which ignores that the bins are
+    ordered and overfits a few hundred rows; this head keeps TRAIL's input and its MLP but trains a
+    regression (squared error on the sqrt length, the target LEAP's readout uses), with an L2 penalty and
+    early stopping (scikit-learn's MLPRegressor, which holds out `stop_fraction` of the rows it fits).
+    The penalty and the learning rate are searched on a seeded validation split of the training rows
+    (`val_fraction`) by validation Spearman; the winner is refitted on all training rows.
     """
 
     name = "trail_mlp"
     input = "hidden"
 
-    def __init__(self, hidden: int = 1024, n_bins: int = 16, dropout: float = 0.1, lr: float = 1e-3,
-                 weight_decay: float = 0.01, epochs: int = 30, batch_size: int = 64, seed: int = 0,
-                 num_threads: int | None = None):
+    def __init__(self, hidden: tuple[int, ...] = (256,), alphas: tuple[float, ...] = (1.0, 10.0, 100.0),
+                 learning_rates: tuple[float, ...] = (1e-3, 3e-4), max_iter: int = 200, batch_size: int = 64,
+                 val_fraction: float = 0.15, stop_fraction: float = 0.1, n_iter_no_change: int = 10,
+                 seed: int = 0, num_threads: int | None = None):
         self.hidden = hidden
-        self.n_bins = n_bins
-        self.dropout = dropout
-        self.lr = lr
-        self.weight_decay = weight_decay
-        self.epochs = epochs
+        self.alphas = alphas
+        self.learning_rates = learning_rates
+        self.max_iter = max_iter
         self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.stop_fraction = stop_fraction
+        self.n_iter_no_change = n_iter_no_change
         self.seed = seed
         self.num_threads = num_threads
 
+    def _network(self, alpha: float, lr: float, n: int) -> Pipeline:
+        # MLPRegressor's early stopping needs a validation part of at least 2 rows.
+        stop = n >= 20 and self.stop_fraction > 0
+        n_train = n - int(np.ceil(self.stop_fraction * n)) if stop else n
+        return make_pipeline(StandardScaler(), MLPRegressor(
+            hidden_layer_sizes=tuple(_as_grid(self.hidden)), alpha=alpha, learning_rate_init=lr,
+            batch_size=max(1, min(self.batch_size, n_train)), max_iter=self.max_iter, early_stopping=stop,
+            validation_fraction=self.stop_fraction if stop else 0.1, n_iter_no_change=self.n_iter_no_change,
+            random_state=self.seed))
+
     def fit(self, data: LengthData) -> HiddenStateMLP:
+        import warnings
+
+        from sklearn.exceptions import ConvergenceWarning
+
+        root = transform(data.lengths, "sqrt")
+        self.target_mean_ = float(root.mean())
+        self.target_scale_ = float(root.std()) or 1.0
+        target = (root - self.target_mean_) / self.target_scale_
+        features = np.asarray(data.features, dtype=np.float32)
+        fit_rows, val_rows = validation_split(len(data), self.val_fraction, self.seed)
+        grid = [(float(a), float(lr)) for a in _as_grid(self.alphas) for lr in _as_grid(self.learning_rates)]
+        self.trials_: list[dict[str, Any]] = []
+        with _blas_threads(self.num_threads), warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            if len(grid) > 1 and len(val_rows):
+                for alpha, lr in grid:
+                    network = self._network(alpha, lr, len(fit_rows)).fit(features[fit_rows], target[fit_rows])
+                    score = _score(target[val_rows], network.predict(features[val_rows]))
+                    self.trials_.append({"alpha": alpha, "learning_rate": lr, "val_spearman": score,
+                                         "n_iter": int(network[-1].n_iter_)})
+                best = max(self.trials_, key=lambda t: t["val_spearman"])
+                alpha, lr = best["alpha"], best["learning_rate"]
+                self.val_spearman_ = float(best["val_spearman"])
+            else:
+                alpha, lr = grid[0]
+                self.val_spearman_ = float("nan")
+            self.model_ = self._network(alpha, lr, len(data)).fit(features, target)
+        mlp = self.model_[-1]
+        self.best_params_ = {"alpha": alpha, "learning_rate": lr, "n_iter": int(mlp.n_iter_)}
         self.max_tokens_ = int(data.max_tokens)
-        edges = np.linspace(0.0, self.max_tokens_, self.n_bins + 1)
-        self.bin_centres_ = (edges[:-1] + edges[1:]) / 2
-        labels = np.clip(np.searchsorted(edges, data.lengths, side="right") - 1, 0, self.n_bins - 1)
-        self.scaler_ = StandardScaler().fit(data.features)
-        inputs = torch.as_tensor(self.scaler_.transform(data.features), dtype=torch.float32)
-        labels = torch.as_tensor(labels, dtype=torch.long)
-        rng = np.random.default_rng(self.seed)
-        with _torch_threads(self.num_threads):
-            torch.manual_seed(self.seed)
-            network = nn.Sequential(
-                nn.Linear(inputs.shape[1], self.hidden), nn.ReLU(), nn.Dropout(self.dropout),
-                nn.Linear(self.hidden, self.hidden), nn.ReLU(), nn.Dropout(self.dropout),
-                nn.Linear(self.hidden, self.n_bins))
-            optimizer = torch.optim.AdamW(network.parameters(), lr=self.lr, weight_decay=self.weight_decay)
-            network.train()
-            for _ in range(self.epochs):
-                order = torch.from_numpy(rng.permutation(len(data)))
-                for batch in order.split(self.batch_size):
-                    loss = nn.functional.cross_entropy(network(inputs[batch]), labels[batch])
-                    optimizer.zero_grad()
-                    loss.backward()
-                    optimizer.step()
-            network.eval()
-        self.network_ = network
-        self.n_params_ = sum(p.numel() for p in network.parameters())
+        self.n_params_ = int(sum(w.size for w in mlp.coefs_) + sum(b.size for b in mlp.intercepts_))
         return self
 
     def predict(self, data: LengthData) -> np.ndarray:
-        inputs = torch.as_tensor(self.scaler_.transform(data.features), dtype=torch.float32)
-        with _torch_threads(self.num_threads), torch.no_grad():
-            probabilities = torch.softmax(self.network_(inputs), dim=1).numpy().astype(np.float64)
-        return np.clip(probabilities @ self.bin_centres_, 1.0, self.max_tokens_)
+        features = np.asarray(data.features, dtype=np.float32)
+        with _blas_threads(self.num_threads):
+            root = self.target_mean_ + self.target_scale_ * self.model_.predict(features)
+        return to_lengths(root, "sqrt", self.max_tokens_)
 
 
 class OraclePredictor(BaseEstimator):
@@ -416,30 +591,52 @@ def measure_cost(predictor: BaseEstimator, data: LengthData, batch_size: int = 1
             "n_params": int(predictor.n_params_), "input": predictor.input}
 
 
-def cache_key(predictor: BaseEstimator, data: LengthData) -> str:
-    """sha256 over the predictor's name and hyper-parameters and the training rows (ids, lengths, M).
+CACHE_VERSION = 2  # bumped when a predictor's training changes in a way its hyper-parameters do not show
 
-    `num_threads` is left out: it changes how fast a model trains, not which model it is.
+
+def _digest(array: np.ndarray) -> str:
+    array = np.ascontiguousarray(array)
+    header = f"{array.dtype.str}{array.shape}".encode()
+    return hashlib.sha256(header + array.tobytes()).hexdigest()
+
+
+def cache_key(predictor: BaseEstimator, data: LengthData, corpus_hash: str | None = None) -> str:
+    """sha256 over everything a fit depends on: the predictor's name and hyper-parameters, and the
+    training rows (ids, lengths, M, and hashes of their texts, prompt sizes and features) with the
+    capture layer and the corpus hash (`corpus_hash`, else `data.corpus_hash`) when known.
+
+    Rows are keyed in id order, so the same rows in another order are the same fit. The features are
+    hashed for every predictor (a text predictor is refitted when only the features change: cheap
+    safety), so another layer or another corpus is never served a stale model. `num_threads` is left
+    out: it changes how fast a model trains, not which model it is.
     """
     params = {key: value for key, value in predictor.get_params(deep=False).items() if key != "num_threads"}
-    order = np.argsort(np.asarray(data.ids, dtype=str), kind="stable")
-    payload = {"name": predictor.name, "params": params,
-               "ids": np.asarray(data.ids, dtype=str)[order].tolist(),
+    ids = np.asarray(data.ids, dtype=str)
+    order = np.argsort(ids, kind="stable")
+    texts = hashlib.sha256("\x00".join(data.texts[i] for i in order).encode("utf-8", "surrogatepass"))
+    payload = {"version": CACHE_VERSION, "name": predictor.name, "params": params,
+               "ids": ids[order].tolist(),
                "lengths": np.asarray(data.lengths, dtype=np.int64)[order].tolist(),
-               "max_tokens": int(data.max_tokens)}
-    text = json.dumps(payload, sort_keys=True, default=lambda value: np.asarray(value).tolist())
+               "max_tokens": int(data.max_tokens),
+               "texts": texts.hexdigest(),
+               "prompt_tokens": _digest(np.asarray(data.prompt_tokens, dtype=np.int64)[order]),
+               "features": _digest(np.asarray(data.features)[order]),
+               "layer": None if data.layer is None else int(data.layer),
+               "corpus": corpus_hash if corpus_hash is not None else data.corpus_hash}
+    text = dumps(payload, nonfinite="keep", sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def fit_cached(predictor: BaseEstimator, data: LengthData, cache_dir: Path | None) -> BaseEstimator:
-    """`predictor.fit(data)`, or the fitted predictor pickled by an earlier identical call.
+def fit_cached(predictor: BaseEstimator, data: LengthData, cache_dir: Path | None,
+               corpus_hash: str | None = None) -> BaseEstimator:
+    """`predictor.fit(data)`, or the fitted predictor pickled by an earlier identical call (`cache_key`).
 
     The fine-tuned encoders take minutes per epoch on CPU; the cache makes reruns of a study cheap.
     The file is written under a temporary name and renamed, so a crash never leaves a half file.
     """
     if cache_dir is None:
         return predictor.fit(data)
-    path = Path(cache_dir) / f"{predictor.name}-{cache_key(predictor, data)}.pkl"
+    path = Path(cache_dir) / f"{predictor.name}-{cache_key(predictor, data, corpus_hash)}.pkl"
     if path.exists():
         with path.open("rb") as handle:
             return pickle.load(handle)

@@ -25,7 +25,7 @@ def length_data(corpus: Corpus, prompts: Sequence[dict]) -> LengthData:
                       prompt_tokens=np.asarray(rows.prompt_tokens, dtype=np.int64),
                       features=np.asarray(rows.features, dtype=np.float32),
                       lengths=np.asarray(rows.output_tokens, dtype=np.int64), max_tokens=int(rows.max_tokens),
-                      sets=np.asarray(rows.sets, dtype=object))
+                      sets=np.asarray(rows.sets, dtype=object), layer=int(rows.layer))
 
 
 def split_stream(n: int, counts: Sequence[int], min_eval_fraction: float = 0.15,

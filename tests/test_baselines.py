@@ -1,4 +1,7 @@
-"""Baseline length predictors: interface, signal on planted data, the ranker's length map, the fit cache."""
+"""Baseline length predictors: interface, signal on planted data, the ranker's length map, the fit cache.
+
+Their tuning (validation split, early stopping, search, truncation, cache keys) is in test_baselines_tuning.py.
+"""
 
 import numpy as np
 import pytest
@@ -68,8 +71,8 @@ def test_length_data_subset_keeps_rows_aligned(data):
 def test_registry_and_factory():
     assert set(BASELINES) == {"prompt_length", "minilm_ridge", "minilm_finetuned", "minilm_ltr",
                               "trail_mlp", "oracle"}
-    predictor = make_predictor("trail_mlp", epochs=2)
-    assert isinstance(predictor, HiddenStateMLP) and predictor.epochs == 2
+    predictor = make_predictor("trail_mlp", max_iter=2)
+    assert isinstance(predictor, HiddenStateMLP) and predictor.max_iter == 2
     with pytest.raises(ValueError, match="unknown predictor"):
         make_predictor("nope")
 
@@ -89,9 +92,10 @@ def test_parameter_counts(data):
     assert PromptLengthPredictor().fit(data).n_params_ == 2
     assert LeapReadoutPredictor().fit(data).n_params_ == data.features.shape[1] + 1
     assert OraclePredictor().fit(data).n_params_ == 0
-    mlp = HiddenStateMLP(epochs=1, num_threads=1).fit(data)
-    d, h, b = data.features.shape[1], 1024, 16
-    assert mlp.n_params_ == (d + 1) * h + (h + 1) * h + (h + 1) * b
+    mlp = HiddenStateMLP(hidden=(32,), alphas=(1.0,), learning_rates=(1e-3,), max_iter=5,
+                         num_threads=1).fit(data)
+    d, h = data.features.shape[1], 32
+    assert mlp.n_params_ == (d + 1) * h + (h + 1) * 1
 
 
 def test_oracle_returns_the_truth(data):
@@ -102,12 +106,13 @@ def test_minilm_ridge_fits_frozen_embeddings(short_texts):
     predictor = EncoderRidgePredictor(num_threads=1).fit(short_texts)
     _check_output(predictor.predict(short_texts), len(short_texts))
     assert predictor.n_params_ == 384 + 1
+    assert predictor.best_params_["alpha"] in predictor.alphas
     # The text term dominates the planted lengths, so even on training rows the fit must follow it.
     assert spearman(short_texts.lengths, predictor.predict(short_texts)) > 0.3
 
 
 def test_finetuned_regressor_and_its_cache(short_texts, tmp_path, monkeypatch):
-    predictor = EncoderRegressor(epochs=1, num_threads=1)
+    predictor = EncoderRegressor(epochs=1, lr_encoder=5e-5, num_threads=1)
     fitted = fit_cached(predictor, short_texts, tmp_path)
     pred = fitted.predict(short_texts)
     _check_output(pred, len(short_texts))
@@ -115,16 +120,16 @@ def test_finetuned_regressor_and_its_cache(short_texts, tmp_path, monkeypatch):
     assert len(list(tmp_path.glob("minilm_finetuned-*.pkl"))) == 1
 
     monkeypatch.setattr(EncoderRegressor, "fit", lambda self, data: pytest.fail("refitted despite cache"))
-    loaded = fit_cached(EncoderRegressor(epochs=1, num_threads=2), short_texts, tmp_path)
+    loaded = fit_cached(EncoderRegressor(epochs=1, lr_encoder=5e-5, num_threads=2), short_texts, tmp_path)
     assert loaded is not predictor
     np.testing.assert_allclose(loaded.predict(short_texts), pred, rtol=1e-5)
     # Another hyper-parameter is another model: it must not be served from the cache.
     with pytest.raises(pytest.fail.Exception, match="refitted"):
-        fit_cached(EncoderRegressor(epochs=2, num_threads=1), short_texts, tmp_path)
+        fit_cached(EncoderRegressor(epochs=2, lr_encoder=5e-5, num_threads=1), short_texts, tmp_path)
 
 
 def test_ranker_lengths_are_monotone_in_its_scores(short_texts):
-    predictor = EncoderRanker(epochs=1, num_threads=1).fit(short_texts)
+    predictor = EncoderRanker(epochs=1, lr_encoder=5e-5, num_threads=1).fit(short_texts)
     scores, pred = predictor.scores(short_texts), predictor.predict(short_texts)
     _check_output(pred, len(short_texts))
     order = np.argsort(scores)
@@ -133,9 +138,9 @@ def test_ranker_lengths_are_monotone_in_its_scores(short_texts):
 
 
 def test_mlp_cache_reuses_fit_and_measure_cost(data, tmp_path, monkeypatch):
-    fitted = fit_cached(HiddenStateMLP(epochs=2, num_threads=1), data, tmp_path)
+    fitted = fit_cached(HiddenStateMLP(max_iter=20, num_threads=1), data, tmp_path)
     monkeypatch.setattr(HiddenStateMLP, "fit", lambda self, data: pytest.fail("refitted despite cache"))
-    loaded = fit_cached(HiddenStateMLP(epochs=2, num_threads=1), data.subset(np.arange(len(data))[::-1]),
+    loaded = fit_cached(HiddenStateMLP(max_iter=20, num_threads=1), data.subset(np.arange(len(data))[::-1]),
                         tmp_path)
     np.testing.assert_allclose(loaded.predict(data), fitted.predict(data))
     cost = measure_cost(loaded, data, batch_size=8, repeats=2)
