@@ -44,3 +44,42 @@ def load_or_build(prompt_lists: Sequence[Sequence[dict]], max_tokens: int, model
         finally:
             live.close()
     return [load_corpus(folder, layer, max_tokens, ids=[p["id"] for p in prompts]) for prompts in prompt_lists]
+
+
+def interleave_sets(prompts: Sequence[dict]) -> list[dict]:
+    """Prompts reordered so every set advances at its share of the whole (the engine admits in order):
+    a build stopped early leaves each set covered in proportion, not the first sets complete and the
+    last ones empty. Within a set the order is kept."""
+    by_set: dict[str, list[dict]] = {}
+    for p in prompts:
+        by_set.setdefault(str(p.get("set")), []).append(p)
+    keyed = [((i + 0.5) / len(items), name, i) for name, items in by_set.items() for i in range(len(items))]
+    return [by_set[name][i] for _, name, i in sorted(keyed)]
+
+
+def build_snapshot(selection: str, all_layers_selection: str, max_tokens: int = 1024, model: str | None = None,
+                   say: Callable[[str], None] = lambda message: None, build: bool = True) -> dict:
+    """Generate what the cache lacks for the snapshot's prompts (resumable), then rewrite the committed
+    snapshot as the union of its rows and the cache's for those prompts; return the manifest."""
+    from evaluation.selections import select
+    from harness import snapshot
+    from serving.worker import default_layer
+
+    info = model_info(model)
+    layer = default_layer(info.num_layers)
+    entries = {}
+    for spec, every in ((selection, False), (all_layers_selection, True)):
+        if not spec:
+            continue
+        key = corpus_key(info.fingerprint, ALL_LAYERS if every else layer, max_tokens, DEFAULT_DECODING)
+        manifest = snapshot.read_manifest() or {"corpora": {}}
+        kept = manifest["corpora"].get(key, {}).get("ids", [])
+        prompts = interleave_sets(select(spec))
+        say(f"{'every layer' if every else f'layer {layer}'}: {len(prompts)} prompts of {spec}")
+        load_or_build([prompts], max_tokens, model, all_layers=every, say=say, build=build)
+        wanted = list(dict.fromkeys([*kept, *(p["id"] for p in prompts)]))
+        corpus = load_corpus(corpus_dir(key), ALL_LAYERS if every else layer, max_tokens, ids=wanted)
+        snapshot.write_rows(corpus, key)
+        entries[key] = snapshot.corpus_entry(corpus, spec)
+        say(f"snapshot {key}: {len(corpus)} rows")
+    return snapshot.write_manifest(entries, info, DEFAULT_DECODING, max_tokens)

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 
 from evaluation.corpora import load_or_build
-from evaluation.selections import CHAT_TRAIN, DOMAINS, domain_spec, select
+from evaluation.selections import DOMAINS, select
 from harness.corpus import length_report
+from harness.snapshot import SELECTION
 
 CHAT_BUDGET_GOAL = 0.10
-STUDY_SELECTIONS = (CHAT_TRAIN, "sharegpt:150", domain_spec("instruction", 60), domain_spec("math", 60),
-                    domain_spec("multilingual", 150))
+STUDY_SELECTIONS = (SELECTION,)  # the committed snapshot's prompts: every study reads a subset of them
 
 
 def corpus_study(specs: Sequence[str], max_tokens: int = 1024, model: str | None = None, say=print,

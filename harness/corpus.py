@@ -71,14 +71,37 @@ def corpus_dir(key: str) -> Path:
     return path
 
 
+def _read_rows(path: Path) -> pa.Table:
+    """One shard or snapshot file, its features widened to float32 (the snapshot stores float16)."""
+    table = pq.read_table(path)
+    feature = table.column("feature").combine_chunks()
+    if feature.type.value_type != pa.float32():
+        values = feature.values.to_numpy(zero_copy_only=False).astype(np.float32)
+        widened = pa.FixedSizeListArray.from_arrays(pa.array(values), feature.type.list_size)
+        table = table.set_column(table.column_names.index("feature"), "feature", widened)
+    return table
+
+
 def load_corpus(folder: Path, layer: int, max_tokens: int, ids: Sequence[str] | None = None) -> Corpus:
-    """Read every shard of a corpus folder (optionally only the given prompt ids, in that order)."""
-    shards = sorted(folder.glob("shard-*.parquet"))
-    if not shards:
+    """Read a corpus: the committed snapshot's rows for this key (if any), then every shard of `folder`
+    (optionally only the given prompt ids, in that order). A prompt id recorded twice counts once, the
+    snapshot's row first."""
+    from harness.snapshot import snapshot_file
+
+    snapshot = snapshot_file(folder.name)
+    sources = ([snapshot] if snapshot is not None else []) + sorted(folder.glob("shard-*.parquet"))
+    if not sources:
         empty = np.array([], dtype=object)
         return Corpus(empty, empty, empty, empty, np.array([], int), np.array([], int), empty,
                       np.zeros((0, 0), np.float32), layer, max_tokens)
-    table = pa.concat_tables([pq.read_table(s) for s in shards])
+    tables = [_read_rows(s) for s in sources]
+    n_snapshot = tables[0].num_rows if snapshot is not None else 0
+    table = pa.concat_tables(tables)
+    _, first = np.unique(np.asarray(table.column("id").to_pylist(), dtype=object), return_index=True)
+    kept = np.sort(first)
+    if kept.size < table.num_rows:
+        table = table.take(pa.array(kept))
+    from_cache = kept >= n_snapshot
     features = table.column("feature").combine_chunks()
     dim = features.type.list_size
     matrix = features.values.to_numpy(zero_copy_only=False).reshape(-1, dim).astype(np.float32, copy=False)
@@ -87,11 +110,17 @@ def load_corpus(folder: Path, layer: int, max_tokens: int, ids: Sequence[str] | 
     corpus = Corpus(columns["id"], columns["set"], columns["domain"], columns["lang"],
                     table.column("prompt_tokens").to_numpy(), table.column("output_tokens").to_numpy(),
                     columns["finish_reason"], matrix, layer, max_tokens)
-    if ids is None:
-        return corpus
-    position = {rid: i for i, rid in enumerate(corpus.ids)}
-    keep = np.asarray([position[i] for i in ids if i in position], dtype=np.int64)
-    return corpus.subset(keep)
+    if ids is not None:
+        position = {rid: i for i, rid in enumerate(corpus.ids)}
+        keep = np.asarray([position[i] for i in ids if i in position], dtype=np.int64)
+        corpus, from_cache = corpus.subset(keep), from_cache[keep]
+    READ[folder.name] = READ.get(folder.name, 0) + int(from_cache.sum())
+    return corpus
+
+
+# Corpus keys read in this process, each with how many of the rows it returned came from the local
+# cache rather than the committed snapshot (what `harness.snapshot.provenance` reports).
+READ: dict[str, int] = {}
 
 
 def length_report(corpus: Corpus) -> dict[str, dict]:

@@ -118,12 +118,31 @@ def corpus_build(
     sample_seed: Optional[int] = typer.Option(None, "--sample-seed",
                                               help="take --limit prompts in this seeded order instead of file order"),
     model: Optional[str] = typer.Option(None),
+    snapshot: bool = typer.Option(
+        False, "--snapshot", help="build the committed snapshot's prompts (or --select) and rewrite corpus/"),
+    select: Optional[str] = typer.Option(
+        None, help="with --snapshot: selection NAME[:N],... to add (default: the snapshot's own)"),
+    build: bool = typer.Option(True, "--build/--no-build",
+                               help="with --snapshot: --no-build rewrites the snapshot from the rows already "
+                                    "recorded (after an interrupted build) without starting the engine"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Run prompts through the engine; record true lengths and layer-L features (cached, resumable)."""
     from serving.config import LeapConfig
     from harness.corpus import length_report
     from harness.experiment import corpus_for, open_live
+
+    if snapshot:
+        from evaluation.corpora import build_snapshot
+        from harness import snapshot as snap
+
+        manifest = build_snapshot(select or snap.SELECTION, "" if select else snap.ALL_LAYERS_SELECTION,
+                                  max_tokens, model, say=lambda m: console.print(f"[bold]corpus[/]: {m}"),
+                                  build=build)
+        emit({"corpus_hash": manifest["corpus_hash"], "folder": str(snap.ROOT),
+              "corpora": {k: {n: v for n, v in e.items() if n != "ids"} for k, e in manifest["corpora"].items()}},
+             as_json, "corpus")
+        return
 
     every = layers is not None and layers.lower() == "all"
     layer = None if layers is None or every else int(layers)

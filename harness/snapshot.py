@@ -1,0 +1,162 @@
+"""The committed corpus snapshot: the length corpus every study and the demo read, kept in the repository.
+
+A corpus costs an hour or more of engine time, so the rows behind the published figures live in
+`corpus/` beside the code: one `rows.parquet` per corpus key (the key covers model fingerprint, layer,
+output budget M, decoding settings and engine numerics, see `harness.corpus.corpus_key`), features
+stored as float16 (the serving model computes in bfloat16, whose values float16 holds exactly within
+its range), and `corpus/manifest.json` naming the model, layers, decoding, M, every prompt id and a
+content hash of each file. `harness.corpus.load_corpus` reads a key's snapshot rows before the local
+cache's shards, so a fresh clone runs the studies without an engine; `leap corpus build --snapshot`
+generates what the cache lacks (resumable) and rewrites the snapshot with the union of both.
+
+Every result JSON records `corpus_hash` (the manifest's hash over its files' content hashes) and the
+commit it ran on, so a figure names the rows and code it came from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from harness.corpus import ALL_LAYERS, ENGINE_NUMERICS, Corpus
+
+ROOT = Path(__file__).resolve().parent.parent / "corpus"
+MANIFEST = "manifest.json"
+ROWS = "rows.parquet"
+FORMAT = 1
+
+# What the snapshot holds: every study's prompts (seeded samples, see evaluation.selections), at least
+# 3,000 ShareGPT, all 500 Arena-Hard and 300 of each other shared set (all 252 of self_instruct) ...
+SELECTION = ("sharegpt:3000,arena_hard:500,alpaca:300,alpaca_eval:300,self_instruct:300,math:300,gsm8k:300,"
+             "mgsm:300,llmzoo:300,mtbench_x:300,alpaca_zh:300")
+# ... and every decoder layer's state for a ShareGPT subset (the layer study), kept small.
+ALL_LAYERS_SELECTION = "sharegpt:400"
+
+
+def snapshot_file(key: str, root: Path | None = None) -> Path | None:
+    """The snapshot's rows for a corpus key, or None when the snapshot has none."""
+    path = (root or ROOT) / key / ROWS
+    return path if path.is_file() else None
+
+
+def read_manifest(root: Path | None = None) -> dict | None:
+    path = (root or ROOT) / MANIFEST
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def content_hash(corpus: Corpus) -> str:
+    """sha256 over the rows in id order: ids, sets, prompt and output lengths, finish reasons and the
+    float16 features, so equal rows give equal hashes wherever they were written."""
+    order = np.argsort(corpus.ids.astype(str), kind="stable")
+    digest = hashlib.sha256()
+    for column in (corpus.ids, corpus.sets, corpus.finish_reasons):
+        digest.update("\n".join(str(v) for v in column[order]).encode())
+    for column in (corpus.prompt_tokens, corpus.output_tokens):
+        digest.update(np.ascontiguousarray(column[order], dtype="<i8").tobytes())
+    digest.update(np.ascontiguousarray(corpus.features[order], dtype="<f2").tobytes())
+    return digest.hexdigest()
+
+
+def _float16(features: np.ndarray) -> np.ndarray:
+    if features.size and not (np.isfinite(features).all()
+                              and float(np.abs(features).max()) <= float(np.finfo(np.float16).max)):
+        raise ValueError("a feature does not fit float16 (|x| > 65504): the snapshot cannot hold this model's "
+                         "states; keep the corpus in the cache")
+    return features.astype(np.float16)
+
+
+def write_rows(corpus: Corpus, key: str, root: Path | None = None) -> Path:
+    """Write one key's rows (sorted by id, features float16) atomically; return the file."""
+    folder = (root or ROOT) / key
+    folder.mkdir(parents=True, exist_ok=True)
+    order = np.argsort(corpus.ids.astype(str), kind="stable")
+    rows = corpus.subset(order)
+    features = _float16(rows.features)
+    table = pa.table({
+        "id": rows.ids.tolist(), "set": rows.sets.tolist(), "domain": rows.domains.tolist(),
+        "lang": rows.langs.tolist(), "prompt_tokens": pa.array(rows.prompt_tokens, pa.int32()),
+        "output_tokens": pa.array(rows.output_tokens, pa.int32()), "finish_reason": rows.finish_reasons.tolist(),
+        "feature": pa.FixedSizeListArray.from_arrays(pa.array(features.reshape(-1)), features.shape[1]),
+    })
+    tmp = folder / (ROWS + ".tmp")
+    pq.write_table(table, tmp, compression="zstd")
+    tmp.rename(folder / ROWS)
+    return folder / ROWS
+
+
+def corpus_entry(corpus: Corpus, selection: str) -> dict:
+    """The manifest's record of one key: layer, counts per set, the budget share reached, ids and hash."""
+    sets, counts = np.unique(corpus.sets.astype(str), return_counts=True)
+    order = np.argsort(corpus.ids.astype(str), kind="stable")
+    return {"layer": "all" if corpus.layer == ALL_LAYERS else int(corpus.layer), "rows": len(corpus),
+            "dim": int(corpus.features.shape[1]) if len(corpus) else 0, "selection": selection,
+            "per_set": {str(s): int(c) for s, c in zip(sets, counts)},
+            "capped_fraction": corpus.capped_fraction(),
+            "content_hash": content_hash(corpus), "ids": corpus.ids[order].astype(str).tolist()}
+
+
+def write_manifest(entries: dict[str, dict], model: Any, decoding: dict, max_tokens: int,
+                   root: Path | None = None) -> dict:
+    """Merge `entries` (key -> corpus_entry) into the manifest and write it; return the manifest."""
+    import vllm
+
+    root = root or ROOT
+    old = read_manifest(root) or {}
+    corpora = {**old.get("corpora", {}), **entries}
+    manifest = {
+        "format": FORMAT,
+        "corpus_hash": manifest_hash(corpora),
+        "model": {"model_id": model.model_id, "fingerprint": model.fingerprint, "num_layers": model.num_layers,
+                  "hidden_size": model.hidden_size},
+        "engine": {"numerics": ENGINE_NUMERICS, "vllm": vllm.__version__},
+        "decoding": decoding, "max_tokens": int(max_tokens), "feature_dtype": "float16",
+        "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit(),
+        "corpora": corpora,
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    tmp.rename(root / MANIFEST)
+    return manifest
+
+
+def manifest_hash(corpora: dict[str, dict]) -> str:
+    """One hash for the whole snapshot: sha256 over `key:content_hash` lines in key order."""
+    lines = "\n".join(f"{key}:{corpora[key]['content_hash']}" for key in sorted(corpora))
+    return hashlib.sha256(lines.encode()).hexdigest()[:16]
+
+
+def git_commit() -> str:
+    """The checkout's commit, `-dirty` when tracked files differ from it; "unknown" outside git."""
+    cwd = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "")
+
+
+def provenance() -> dict:
+    """What a result JSON records about its inputs: the snapshot's corpus_hash, the commit, and how many
+    rows the study read from outside the snapshot (`rows_outside_snapshot`, per corpus key).
+
+    A key the snapshot lacks (another model, another M) makes the hash `cache:<key>,...`: those rows
+    live only on this machine."""
+    from harness.corpus import READ
+
+    manifest = read_manifest() or {"corpora": {}}
+    outside_keys = sorted(k for k in READ if k not in manifest["corpora"])
+    corpus_hash = "cache:" + ",".join(outside_keys) if outside_keys else manifest.get("corpus_hash", "none")
+    return {"corpus_hash": corpus_hash, "commit": git_commit(),
+            "rows_outside_snapshot": {k: n for k, n in sorted(READ.items()) if n}}

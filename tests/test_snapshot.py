@@ -1,0 +1,127 @@
+"""The committed corpus snapshot: rows read before the cache, float16 on disk, hashes that name the rows."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from harness import corpus as corpus_module
+from harness import snapshot
+from harness.corpus import Corpus, _write_shard, load_corpus
+
+
+def _corpus(n: int = 6, dim: int = 4, seed: int = 0, prefix: str = "p") -> Corpus:
+    rng = np.random.default_rng(seed)
+    ids = np.array([f"{prefix}{i}" for i in range(n)], dtype=object)
+    return Corpus(ids=ids, sets=np.array(["a", "b"] * (n // 2), dtype=object),
+                  domains=np.array(["chat"] * n, dtype=object), langs=np.array(["en"] * n, dtype=object),
+                  prompt_tokens=rng.integers(5, 50, n), output_tokens=rng.integers(1, 100, n),
+                  finish_reasons=np.array(["stop"] * (n - 1) + ["length"], dtype=object),
+                  features=rng.normal(size=(n, dim)).astype(np.float32), layer=3, max_tokens=100)
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    monkeypatch.setattr(snapshot, "ROOT", tmp_path / "snapshot")
+    monkeypatch.setattr(corpus_module, "READ", {})
+    return tmp_path / "snapshot"
+
+
+def test_snapshot_rows_come_first_then_the_cache_and_ids_count_once(root, tmp_path):
+    key = "L3-M100-test"
+    snap = _corpus(6)
+    path = snapshot.write_rows(snap, key)
+    assert path == root / key / "rows.parquet"
+    cache = tmp_path / "cache" / key
+    cache.mkdir(parents=True)
+    extra = _corpus(4, prefix="q", seed=1)
+    # the cache also holds p0 with another length: the snapshot's row wins
+    _write_shard(cache, [{"id": "p0", "set": "a", "domain": "chat", "lang": "en", "prompt_tokens": 9,
+                          "output_tokens": 77, "finish_reason": "stop", "feature": np.zeros(4, np.float32)}]
+                 + [{"id": extra.ids[i], "set": "a", "domain": "chat", "lang": "en", "prompt_tokens": 9,
+                     "output_tokens": int(extra.output_tokens[i]), "finish_reason": "stop",
+                     "feature": extra.features[i]} for i in range(4)])
+    loaded = load_corpus(cache, 3, 100)
+    assert len(loaded) == 10 and len(set(loaded.ids.tolist())) == 10
+    p0 = int(np.flatnonzero(loaded.ids == "p0")[0])
+    assert loaded.output_tokens[p0] == snap.output_tokens[0]
+    # float16 on disk, float32 in memory, equal to the float16 rounding of what was written
+    assert loaded.features.dtype == np.float32
+    order = np.argsort(snap.ids.astype(str))
+    np.testing.assert_array_equal(loaded.features[:6], snap.features[order].astype(np.float16).astype(np.float32))
+    # the process remembers how many rows came from outside the snapshot
+    assert corpus_module.READ[key] == 4
+    chosen = load_corpus(cache, 3, 100, ids=["q1", "p2", "missing"])
+    assert chosen.ids.tolist() == ["q1", "p2"]
+
+
+def test_content_hash_names_the_rows_not_their_order(root):
+    a = _corpus(6)
+    shuffled = a.subset(np.array([3, 1, 0, 5, 4, 2]))
+    assert snapshot.content_hash(a) == snapshot.content_hash(shuffled)
+    changed = a.subset(np.arange(6))
+    changed.output_tokens = changed.output_tokens.copy()
+    changed.output_tokens[2] += 1
+    assert snapshot.content_hash(changed) != snapshot.content_hash(a)
+    nudged = a.subset(np.arange(6))
+    nudged.features = nudged.features.copy()
+    nudged.features[0, 0] += 0.5
+    assert snapshot.content_hash(nudged) != snapshot.content_hash(a)
+
+
+def test_manifest_records_model_ids_hash_and_provenance_reports_it(root, tmp_path):
+    from leap_io.model_identity import ModelInfo
+
+    model = ModelInfo(path="/m", model_id="m", fingerprint="f" * 16, num_layers=4, hidden_size=4,
+                      max_position_embeddings=64)
+    key = "L3-M100-test"
+    rows = _corpus(6)
+    snapshot.write_rows(rows, key)
+    manifest = snapshot.write_manifest({key: snapshot.corpus_entry(rows, "a:3,b:3")}, model,
+                                       {"temperature": 0.0}, 100)
+    on_disk = json.loads((root / "manifest.json").read_text())
+    assert on_disk == manifest
+    entry = manifest["corpora"][key]
+    assert entry["rows"] == 6 and entry["per_set"] == {"a": 3, "b": 3} and entry["layer"] == 3
+    assert entry["ids"] == sorted(rows.ids.tolist()) and entry["capped_fraction"] == pytest.approx(1 / 6)
+    assert manifest["model"]["fingerprint"] == "f" * 16 and manifest["max_tokens"] == 100
+    assert manifest["corpus_hash"] == snapshot.manifest_hash(manifest["corpora"])
+    cache = tmp_path / "cache" / key
+    cache.mkdir(parents=True)
+    load_corpus(cache, 3, 100)
+    info = snapshot.provenance()
+    assert info["corpus_hash"] == manifest["corpus_hash"] and info["rows_outside_snapshot"] == {}
+    assert info["commit"]
+    other = tmp_path / "cache" / "L3-M100-other"
+    other.mkdir()
+    _write_shard(other, [{"id": "z", "set": "a", "domain": "chat", "lang": "en", "prompt_tokens": 1,
+                          "output_tokens": 1, "finish_reason": "stop", "feature": np.zeros(4, np.float32)}])
+    load_corpus(other, 3, 100)
+    assert snapshot.provenance()["corpus_hash"] == "cache:L3-M100-other"
+
+
+def test_a_state_too_large_for_float16_is_refused(root):
+    rows = _corpus(2)
+    rows.features = rows.features.copy()
+    rows.features[0, 0] = 1e6
+    with pytest.raises(ValueError, match="float16"):
+        snapshot.write_rows(rows, "L3-M100-big")
+
+
+def test_the_committed_snapshot_matches_its_manifest(tmp_path, monkeypatch):
+    """Every file under corpus/ loads and hashes to what the manifest says (no engine, no cache)."""
+    manifest = snapshot.read_manifest()
+    if manifest is None:
+        pytest.skip("no committed snapshot in this checkout")
+    monkeypatch.setattr(corpus_module, "READ", {})
+    assert manifest["corpus_hash"] == snapshot.manifest_hash(manifest["corpora"])
+    for key, entry in manifest["corpora"].items():
+        empty = tmp_path / key
+        empty.mkdir()
+        layer = -1 if entry["layer"] == "all" else entry["layer"]
+        rows = load_corpus(empty, layer, manifest["max_tokens"])
+        assert len(rows) == entry["rows"] and sorted(rows.ids.tolist()) == entry["ids"]
+        assert snapshot.content_hash(rows) == entry["content_hash"]
+        assert rows.features.shape[1] == entry["dim"]
