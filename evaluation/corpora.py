@@ -79,6 +79,9 @@ def build_snapshot(selection: str, all_layers_selection: str, max_tokens: int = 
         load_or_build([prompts], max_tokens, model, all_layers=every, say=say, build=build)
         wanted = list(dict.fromkeys([*kept, *(p["id"] for p in prompts)]))
         corpus = load_corpus(corpus_dir(key), ALL_LAYERS if every else layer, max_tokens, ids=wanted)
+        if not len(corpus):
+            say(f"snapshot {key}: no rows recorded yet, left out")
+            continue
         snapshot.write_rows(corpus, key)
         entries[key] = snapshot.corpus_entry(corpus, spec)
         say(f"snapshot {key}: {len(corpus)} rows")
