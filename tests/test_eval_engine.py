@@ -138,7 +138,7 @@ def test_live_replay_study_conserves_requests_and_work(all_layers, prompt_file):
     from harness.datasets import load_prompts
 
     prompts = load_prompts(prompt_file)
-    settings = LiveSettings(n_requests=8, n_train=16, repeats=1, load=2.0, max_tokens=M,
+    settings = LiveSettings(n_requests=8, n_train=16, repeats=2, load=2.0, max_tokens=M,
                             policies=("fcfs", "prompt_length", "trail_mlp", "leap", "leap-rls", "oracle"),
                             calibration_requests=8, max_resident=16, decode_slots=4)
     result = run_live(prompts[:16], prompts[16:], settings)
@@ -146,6 +146,17 @@ def test_live_replay_study_conserves_requests_and_work(all_layers, prompt_file):
     work = {name: (p["runs"][0]["n"], p["runs"][0]["output_tokens"]) for name, p in result["policies"].items()}
     assert len(set(work.values())) == 1 and work["fcfs"][0] == 8  # same requests, same tokens, none lost
     assert set(result["ratios"]) >= {"leap_over_fcfs", "leap_over_best_baseline", "leap_over_oracle"}
+    for r in result["ratios"].values():
+        assert r["ci_low"] <= r["value"] <= r["ci_high"]
+    # the step clock: the same requests on the same arrivals give the oracle no worse PTL than FCFS
+    # up to the step model's pricing, and both repeats price their steps with one model
+    assert result["clock"] == "step" and len(result["policies"]["fcfs"]["runs"]) == 2
+    drift = result["step_model_drift"]
+    assert 0 < drift["modeled_over_wall_min"] <= drift["modeled_over_wall_max"]
+    fidelity = result["simulator_fidelity"]
+    assert fidelity["requests"] == 8 * 2 * len(settings.policies) and fidelity["median_latency_error"] >= 0
+    for p in result["policies"].values():
+        assert np.isfinite(p["simulated_mean_ptl"]) and p["mean_ptl_ci"][0] <= p["mean_ptl"] <= p["mean_ptl_ci"][1]
     assert result["best_baseline"] in ("prompt_length", "trail_mlp")
     assert result["policies"]["leap"]["runs"][0]["ready_before_decode"] is not None
     assert result["capacity_rps"] > 0 and result["step_model"]["per_decode_s"] >= 0
@@ -184,11 +195,12 @@ def test_simulated_studies_on_the_small_real_corpus(all_layers, prompt_file):
     train, pool = data.subset(np.arange(12)), data.subset(np.arange(12, len(data)))
     predicted = {"leap": fit_leap(train).predict(pool.features)}
     steps = StepTimeModel(base_s=0.04, per_decode_s=0.003, per_prefill_token_s=0.002)
-    load = run_load(pool.prompt_tokens, pool.lengths, predicted, steps, n_requests=60, repeats=1, decode_slots=2)
-    assert set(load["table"]) == {"1.0", "1.5", "2.0"}
-    assert set(load["table"]["1.5"]) == {"leap", "fcfs", "oracle"}
-    oracle, fcfs = load["table"]["2.0"]["oracle"]["mean_ptl"], load["table"]["2.0"]["fcfs"]["mean_ptl"]
+    load = run_load(pool.prompt_tokens, pool.lengths, predicted, steps, n_requests=60, seeds=3, decode_slots=2)
+    assert set(load["table"]) == {"0.7", "0.8", "0.9", "0.95", "1.2"}
+    assert set(load["table"]["0.9"]) == {"leap", "fcfs", "oracle"}
+    oracle, fcfs = load["table"]["1.2"]["oracle"]["mean_ptl"], load["table"]["1.2"]["fcfs"]["mean_ptl"]
     assert oracle <= fcfs
+    assert set(load["ratios"]) == {"leap_over_fcfs", "leap_over_oracle"}  # no baseline given
     refresh = run_refresh(pool.prompt_tokens, pool.lengths, predicted, steps, {"leap": 0.001}, n_requests=60,
                           repeats=1, decode_slots=2)
     assert {row["mode"] for row in refresh["rows"]} >= {"countdown", "refresh"}

@@ -81,36 +81,63 @@ def test_refresh_sigma_reproduces_the_predictor_spearman():
 @pytest.fixture(scope="module")
 def load_result():
     prompt, out, predicted = _pool()
-    return run_load(prompt, out, {"noisy": predicted}, STEP_MODEL, sweep=(1.0, 1.5, 2.0), n_requests=400,
-                    repeats=2)
+    return run_load(prompt, out, {"noisy": predicted, "leap": np.sqrt(predicted * out)}, STEP_MODEL,
+                    loads=(0.7, 0.9), headline=0.9, overloads=(1.5,), n_requests=400, seeds=6)
 
 
 def test_run_load_returns_the_documented_shape_and_oracle_beats_fcfs(load_result):
     result = load_result
     json.dumps(result, allow_nan=False)
-    assert result["capacity_rps"] > 0 and result["n_requests"] == 400 and result["repeats"] == 2
-    assert list(result["table"]) == ["1.0", "1.5", "2.0"]
+    assert result["capacity_rps"] > 0 and result["n_requests"] == 400 and result["seeds"] == 6
+    assert list(result["table"]) == ["0.7", "0.9", "1.5"]
+    assert result["overloads"] == [{"load": 1.5, "horizon_requests": 400,
+                                    "horizon_s": pytest.approx(400 / (1.5 * result["capacity_rps"]))}]
     for row in result["table"].values():
-        assert set(row) == {"noisy", "fcfs", "oracle"}
+        assert set(row) == {"noisy", "leap", "fcfs", "oracle"}
         for figures in row.values():
-            assert set(figures) == {"mean_latency_s", "p95_latency_s", "mean_ptl", "p95_ptl", "mean_ptl_std"}
+            assert set(figures) == {"mean_latency_s", "p95_latency_s", "mean_ptl", "p95_ptl", "mean_ptl_ci_low",
+                                    "mean_ptl_ci_high"}
+            assert figures["mean_ptl_ci_low"] <= figures["mean_ptl"] <= figures["mean_ptl_ci_high"]
     assert result["table"]["1.5"]["oracle"]["mean_ptl"] <= result["table"]["1.5"]["fcfs"]["mean_ptl"]
     sweep = result["sweep"]
-    assert sweep["multipliers"] == [1.0, 1.5, 2.0]
+    assert sweep["multipliers"] == [0.7, 0.9, 1.5]
     for key in ("mean_ptl", "mean_latency_s"):
         assert all(len(values) == 3 for values in sweep[key].values())
         assert sweep[key]["fcfs"][0] < sweep[key]["fcfs"][-1]  # more load, more latency
-    assert result["sweep"]["mean_ptl"]["noisy"][1] == result["table"]["1.5"]["noisy"]["mean_ptl"]
+    # the ratios are paired by seed: the value is the ratio of the seed means, inside its interval
+    assert result["best_baseline"] == "noisy"
+    for key in ("leap_over_fcfs", "leap_over_best_baseline", "leap_over_oracle"):
+        r = result["ratios"][key]
+        assert r["ci_low"] <= r["value"] <= r["ci_high"]
+    head = result["table"]["0.9"]
+    assert result["ratios"]["leap_over_fcfs"]["value"] == pytest.approx(head["leap"]["mean_ptl"]
+                                                                        / head["fcfs"]["mean_ptl"])
+    assert result["ratios"]["leap_over_oracle"]["value"] >= 1.0 - 1e-9  # nothing orders better than the truth
+    assert set(result["goals"]) == {"leap_over_fcfs", "leap_over_best_baseline", "leap_over_oracle"}
+
+
+def test_sustained_capacity_excludes_the_drain_tail():
+    """Steady-state throughput is above what one pool released at once reaches over its whole makespan."""
+    from leap_core.simulator import SimConfig, simulate
+
+    prompt, out, _ = _pool()
+    config = SimConfig(step_model=STEP_MODEL, decode_slots=16, max_resident=64, policy="fcfs")
+    sustained = fcfs_capacity(prompt, out, config)
+    makespan = simulate(np.zeros(out.size), prompt, out, out, config).finish.max()
+    assert sustained > out.size / makespan
+    # at 0.9 of it every request finishes
+    short = simulate(poisson_arrivals(out.size, 0.9 * sustained, seed=1), prompt, out, out, config)
+    assert np.isfinite(short.latency).all()
 
 
 def test_studies_reject_clashing_names_and_missing_costs():
     prompt, out, predicted = _pool(n=50)
     with pytest.raises(ValueError, match="oracle"):
-        run_load(prompt, out, {"oracle": predicted}, STEP_MODEL, n_requests=10, repeats=1)
+        run_load(prompt, out, {"oracle": predicted}, STEP_MODEL, n_requests=10, seeds=1)
     with pytest.raises(ValueError, match="refresh cost"):
         run_refresh(prompt, out, {"noisy": predicted}, STEP_MODEL, {}, n_requests=10, repeats=1)
     with pytest.raises(ValueError, match="policy"):
-        run_load(prompt, out, {"noisy": predicted}, STEP_MODEL, n_requests=10, repeats=1, policy="fcfs")
+        run_load(prompt, out, {"noisy": predicted}, STEP_MODEL, n_requests=10, seeds=1, policy="fcfs")
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +207,7 @@ def test_plots_write_pngs_and_sections_hold_tables(tmp_path, load_result, refres
         assert "Regenerate: `leap evaluate simulated`" in text
         assert "beats_fcfs" in text and "met" in text
         assert "Regenerate" not in section(result, path.name)
-    assert "| 1.5x | oracle |" in section_load(load_result, "x.png")
+    assert "| 1.5 | oracle |" in section_load(load_result, "x.png")
+    assert "leap_over_best_baseline" in section_load(load_result, "x.png")
     assert "exp(sigma z)" in section_refresh(refresh_results[0], "x.png")
     assert "exp(-aging x held_out)" in section_tail(tail_result, "x.png")
