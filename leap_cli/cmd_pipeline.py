@@ -115,11 +115,13 @@ def fit_command(
     since: Optional[str] = typer.Option(None, help="window start: unix seconds or ISO date"),
     until: Optional[str] = typer.Option(None, help="window end (exclusive): unix seconds or ISO date"),
     alpha: Optional[str] = typer.Option(None, help="ridge penalty or 'auto' (default $LEAP_ALPHA or auto)"),
+    anchor: Optional[str] = typer.Option(None, help="'champion': correct the champion's RLS state with the "
+                                                    "window (default $LEAP_FIT_ANCHOR or none)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Fit a readout on a feedback window, register it and make it the challenger."""
-    _run(_flow("fit_flow", since=_timestamp(since, "--since"), until=_timestamp(until, "--until"), alpha=alpha),
-         as_json, "fit")
+    _run(_flow("fit_flow", since=_timestamp(since, "--since"), until=_timestamp(until, "--until"), alpha=alpha,
+               anchor=anchor), as_json, "fit")
 
 
 @app.command("gate")
@@ -255,7 +257,8 @@ def deploy_command(
 @app.command("demo")
 def demo_command(
     prompts: int = typer.Option(240, help="real ShareGPT prompts sent as traffic"),
-    max_tokens: int = typer.Option(128, help="output budget M of the demo traffic"),
+    max_tokens: int = typer.Option(1024, help="output budget M of the demo traffic (the snapshot's: about one "
+                                              "chat output in ten reaches it)"),
     keep_serving: bool = typer.Option(False, help="leave the serving process running afterwards"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON summary"),
 ) -> None:

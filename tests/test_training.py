@@ -200,3 +200,27 @@ def test_flow_results_and_the_cli_share_one_json_encoder() -> None:
     assert json.loads(dumps(result)) == strict
     assert '"empty_bucket": NaN' in dumps(result, nonfinite="keep")
     assert to_jsonable(result, nonfinite="string")["empty_bucket"] == "nan"
+
+
+def test_a_fit_anchored_at_the_champion_equals_one_ridge_solve_on_both_windows(frame: TrainingFrame) -> None:
+    """The champion's rows and a new window, one exact anchored solve: the RLS identity, through the flow's fit."""
+    rest, test = time_split(frame, 0.2)
+    old, new = time_split(rest, 0.5)  # the champion's training rows, then the window the fit sees
+    champion = fit_readout(old, test, alpha=100.0, max_tokens=MAX_TOKENS, **IDENTITY)
+    anchor = RLS.from_state_arrays(champion.readout, champion.rls_state)
+    refined = fit_readout(new, test, alpha="auto", max_tokens=None, anchor=anchor, **IDENTITY)
+
+    keep_old, keep_new = _usable(old), _usable(new)
+    X = np.vstack([old.features[keep_old], new.features[keep_new]]).astype(np.float64)
+    y = targets.transform(np.concatenate([old.output_tokens[keep_old], new.output_tokens[keep_new]]), "sqrt")
+    U = np.column_stack([np.ones(X.shape[0]), champion.readout.standardize(X)])
+    penalty = 100.0 * np.eye(U.shape[1])
+    penalty[0, 0] = 0.0  # the intercept is not penalized
+    theta = np.linalg.solve(U.T @ U + penalty, U.T @ y)
+    np.testing.assert_allclose(refined.readout.theta_, theta, rtol=1e-8, atol=1e-10)
+    assert refined.params["alpha"] == 100.0 and refined.params["alpha_selection"] == "anchor"
+    assert refined.readout.max_tokens == MAX_TOKENS
+    assert refined.readout.metadata["n_train"] == keep_old.sum() + keep_new.sum()
+    # its RLS state resumes at the refined weights, anchored at both windows
+    resumed = RLS.from_state_arrays(refined.readout, refined.rls_state)
+    np.testing.assert_allclose(resumed.theta_, theta, rtol=1e-8, atol=1e-10)
