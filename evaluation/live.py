@@ -48,7 +48,7 @@ class LiveSettings:
     n_requests: int = 24
     n_train: int = 500
     repeats: int = 2
-    load: float = 0.9
+    load: float = 1.2
     max_tokens: int = 1024
     policies: Sequence[str] = FULL_POLICIES
     calibration_requests: int = 48
@@ -359,7 +359,9 @@ def section_live(result: dict, image: str) -> str:
         title,
         "",
         f"{result['n_requests']} ShareGPT requests not used in training, fixed recorded lengths, Poisson arrivals "
-        f"at {result['load']} x the engine's sustained FCFS capacity ({result['rate']:.2f} requests/s), "
+        f"at {result['load']} x the engine's sustained FCFS capacity ({result['rate']:.2f} requests/s; above 1 an "
+        f"overload over the replay's {result['n_requests']} arrivals, which builds the queues that make policies "
+        f"differ), "
         f"{result['repeats']} repeat(s) with new arrivals each, every policy on the same arrivals, visited "
         f"forward then backward; R = {result['max_resident']} resident, K = {result['decode_slots']} decoded per "
         f"step (scaled to two CPU cores so that requests queue for decode slots), waiting cap "

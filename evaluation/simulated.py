@@ -1,10 +1,10 @@
 """Simulated scheduling studies: the load sweep, refreshed predictions versus countdown, and the long tail.
 
 Every study replays requests drawn from a pool of real ones (prompt and true output lengths, plus each
-predictor's predicted totals) through `leap_core.simulator` under Poisson arrivals quoted as multiples
-of the FCFS capacity, as the LEAP paper does. Within one repeat every policy sees the same requests and
-the same arrival times (the arrival gaps are one exponential draw scaled by the rate), so differences
-between policies are not sampling noise of the workload. "fcfs" and "oracle" (countdown on the true
+predictor's predicted totals) through `leap_core.simulator` under Poisson arrivals quoted as fractions
+of the sustained FCFS capacity (`fcfs_capacity`, steady state). Within one repeat (seed) every policy sees
+the same requests and the same arrival times (the arrival gaps are one exponential draw scaled by the
+rate), so differences between policies are paired, not sampling noise of the workload. "fcfs" and "oracle" (countdown on the true
 lengths) are always added.
 """
 
@@ -309,7 +309,7 @@ def _life_mae(out: np.ndarray, predicted: np.ndarray, every: int, sigma: float, 
 
 def run_refresh(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str, ArrayLike],
                 step_model: StepTimeModel, refresh_costs: dict[str, float], refresh_every=(16, 64),
-                multiplier: float = 1.5, n_requests: int = 2000, repeats: int = 3, seed: int = 0, **config) -> dict:
+                multiplier: float = HEADLINE_LOAD, n_requests: int = 2000, repeats: int = 3, seed: int = 0, **config) -> dict:
     """Countdown (one prediction at prefill) against refreshing the estimate during decoding (the paper's Table 2).
 
     Refresh model: every `refresh_every` generated tokens each resident request gets a fresh estimate
@@ -430,7 +430,7 @@ def section_refresh(result: dict, image: str) -> str:
         "",
         f"Countdown predicts once at prefill and schedules by predicted minus generated; refresh re-estimates "
         f"each resident request's remaining length every N generated tokens and pays the stated cost per "
-        f"refreshed request in that step. Simulated at {result['multiplier']:g}x the FCFS capacity, "
+        f"refreshed request in that step. Simulated at {result['multiplier']:g} of the sustained FCFS capacity, "
         f"{result['n_requests']} requests, mean over {result['repeats']} repeats.",
         "",
         f"Refresh model (an assumption, not a measured predictor): the refreshed estimate is the true remaining "
@@ -450,7 +450,7 @@ def section_refresh(result: dict, image: str) -> str:
 
 
 def run_tail(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: ArrayLike, step_model: StepTimeModel,
-             waiting_caps=(16, 32, 64, 128, 256, 1024), agings=(0.0, 0.001, 0.01, 0.1), multiplier: float = 1.5,
+             waiting_caps=(16, 32, 64, 128, 256, 1024), agings=(0.0, 0.001, 0.01, 0.1), multiplier: float = HEADLINE_LOAD,
              long_quantile: float = 0.9, n_requests: int = 2000, repeats: int = 3, seed: int = 0,
              aging_waiting_cap: int = 128, **config) -> dict:
     """How the waiting cap and aging trade long-request tail latency against mean PTL under countdown.
@@ -540,7 +540,7 @@ def section_tail(result: dict, image: str) -> str:
         "",
         f"P95 latency of long requests (true length >= the pool's {result['long_quantile']:g} quantile, "
         f"{result['long_threshold_tokens']:g} tokens) and of all requests, with mean PTL, under countdown at "
-        f"{result['multiplier']:g}x the FCFS capacity, {result['n_requests']} requests, mean over "
+        f"{result['multiplier']:g} of the sustained FCFS capacity, {result['n_requests']} requests, mean over "
         f"{result['repeats']} repeats. The waiting cap forces a resident request into the decode batch once it "
         f"has been held out that many consecutive steps. Aging (as in leap_core/policy.py, after TIE) orders by "
         f"predicted remaining x exp(-aging x held_out), where held_out counts the consecutive steps the request "

@@ -24,7 +24,7 @@ from leap_io.jsonable import dumps
 from leap_io.paths import sub_dir
 
 BASELINES = ("prompt_length", "minilm_ridge", "minilm_finetuned", "minilm_ltr", "trail_mlp")
-CHAT_TEST = "sharegpt:150"
+CHAT_TEST = "sharegpt:1000"  # held out from CHAT_TRAIN: the snapshot holds 2,170 ShareGPT rows
 Say = Callable[[str], None]
 
 
@@ -97,10 +97,15 @@ def layers_study(n_prompts: int = 400, test_fraction: float = 0.3, max_tokens: i
 
 
 STEP_MODELS = Path(__file__).resolve().parent.parent / "docs" / "results" / "step-models.json"
+# The engine shape every simulation runs at, the live study's: on 2 CPU cores a step costs about the same
+# per decoded request at any K (calibrated at K=64: 0.75 ms a step plus 1.6 ms per decode), so requests
+# wait for decode slots only when K is small; 64 slots, as on a GPU, would never fill below capacity.
+SIM_SHAPE = {"decode_slots": 8, "max_resident": 512}
 
 
-def step_model_from(path: Path | None, max_tokens: int, model: str | None, say: Say, decode_slots: int = 64,
-                    max_resident: int = 512, save: bool = False) -> tuple[StepTimeModel, str]:
+def step_model_from(path: Path | None, max_tokens: int, model: str | None, say: Say,
+                    decode_slots: int = SIM_SHAPE["decode_slots"], max_resident: int = SIM_SHAPE["max_resident"],
+                    save: bool = False) -> tuple[StepTimeModel, str]:
     """The step-time model calibrated on the live engine at this K and R: read from `path` (a JSON of
     `K<k>-R<r>` entries, default docs/results/step-models.json), else calibrated now (and, with `save`,
     recorded there). A model calibrated at one K is never used at another."""
@@ -114,11 +119,19 @@ def step_model_from(path: Path | None, max_tokens: int, model: str | None, say: 
     say(f"calibrating the step-time model on the live engine at {shape}")
     steps, report = calibrated_step_model(decode_slots, max_resident, max_tokens, model)
     if save:
-        from harness.snapshot import git_commit
-
-        saved[shape] = {"step_model": report["step_model"], "fit": report["fit"], "commit": git_commit()}
-        path.write_text(dumps(saved, indent=1, sort_keys=True) + "\n")
+        record_step_model(decode_slots, max_resident, report["step_model"], report["fit"], path)
     return steps, f"calibrated now at {shape}"
+
+
+def record_step_model(decode_slots: int, max_resident: int, step_model: dict, fit: dict,
+                      path: Path | None = None) -> None:
+    """Keep a calibration (the live study's, or one made for a simulation) under its `K<k>-R<r>`."""
+    from harness.snapshot import git_commit
+
+    path = path or STEP_MODELS
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    saved[f"K{decode_slots}-R{max_resident}"] = {"step_model": step_model, "fit": fit, "commit": git_commit()}
+    path.write_text(dumps(saved, indent=1, sort_keys=True) + "\n")
 
 
 def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, baselines: Sequence[str],
@@ -154,7 +167,7 @@ def refresh_study(step_model: StepTimeModel, max_tokens: int = 1024, model: str 
     test, predictions, costs = chat_predictions(["trail_mlp"], max_tokens, model, say)
     refresh_costs = {name: costs[name]["ms_per_request"] / 1000.0 for name in predictions}
     result = simulated.run_refresh(test.prompt_tokens, test.lengths, predictions, step_model, refresh_costs,
-                                   **options)
+                                   **{**SIM_SHAPE, **options})
     result.update(costs=costs, pool=CHAT_TEST)
     return result
 
@@ -163,12 +176,13 @@ def tail_study(step_model: StepTimeModel, max_tokens: int = 1024, model: str | N
                say: Say = _quiet, **options: Any) -> dict:
     """Long-request P95 against the waiting cap and aging strength, LEAP's predictions on chat."""
     test, predictions, _ = chat_predictions([], max_tokens, model, say)
-    result = simulated.run_tail(test.prompt_tokens, test.lengths, predictions["leap"], step_model, **options)
+    result = simulated.run_tail(test.prompt_tokens, test.lengths, predictions["leap"], step_model,
+                                **{**SIM_SHAPE, **options})
     result.update(pool=CHAT_TEST)
     return result
 
 
-def live_study(quick: bool, n_requests: int | None = None, repeats: int | None = None, load: float = 0.9,
+def live_study(quick: bool, n_requests: int | None = None, repeats: int | None = None, load: float = 1.2,
                decode_slots: int | None = None, max_tokens: int = 1024, model: str | None = None,
                say: Say = _quiet) -> dict:
     """The live replay: `quick` is a smaller run (fewer requests, one repeat, the baselines that train in
@@ -176,7 +190,7 @@ def live_study(quick: bool, n_requests: int | None = None, repeats: int | None =
     from evaluation.live import FULL_POLICIES, QUICK_POLICIES, LiveSettings, run_live
 
     train = select(CHAT_TRAIN)
-    replayed = select(f"sharegpt:{n_requests or (24 if quick else 60)}", exclude={p["id"] for p in train})
+    replayed = select(f"sharegpt:{n_requests or (32 if quick else 60)}", exclude={p["id"] for p in train})
     settings = LiveSettings(n_requests=len(replayed), n_train=len(train), repeats=repeats or (1 if quick else 2),
                             load=load, max_tokens=max_tokens, policies=QUICK_POLICIES if quick else FULL_POLICIES,
                             calibration_requests=len(replayed), decode_slots=decode_slots or 8)

@@ -24,7 +24,7 @@ BUILD = typer.Option(True, "--build/--no-build",
 MODEL = typer.Option(None, help="HF model folder (default: the prepared SmolLM2)")
 MAX_TOKENS = typer.Option(1024, help="output budget M (at most 10% of chat outputs reach it)")
 STEP_MODEL = typer.Option(None, help="JSON of step models by K and R (default docs/results/step-models.json); "
-                                     "calibrated on the engine at K=64, R=512 when missing")
+                                     "calibrated on the engine at K=8, R=512 when missing")
 
 
 def _say(as_json: bool):
@@ -70,10 +70,13 @@ def transfer(
 @eval_app.command("live")
 def live(
     quick: bool = typer.Option(False, "--quick",
-                               help="24 requests, 1 repeat, baselines that train in seconds"),
-    requests: Optional[int] = typer.Option(None, help="replayed requests (default 60; 24 with --quick)"),
+                               help="32 requests, 1 repeat, baselines that train in seconds"),
+    requests: Optional[int] = typer.Option(None, help="replayed requests (default 60; 32 with --quick)"),
     repeats: Optional[int] = typer.Option(None, help="repeats (default 2; 1 with --quick)"),
-    load: float = typer.Option(0.9, help="arrival rate as a fraction of the engine's sustained FCFS capacity"),
+    load: float = typer.Option(1.2, help="arrival rate as a multiple of the engine's sustained FCFS capacity: "
+                                         "above 1 a short replay builds the queues that make policies differ "
+                                         "(an overload over the replay's horizon; stable loads are the "
+                                         "simulated study's)"),
     decode_slots: Optional[int] = typer.Option(
         None, help="K, requests decoded per step (default 8): scaled so that requests queue for slots on "
                    "2 CPU cores, as 512 do for 64 on a GPU"),
@@ -84,6 +87,11 @@ def live(
     from evaluation.studies import live_study
 
     result = live_study(quick, requests, repeats, load, decode_slots, max_tokens, model, _say(as_json))
+    if save:  # the simulations at this K use the calibration the live study validated
+        from evaluation.studies import record_step_model
+
+        record_step_model(result["decode_slots"], result["max_resident"], result["step_model"],
+                          result["step_model_fit"])
     _finish(result, "live", "live-quick" if quick else "live", as_json, save)
 
 
@@ -134,7 +142,10 @@ def load(
                                                          "docs/results/step-models.json); calibrated when missing"),
     n_requests: Optional[int] = typer.Option(None, help="requests per run (default 2000; 1000 with --quick)"),
     seeds: int = typer.Option(30, help="paired workloads (request draw + arrivals) per load"),
-    decode_slots: int = typer.Option(64, help="K, requests decoded per step"),
+    decode_slots: int = typer.Option(
+        8, help="K, requests decoded per step: 8, as in the live study that validates the simulator (on 2 CPU "
+                "cores a step costs about the same per decoded request at any K, so decode slots are scarce "
+                "only at small K; K=64 queues on a GPU, where a step's cost is mostly fixed)"),
     max_resident: int = typer.Option(512, help="R, requests resident"),
     max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
     build: bool = BUILD,

@@ -313,3 +313,28 @@ def test_cli_promotes_rolls_back_and_fails_loudly_with_the_earlier_state_restore
         assert "The earlier state is back" in answer["error"] and urls[1] in answer["error"]
         assert [t.version for t in targets] == ["20250101T000000-cli00001"] * 2
         assert registry.aliases(name) == {CHAMPION: v1, PREVIOUS_CHAMPION: v2}
+
+
+def test_a_fit_anchored_at_the_champion_registers_a_refinement_of_it(fitted):
+    """`leap fit --anchor champion`: the window corrects the champion's RLS state (registered with both)."""
+    from leap_core.rls import RLS
+
+    registry = ReadoutRegistry(fitted["uri"])
+    name = fitted["fit"]["name"]
+    if registry.get_alias(name, CHAMPION) is None:
+        registry.promote(name, fitted["fit"]["version"])
+    champion = registry.get_alias(name, CHAMPION)
+    base = registry.load_readout(name, CHAMPION)
+
+    refined = fit_flow(anchor="champion")
+    assert refined["status"] == "fitted" and refined["version"] != champion  # another fit key: not reused
+    assert registry.get_alias(name, CHALLENGER) == refined["version"]
+    params = registry.client.get_run(refined["run_id"]).data.params
+    assert params["anchor"] == f"champion v{champion}" and params["alpha_selection"] == "anchor"
+    readout = registry.load_readout(name, refined["version"])
+    assert readout.alpha == base.alpha and readout.max_tokens == base.max_tokens
+    assert readout.metadata["n_train"] > base.metadata["n_train"]  # the champion's rows and the window's
+    state = registry.load_rls_state(name, refined["version"], readout=readout)
+    np.testing.assert_allclose(state.theta_, readout.theta_, rtol=1e-10)
+    assert isinstance(state, RLS)
+    assert fit_flow(anchor="champion")["status"] == "reused"
