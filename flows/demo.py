@@ -1,9 +1,12 @@
 """The main job on embedded defaults, end to end on one machine.
 
-Prepare the model, start the serving process with LEAP, send real prompts to its OpenAI API as traffic
-(so feedback segments appear), then run the pipeline's own flows: ingest into DuckDB, fit and register a
-readout in MLflow, gate it by replaying held-out traffic through the real engine, and push and promote it
-to the running server. Every step is the production code path; only the sizes are small.
+Prepare the model, register a first champion fitted on the committed corpus snapshot (so the server
+predicts from its first request), start the serving process with LEAP (it loads that champion), send real
+prompts to its OpenAI API as traffic (so feedback segments appear), then run the pipeline's own flows:
+ingest into DuckDB, fit and register a readout in MLflow, gate it by replaying held-out traffic through
+the real engine, and push and promote it to the running server. Every step is the production code path;
+only the sizes are small. The output budget is the snapshot's M (1,024 tokens), where about one chat
+output in ten reaches it, so the readouts fitted and plotted predict real lengths, not the cap.
 """
 
 from __future__ import annotations
@@ -46,7 +49,56 @@ async def _send_traffic(base_url: str, model: str, prompts: list[dict], max_toke
     return {"sent": len(prompts), "failed": len(failures), "failures": failures[:5]}
 
 
-def run_demo(n_prompts: int = 240, max_tokens: int = 128, concurrency: int = 256, keep_serving: bool = False,
+def bootstrap_champion(tracking_uri: str, model: Any, max_tokens: int, exclude: set[str],
+                       test_fraction: float = 0.2) -> dict[str, Any]:
+    """Register a readout fitted on the snapshot's chat rows (minus `exclude`) as the first champion.
+
+    Idempotent: a registry that already has a champion for this model and layer keeps it. Without a
+    snapshot for this model (another model, another M) nothing is registered and serving starts
+    without a readout, as before."""
+    import numpy as np
+
+    from harness.corpus import corpus_dir, corpus_key, load_corpus
+    from harness.experiment import fit_on_corpus
+    from harness.replay import DEFAULT_DECODING
+    from harness.snapshot import provenance
+    from leap_core.metrics import spearman
+    from leap_core.rls import RLS
+    from registry.client import CHAMPION, ReadoutRegistry
+    from serving.worker import default_layer
+
+    layer = default_layer(model.num_layers)
+    registry = ReadoutRegistry(tracking_uri)
+    name = registry.model_name(model.model_id, layer)
+    current = registry.get_alias(name, CHAMPION)
+    if current is not None:
+        return {"status": "kept", "name": name, "version": current}
+    key = corpus_key(model.fingerprint, layer, max_tokens, DEFAULT_DECODING)
+    rows = load_corpus(corpus_dir(key), layer, max_tokens)
+    usable = (rows.domains == "chat") & ~np.isin(rows.ids.astype(str), sorted(exclude))
+    if int(usable.sum()) < 100:
+        return {"status": "no-snapshot", "name": name, "rows": int(usable.sum())}
+    chat = rows.subset(np.flatnonzero(usable))
+    order = np.random.default_rng(0).permutation(len(chat))
+    n_test = int(round(test_fraction * len(chat)))
+    train, test = chat.subset(np.sort(order[n_test:])), chat.subset(np.sort(order[:n_test]))
+    source = provenance()
+    readout, anchor = fit_on_corpus(train, model, version=f"snapshot-{source['corpus_hash'][:8]}")
+    predicted = readout.predict(test.features)
+    logged = registry.log_readout(
+        readout, rls=RLS.from_state_arrays(readout, anchor),
+        params={"source": "corpus snapshot", "corpus_hash": source["corpus_hash"], "corpus_key": key,
+                "n_train": len(train), "n_test": len(test), "max_tokens": max_tokens},
+        metrics={"test_spearman": spearman(test.output_tokens, predicted),
+                 "test_mae": float(np.mean(np.abs(predicted - test.output_tokens))),
+                 "train_capped_fraction": train.capped_fraction()},
+        eval_arrays={"true": test.output_tokens, "pred": predicted}, run_name="bootstrap-from-snapshot")
+    registry.promote(name, logged.version)
+    return {"status": "registered", "name": name, "version": str(logged.version), "rows": len(train),
+            "corpus_hash": source["corpus_hash"]}
+
+
+def run_demo(n_prompts: int = 240, max_tokens: int = 1024, concurrency: int = 256, keep_serving: bool = False,
              max_prompt_chars: int = 600,
              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the whole loop once and return the summary the README promises."""
@@ -68,6 +120,7 @@ def run_demo(n_prompts: int = 240, max_tokens: int = 128, concurrency: int = 256
     os.environ.setdefault("LEAP_MAX_TOKENS", str(max_tokens))
     os.environ.setdefault("LEAP_MIN_ROWS", str(max(50, n_prompts // 2)))
     os.environ.setdefault("LEAP_REPLAY_SLICE", str(max(8, n_prompts // 5)))
+    os.environ.setdefault("LEAP_FIT_ANCHOR", "champion")  # the challenger refines the snapshot's champion
 
     from flows import stack
     from flows.pipeline import fit_flow, gate_flow, ingest_flow, push_flow
@@ -77,10 +130,14 @@ def run_demo(n_prompts: int = 240, max_tokens: int = 128, concurrency: int = 256
     settings = PipelineSettings()
     os.environ.setdefault("LEAP_ENDPOINTS", f"http://{settings.stack_host}:{settings.admin_port}")
     settings = PipelineSettings()
+    say("registering the first champion, fitted on the committed corpus snapshot")
+    bootstrap = bootstrap_champion(settings.mlflow_tracking_uri, model, max_tokens, {p["id"] for p in prompts})
+    os.environ.setdefault("LEAP_REGISTRY_URI", settings.mlflow_tracking_uri)  # serving loads the champion
     was_running = stack.service_pid(settings.stack_dir, "serving") is not None
     say("starting the serving process (vLLM + LEAP)")
     stack.up(settings, ["serving"])
-    summary: dict[str, Any] = {"model": model.model_id, "model_fingerprint": model.fingerprint}
+    summary: dict[str, Any] = {"model": model.model_id, "model_fingerprint": model.fingerprint,
+                               "bootstrap": bootstrap}
     try:
         say(f"sending {len(prompts)} real prompts as traffic")
         base_url = f"http://{settings.stack_host}:{settings.serving_port}/v1"
@@ -105,13 +162,15 @@ def run_demo(n_prompts: int = 240, max_tokens: int = 128, concurrency: int = 256
             say("pushing and promoting the challenger")
             push = push_flow(version=fit["version"], name=fit["name"], promote=True)
         served = httpx.get(f"{admin}/leap/readout", timeout=30).json()
-        counts = LogStore(settings.duckdb_path).counts()
+        store = LogStore(settings.duckdb_path)
+        counts, capped = store.counts(), _capped_fraction(store)
     finally:
         if not keep_serving and not was_running:
             stack.down(settings, ["serving"])
     results = gate.get("results") or {}
     summary.update(
         ingested_rows=int(counts.get("requests", ingest.get("accepted", 0))),
+        max_tokens=max_tokens, capped_fraction=capped,
         quarantined_rows=int(counts.get("quarantine", ingest.get("quarantined", 0))),
         model_version=str(fit["version"]), registered_model=fit["name"],
         gate={policy: {"mean_ptl": figures.get("mean_ptl"), "p95_ptl": figures.get("p95_ptl")}
@@ -123,6 +182,13 @@ def run_demo(n_prompts: int = 240, max_tokens: int = 128, concurrency: int = 256
                   f"{settings.mlflow_sqlite_uri} --port 5000",
     )
     return summary
+
+
+def _capped_fraction(store: Any) -> float | None:
+    """Share of the ingested outputs that reached the budget (the demo keeps it near or below 10%)."""
+    reasons = store.finish_reasons()
+    total = sum(reasons.values())
+    return round(reasons.get("length", 0) / total, 4) if total else None
 
 
 def _served_version(push: dict) -> str | None:
