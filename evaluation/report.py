@@ -69,7 +69,9 @@ def _load(folder: Path) -> dict[str, list[dict]]:
     by_study: dict[str, list[dict]] = {}
     for path in sorted(folder.glob("*.json")):
         result = json.loads(path.read_text())
-        key = result.get("study", path.stem)
+        if "study" not in result:  # not a study's result (step-models.json)
+            continue
+        key = result["study"]
         if key == "live" and result.get("quick"):
             key = "live-quick"
         result["_name"] = path.stem

@@ -236,7 +236,9 @@ def section_load(result: dict, image: str) -> str:
         "## Simulated scheduling under load",
         "",
         f"End-to-end latency and per-token latency (PTL = latency / output tokens) of each decode policy in the "
-        f"step-loop simulator, calibrated on the live engine at the same R and K. {result['n_requests']} requests "
+        f"step-loop simulator at R = {result.get('max_resident', '?')}, K = {result.get('decode_slots', '?')}, with "
+        f"the step-time model calibrated on the live engine at that R and K ({result.get('step_model_source', '')}"
+        f"). {result['n_requests']} requests "
         f"per run drawn from a pool of {result['n_pool']} held-out prompts, Poisson arrivals at fractions of the "
         f"sustained FCFS capacity ({_g(result['capacity_rps'])} requests/s, {result['capacity_measure']}); "
         f"{result['seeds']} paired seeds (every policy replays the same draw), mean PTL with its 95% bootstrap "

@@ -151,6 +151,8 @@ def load(
     build: bool = BUILD,
 ) -> None:
     """Simulated replay at 0.7-0.95 of sustained capacity (and an overload), paired seeds, ratios with intervals."""
+    from dataclasses import asdict
+
     from evaluation.simulated import HEADLINE_LOAD
     from evaluation.studies import BASELINES, load_study, step_model_from
 
@@ -162,7 +164,8 @@ def load(
     result = load_study(train, tests, limit or None, chosen, steps, max_tokens, model, say, build,
                         n_requests=n_requests or (1000 if quick else 2000), seeds=seeds,
                         decode_slots=decode_slots, max_resident=max_resident, **options)
-    result.update(step_model_source=source, quick=quick)
+    result.update(step_model_source=source, step_model=asdict(steps), quick=quick,
+                  decode_slots=decode_slots, max_resident=max_resident)
     default = "load-quick" if quick else "load-" + "-".join(Path(t).stem for t in tests)
     _finish(result, "load", name or default, as_json, save)
 
