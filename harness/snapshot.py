@@ -20,6 +20,7 @@ import json
 import subprocess
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from harness.corpus import ALL_LAYERS, ENGINE_NUMERICS, Corpus
 ROOT = Path(__file__).resolve().parent.parent / "corpus"
 MANIFEST = "manifest.json"
 ROWS = "rows.parquet"
+PROMPTS = "prompts.parquet"
 FORMAT = 1
 
 # What the snapshot holds: every study's prompts (seeded samples, see evaluation.selections), at least
@@ -50,6 +52,51 @@ def snapshot_file(key: str, root: Path | None = None) -> Path | None:
 def read_manifest(root: Path | None = None) -> dict | None:
     path = (root or ROOT) / MANIFEST
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def write_prompts(ordered: dict[str, list[dict]], root: Path | None = None) -> dict:
+    """Store the snapshot's prompts (texts included) so a checkout without the shared folder selects the same
+    prompts and replays the same texts: `ordered[set]` is that set's prompts in the selections' seeded
+    order, kept as `rank`. Returns the manifest's record of the file (count per set and content hash)."""
+    rows = [{**{k: str(p.get(k) or "") for k in ("id", "set", "domain", "lang", "prompt")}, "rank": rank}
+            for name in sorted(ordered) for rank, p in enumerate(ordered[name])]
+    table = pa.table({name: [r[name] for r in rows] for name in ("id", "set", "domain", "lang", "prompt")}
+                     | {"rank": pa.array([r["rank"] for r in rows], pa.int32())})
+    folder = root or ROOT
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / (PROMPTS + ".tmp")
+    pq.write_table(table, tmp, compression="zstd")
+    tmp.rename(folder / PROMPTS)
+    digest = hashlib.sha256("\n".join(f"{r['set']}\t{r['rank']}\t{r['id']}\t{r['prompt']}" for r in rows).encode())
+    return {"file": PROMPTS, "per_set": {name: len(ordered[name]) for name in sorted(ordered)},
+            "content_hash": digest.hexdigest()}
+
+
+def read_prompts(name: str, root: Path | None = None) -> list[dict] | None:
+    """One set's stored prompts in the selections' seeded order, or None when the snapshot has none."""
+    path = (root or ROOT) / PROMPTS
+    if not path.is_file():
+        return None
+    table = pq.read_table(path, filters=[("set", "=", name)])
+    if not table.num_rows:
+        return None
+    rows = table.sort_by("rank").to_pylist()
+    return [{k: row[k] for k in ("id", "set", "domain", "lang", "prompt")} for row in rows]
+
+
+def stored_texts(root: Path | None = None) -> dict[str, str]:
+    """Every stored prompt's text by id (empty without stored prompts)."""
+    path = (root or ROOT) / PROMPTS
+    if not path.is_file():
+        return {}
+    table = pq.read_table(path, columns=["id", "prompt"])
+    return dict(zip(table.column("id").to_pylist(), table.column("prompt").to_pylist()))
+
+
+def skipped_ids(key: str, root: Path | None = None) -> set[str]:
+    """Prompt ids of a key the engine could not take (longer than its prompt limit), as the manifest records."""
+    manifest = read_manifest(root) or {"corpora": {}}
+    return set(manifest["corpora"].get(key, {}).get("skipped", []))
 
 
 def content_hash(corpus: Corpus) -> str:
@@ -92,20 +139,23 @@ def write_rows(corpus: Corpus, key: str, root: Path | None = None) -> Path:
     return folder / ROWS
 
 
-def corpus_entry(corpus: Corpus, selection: str) -> dict:
-    """The manifest's record of one key: layer, counts per set, the budget share reached, ids and hash."""
+def corpus_entry(corpus: Corpus, selection: str, skipped: Sequence[str] = ()) -> dict:
+    """The manifest's record of one key: layer, counts per set, the budget share reached, ids and hash, and
+    the selected ids the engine could not take (`skipped`, too long), so no build retries them."""
     sets, counts = np.unique(corpus.sets.astype(str), return_counts=True)
     order = np.argsort(corpus.ids.astype(str), kind="stable")
     return {"layer": "all" if corpus.layer == ALL_LAYERS else int(corpus.layer), "rows": len(corpus),
             "dim": int(corpus.features.shape[1]) if len(corpus) else 0, "selection": selection,
             "per_set": {str(s): int(c) for s, c in zip(sets, counts)},
             "capped_fraction": corpus.capped_fraction(),
-            "content_hash": content_hash(corpus), "ids": corpus.ids[order].astype(str).tolist()}
+            "content_hash": content_hash(corpus), "ids": corpus.ids[order].astype(str).tolist(),
+            "skipped": sorted(set(skipped))}
 
 
 def write_manifest(entries: dict[str, dict], model: Any, decoding: dict, max_tokens: int,
-                   root: Path | None = None) -> dict:
-    """Merge `entries` (key -> corpus_entry) into the manifest and write it; return the manifest."""
+                   root: Path | None = None, prompts: dict | None = None) -> dict:
+    """Merge `entries` (key -> corpus_entry) into the manifest and write it; return the manifest.
+    `prompts` is `write_prompts`' record of the stored prompt texts (kept from the old manifest if None)."""
     import vllm
 
     root = root or ROOT
@@ -113,12 +163,13 @@ def write_manifest(entries: dict[str, dict], model: Any, decoding: dict, max_tok
     corpora = {**old.get("corpora", {}), **entries}
     manifest = {
         "format": FORMAT,
-        "corpus_hash": manifest_hash(corpora),
+        "corpus_hash": manifest_hash(corpora, prompts if prompts is not None else old.get("prompts")),
         "model": {"model_id": model.model_id, "fingerprint": model.fingerprint, "num_layers": model.num_layers,
                   "hidden_size": model.hidden_size},
         "engine": {"numerics": ENGINE_NUMERICS, "vllm": vllm.__version__},
         "decoding": decoding, "max_tokens": int(max_tokens), "feature_dtype": "float16",
         "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit(),
+        "prompts": prompts if prompts is not None else old.get("prompts"),
         "corpora": corpora,
     }
     root.mkdir(parents=True, exist_ok=True)
@@ -128,9 +179,12 @@ def write_manifest(entries: dict[str, dict], model: Any, decoding: dict, max_tok
     return manifest
 
 
-def manifest_hash(corpora: dict[str, dict]) -> str:
-    """One hash for the whole snapshot: sha256 over `key:content_hash` lines in key order."""
+def manifest_hash(corpora: dict[str, dict], prompts: dict | None = None) -> str:
+    """One hash for the whole snapshot: sha256 over `key:content_hash` lines in key order, and the stored
+    prompt texts' hash when there are any."""
     lines = "\n".join(f"{key}:{corpora[key]['content_hash']}" for key in sorted(corpora))
+    if prompts:
+        lines += f"\nprompts:{prompts['content_hash']}"
     return hashlib.sha256(lines.encode()).hexdigest()[:16]
 
 

@@ -174,17 +174,19 @@ def _simulated_study(study: str, step_model: Optional[Path], max_tokens: int, mo
                      save: bool) -> None:
     from evaluation import studies
 
+    from dataclasses import asdict
+
     say = _say(as_json)
     steps, source = studies.step_model_from(step_model, max_tokens, model, say, save=save)
     result = getattr(studies, f"{study}_study")(steps, max_tokens, model, say)
-    result["step_model_source"] = source
+    result.update(step_model_source=source, step_model=asdict(steps), **studies.SIM_SHAPE)
     _finish(result, study, study, as_json, save)
 
 
 @eval_app.command("refresh")
 def refresh(step_model: Optional[Path] = STEP_MODEL, max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL,
             as_json: bool = JSON, save: bool = SAVE) -> None:
-    """Refreshing predictions during decode against countdown, for LEAP and the hidden-state MLP."""
+    """Refreshing the length estimate during decode against countdown, both measured in the engine."""
     _simulated_study("refresh", step_model, max_tokens, model, as_json, save)
 
 

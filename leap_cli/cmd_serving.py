@@ -119,7 +119,8 @@ def corpus_build(
                                               help="take --limit prompts in this seeded order instead of file order"),
     model: Optional[str] = typer.Option(None),
     snapshot: bool = typer.Option(
-        False, "--snapshot", help="build the committed snapshot's prompts (or --select) and rewrite corpus/"),
+        False, "--snapshot", help="build the committed snapshot's prompts, every-layer subset and the refresh study's decode "
+                    "states (or only --select), and rewrite corpus/"),
     select: Optional[str] = typer.Option(
         None, help="with --snapshot: selection NAME[:N],... to add (default: the snapshot's own)"),
     build: bool = typer.Option(True, "--build/--no-build",
@@ -138,7 +139,7 @@ def corpus_build(
 
         manifest = build_snapshot(select or snap.SELECTION, "" if select else snap.ALL_LAYERS_SELECTION,
                                   max_tokens, model, say=lambda m: console.print(f"[bold]corpus[/]: {m}"),
-                                  build=build)
+                                  build=build, decode_states=not select)
         emit({"corpus_hash": manifest["corpus_hash"], "folder": str(snap.ROOT),
               "corpora": {k: {n: v for n, v in e.items() if n != "ids"} for k, e in manifest["corpora"].items()}},
              as_json, "corpus")

@@ -8,9 +8,9 @@ vectorised, and a stretch of steps in which the selection cannot change (no requ
 is forced in by the waiting cap) is taken in one move, so a 20,000-request trace takes seconds.
 
 Optionally the predictions can be refreshed during decoding (the alternative to LEAP's one-shot
-countdown): every `refresh_every` generated tokens a resident request gets a new estimate of its
-remaining length, and the step pays `refresh_cost_s` per refreshed request. The estimate is modelled as
-the true remaining length times log-normal noise, `remaining * exp(refresh_sigma * z)`, z ~ N(0, 1).
+countdown): when a resident request's generated count reaches one of `refresh_at`, its estimate of the
+remaining length is replaced by a given one (measured: a readout applied to the decode state the engine
+captured at that point), and the step pays `refresh_cost_s` per refreshed request.
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ class StepTimeModel:
 class SimConfig:
     """Engine shape and policy. `predicted` passed to `simulate` orders countdown; the true lengths make the oracle.
 
-    Refresh (off when `refresh_every` is 0): after a step in which a request's generated count reaches a
-    multiple of `refresh_every`, its predicted total becomes generated + remaining * exp(refresh_sigma * z),
-    z drawn from a generator seeded with `refresh_seed`, and the step takes `refresh_cost_s` longer per
+    Refresh (off when `refresh_at` is empty): after a step in which a request's generated count reaches
+    `refresh_at[c]`, its predicted total becomes generated + `refreshed[request, c]` (the remaining length
+    estimated at that point; NaN keeps the countdown), and the step takes `refresh_cost_s` longer per
     refreshed request. The prefill prediction is never refreshed at admission.
     """
 
@@ -72,10 +72,8 @@ class SimConfig:
     policy: str = "countdown"
     max_prefill_tokens_per_step: int = 2048
     step_model: StepTimeModel = field(default_factory=StepTimeModel)
-    refresh_every: int = 0
+    refresh_at: tuple[int, ...] = ()
     refresh_cost_s: float = 0.0
-    refresh_sigma: float = 0.0
-    refresh_seed: int = 0
 
 
 @dataclass
@@ -123,11 +121,14 @@ class SimResult:
         }
 
 
-def simulate(arrival, prompt_tokens, output_tokens, predicted, config: SimConfig = SimConfig()) -> SimResult:
+def simulate(arrival, prompt_tokens, output_tokens, predicted, config: SimConfig = SimConfig(),
+             refreshed=None) -> SimResult:
     """Replay requests through the step loop and return when each got its first and last token.
 
     `predicted` is each request's predicted total output length; only countdown reads it (pass
-    `output_tokens` for the oracle). Every request needs at least one output token.
+    `output_tokens` for the oracle). Every request needs at least one output token. With
+    `config.refresh_at`, `refreshed` (n, len(refresh_at)) holds each request's remaining-length estimate
+    at each of those generated counts.
     """
     arrival = np.asarray(arrival, dtype=np.float64)
     prompt_tokens = np.asarray(prompt_tokens, dtype=np.int64)
@@ -142,11 +143,19 @@ def simulate(arrival, prompt_tokens, output_tokens, predicted, config: SimConfig
         raise ValueError("every request needs output_tokens >= 1")
     if config.max_resident < 1 or config.decode_slots < 1:
         raise ValueError("max_resident and decode_slots must be positive")
-    if config.refresh_every < 0 or config.refresh_cost_s < 0 or config.refresh_sigma < 0:
-        raise ValueError("refresh_every, refresh_cost_s and refresh_sigma must be >= 0")
+    refresh_at = np.asarray(config.refresh_at, dtype=np.int64).reshape(-1)
+    if refresh_at.size and (refresh_at.min() < 1 or np.any(np.diff(refresh_at) <= 0)):
+        raise ValueError("refresh_at must be increasing generated counts >= 1")
+    if config.refresh_cost_s < 0:
+        raise ValueError("refresh_cost_s must be >= 0")
+    if refresh_at.size:
+        refreshed = np.asarray(refreshed, dtype=np.float64) if refreshed is not None else None
+        if refreshed is None or refreshed.shape != (n, refresh_at.size):
+            raise ValueError(f"refresh_at needs refreshed estimates of shape ({n}, {refresh_at.size})")
 
     order = np.argsort(arrival, kind="stable")  # admission is FCFS, so work in arrival order
     arr, prompt, out, pred = arrival[order], prompt_tokens[order], output_tokens[order], predicted[order]
+    fresh = refreshed[order] if refresh_at.size else None
     first_token = np.full(n, np.nan)
     finish = np.full(n, np.nan)
     max_held = np.zeros(n, dtype=np.int64)
@@ -154,8 +163,7 @@ def simulate(arrival, prompt_tokens, output_tokens, predicted, config: SimConfig
     policy = make_policy(config.policy, k=config.decode_slots, waiting_cap=config.waiting_cap, aging=config.aging)
     model = config.step_model
     k, cap_resident, budget = config.decode_slots, config.max_resident, config.max_prefill_tokens_per_step
-    every = config.refresh_every
-    refresh_rng = np.random.default_rng(config.refresh_seed) if every else None
+    n_refresh = refresh_at.size
 
     # Resident requests as parallel arrays, kept in admission (= arrival) order.
     r_id = np.empty(0, dtype=np.int64)
@@ -204,8 +212,11 @@ def simulate(arrival, prompt_tokens, output_tokens, predicted, config: SimConfig
         if admitted == 0:
             dt = model.step_seconds(num_decodes, 0)
             jump = min(stable_steps, int((r_out - r_gen)[decoding].min()))
-            if every:  # stop at the first step after which a decoding request is due a refresh
-                jump = min(jump, int((every - r_gen % every)[decoding].min()))
+            if n_refresh:  # stop at the first step after which a decoding request is due a refresh
+                upcoming = np.searchsorted(refresh_at, r_gen[decoding], side="right")
+                due = upcoming < n_refresh
+                if due.any():
+                    jump = min(jump, int((refresh_at[upcoming[due]] - r_gen[decoding][due]).min()))
             if n_res < cap_resident and next_waiting < n:
                 jump = max(min(jump, int(np.ceil((arr[next_waiting] - now) / dt))), 1)
             now = now + jump * dt
@@ -216,14 +227,14 @@ def simulate(arrival, prompt_tokens, output_tokens, predicted, config: SimConfig
         r_gen = r_gen + jump * decoding
         r_held = advance_held_out(r_held, decoding, jump)
         r_max_held = np.maximum(r_max_held, r_held)
-        if every:
-            refreshed = decoding & (r_gen % every == 0) & (r_gen < r_out)
-            count = int(np.count_nonzero(refreshed))
-            if count:
-                remaining = (r_out[refreshed] - r_gen[refreshed]).astype(np.float64)
-                noise = np.exp(config.refresh_sigma * refresh_rng.standard_normal(count))
-                r_pred[refreshed] = r_gen[refreshed] + remaining * noise
-                now = now + count * config.refresh_cost_s  # the step's outputs arrive after the refresh
+        if n_refresh:
+            point = np.minimum(np.searchsorted(refresh_at, r_gen), n_refresh - 1)
+            hit = np.flatnonzero(decoding & (refresh_at[point] == r_gen) & (r_gen < r_out))
+            estimate = fresh[r_id[hit], point[hit]] if hit.size else np.empty(0)
+            hit, estimate = hit[np.isfinite(estimate)], estimate[np.isfinite(estimate)]
+            if hit.size:
+                r_pred[hit] = r_gen[hit] + estimate
+                now = now + hit.size * config.refresh_cost_s  # the step's outputs arrive after the refresh
 
         if admitted:
             new = slice(next_waiting, admit_end)

@@ -9,11 +9,11 @@ from leap_core.policy import make_policy
 from leap_core.simulator import SimConfig
 
 
-def reference_simulate(arrival, prompt, out, predicted, config: SimConfig):
+def reference_simulate(arrival, prompt, out, predicted, config: SimConfig, refreshed=None):
     """(first token time, finish time, most consecutive steps held out) per request."""
     n = len(arrival)
     predicted = np.array(predicted, dtype=float)
-    rng = np.random.default_rng(config.refresh_seed)
+    points = list(config.refresh_at)
     order = sorted(range(n), key=lambda i: (arrival[i], i))
     policy = make_policy(config.policy, config.decode_slots, config.waiting_cap, config.aging)
     first, finish, max_held = np.full(n, np.nan), np.full(n, np.nan), np.zeros(n, dtype=int)
@@ -32,7 +32,7 @@ def reference_simulate(arrival, prompt, out, predicted, config: SimConfig):
             admitted.append(request)
             prefill += prompt[request]
             next_pos += 1
-        decoded = refreshed = 0
+        decoded = n_refreshed = 0
         if resident:
             chosen = set(policy.select(predicted[resident], np.array([generated[r] for r in resident]),
                                        np.array([held[r] for r in resident]), arrival[resident]).tolist())
@@ -41,16 +41,14 @@ def reference_simulate(arrival, prompt, out, predicted, config: SimConfig):
                     generated[request] += 1
                     held[request] = 0
                     decoded += 1
-                    every = config.refresh_every
-                    if every and generated[request] % every == 0 and generated[request] < out[request]:
-                        remaining = out[request] - generated[request]
-                        predicted[request] = generated[request] + remaining * np.exp(
-                            config.refresh_sigma * rng.standard_normal())
-                        refreshed += 1
+                    g = generated[request]
+                    if g in points and g < out[request] and np.isfinite(refreshed[request][points.index(g)]):
+                        predicted[request] = g + refreshed[request][points.index(g)]
+                        n_refreshed += 1
                 else:
                     held[request] += 1
                     max_held[request] = max(max_held[request], held[request])
-        now += config.step_model.step_seconds(decoded, prefill) + refreshed * config.refresh_cost_s
+        now += config.step_model.step_seconds(decoded, prefill) + n_refreshed * config.refresh_cost_s
         for request in admitted:
             first[request] = now
             generated[request], held[request] = 1, 0

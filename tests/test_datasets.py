@@ -131,6 +131,8 @@ def test_default_prompts_from_the_package():
     assert len(prompts) == 300
     assert all(set(PROMPT_KEYS) <= set(row) and row["prompt"] == row["prompt"].strip() for row in prompts)
     assert len({row["prompt"] for row in prompts}) == 300
+    # the package numbers ShareGPT its own way: its ids never name a shared-folder prompt
+    assert all(row["id"].startswith("sharegpt-pkg-") for row in prompts)
     if SHARED is not None and (SHARED / "data" / "prompts" / "sharegpt.jsonl").is_file():
         shared = load_prompts(SHARED / "data" / "prompts" / "sharegpt.jsonl", limit=300)
         assert [row["prompt"] for row in prompts] == [row["prompt"] for row in shared]

@@ -185,7 +185,7 @@ def test_eval_transfer_command_takes_any_prompt_file(all_layers, prompt_file):
 def test_simulated_studies_on_the_small_real_corpus(all_layers, prompt_file):
     from evaluation.corpora import load_or_build
     from evaluation.data import length_data
-    from evaluation.simulated import run_load, run_refresh, run_tail
+    from evaluation.simulated import run_load, run_tail
     from evaluation.transfer import fit_leap
     from leap_core.simulator import StepTimeModel
     from harness.datasets import load_prompts
@@ -201,9 +201,36 @@ def test_simulated_studies_on_the_small_real_corpus(all_layers, prompt_file):
     oracle, fcfs = load["table"]["1.2"]["oracle"]["mean_ptl"], load["table"]["1.2"]["fcfs"]["mean_ptl"]
     assert oracle <= fcfs
     assert set(load["ratios"]) == {"leap_over_fcfs", "leap_over_oracle"}  # no baseline given
-    refresh = run_refresh(pool.prompt_tokens, pool.lengths, predicted, steps, {"leap": 0.001}, n_requests=60,
-                          repeats=1, decode_slots=2)
-    assert {row["mode"] for row in refresh["rows"]} >= {"countdown", "refresh"}
-    tail = run_tail(pool.prompt_tokens, pool.lengths, predicted["leap"], steps, n_requests=60, repeats=1,
+    tail = run_tail(pool.prompt_tokens, pool.lengths, predicted["leap"], steps, n_requests=60, seeds=2,
                     decode_slots=2)
     assert len(tail["cap"]) == 6 and len(tail["aging"]) == 4
+
+
+def test_decode_states_hold_the_remaining_length_at_each_checkpoint(home, prompt_file):
+    """Two passes through the real engine: each prompt's output, then the state after g generated tokens."""
+    from evaluation.corpora import load_or_build_decode_states
+    from harness.datasets import load_prompts
+    from harness.decode_states import CHECKPOINTS, checkpoint_matrix, split_ids
+
+    prompts = load_prompts(prompt_file)[:6]
+    rows = load_or_build_decode_states(prompts, M)
+    owners, generated = split_ids(rows.ids)
+    index, has_prefill = checkpoint_matrix(rows, [p["id"] for p in prompts])
+    assert has_prefill.all()
+    reached = [g for g in CHECKPOINTS if g < M]
+    assert reached == [16, 32]
+    for k, prompt in enumerate(prompts):
+        first = index[k, 0]
+        total, prompt_tokens = int(rows.output_tokens[first]), int(rows.prompt_tokens[first])
+        for c, g in enumerate(CHECKPOINTS):
+            at = index[k, c + 1]
+            assert (at >= 0) == (g < total)  # a state for every checkpoint the output reached, none past it
+            if at >= 0:
+                assert rows.output_tokens[at] == total - g and rows.prompt_tokens[at] == prompt_tokens + g
+                assert rows.finish_reasons[at] == rows.finish_reasons[first]
+                assert not np.allclose(rows.features[at], rows.features[first])
+    assert np.isfinite(rows.features).all() and len(set(rows.ids.tolist())) == len(rows)
+    assert (index[:, 1] >= 0).any()  # some output reached 16 tokens: the test exercised a checkpoint
+    # resumable: everything is recorded, so nothing is rebuilt and the same rows come back
+    again = load_or_build_decode_states(prompts, M, build=False)
+    assert sorted(again.ids.tolist()) == sorted(rows.ids.tolist())

@@ -116,7 +116,12 @@ def test_the_committed_snapshot_matches_its_manifest(tmp_path, monkeypatch):
     if manifest is None:
         pytest.skip("no committed snapshot in this checkout")
     monkeypatch.setattr(corpus_module, "READ", {})
-    assert manifest["corpus_hash"] == snapshot.manifest_hash(manifest["corpora"])
+    assert manifest["corpus_hash"] == snapshot.manifest_hash(manifest["corpora"], manifest.get("prompts"))
+    if manifest.get("prompts"):
+        stored = {name: snapshot.read_prompts(name) for name in manifest["prompts"]["per_set"]}
+        assert {name: len(rows) for name, rows in stored.items()} == manifest["prompts"]["per_set"]
+        assert snapshot.write_prompts(stored, tmp_path / "rewritten")["content_hash"] == \
+            manifest["prompts"]["content_hash"]
     for key, entry in manifest["corpora"].items():
         empty = tmp_path / key
         empty.mkdir()
@@ -125,3 +130,38 @@ def test_the_committed_snapshot_matches_its_manifest(tmp_path, monkeypatch):
         assert len(rows) == entry["rows"] and sorted(rows.ids.tolist()) == entry["ids"]
         assert snapshot.content_hash(rows) == entry["content_hash"]
         assert rows.features.shape[1] == entry["dim"]
+
+
+def test_stored_prompts_keep_the_seeded_order_and_select_without_the_shared_folder(root, monkeypatch):
+    from evaluation import selections
+
+    ordered = {"sharegpt": [{"id": f"sharegpt-{i}", "set": "sharegpt", "domain": "chat", "lang": "en",
+                             "prompt": f"text {i}"} for i in (7, 2, 9, 4)],
+               "arena_hard": [{"id": "a1", "set": "arena_hard", "domain": "chat", "lang": "en", "prompt": "x"}]}
+    record = snapshot.write_prompts(ordered)
+    assert record["per_set"] == {"arena_hard": 1, "sharegpt": 4}
+    assert [p["id"] for p in snapshot.read_prompts("sharegpt")] == ["sharegpt-7", "sharegpt-2", "sharegpt-9",
+                                                                     "sharegpt-4"]
+    assert snapshot.read_prompts("math") is None
+    assert snapshot.stored_texts()["sharegpt-9"] == "text 9"
+    monkeypatch.setenv("LEAP_SHARED", str(root / "absent"))
+    chosen = selections.select("sharegpt:2,arena_hard:1", exclude={"sharegpt-7"})
+    assert [p["id"] for p in chosen] == ["sharegpt-2", "sharegpt-9", "a1"]
+    assert chosen[0]["prompt"] == "text 2"
+    with pytest.raises(FileNotFoundError, match="stores 4 prompts of 'sharegpt'"):
+        selections.select("sharegpt:5")
+    # the prompts' hash enters the snapshot's hash
+    assert snapshot.manifest_hash({}, record) != snapshot.manifest_hash({})
+
+
+def test_prompts_the_engine_could_not_take_are_not_retried(root, tmp_path):
+    key = "L3-M100-skip"
+    rows = _corpus(2)
+    entry = snapshot.corpus_entry(rows, "a:3", skipped=["long-1"])
+    manifest = {"corpora": {key: entry}}
+    root.mkdir(parents=True)
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    snapshot.write_rows(rows, key)
+    cache = tmp_path / "cache" / key
+    cache.mkdir(parents=True)
+    assert corpus_module.missing_ids(cache, 3, 100, ["p0", "p1", "long-1", "new"]) == ["new"]
