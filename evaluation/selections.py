@@ -17,7 +17,9 @@ DOMAINS = {
     "math": ("math", "gsm8k"),
     "multilingual": ("mgsm", "llmzoo", "mtbench_x", "alpaca_zh"),
 }
-CHAT_TRAIN = "sharegpt:500,arena_hard:100"
+# The chat training window: 1,500 ShareGPT prompts (held-out Spearman rises with it: 0.554 at 500, 0.579 at
+# 1,000, 0.594 at 1,500 rows on 700 held-out rows of the snapshot) and 100 Arena-Hard ones.
+CHAT_TRAIN = "sharegpt:1500,arena_hard:100"
 SEED = 0
 
 

@@ -25,7 +25,7 @@ from leap_io.jsonable import dumps
 from leap_io.paths import sub_dir
 
 BASELINES = ("prompt_length", "minilm_ridge", "minilm_finetuned", "minilm_ltr", "trail_mlp")
-CHAT_TEST = "sharegpt:1000"  # held out from CHAT_TRAIN: the snapshot holds 2,170 ShareGPT rows
+CHAT_TEST = "sharegpt:1000"  # held out from CHAT_TRAIN, within the snapshot's 3,000 ShareGPT prompts
 Say = Callable[[str], None]
 
 
@@ -127,11 +127,14 @@ def step_model_from(path: Path | None, max_tokens: int, model: str | None, say: 
 def record_step_model(decode_slots: int, max_resident: int, step_model: dict, fit: dict,
                       path: Path | None = None) -> None:
     """Keep a calibration (the live study's, or one made for a simulation) under its `K<k>-R<r>`."""
-    from harness.snapshot import git_commit
+    from harness.snapshot import provenance
 
     path = path or STEP_MODELS
     saved = json.loads(path.read_text()) if path.exists() else {}
-    saved[f"K{decode_slots}-R{max_resident}"] = {"step_model": step_model, "fit": fit, "commit": git_commit()}
+    source = provenance()
+    saved[f"K{decode_slots}-R{max_resident}"] = {"step_model": step_model, "fit": fit, "commit": source["commit"],
+                                                 "corpus_hash": source["corpus_hash"]}
+    saved["corpus_hash"] = source["corpus_hash"]  # the snapshot the latest calibration's prompts came from
     path.write_text(dumps(saved, indent=1, sort_keys=True) + "\n")
 
 
