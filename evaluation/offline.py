@@ -339,7 +339,9 @@ def _footer(result: dict, title: str, image: str) -> list[str]:
     lines = []
     for name, goal in result.get("goals", {}).items():
         verdict = "met" if goal["met"] else "not met"
-        lines.append(f"Goal {name}: {goal['target']}; measured {_fmt(goal['measured'], '.3g')}: **{verdict}**.")
+        interval = (f" [{_fmt(goal['ci'][0], '.3g')}, {_fmt(goal['ci'][1], '.3g')}]" if goal.get("ci") else "")
+        lines.append(f"Goal {name}: {goal['target']}; measured {_fmt(goal['measured'], '.3g')}{interval}: "
+                     f"**{verdict}**.")
     if lines:
         lines.append("")
     lines.append(f"![{title}]({image})")
