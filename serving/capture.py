@@ -15,21 +15,27 @@ has computed) finds with a few numpy operations the requests whose prompt ends i
 prefill is covered because a chunk that does not reach the prompt's end is skipped. On an accelerator
 the rows are copied into pinned host memory without blocking, and a helper thread waits for the copy,
 so the step never synchronizes with the device for LEAP.
+
+With refresh on (`LeapConfig.refresh_at`, aux-state route only), the same step also yields the decode
+rows of requests that have generated a checkpoint's number of tokens (`decode_checkpoint_rows`); they
+travel as refresh messages, a kind of their own, and re-estimate the request's remaining length.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import zmq
 
 from serving import vllm_compat
+from serving.receiver import refresh_message
 
 logger = logging.getLogger(__name__)
 
@@ -70,26 +76,55 @@ def prompt_end_rows(num_computed: np.ndarray, num_prompt: np.ndarray, query_star
     return index, rows
 
 
+def decode_checkpoint_rows(num_computed: np.ndarray, num_prompt: np.ndarray, query_start: np.ndarray,
+                           checkpoints: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(request indices, flattened row indices, generated counts g) of this batch's decode rows at a checkpoint.
+
+    `num_computed` counts every computed token of a request, prompt and output, before this step. A
+    decode step schedules one token, at position num_computed = P + g - 1: its input is the g-th
+    generated token, so its state is the one `harness/decode_states.py` records for g, and
+    g = num_computed - P + 1. Only one-token steps past the prompt qualify: a prefill chunk (even one
+    token long, which ends at g = 0) and a multi-token step (speculative drafts, a recomputation after
+    preemption) are never selected.
+    """
+    scheduled = np.diff(query_start)
+    generated = num_computed - num_prompt + 1
+    hits = (scheduled == 1) & (num_computed >= num_prompt) & np.isin(generated, np.asarray(checkpoints))
+    index = np.flatnonzero(hits)
+    return index, query_start[index], generated[index]
+
+
+class LocalReceiver(Protocol):
+    """What a receiver bound in this process takes: a step's prefill features and its refresh rows."""
+
+    def deliver_local(self, request_ids: list[str], features: np.ndarray) -> None: ...
+
+    def deliver_refresh_local(self, request_ids: list[str], generated: np.ndarray, features: np.ndarray) -> None: ...
+
+
 # Receivers bound in this process, by channel address. With one device the worker runs inside the
 # engine-core process (vLLM's UniProcExecutor, in-process engines too), and the scheduler's receiver is
 # here: features are then handed over in the step itself instead of through a socket and two threads, so
 # a linear readout's prediction is ready before the request's first decode.
-_local_receivers: dict[str, Callable[[list[str], np.ndarray], None]] = {}
+_local_receivers: dict[str, LocalReceiver] = {}
 
 
-def register_local_receiver(address: str, deliver: Callable[[list[str], np.ndarray], None]) -> None:
-    _local_receivers[address] = deliver
+def register_local_receiver(address: str, receiver: LocalReceiver) -> None:
+    _local_receivers[address] = receiver
 
 
-def unregister_local_receiver(address: str, deliver: Callable[[list[str], np.ndarray], None]) -> None:
-    if _local_receivers.get(address) == deliver:  # bound methods are equal, never identical
+def unregister_local_receiver(address: str, receiver: LocalReceiver) -> None:
+    if _local_receivers.get(address) is receiver:
         del _local_receivers[address]
 
 
 class FeatureSender:
     """Sends (request id, float32 vector) pairs to the scheduler's receiver; never blocks the forward pass.
 
-    In-process receivers get the whole batch by a call; others a ZeroMQ message per request.
+    In-process receivers get the whole batch by a call; others a ZeroMQ message per request, whose
+    send queue is bounded (`SNDHWM`): what does not fit is dropped and counted. Prefill features and
+    refresh rows (`send_refresh`) are counted apart, so `sent`, `local` and `dropped` stay the prefill
+    counts they always were.
     """
 
     def __init__(self, address: str) -> None:
@@ -102,13 +137,15 @@ class FeatureSender:
         self.sent = 0
         self.dropped = 0
         self.local = 0
+        self.refresh_sent = 0
+        self.refresh_dropped = 0
 
     def send(self, request_ids: list[str], features: np.ndarray) -> None:
         features = np.ascontiguousarray(features, dtype=np.float32)
         local = _local_receivers.get(self.address)
         if local is not None:
             try:
-                local(list(request_ids), features)
+                local.deliver_local(list(request_ids), features)
                 self.sent += len(request_ids)
                 self.local += len(request_ids)
             except Exception:  # the receiver counts what it rejects; this is only a last guard
@@ -123,14 +160,39 @@ class FeatureSender:
             except zmq.Again:
                 self.dropped += 1
 
+    def send_refresh(self, request_ids: list[str], generated: np.ndarray, features: np.ndarray) -> None:
+        """Send decode-state rows, each with the generated count g it was captured at, as refresh messages."""
+        features = np.ascontiguousarray(features, dtype=np.float32)
+        generated = np.asarray(generated, dtype=np.int64)
+        local = _local_receivers.get(self.address)
+        if local is not None:
+            try:
+                local.deliver_refresh_local(list(request_ids), generated, features)
+                self.refresh_sent += len(request_ids)
+            except Exception:  # the receiver counts what it rejects; this is only a last guard
+                logger.exception("LEAP capture: in-process refresh delivery failed; %d rows lost", len(request_ids))
+                self.refresh_dropped += len(request_ids)
+            return
+        for request_id, g, row in zip(request_ids, generated, features):
+            try:
+                self._socket.send_multipart(refresh_message(request_id, int(g), row), flags=zmq.NOBLOCK)
+                self.refresh_sent += 1
+            except zmq.Again:
+                self.refresh_dropped += 1
+
+
+COPY_QUEUE_MAX = 1024  # steps whose device-to-host copies may wait for the copy thread at once
+
 
 class RowSink:
-    """Selects the prompt-end rows of one step from a [tokens, hidden] state and sends them, never blocking."""
+    """Selects the prompt-end (and checkpoint decode) rows of one step from a [tokens, hidden] state and
+    sends them, never blocking."""
 
     def __init__(self, sender: FeatureSender) -> None:
         self.sender = sender
         self.captured = 0
-        self._copies: queue.SimpleQueue | None = None
+        self.refreshes = 0
+        self._copies: queue.Queue | None = None
 
     def prompt_end(self, runner: Any) -> tuple[list[str], np.ndarray] | None:
         """(request ids, flattened rows) of the requests whose prompt ends in this step, or None."""
@@ -142,34 +204,67 @@ class RowSink:
             return None
         return [req_ids[i] for i in index], rows
 
+    def decode_checkpoints(self, runner: Any, checkpoints: Sequence[int]
+                           ) -> tuple[list[str], np.ndarray, np.ndarray] | None:
+        """(request ids, generated counts, flattened rows) of the decodes at a checkpoint this step, or None."""
+        req_ids, num_computed, num_prompt, query_start = vllm_compat.step_decode_layout(runner)
+        if len(req_ids) == 0:
+            return None
+        index, rows, generated = decode_checkpoint_rows(np.asarray(num_computed), np.asarray(num_prompt),
+                                                        np.asarray(query_start), checkpoints)
+        if index.size == 0:
+            return None
+        return [req_ids[i] for i in index], generated, rows
+
     def send(self, ids: list[str], states: list[torch.Tensor], rows: np.ndarray) -> None:
         """Concatenate `states[k][rows]` along features and send one vector per request."""
+        self.captured += len(ids)
+        self._ship(states, rows, functools.partial(self.sender.send, ids), self._count_lost_features)
+
+    def send_refresh(self, ids: list[str], generated: np.ndarray, states: list[torch.Tensor],
+                     rows: np.ndarray) -> None:
+        """Like `send`, for decode rows: each vector goes with the generated count it was captured at."""
+        self.refreshes += len(ids)
+        self._ship(states, rows, functools.partial(self.sender.send_refresh, ids, generated),
+                   self._count_lost_refreshes)
+
+    def _ship(self, states: list[torch.Tensor], rows: np.ndarray, deliver: Callable[[np.ndarray], None],
+              lost: Callable[[int], None]) -> None:
+        """Hand `states[k][rows]` to `deliver` on the host; on a device, after a copy that never blocks the step."""
         row_index = torch.from_numpy(rows).to(states[0].device, non_blocking=True)
         parts = [state.index_select(0, row_index) for state in states]
         selected = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).float()
-        self.captured += len(ids)
         if selected.device.type == "cpu":
-            self.sender.send(ids, selected.numpy())
+            deliver(selected.numpy())
             return
         host = torch.empty(selected.shape, dtype=torch.float32, pin_memory=True)
         host.copy_(selected, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         if self._copies is None:
-            self._copies = queue.SimpleQueue()
+            self._copies = queue.Queue(maxsize=COPY_QUEUE_MAX)
             threading.Thread(target=self._send_copies, name="leap-capture-copy", daemon=True).start()
-        self._copies.put((done, host, ids))
+        try:
+            self._copies.put_nowait((done, host, deliver, lost))
+        except queue.Full:
+            lost(len(rows))
+
+    def _count_lost_features(self, count: int) -> None:
+        self.sender.dropped += count
+
+    def _count_lost_refreshes(self, count: int) -> None:
+        self.sender.refresh_dropped += count
 
     def _send_copies(self) -> None:
         assert self._copies is not None
         while True:
-            done, host, ids = self._copies.get()
+            done, host, deliver, lost = self._copies.get()
             try:
                 done.synchronize()
-                self.sender.send(ids, host.numpy())
+                deliver(host.numpy())
             except Exception:  # one failed copy must not end the thread that serves every request
-                logger.exception("LEAP capture copy failed; %d features lost", len(ids))
-                self.sender.dropped += len(ids)
+                logger.exception("LEAP capture copy failed; %d rows lost", len(host))
+                lost(len(host))
 
 
 def checked_layers(layer: int | list[int], num_layers: int) -> list[int]:
@@ -184,6 +279,7 @@ class _LayerCapture:
     """What both routes share: the layers captured (sorted, in range) and the sink their rows go to."""
 
     method = ""
+    refresh_at: tuple[int, ...] = ()  # generated counts whose decode states are sent (the aux route only)
 
     def __init__(self, runner: Any, layer: int | list[int], sender: FeatureSender) -> None:
         self.runner = runner
@@ -207,25 +303,35 @@ class AuxStateCapture(_LayerCapture):
     Aux index L + 1 is the stream after decoder layer L (vLLM adds `hidden + residual` after each listed
     index), i.e. transformers' `hidden_states[L + 1]`. With several layers the model returns them in
     index order and one vector per request is their concatenation, `len(layers) * hidden_size` long.
+
+    `refresh_at` (generated counts, empty for none) also sends, as refresh rows, the decode states of
+    requests that reach one of those counts in a step.
     """
 
     method = "aux_hidden_states"
 
-    def __init__(self, runner: Any, layer: int | list[int], sender: FeatureSender) -> None:
+    def __init__(self, runner: Any, layer: int | list[int], sender: FeatureSender,
+                 refresh_at: Sequence[int] = ()) -> None:
         super().__init__(runner, layer, sender)
+        self.refresh_at = tuple(int(g) for g in refresh_at)
         vllm_compat.enable_aux_hidden_states(runner, tuple(index + 1 for index in self.layers))
         vllm_compat.after_each_forward(runner, self._after_forward)
 
     def _after_forward(self, runner: Any) -> None:
         try:
             found = self.sink.prompt_end(runner)
-            if found is None:
+            refresh = self.sink.decode_checkpoints(runner, self.refresh_at) if self.refresh_at else None
+            if found is None and refresh is None:
                 return
             states = vllm_compat.step_aux_states(runner)
             if not states:
                 return
-            ids, rows = found
-            self.sink.send(ids, list(states), rows)
+            if found is not None:
+                ids, rows = found
+                self.sink.send(ids, list(states), rows)
+            if refresh is not None:
+                ids, generated, rows = refresh
+                self.sink.send_refresh(ids, generated, list(states), rows)
         except Exception:  # never fail the engine's step for LEAP: the request is served without a prediction
             logger.exception("LEAP capture failed for one step")
             self.sink.sender.dropped += 1

@@ -14,16 +14,18 @@ remaining length) and where the predicted length comes from (`length_source`):
 - "client": countdown on the length the client predicted (`leap_predicted_length`);
 - a name registered with `register_predictor_policy` (the evaluation heads served with
   `LeapRuntime.serve_predictor`): like "leap", with its name recorded in the feedback rows.
+
+Refresh (`refresh_at` with `refresh_readout_path`, serving/refresh.py) is off unless both are set.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 POLICIES = ("fcfs", "leap", "oracle", "client")
 _PREDICTOR_POLICIES: set[str] = set()
@@ -78,6 +80,29 @@ class LeapConfig(BaseSettings):
                                                            "late features and predictions")
     orphan_ttl_s: float = Field(120.0, gt=0.0, description="how long a feature or prediction may wait for its "
                                                            "request to become resident")
+    # NoDecode: the environment gives "16,32,64", not JSON; `_checkpoints_from_text` parses it
+    refresh_at: Annotated[tuple[int, ...], NoDecode] = Field(
+        (), description="generated counts at which a decoding request's remaining length is re-estimated "
+                        "(LEAP_REFRESH_AT=16,32,64); empty: countdown on the prefill prediction only")
+    refresh_readout_path: str | None = Field(None, description="leap_core readout fitted on decode states to the "
+                                                               "remaining length, at the serving layer")
+
+    @field_validator("refresh_at", mode="before")
+    @classmethod
+    def _checkpoints_from_text(cls, value: Any) -> Any:
+        """"16,32,64" (the environment's form) as a sequence; other forms go to pydantic unchanged."""
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @field_validator("refresh_at")
+    @classmethod
+    def _increasing_checkpoints(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(g < 1 for g in value):
+            raise ValueError(f"refresh_at counts generated tokens and must be >= 1, got {value}")
+        if any(later <= earlier for earlier, later in zip(value, value[1:])):
+            raise ValueError(f"refresh_at must be strictly increasing, got {value}")
+        return value
 
     @field_validator("policy")
     @classmethod
@@ -97,6 +122,11 @@ class LeapConfig(BaseSettings):
         if self.policy in ("fcfs", "oracle", "client"):
             return "none" if self.policy == "fcfs" else self.policy
         return "predicted"
+
+    @property
+    def refresh_configured(self) -> bool:
+        """Whether both refresh settings are given; the runtime still checks the readout before it serves."""
+        return bool(self.refresh_at) and bool(self.refresh_readout_path)
 
     def token(self) -> str | None:
         if self.admin_token:

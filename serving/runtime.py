@@ -6,7 +6,9 @@
 - `CaptureReceiver` (serving/receiver.py): captured features from the workers, validated;
 - `FeedbackRecorder` (serving/recorder.py): one row per finished request for the writer and listeners;
 - a `leap_core.policy.DecodePolicy`: which decode candidates run this step;
-- `Telemetry` (serving/telemetry.py): the Prometheus registry and the drop / error counts.
+- `Telemetry` (serving/telemetry.py): the Prometheus registry and the drop / error counts;
+- a `Refresher` (serving/refresh.py), only when refresh is configured and its readout fits: decode
+  states at the `refresh_at` checkpoints -> refreshed predicted totals.
 
 `LeapRuntime` wires them and holds the three scheduler hooks: `before_schedule` chooses which resident
 requests decode this step, `after_schedule` counts who actually ran, `on_finished` writes feedback and
@@ -44,6 +46,7 @@ from serving.predictor import PredictorService
 from serving.readout_service import ReadoutService
 from serving.receiver import CaptureReceiver
 from serving.recorder import FeedbackRecorder
+from serving.refresh import Refresher, RefreshReadoutError, load_refresh_readout
 from serving.supervise import RateLimitedLog
 from serving.telemetry import Telemetry
 from serving.tracking import RequestTracker, Tracked
@@ -82,6 +85,7 @@ class Counters:
     max_held_out: int = 0
     steps: int = 0
     schedule_s: float = 0.0
+    refreshed: int = 0
 
 
 class LeapRuntime:
@@ -110,10 +114,13 @@ class LeapRuntime:
         self.recorder = FeedbackRecorder(self._feedback_writer(), self.model_id, self.fingerprint, self.layer,
                                          self.telemetry)
         self.policy: DecodePolicy = self._make_policy()
+        self.refresh_error: str | None = None
+        self.refresher: Refresher | None = self._make_refresher()
         self.readouts.start()
         sizes = (self.dim * self.num_layers,) if self.config.capture_all_layers else (self.dim,)
         self.receiver = CaptureReceiver(channel_address(vllm_config, self.config), sizes, self._on_feature,
-                                        self.telemetry, deliver_batch=self._on_features_in_step).start()
+                                        self.telemetry, deliver_batch=self._on_features_in_step,
+                                        deliver_refresh=self._on_refresh).start()
         self.admin = None
         if self.config.admin_port is not None:
             from serving.admin import AdminServer
@@ -145,6 +152,25 @@ class LeapRuntime:
     def _make_policy(self) -> DecodePolicy:
         c = self.config
         return make_policy(c.decode_order, k=c.decode_slots, waiting_cap=c.waiting_cap, aging=c.aging)
+
+    def _make_refresher(self) -> Refresher | None:
+        """The refresh readout when both refresh settings are given and it fits; else None (logged why)."""
+        c = self.config
+        if not c.refresh_configured:
+            if c.refresh_at or c.refresh_readout_path:
+                self.refresh_error = "refresh needs both refresh_at and refresh_readout_path"
+                logger.warning("LEAP refresh is off: %s", self.refresh_error)
+            return None
+        try:
+            readout = load_refresh_readout(c.refresh_readout_path, self._expect())
+        except RefreshReadoutError as exc:
+            self.refresh_error = str(exc)
+            logger.error("LEAP refresh is off, decodes keep the countdown: %s", exc)
+            return None
+        refresher = Refresher(readout, c.refresh_at)
+        logger.info("LEAP refreshes remaining lengths at %s generated tokens with readout %s",
+                    list(refresher.checkpoints), refresher.version)
+        return refresher
 
     # -- the parts, under the names other code uses ---------------------------------------------
     @property
@@ -201,12 +227,26 @@ class LeapRuntime:
         if kept:
             self.readouts.predict_in_step([rid for rid, _ in kept], [f for _, f in kept])
 
+    def _on_refresh(self, request_ids: list[str], generated: np.ndarray, states: list[np.ndarray]) -> None:
+        """Decode states at a checkpoint (in the step, or from the receiver thread): refresh their totals."""
+        refresher = self.refresher
+        if refresher is None:  # the worker captured them, but this runtime refused the refresh readout
+            self.telemetry.drop("refresh", "refresh_off", len(request_ids))
+            return
+        totals = refresher.predicted_totals(generated, np.stack([self.serving_slice(s) for s in states]))
+        applied = self.tracker.refresh(request_ids, generated, totals)
+        self.counters.refreshed += applied
+        self.telemetry.refreshes.inc(applied)
+
     # -- scheduler hooks -----------------------------------------------------------------------
     def _predicted_total(self, request: Any, entry: Tracked, source: str) -> float:
+        """The total length a request is ordered by: the latest refresh, where LEAP's own prediction is used."""
         if source == "oracle":
             value = entry.oracle
         elif source == "client" and entry.client_prediction is not None:
             value = entry.client_prediction
+        elif entry.refreshed_total is not None:
+            value = entry.refreshed_total
         else:
             value = self.tracker.predictions.get(request.request_id)
         return value if value is not None else float(request.max_tokens)
@@ -376,9 +416,16 @@ class LeapRuntime:
             "model_id": self.model_id, "model_fingerprint": self.fingerprint,
             "target": getattr(readout, "target", None), "max_tokens": getattr(readout, "max_tokens", None),
             "readout": {k: v for k, v in meta.items() if isinstance(v, (str, int, float, bool))},
-            **self.readouts.describe(), "rls": self.learner.stats(), "stats": self.stats(),
-            "healthy": self.health()["healthy"],
+            **self.readouts.describe(), "rls": self.learner.stats(), "refresh": self.describe_refresh(),
+            "stats": self.stats(), "healthy": self.health()["healthy"],
         }
+
+    def describe_refresh(self) -> dict:
+        """Whether refresh serves, at which generated counts, with which readout, or why it does not."""
+        refresher = self.refresher
+        return {"active": refresher is not None, "at": list(self.config.refresh_at),
+                "version": refresher.version if refresher is not None else None, "error": self.refresh_error,
+                "refreshed": self.counters.refreshed}
 
     def health(self) -> dict:
         """Liveness of every LEAP thread, and what LEAP dropped; `healthy` is False if a thread is down.
@@ -401,7 +448,7 @@ class LeapRuntime:
                 "missed": c.missed, "waited_s": c.waited_s, "max_steps_held_out": c.max_held_out,
                 "finished": self.recorder.finished, "feedback_rows": self.recorder.rows, "steps": c.steps,
                 "schedule_overhead_s": c.schedule_s, "predicted": self.predictor.predicted,
-                "resident": len(self.tracker.tracked)}
+                "refreshed": c.refreshed, "resident": len(self.tracker.tracked)}
 
     def close(self) -> None:
         """Stop taking pushes first, then features, then predictions and learning; feedback last."""

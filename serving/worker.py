@@ -14,7 +14,8 @@ from vllm.platforms import current_platform
 
 from serving import vllm_compat
 from serving.capture import AuxStateCapture, FeatureSender, PrefillCapture, decoder_layers
-from serving.config import channel_address, leap_config_from_vllm
+from serving.config import LeapConfig, channel_address, leap_config_from_vllm
+from serving.refresh import RefreshReadoutError, load_refresh_readout
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,20 @@ def capture_layer(vllm_config, num_layers: int) -> int:
     return default_layer(num_layers)
 
 
+def refresh_checkpoints(worker, config: LeapConfig, layer: int) -> tuple[int, ...]:
+    """The generated counts whose decode states the capture sends: `refresh_at` when refresh is
+    configured and its readout fits this model's layer and hidden size, else none (logged why)."""
+    if not config.refresh_configured:
+        return ()
+    dim = vllm_compat.served_model_shape(worker.vllm_config)[0]
+    try:
+        load_refresh_readout(config.refresh_readout_path, {"layer": layer, "dim": dim})
+    except RefreshReadoutError as exc:
+        logger.error("LEAP capture sends no decode states for refresh: %s", exc)
+        return ()
+    return config.refresh_at
+
+
 def install_capture(worker) -> AuxStateCapture | PrefillCapture:
     """Capture decoder layer L of a loaded worker's model; features go to the scheduler's channel.
 
@@ -54,10 +69,12 @@ def install_capture(worker) -> AuxStateCapture | PrefillCapture:
     config = leap_config_from_vllm(worker.vllm_config)
     runner = worker.model_runner
     num_layers = len(decoder_layers(runner.get_model()))
-    layers = list(range(num_layers)) if config.capture_all_layers else capture_layer(worker.vllm_config, num_layers)
+    serving_layer = capture_layer(worker.vllm_config, num_layers)
+    layers = list(range(num_layers)) if config.capture_all_layers else serving_layer
     sender = FeatureSender(channel_address(worker.vllm_config, config))
     try:
-        capture: AuxStateCapture | PrefillCapture = AuxStateCapture(runner, layers, sender)
+        capture: AuxStateCapture | PrefillCapture = AuxStateCapture(
+            runner, layers, sender, refresh_at=refresh_checkpoints(worker, config, serving_layer))
     except vllm_compat.AuxHiddenStatesUnsupported as exc:
         model = worker.vllm_config.model_config.model
         if not worker.vllm_config.model_config.enforce_eager:
@@ -66,10 +83,14 @@ def install_capture(worker) -> AuxStateCapture | PrefillCapture:
                 f"The fallback is a forward hook, which needs eager mode: restart with --enforce-eager "
                 f"(its cost: {EAGER_COST}).") from exc
         logger.warning("LEAP: %s; using the forward-hook capture in eager mode (%s)", exc, EAGER_COST)
+        if config.refresh_configured:
+            logger.warning("LEAP refresh is off: the forward-hook capture sends no decode states")
         capture = PrefillCapture(runner, layers, sender)
     where = f"all {num_layers} decoder layers (layer study)" if config.capture_all_layers else \
         f"decoder layer {capture.layer} of {num_layers}"
-    logger.info("LEAP capture (%s) installed on %s", capture.method, where)
+    refresh = f"; decode states at {list(capture.refresh_at)} generated tokens for refresh" \
+        if capture.refresh_at else ""
+    logger.info("LEAP capture (%s) installed on %s%s", capture.method, where, refresh)
     return capture
 
 
@@ -101,4 +122,6 @@ class LeapWorker(EagerKernelsWorker):
         if capture is None:
             return {}
         return {"layer": capture.layer, "method": capture.method, "captured": capture.captured,
-                "sent": capture.sender.sent, "dropped": capture.sender.dropped}
+                "sent": capture.sender.sent, "dropped": capture.sender.dropped,
+                "refresh_captured": capture.sink.refreshes, "refresh_sent": capture.sender.refresh_sent,
+                "refresh_dropped": capture.sender.refresh_dropped}
