@@ -112,40 +112,40 @@ def build_snapshot(selection: str, all_layers_selection: str, max_tokens: int = 
 
     info = model_info(model)
     layer = default_layer(info.num_layers)
-    entries = {}
-    for spec, every in ((selection, False), (all_layers_selection, True)):
+    stored = snapshot.write_prompts(_stored_prompts([selection, all_layers_selection], seeded_prompts))
+    manifest = snapshot.write_manifest({}, info, DEFAULT_DECODING, max_tokens, prompts=stored)
+    # The serving layer first, then the refresh study's decode states, then the every-layer subset; the
+    # manifest is rewritten after each, so a stopped build leaves a consistent snapshot.
+    for part, spec in (("layer", selection), ("decode", "refresh" if decode_states else ""),
+                       ("every", all_layers_selection)):
         if not spec:
             continue
-        key = corpus_key(info.fingerprint, ALL_LAYERS if every else layer, max_tokens, DEFAULT_DECODING)
-        manifest = snapshot.read_manifest() or {"corpora": {}}
-        kept = manifest["corpora"].get(key, {}).get("ids", [])
-        prompts = interleave_sets(select(spec))
-        say(f"{'every layer' if every else f'layer {layer}'}: {len(prompts)} prompts of {spec}")
-        load_or_build([prompts], max_tokens, model, all_layers=every, say=say, build=build)
-        wanted = list(dict.fromkeys([*kept, *(p["id"] for p in prompts)]))
-        corpus = load_corpus(corpus_dir(key), ALL_LAYERS if every else layer, max_tokens, ids=wanted)
+        if part == "decode":
+            from evaluation.studies import refresh_pool
+
+            prompts = refresh_pool()
+            key, spec = decode_key(info, layer, max_tokens), f"decode states of the refresh pool ({len(prompts)})"
+            say(f"decode states: {len(prompts)} prompts (the refresh study's pool)")
+            corpus = load_or_build_decode_states(prompts, max_tokens, model, say, build)
+            wanted = [p["id"] for p in prompts]
+        else:
+            every = part == "every"
+            key = corpus_key(info.fingerprint, ALL_LAYERS if every else layer, max_tokens, DEFAULT_DECODING)
+            kept = (snapshot.read_manifest() or {"corpora": {}})["corpora"].get(key, {}).get("ids", [])
+            prompts = interleave_sets(select(spec))
+            say(f"{'every layer' if every else f'layer {layer}'}: {len(prompts)} prompts of {spec}")
+            load_or_build([prompts], max_tokens, model, all_layers=every, say=say, build=build)
+            wanted = list(dict.fromkeys([*kept, *(p["id"] for p in prompts)]))
+            corpus = load_corpus(corpus_dir(key), ALL_LAYERS if every else layer, max_tokens, ids=wanted)
         if not len(corpus):
             say(f"snapshot {key}: no rows recorded yet, left out")
             continue
         skipped = (noted_skipped(corpus_dir(key)) | snapshot.skipped_ids(key)) & set(wanted)
         snapshot.write_rows(corpus, key)
-        entries[key] = snapshot.corpus_entry(corpus, spec, skipped)
+        entry = snapshot.corpus_entry(corpus, spec, skipped)
+        manifest = snapshot.write_manifest({key: entry}, info, DEFAULT_DECODING, max_tokens, prompts=stored)
         say(f"snapshot {key}: {len(corpus)} rows, {len(skipped)} prompts too long for the engine")
-    if decode_states:
-        from evaluation.studies import refresh_pool
-
-        pool = refresh_pool()
-        say(f"decode states: {len(pool)} prompts (the refresh study's pool)")
-        rows = load_or_build_decode_states(pool, max_tokens, model, say, build)
-        if len(rows):
-            key = decode_key(info, layer, max_tokens)
-            skipped = (noted_skipped(corpus_dir(key)) | snapshot.skipped_ids(key)) & {p["id"] for p in pool}
-            snapshot.write_rows(rows, key)
-            entries[key] = snapshot.corpus_entry(rows, f"decode states of the refresh pool ({len(pool)} prompts)",
-                                                 skipped)
-            say(f"snapshot {key}: {len(rows)} rows")
-    stored = snapshot.write_prompts(_stored_prompts([selection, all_layers_selection], seeded_prompts))
-    return snapshot.write_manifest(entries, info, DEFAULT_DECODING, max_tokens, prompts=stored)
+    return manifest
 
 
 def _stored_prompts(specs: Sequence[str], seeded: Callable[[str], list[dict]]) -> dict[str, list[dict]]:
