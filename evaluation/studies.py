@@ -180,13 +180,15 @@ def refresh_pool(n_prompts: int = REFRESH_POOL) -> list[dict]:
 
 
 def refresh_study(step_model: StepTimeModel, max_tokens: int = 1024, model: str | None = None,
-                  say: Say = _quiet, n_prompts: int = REFRESH_POOL, build: bool = True, **options: Any) -> dict:
+                  say: Say = _quiet, n_prompts: int = REFRESH_POOL, build: bool = True,
+                  readout_out: Path | None = None, **options: Any) -> dict:
     """Countdown against refreshing during decode, both arms measured on the same held-out prompts.
 
     Countdown: LEAP's readout fitted on the chat training rows, applied to each pool prompt's prefill
     state. Refresh: a second readout of the same form, fitted on decode states (harness.decode_states)
     to the remaining length, cross-fitted by prompt so no prompt is scored by a readout that saw it; its
-    prediction cost per request is measured and charged per refresh."""
+    prediction cost per request is measured and charged per refresh. `readout_out`: also write the refresh
+    readout fitted on every pool prompt's decode states there, for serving (`LeapConfig.refresh_readout_path`)."""
     from evaluation.corpora import load_or_build_decode_states
     from evaluation.data import length_data
     from harness.decode_states import CHECKPOINTS, checkpoint_matrix
@@ -217,6 +219,18 @@ def refresh_study(step_model: StepTimeModel, max_tokens: int = 1024, model: str 
                 refreshed[present, c] = readout.predict(rows.features[index[present, c + 1]])
     assert readout is not None
     cost = measure_cost(LeapReadoutPredictor.from_readout(readout), train)["ms_per_request"] / 1000.0
+    if readout_out is not None:  # serving's refresh readout: the same fit on every pool prompt's decode states
+        checkpoint_rows = index[:, 1:]
+        every = rows.subset(np.sort(checkpoint_rows[checkpoint_rows >= 0]))
+        info = model_info(model)
+        served = fit_leap(length_data(every, [{"id": i, "prompt": ""} for i in every.ids]))
+        served.metadata = {"model_id": info.model_id, "model_fingerprint": info.fingerprint, "layer": int(rows.layer),
+                           "version": f"refresh-{len(every)}", "n_train": len(every),
+                           "refresh_at": list(CHECKPOINTS), "predicts": "remaining length"}
+        from leap_core.readout_format import to_bytes
+
+        Path(readout_out).write_bytes(to_bytes(served))
+        say(f"refresh readout ({len(every)} decode states) written to {readout_out}")
     say(f"simulating countdown and refresh on {len(index)} prompts")
     result = simulated.run_refresh(prefill.prompt_tokens, lengths, countdown, refreshed, CHECKPOINTS, step_model,
                                    cost, **{**SIM_SHAPE, **options})

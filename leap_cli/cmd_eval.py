@@ -171,23 +171,26 @@ def load(
 
 
 def _simulated_study(study: str, step_model: Optional[Path], max_tokens: int, model: Optional[str], as_json: bool,
-                     save: bool) -> None:
+                     save: bool, **options) -> None:
     from evaluation import studies
 
     from dataclasses import asdict
 
     say = _say(as_json)
     steps, source = studies.step_model_from(step_model, max_tokens, model, say, save=save)
-    result = getattr(studies, f"{study}_study")(steps, max_tokens, model, say)
+    result = getattr(studies, f"{study}_study")(steps, max_tokens, model, say, **options)
     result.update(step_model_source=source, step_model=asdict(steps), **studies.SIM_SHAPE)
     _finish(result, study, study, as_json, save)
 
 
 @eval_app.command("refresh")
 def refresh(step_model: Optional[Path] = STEP_MODEL, max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL,
+            readout_out: Optional[Path] = typer.Option(
+                None, help="also write the refresh readout (every pool prompt's decode states) for serving's "
+                           "LEAP_REFRESH_READOUT_PATH"),
             as_json: bool = JSON, save: bool = SAVE) -> None:
     """Refreshing the length estimate during decode against countdown, both measured in the engine."""
-    _simulated_study("refresh", step_model, max_tokens, model, as_json, save)
+    _simulated_study("refresh", step_model, max_tokens, model, as_json, save, readout_out=readout_out)
 
 
 @eval_app.command("tail")
