@@ -170,7 +170,7 @@ def chat_predictions(names: Sequence[str], max_tokens: int, model: str | None,
     return test, predictions, costs
 
 
-REFRESH_POOL = 600  # held-out ShareGPT prompts whose decode states the refresh study measures
+REFRESH_POOL = 500  # held-out ShareGPT prompts whose decode states the refresh study measures
 REFRESH_FOLDS = 2
 
 
