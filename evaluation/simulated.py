@@ -370,6 +370,15 @@ def plot_refresh(result: dict, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def _agreement(result: dict) -> str:
+    agreement = result.get("length_agreement") or {}
+    if not agreement.get("n"):
+        return ""
+    return (f" The decode-state pass regenerated each output: {100 * agreement['equal_share']:.0f}% of "
+            f"{agreement['n']} have the corpus' exact length (greedy both times; batching moves bf16 numerics), "
+            f"median relative difference {100 * agreement['median_relative_difference']:.1f}%.")
+
+
 def section_refresh(result: dict, image: str) -> str:
     """docs/results.md section: the measured refresh against countdown, latency and error, with intervals."""
     rows = [[arm, _g(f["mean_latency_s"]), _g(f["p95_latency_s"]),
@@ -396,7 +405,7 @@ def section_refresh(result: dict, image: str) -> str:
         f"the refresh readout cross-fitted by prompt ({readout.get('folds', '?')} folds, "
         f"{readout.get('train_rows', '?')} training rows a fold). Simulated at {result['load']:g} of the sustained "
         f"FCFS capacity, R = {result.get('max_resident', '?')}, K = {result.get('decode_slots', '?')}, "
-        f"{result['n_requests']} requests, {result['seeds']} paired seeds.",
+        f"{result['n_requests']} requests, {result['seeds']} paired seeds." + _agreement(result),
         "",
         _table(["arm", "mean latency (s)", "P95 latency (s)", "mean PTL (s/token) [95% CI]"], rows),
         "",

@@ -179,6 +179,26 @@ def refresh_pool(n_prompts: int = REFRESH_POOL) -> list[dict]:
     return select(f"sharegpt:{n_prompts}", exclude={p["id"] for p in select(CHAT_TRAIN)})
 
 
+def _length_agreement(prefill: Any, max_tokens: int, model: str | None) -> dict:
+    """How often the decode-state pass generated as many tokens as the corpus did for the same prompt (both
+    greedy; batch composition can still move bf16 numerics): share equal, and median relative difference."""
+    from harness.corpus import corpus_dir, corpus_key, load_corpus
+    from harness.decode_states import split_ids
+    from harness.replay import DEFAULT_DECODING
+
+    info = model_info(model)
+    owners, _ = split_ids(prefill.ids)
+    corpus = load_corpus(corpus_dir(corpus_key(info.fingerprint, int(prefill.layer), max_tokens, DEFAULT_DECODING)),
+                         int(prefill.layer), max_tokens, ids=owners.tolist())
+    by_id = dict(zip(corpus.ids.tolist(), corpus.output_tokens.tolist()))
+    pairs = [(by_id[o], int(n)) for o, n in zip(owners.tolist(), prefill.output_tokens) if o in by_id]
+    if not pairs:
+        return {"n": 0}
+    a, b = np.array(pairs, dtype=np.float64).T
+    return {"n": len(pairs), "equal_share": float(np.mean(a == b)),
+            "median_relative_difference": float(np.median(np.abs(a - b) / np.maximum(a, 1.0)))}
+
+
 def refresh_study(step_model: StepTimeModel, max_tokens: int = 1024, model: str | None = None,
                   say: Say = _quiet, n_prompts: int = REFRESH_POOL, build: bool = True,
                   readout_out: Path | None = None, **options: Any) -> dict:
@@ -202,6 +222,7 @@ def refresh_study(step_model: StepTimeModel, max_tokens: int = 1024, model: str 
         raise ValueError(f"only {len(index)} pool prompts have decode states: run `leap corpus build --snapshot`")
     prefill = rows.subset(index[:, 0])
     lengths = prefill.output_tokens.astype(np.int64)
+    agreement = _length_agreement(prefill, max_tokens, model)
     countdown = fit_leap(train).predict(prefill.features)
 
     folds = np.random.default_rng(0).permutation(len(index)) % REFRESH_FOLDS
@@ -240,7 +261,8 @@ def refresh_study(step_model: StepTimeModel, max_tokens: int = 1024, model: str 
                                    "train_rows": int(np.mean(train_rows)), "target": "sqrt remaining length",
                                    "how": "captured as the prefill of the prompt and the first g generated tokens",
                                    "cost_ms_per_request": cost * 1000.0},
-                  decode_rows=len(rows), capped_fraction=float(np.mean(prefill.finish_reasons == "length")))
+                  decode_rows=len(rows), capped_fraction=float(np.mean(prefill.finish_reasons == "length")),
+                  length_agreement=agreement)
     return result
 
 
