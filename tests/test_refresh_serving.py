@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import io
 import logging
-import tempfile
 import time
-import uuid
 from types import SimpleNamespace
 
 import numpy as np
@@ -37,11 +35,10 @@ from serving.receiver import (
     refresh_message,
 )
 from serving.telemetry import Telemetry
+from tests.runtime_fixtures import DIM, LAYER, build, channel, engine_config, first_value_readout  # noqa: F401
 
 pytest.importorskip("vllm")
 
-DIM, LAYERS, LAYER = 16, 4, 2
-MODEL = "leap-test-model"
 CHECKPOINTS = (4, 8)
 
 
@@ -224,9 +221,6 @@ class Collected:
             deliver_refresh=(lambda ids, gs, rows: self.refreshes.extend(zip(ids, gs.tolist()))) if refresh else None)
 
 
-def channel() -> str:
-    return f"ipc://{tempfile.gettempdir()}/leap-refresh-test-{uuid.uuid4().hex[:12]}.sock"
-
 
 def eventually(condition, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
@@ -283,22 +277,6 @@ def test_a_receiver_without_a_refresh_handler_counts_refresh_rows_as_dropped():
 
 
 # -- the runtime ---------------------------------------------------------------------------------------
-def engine_config(**leap) -> SimpleNamespace:
-    """The fields of vLLM's `VllmConfig` that LEAP reads; the LEAP settings travel as in a real engine."""
-    settings = {"layer": LAYER, "decode_slots": 1, "waiting_cap": 1000, "rls": False, "channel": channel(),
-                "ready_wait_ms": 0.0, **leap}
-    hf = SimpleNamespace(hidden_size=DIM, num_hidden_layers=LAYERS)
-    model = SimpleNamespace(hf_text_config=hf, model=MODEL, max_model_len=4096)
-    return SimpleNamespace(model_config=model, additional_config={"leap": settings}, instance_id=uuid.uuid4().hex[:8])
-
-
-def first_value_readout(version: str, dim: int = DIM, layer: int = LAYER) -> LinearReadout:
-    """A readout whose predicted length is the vector's first value (raw target), clipped to [1, 4096]."""
-    coef = np.zeros(dim)
-    coef[0] = 1.0
-    return LinearReadout.from_weights(mean=np.zeros(dim), scale=np.ones(dim), coef=coef, intercept=0.0, alpha=1.0,
-                                      target="raw", max_tokens=4096,
-                                      metadata={"model_id": MODEL, "layer": layer, "version": version})
 
 
 def vector(first: float, seed: int = 0) -> np.ndarray:
@@ -317,21 +295,6 @@ def decoding(rid: str, generated: int, prompt: int = 4):
     request.append_output_token_ids([7] * generated)
     return request
 
-
-@pytest.fixture
-def build():
-    from serving.runtime import LeapRuntime
-
-    made = []
-
-    def _build(**leap) -> LeapRuntime:
-        runtime = LeapRuntime(engine_config(**leap))
-        made.append(runtime)
-        return runtime
-
-    yield _build
-    for runtime in made:
-        runtime.close()
 
 
 @pytest.fixture

@@ -11,11 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import tempfile
 import threading
 import time
-import uuid
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -33,30 +30,10 @@ from vllm import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
 from serving.capture import FeatureSender
-from serving.runtime import LeapRuntime
-
-DIM, LAYERS, LAYER = 16, 4, 2
-MODEL = "leap-test-model"
+from tests.runtime_fixtures import DIM, build, first_value_readout  # noqa: F401 (build is a fixture)
 
 
-def engine_config(**leap) -> SimpleNamespace:
-    """The fields of vLLM's `VllmConfig` that LEAP reads; the LEAP settings travel as in a real engine."""
-    address = f"ipc://{tempfile.gettempdir()}/leap-test-{uuid.uuid4().hex[:12]}.sock"
-    settings = {"layer": LAYER, "decode_slots": 1, "waiting_cap": 1000, "rls": False, "channel": address,
-                "ready_wait_ms": 0.0, **leap}
-    hf = SimpleNamespace(hidden_size=DIM, num_hidden_layers=LAYERS)
-    model = SimpleNamespace(hf_text_config=hf, model=MODEL, max_model_len=4096)
-    return SimpleNamespace(model_config=model, additional_config={"leap": settings},
-                           instance_id=uuid.uuid4().hex[:8])
 
-
-def first_feature_readout(version: str = "v1", max_tokens: int = 4096) -> LinearReadout:
-    """A readout whose predicted length is the feature's first value (raw target), clipped to [1, M]."""
-    coef = np.zeros(DIM)
-    coef[0] = 1.0
-    return LinearReadout.from_weights(mean=np.zeros(DIM), scale=np.ones(DIM), coef=coef, intercept=0.0,
-                                      alpha=1.0, target="raw", max_tokens=max_tokens,
-                                      metadata={"model_id": MODEL, "layer": LAYER, "version": version})
 
 
 def feature(first: float, seed: int = 0) -> np.ndarray:
@@ -95,19 +72,6 @@ def sample(runtime, name: str, **labels) -> float:
     return runtime.metrics_registry.get_sample_value(name, labels) or 0.0
 
 
-@pytest.fixture
-def build(tmp_path):
-    made = []
-
-    def _build(**leap) -> LeapRuntime:
-        runtime = LeapRuntime(engine_config(**leap))
-        made.append(runtime)
-        return runtime
-
-    yield _build
-    for runtime in made:
-        runtime.close()
-
 
 @pytest.fixture
 def sender_for():
@@ -144,7 +108,7 @@ def test_bad_client_extras_are_ignored_counted_and_warned_about_once_in_a_while(
 
 def test_bad_extras_in_feedback_rows_fall_back_to_what_the_engine_knows(build, sender_for):
     runtime = build(policy="leap")
-    runtime.reset_readout(first_feature_readout(), None)
+    runtime.reset_readout(first_value_readout(), None)
     rows = []
     runtime.listeners.append(rows.append)
     request = make_request("req-00000001", extra=dict(BAD_EXTRAS))
@@ -163,7 +127,7 @@ def test_bad_extras_in_feedback_rows_fall_back_to_what_the_engine_knows(build, s
 # -- the capture receiver ------------------------------------------------------------------------------
 def test_receiver_drops_malformed_messages_with_a_reason_and_keeps_serving(build, sender_for):
     runtime = build(policy="leap")
-    runtime.reset_readout(first_feature_readout(), None)
+    runtime.reset_readout(first_value_readout(), None)
     raw = zmq.Context.instance().socket(zmq.PUSH)
     raw.connect(runtime.config.channel)
     try:
@@ -273,7 +237,7 @@ def test_a_nan_prediction_is_no_prediction_and_the_request_goes_by_max_tokens(bu
 # -- waiting for predictions -----------------------------------------------------------------------------
 def test_requests_without_a_prediction_share_one_bounded_wait_per_step(build):
     runtime = build(policy="leap", decode_slots=2, ready_wait_ms=150.0)
-    runtime.reset_readout(first_feature_readout(), None)
+    runtime.reset_readout(first_value_readout(), None)
     requests = [make_request(f"r{i}-00000001", max_tokens=10 + i) for i in range(6)]
     runtime.before_schedule(requests, 0)
     start = time.perf_counter()
@@ -289,7 +253,7 @@ def test_requests_without_a_prediction_share_one_bounded_wait_per_step(build):
 
 def test_a_prediction_arriving_during_the_wait_ends_it(build, sender_for):
     runtime = build(policy="leap", decode_slots=1, ready_wait_ms=3000.0)
-    runtime.reset_readout(first_feature_readout(), None)
+    runtime.reset_readout(first_value_readout(), None)
     late = make_request("late-00000001", max_tokens=50)
     other = make_request("other-00000001", max_tokens=40)
     runtime.before_schedule([late, other], 0)
@@ -309,7 +273,7 @@ def test_a_prediction_arriving_during_the_wait_ends_it(build, sender_for):
 # -- publishing while requests come and go ---------------------------------------------------------------
 def test_a_push_while_features_arrive_and_requests_finish_never_fails(build, sender_for):
     runtime = build(policy="leap")
-    runtime.reset_readout(first_feature_readout("v0"), None)
+    runtime.reset_readout(first_value_readout("v0"), None)
     resident = [make_request(f"live{i}-00000001") for i in range(2000)]
     runtime.before_schedule(resident, 0)
     sender = sender_for(runtime)
@@ -334,7 +298,7 @@ def test_a_push_while_features_arrive_and_requests_finish_never_fails(build, sen
         version = 0
         while time.monotonic() < deadline:
             version += 1
-            runtime.reset_readout(first_feature_readout(f"v{version}"), None)
+            runtime.reset_readout(first_value_readout(f"v{version}"), None)
     finally:
         stop.set()
         thread.join()
@@ -345,7 +309,7 @@ def test_a_push_while_features_arrive_and_requests_finish_never_fails(build, sen
 # -- per-request state stays bounded ---------------------------------------------------------------------
 def test_ten_thousand_aborted_requests_leave_no_per_request_state(build, sender_for):
     runtime = build(policy="leap")
-    runtime.reset_readout(first_feature_readout(), None)
+    runtime.reset_readout(first_value_readout(), None)
     sender = sender_for(runtime)
     n = 10_000
     for i in range(n):
@@ -361,7 +325,7 @@ def test_ten_thousand_aborted_requests_leave_no_per_request_state(build, sender_
 # -- health ----------------------------------------------------------------------------------------------
 def test_health_reports_every_thread_and_the_drop_counters(build, tmp_path):
     runtime = build(policy="leap", feedback_dir=str(tmp_path / "feedback"))
-    runtime.reset_readout(first_feature_readout(), None)
+    runtime.reset_readout(first_value_readout(), None)
     health = runtime.health()
     assert health["healthy"] is True
     assert {"receiver", "predictor", "rls", "feedback"} <= set(health["threads"])
@@ -384,7 +348,7 @@ def test_an_accepted_push_is_restored_at_the_next_start(build, tmp_path):
     state = tmp_path / "state"
     first = build(policy="leap", rls=True, state_dir=str(state))
     assert first.describe()["source"] == "none"
-    readout = first_feature_readout("pushed-1")
+    readout = first_value_readout("pushed-1")
     first.push_readout(make_bundle(to_bytes(readout), _anchor(readout)))
     assert first.describe()["source"] == "push"
     first.close()
@@ -399,7 +363,7 @@ def test_an_accepted_push_is_restored_at_the_next_start(build, tmp_path):
 def test_a_damaged_state_folder_is_logged_and_never_fatal(build, tmp_path, caplog):
     state = tmp_path / "state"
     first = build(policy="leap", state_dir=str(state))
-    first.push_readout(to_bytes(first_feature_readout("pushed-1")))
+    first.push_readout(to_bytes(first_value_readout("pushed-1")))
     first.close()
     path = state / "readout.bin"
     path.write_bytes(path.read_bytes()[:-7])
@@ -411,6 +375,6 @@ def test_a_damaged_state_folder_is_logged_and_never_fatal(build, tmp_path, caplo
 
 def test_the_configured_readout_file_serves_when_there_is_no_state(build, tmp_path):
     path = tmp_path / "readout.leap"
-    path.write_bytes(to_bytes(first_feature_readout("from-file")))
+    path.write_bytes(to_bytes(first_value_readout("from-file")))
     runtime = build(policy="leap", readout_path=str(path), state_dir=str(tmp_path / "state"))
     assert runtime.describe()["source"] == "config" and runtime.version == "from-file"

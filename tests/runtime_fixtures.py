@@ -1,0 +1,57 @@
+"""A LEAP runtime without an engine: the `VllmConfig` fields LEAP reads, a readout whose prediction is the
+feature's first value, and a fixture that builds runtimes and closes them after the test."""
+
+from __future__ import annotations
+
+import tempfile
+import uuid
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from leap_core.readout import LinearReadout
+
+DIM, LAYERS, LAYER = 16, 4, 2
+MODEL = "leap-test-model"
+
+
+def channel() -> str:
+    return f"ipc://{tempfile.gettempdir()}/leap-test-{uuid.uuid4().hex[:12]}.sock"
+
+
+def engine_config(**leap) -> SimpleNamespace:
+    """The fields of vLLM's `VllmConfig` that LEAP reads; the LEAP settings travel as in a real engine."""
+    settings = {"layer": LAYER, "decode_slots": 1, "waiting_cap": 1000, "rls": False, "channel": channel(),
+                "ready_wait_ms": 0.0, **leap}
+    hf = SimpleNamespace(hidden_size=DIM, num_hidden_layers=LAYERS)
+    model = SimpleNamespace(hf_text_config=hf, model=MODEL, max_model_len=4096)
+    return SimpleNamespace(model_config=model, additional_config={"leap": settings},
+                           instance_id=uuid.uuid4().hex[:8])
+
+
+def first_value_readout(version: str = "v1", dim: int = DIM, layer: int = LAYER,
+                        max_tokens: int = 4096) -> LinearReadout:
+    """A readout whose predicted length is the vector's first value (raw target), clipped to [1, M]."""
+    coef = np.zeros(dim)
+    coef[0] = 1.0
+    return LinearReadout.from_weights(mean=np.zeros(dim), scale=np.ones(dim), coef=coef, intercept=0.0, alpha=1.0,
+                                      target="raw", max_tokens=max_tokens,
+                                      metadata={"model_id": MODEL, "layer": layer, "version": version})
+
+
+@pytest.fixture
+def build():
+    """`build(**leap)`: a LeapRuntime on `engine_config(**leap)`, closed when the test ends."""
+    from serving.runtime import LeapRuntime
+
+    made = []
+
+    def _build(**leap) -> LeapRuntime:
+        runtime = LeapRuntime(engine_config(**leap))
+        made.append(runtime)
+        return runtime
+
+    yield _build
+    for runtime in made:
+        runtime.close()
