@@ -15,12 +15,8 @@ pytest.importorskip("vllm")
 from leap_core.readout_format import to_bytes
 from leap_core.rls import RLS
 from registry.client import ReadoutRegistry
-from tests.test_runtime_hardening import (  # noqa: F401 - `build` is a fixture shared with that module
-    DIM,
-    build,
-    eventually,
-    first_feature_readout,
-)
+from tests.runtime_fixtures import DIM, build, first_value_readout  # noqa: F401 - `build` is a fixture
+from tests.test_runtime_hardening import eventually
 
 pytestmark = pytest.mark.pipeline
 
@@ -29,7 +25,7 @@ pytestmark = pytest.mark.pipeline
 def champion_store(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     registry = ReadoutRegistry(uri)
-    readout = first_feature_readout("champion-7")
+    readout = first_value_readout("champion-7")
     X = np.random.default_rng(0).normal(scale=4.0, size=(4 * DIM, DIM))
     logged = registry.log_readout(readout, rls=RLS.from_readout(readout, X), params={"data_hash": "test"},
                                   metrics={"spearman": 0.5})
@@ -48,7 +44,7 @@ def test_the_registry_champion_serves_when_there_is_no_push(build, champion_stor
 
 def test_a_push_is_never_overwritten_by_the_registry_champion(build, champion_store):
     runtime = build(policy="leap", registry_uri=champion_store)
-    runtime.push_readout(to_bytes(first_feature_readout("pushed-1")))
+    runtime.push_readout(to_bytes(first_value_readout("pushed-1")))
     assert eventually(lambda: runtime.describe()["registry"]["state"] != "loading", 60)
     described = runtime.describe()
     assert (described["source"], described["version"]) == ("push", "pushed-1")
