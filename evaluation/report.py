@@ -34,7 +34,7 @@ decoding with frequency penalty 0.5, output budget M = 1024 unless a section say
 
 # Every published study, in page order, as the command that reruns it on the snapshot
 # (`leap eval report --rerun`). The baselines are those that train within a study's budget on two CPU
-# cores; the fine-tuned MiniLM baselines (minilm_finetuned, minilm_ltr) run with `--baselines` where a
+# cores (on the multilingual sets also the multilingual USE ridge); the fine-tuned MiniLM baselines (minilm_finetuned, minilm_ltr) run with `--baselines` where a
 # machine has the time.
 BASELINES = ("--baselines", "prompt_length,minilm_ridge,trail_mlp")
 RERUN: tuple[tuple[str, ...], ...] = (
@@ -46,7 +46,7 @@ RERUN: tuple[tuple[str, ...], ...] = (
      "--name", "transfer-instruction", *BASELINES),
     ("eval", "transfer", "--test", "math", "--test", "gsm8k", "--name", "transfer-math", *BASELINES),
     ("eval", "transfer", "--test", "mgsm", "--test", "llmzoo", "--test", "mtbench_x", "--test", "alpaca_zh",
-     "--name", "transfer-multilingual", *BASELINES),
+     "--name", "transfer-multilingual", "--baselines", "prompt_length,minilm_ridge,use_ridge,trail_mlp"),
     ("eval", "live", "--quick"),
     ("eval", "load", *BASELINES),
     ("eval", "load", "--quick"),

@@ -69,7 +69,7 @@ def test_length_data_subset_keeps_rows_aligned(data):
 
 
 def test_registry_and_factory():
-    assert set(BASELINES) == {"prompt_length", "minilm_ridge", "minilm_finetuned", "minilm_ltr",
+    assert set(BASELINES) == {"prompt_length", "minilm_ridge", "use_ridge", "minilm_finetuned", "minilm_ltr",
                               "trail_mlp", "oracle"}
     predictor = make_predictor("trail_mlp", max_iter=2)
     assert isinstance(predictor, HiddenStateMLP) and predictor.max_iter == 2
@@ -109,6 +109,22 @@ def test_minilm_ridge_fits_frozen_embeddings(short_texts):
     assert predictor.best_params_["alpha"] in predictor.alphas
     # The text term dominates the planted lengths, so even on training rows the fit must follow it.
     assert spearman(short_texts.lengths, predictor.predict(short_texts)) > 0.3
+
+
+def test_multilingual_use_ridge_reads_chinese_and_thai(short_texts):
+    """The multilingual encoder from its wheel: a 512-dim embedding that tells scripts it was trained on apart."""
+    from evaluation.baselines import MultilingualUseRidge, multilingual_use
+
+    predictor = MultilingualUseRidge().fit(short_texts)
+    _check_output(predictor.predict(short_texts), len(short_texts))
+    assert predictor.n_params_ == 512 + 1
+    assert spearman(short_texts.lengths, predictor.predict(short_texts)) > 0.3
+    vectors = multilingual_use().encode(["猫在花园里跑", "The cat runs in the garden", "แมววิ่งในสวน",
+                                         "Quarterly tax filing deadlines"])
+    assert vectors.shape == (4, 512)
+    similarity = vectors @ vectors.T
+    # the same sentence in three languages is closer to itself than to an unrelated English one
+    assert min(similarity[0, 1], similarity[2, 1]) > similarity[3, 1]
 
 
 def test_finetuned_regressor_and_its_cache(short_texts, tmp_path, monkeypatch):
