@@ -1,9 +1,10 @@
 """A LEAP runtime without an engine: the `VllmConfig` fields LEAP reads, a readout whose prediction is the
-feature's first value, and a fixture that builds runtimes and closes them after the test."""
+feature's first value, a fixture that builds runtimes and closes them after the test, and a poll."""
 
 from __future__ import annotations
 
 import tempfile
+import time
 import uuid
 from types import SimpleNamespace
 
@@ -38,6 +39,16 @@ def first_value_readout(version: str = "v1", dim: int = DIM, layer: int = LAYER,
     return LinearReadout.from_weights(mean=np.zeros(dim), scale=np.ones(dim), coef=coef, intercept=0.0, alpha=1.0,
                                       target="raw", max_tokens=max_tokens,
                                       metadata={"model_id": MODEL, "layer": layer, "version": version})
+
+
+def eventually(condition, timeout: float = 10.0) -> bool:
+    """Whether `condition()` holds within `timeout` seconds (polled every 10 ms)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
 
 
 @pytest.fixture

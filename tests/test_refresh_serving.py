@@ -35,7 +35,7 @@ from serving.receiver import (
     refresh_message,
 )
 from serving.telemetry import Telemetry
-from tests.runtime_fixtures import DIM, LAYER, build, channel, engine_config, first_value_readout  # noqa: F401
+from tests.runtime_fixtures import DIM, LAYER, build, channel, engine_config, eventually, first_value_readout  # noqa: F401
 
 pytest.importorskip("vllm")
 
@@ -220,15 +220,6 @@ class Collected:
             deliver_batch=lambda ids, rows: self.batches.extend(ids),
             deliver_refresh=(lambda ids, gs, rows: self.refreshes.extend(zip(ids, gs.tolist()))) if refresh else None)
 
-
-
-def eventually(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
 
 
 def test_in_process_refresh_rows_reach_only_the_refresh_handler():

@@ -30,7 +30,7 @@ from vllm import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
 from serving.capture import FeatureSender
-from tests.runtime_fixtures import DIM, build, first_value_readout  # noqa: F401 (build is a fixture)
+from tests.runtime_fixtures import DIM, build, eventually, first_value_readout  # noqa: F401 (build is a fixture)
 
 
 
@@ -57,15 +57,6 @@ def decode(request: Request, tokens: int = 1) -> Request:
 def finish(request: Request, status: RequestStatus = RequestStatus.FINISHED_LENGTH_CAPPED) -> Request:
     request.status = status
     return request
-
-
-def eventually(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
 
 
 def sample(runtime, name: str, **labels) -> float:

@@ -15,8 +15,7 @@ pytest.importorskip("vllm")
 from leap_core.readout_format import to_bytes
 from leap_core.rls import RLS
 from registry.client import ReadoutRegistry
-from tests.runtime_fixtures import DIM, build, first_value_readout  # noqa: F401 - `build` is a fixture
-from tests.test_runtime_hardening import eventually
+from tests.runtime_fixtures import DIM, build, eventually, first_value_readout  # noqa: F401 - `build` is a fixture
 
 pytestmark = pytest.mark.pipeline
 
