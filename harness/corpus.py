@@ -144,7 +144,7 @@ def noted_skipped(folder: Path) -> set[str]:
     return set(path.read_text(encoding="utf-8").split()) if path.exists() else set()
 
 
-def _note_skipped(folder: Path, ids: Sequence[str]) -> None:
+def note_skipped(folder: Path, ids: Sequence[str]) -> None:
     """Remember prompts too long for the engine, so a cache check does not count them as missing."""
     if ids:
         with open(folder / SKIPPED, "a", encoding="utf-8") as handle:
@@ -161,7 +161,8 @@ def missing_ids(folder: Path, layer: int, max_tokens: int, ids: Sequence[str]) -
     return [i for i in ids if i not in done]
 
 
-def _write_shard(folder: Path, rows: list[dict]) -> None:
+def write_shard(folder: Path, rows: list[dict]) -> None:
+    """Append `rows` to a corpus folder as one Parquet shard (written under a temporary name, then renamed)."""
     if not rows:
         return
     dim = len(rows[0]["feature"])
@@ -191,7 +192,7 @@ def copy_layer_rows(all_layers: Path, folder: Path, layer: int, dim: int, max_to
              "prompt_tokens": int(source.prompt_tokens[k]), "output_tokens": int(source.output_tokens[k]),
              "finish_reason": source.finish_reasons[k],
              "feature": source.features[k, layer * dim:(layer + 1) * dim]} for k in range(len(source))]
-    _write_shard(folder, rows)
+    write_shard(folder, rows)
     return len(rows)
 
 
@@ -209,7 +210,7 @@ def build_corpus(engine, runtime, prompts: Sequence[dict], folder: Path, max_tok
     todo = [p for p in prompts if p["id"] not in done_ids]
     encoded, dropped = encode_prompts(engine.get_tokenizer(), todo, max_prompt_tokens)
     kept = {p["id"] for p in encoded}
-    _note_skipped(folder, [p["id"] for p in todo if p["id"] not in kept])
+    note_skipped(folder, [p["id"] for p in todo if p["id"] not in kept])
     meta = {p["id"]: p for p in encoded}
     rows: list[dict] = []
     collected = [0]
@@ -237,10 +238,10 @@ def build_corpus(engine, runtime, prompts: Sequence[dict], folder: Path, max_tok
                     if on_progress is not None:
                         on_progress(finished, len(encoded))
             if len(rows) >= shard_rows:
-                _write_shard(folder, rows)
+                write_shard(folder, rows)
                 collected[0] += len(rows)
                 rows.clear()
-        _write_shard(folder, rows)
+        write_shard(folder, rows)
         collected[0] += len(rows)
         rows.clear()
     finally:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.corpus import ENGINE_NUMERICS, Corpus, _note_skipped, _write_shard, load_corpus, noted_skipped
+from harness.corpus import ENGINE_NUMERICS, Corpus, note_skipped, write_shard, load_corpus, noted_skipped
 from harness.replay import ReplayRequest, encode_prompts, sampling_params
 
 CHECKPOINTS = (16, 32, 64, 128, 256, 512)
@@ -84,11 +84,11 @@ def build_decode_states(engine: Any, runtime: Any, prompts: Sequence[dict], fold
                                                                   [p["id"] for p in prompts]))]
     encoded, dropped = encode_prompts(engine.get_tokenizer(), todo, max_prompt_tokens)
     kept = {p["id"] for p in encoded}
-    _note_skipped(folder, [p["id"] for p in todo if p["id"] not in kept])
+    note_skipped(folder, [p["id"] for p in todo if p["id"] not in kept])
     written = 0
     for start in range(0, len(encoded), batch):
         rows = _one_batch(engine, runtime, encoded[start:start + batch], max_tokens, decoding, checkpoints)
-        _write_shard(folder, rows)
+        write_shard(folder, rows)
         written += len(rows)
         if on_progress is not None:
             on_progress(min(start + batch, len(encoded)), len(encoded))

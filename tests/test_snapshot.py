@@ -9,7 +9,7 @@ import pytest
 
 from harness import corpus as corpus_module
 from harness import snapshot
-from harness.corpus import Corpus, _write_shard, load_corpus
+from harness.corpus import Corpus, write_shard, load_corpus
 
 
 def _corpus(n: int = 6, dim: int = 4, seed: int = 0, prefix: str = "p") -> Corpus:
@@ -38,7 +38,7 @@ def test_snapshot_rows_come_first_then_the_cache_and_ids_count_once(root, tmp_pa
     cache.mkdir(parents=True)
     extra = _corpus(4, prefix="q", seed=1)
     # the cache also holds p0 with another length: the snapshot's row wins
-    _write_shard(cache, [{"id": "p0", "set": "a", "domain": "chat", "lang": "en", "prompt_tokens": 9,
+    write_shard(cache, [{"id": "p0", "set": "a", "domain": "chat", "lang": "en", "prompt_tokens": 9,
                           "output_tokens": 77, "finish_reason": "stop", "feature": np.zeros(4, np.float32)}]
                  + [{"id": extra.ids[i], "set": "a", "domain": "chat", "lang": "en", "prompt_tokens": 9,
                      "output_tokens": int(extra.output_tokens[i]), "finish_reason": "stop",
@@ -96,7 +96,7 @@ def test_manifest_records_model_ids_hash_and_provenance_reports_it(root, tmp_pat
     assert info["commit"]
     other = tmp_path / "cache" / "L3-M100-other"
     other.mkdir()
-    _write_shard(other, [{"id": "z", "set": "a", "domain": "chat", "lang": "en", "prompt_tokens": 1,
+    write_shard(other, [{"id": "z", "set": "a", "domain": "chat", "lang": "en", "prompt_tokens": 1,
                           "output_tokens": 1, "finish_reason": "stop", "feature": np.zeros(4, np.float32)}])
     load_corpus(other, 3, 100)
     assert snapshot.provenance()["corpus_hash"] == "cache:L3-M100-other"
