@@ -44,8 +44,7 @@ def corpus_study(specs: Sequence[str], max_tokens: int = 1024, model: str | None
 
 def _interval(values: np.ndarray) -> list[float]:
     """95% bootstrap interval of a mean."""
-    from evaluation.simulated import mean_last_axis
-    from leap_core.metrics import bootstrap_ci
+    from leap_core.metrics import bootstrap_ci, mean_last_axis
 
     ci = bootstrap_ci(mean_last_axis, values, vectorized=True)
     return [ci["ci_low"], ci["ci_high"]]

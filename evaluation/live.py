@@ -28,8 +28,8 @@ import numpy as np
 from evaluation.baselines import LengthData, LeapReadoutPredictor, fit_cached, make_predictor, measure_cost
 from evaluation.data import length_data
 from evaluation.transfer import fit_leap_anchored
-from evaluation.simulated import mean_last_axis, paired_ratios, ratio_goals
-from leap_core.metrics import bootstrap_ci
+from evaluation.simulated import paired_ratios, ratio_goals
+from leap_core.metrics import bootstrap_ci, mean_last_axis
 from leap_core.simulator import SimConfig, StepTimeModel, fcfs_capacity, simulate
 from serving.config import LeapConfig
 from harness.experiment import corpus_for, fixed_length_requests, open_live

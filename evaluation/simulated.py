@@ -16,7 +16,7 @@ from dataclasses import replace
 import numpy as np
 from numpy.typing import ArrayLike
 
-from leap_core.metrics import bootstrap_ci, spearman
+from leap_core.metrics import bootstrap_ci, difference_of_means, mean_last_axis, ratio_of_means, spearman
 from leap_core.simulator import SimConfig, SimResult, StepTimeModel, fcfs_capacity, poisson_arrivals, simulate
 
 __all__ = ["run_load", "plot_load", "section_load", "run_refresh", "plot_refresh", "section_refresh",
@@ -159,14 +159,6 @@ def paired_ratios(ptl: dict[str, np.ndarray], best: str | None, leap: str = "lea
     if "leap-rls" in ptl and "fcfs" in ptl:
         ratios["leap_rls_over_fcfs"] = bootstrap_ci(ratio_of_means, ptl["leap-rls"], ptl["fcfs"], vectorized=True)
     return ratios
-
-
-def mean_last_axis(a: np.ndarray) -> np.ndarray:
-    return np.mean(a, axis=-1)
-
-
-def ratio_of_means(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.mean(a, axis=-1) / np.mean(b, axis=-1)
 
 
 def ratio_goals(ratios: dict[str, dict]) -> dict[str, dict]:
@@ -336,12 +328,8 @@ def life_error(lengths: np.ndarray, predicted: np.ndarray, refreshed: np.ndarray
     return {"per_point": per_point,
             "over_life": {arm: bootstrap_ci(mean_last_axis, values, vectorized=True)
                           for arm, values in averaged.items()},
-            "over_life_difference": bootstrap_ci(_mean_difference, averaged["refresh"], averaged["countdown"],
+            "over_life_difference": bootstrap_ci(difference_of_means, averaged["refresh"], averaged["countdown"],
                                                  vectorized=True)}
-
-
-def _mean_difference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.mean(a, axis=-1) - np.mean(b, axis=-1)
 
 
 def plot_refresh(result: dict, path: pathlib.Path) -> None:

@@ -187,6 +187,21 @@ def _resample(n: int, n_boot: int, rng: np.random.Generator, groups: Sequence[np
     return index
 
 
+# Vectorised statistics for `bootstrap_ci(..., vectorized=True)`: each reduces the last axis (the rows).
+def mean_last_axis(a: np.ndarray) -> np.ndarray:
+    return np.mean(a, axis=-1)
+
+
+def ratio_of_means(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Paired rows: mean of a over mean of b."""
+    return np.mean(a, axis=-1) / np.mean(b, axis=-1)
+
+
+def difference_of_means(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Paired rows: mean of a minus mean of b."""
+    return np.mean(a, axis=-1) - np.mean(b, axis=-1)
+
+
 def bootstrap_ci(statistic: Callable[..., Any], *arrays: ArrayLike, n_boot: int = 2000, seed: int = 0,
                  level: float = 0.95, strata: ArrayLike | None = None, vectorized: bool = False) -> dict[str, float]:
     """A statistic of paired rows and its percentile bootstrap interval: {"value", "ci_low", "ci_high"}.
