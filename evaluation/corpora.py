@@ -89,6 +89,32 @@ def load_or_build_decode_states(prompts: Sequence[dict], max_tokens: int, model:
     return rows.subset(np.isin(owners.astype(str), [p["id"] for p in prompts]))
 
 
+def load_or_build_recipe_corpus(prompts: Sequence[dict], max_tokens: int = 1024, model: str | None = None,
+                                say: Callable[[str], None] = lambda message: None, build: bool = True) -> Corpus:
+    """The wide recipe's features (harness.recipe_corpus) of `prompts` with the lengths the serving layer's
+    corpus recorded for them, prefilling only what the snapshot and the cache lack."""
+    from harness.experiment import open_live
+    from harness.recipe_corpus import WIDE_RECIPE, build_recipe_rows, joined, missing, recipe_corpus_key, recipe_rows
+
+    info = model_info(model)
+    labels = load_or_build([prompts], max_tokens, model, say=say, build=build)[0]
+    folder = corpus_dir(recipe_corpus_key(info.fingerprint, WIDE_RECIPE))
+    todo = set(missing(folder, labels.ids.tolist()))
+    if todo and not build:
+        say(f"recipes: {len(todo)} prompts without recipe features yet: left out (no build)")
+    elif todo:
+        say(f"recipes: prefilling {len(todo)} prompts with recipe {WIDE_RECIPE}")
+        live = open_live(model, LeapConfig(policy="fcfs", rls=False, recipe=str(WIDE_RECIPE), max_resident=256),
+                         max_tokens=1)
+        try:
+            build_recipe_rows(live, [p for p in prompts if p["id"] in todo], folder,
+                              on_progress=lambda done, total: say(f"recipes: {done}/{total} prompts")
+                              if done % 250 == 0 or done == total else None)
+        finally:
+            live.close()
+    return joined(recipe_rows(folder, labels.ids.tolist()), labels)
+
+
 def interleave_sets(prompts: Sequence[dict]) -> list[dict]:
     """Prompts reordered so every set advances at its share of the whole (the engine admits in order):
     a build stopped early leaves each set covered in proportion, not the first sets complete and the

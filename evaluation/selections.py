@@ -20,6 +20,10 @@ DOMAINS = {
 # The chat training window: 1,500 ShareGPT prompts (held-out Spearman rises with it: 0.554 at 500, 0.579 at
 # 1,000, 0.594 at 1,500 rows on 700 held-out rows of the snapshot) and 100 Arena-Hard ones.
 CHAT_TRAIN = "sharegpt:1500,arena_hard:100"
+# Held out from CHAT_TRAIN: the ShareGPT test slice and the rest of Arena-Hard, then 200 of each other set.
+CHAT_TEST = "sharegpt:1000"
+RECIPE_HELD_OUT = ("sharegpt:1000,arena_hard:400,alpaca:200,alpaca_eval:200,self_instruct:200,math:200,gsm8k:200,"
+                   "mgsm:200,llmzoo:200,mtbench_x:200,alpaca_zh:200")
 SEED = 0
 
 
@@ -75,3 +79,9 @@ def select(spec: str, default_limit: int | None = None, exclude: Iterable[str] =
 def domain_spec(domain: str, limit: int) -> str:
     """`DOMAIN` as a selection spec over its shared sets, `limit` prompts each."""
     return ",".join(f"{name}:{limit}" for name in DOMAINS[domain])
+
+
+def recipe_pool() -> tuple[list[dict], list[dict]]:
+    """(training window, held-out prompts) of the recipe study: CHAT_TRAIN, then RECIPE_HELD_OUT without it."""
+    train = select(CHAT_TRAIN)
+    return train, select(RECIPE_HELD_OUT, exclude={p["id"] for p in train})

@@ -17,7 +17,7 @@ from evaluation import offline, simulated
 from evaluation.baselines import LengthData, LeapReadoutPredictor, fit_cached, make_predictor, measure_cost
 from evaluation.corpora import load_or_build, model_info
 from evaluation.data import length_data
-from evaluation.selections import CHAT_TRAIN, select
+from evaluation.selections import CHAT_TEST, CHAT_TRAIN, select
 from evaluation.transfer import FEEDBACK_COUNTS, domain_predictions, fit_leap, run_transfer
 from leap_core.metrics import spearman as offline_spearman
 from leap_core.simulator import StepTimeModel
@@ -25,7 +25,6 @@ from leap_io.jsonable import dumps
 from leap_io.paths import sub_dir
 
 BASELINES = ("prompt_length", "minilm_ridge", "minilm_finetuned", "minilm_ltr", "trail_mlp")
-CHAT_TEST = "sharegpt:1000"  # held out from CHAT_TRAIN, within the snapshot's 3,000 ShareGPT prompts
 Say = Callable[[str], None]
 SHAREGPT_SPEARMAN_GOAL = 0.70  # held-out ShareGPT Spearman of the serving readout (sqrt target)
 

@@ -34,7 +34,9 @@ import numpy as np
 import torch
 import zmq
 
+from leap_core.recipes import Recipe, RecipeError, request_columns, union
 from serving import vllm_compat
+from serving.pooling import PromptPool
 from serving.receiver import refresh_message
 
 logger = logging.getLogger(__name__)
@@ -181,6 +183,13 @@ class FeatureSender:
                 self.refresh_dropped += 1
 
 
+def select_rows(states: Sequence[torch.Tensor], rows: np.ndarray) -> torch.Tensor:
+    """`states[k][rows]` concatenated along features, on the states' device."""
+    row_index = torch.from_numpy(rows).to(states[0].device, non_blocking=True)
+    parts = [state.index_select(0, row_index) for state in states]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 COPY_QUEUE_MAX = 1024  # steps whose device-to-host copies may wait for the copy thread at once
 
 
@@ -216,24 +225,23 @@ class RowSink:
             return None
         return [req_ids[i] for i in index], generated, rows
 
-    def send(self, ids: list[str], states: list[torch.Tensor], rows: np.ndarray) -> None:
-        """Concatenate `states[k][rows]` along features and send one vector per request."""
+    def send(self, ids: list[str], vectors: torch.Tensor) -> None:
+        """Send one recipe vector per request (rows of `vectors`, on the host or the device)."""
         self.captured += len(ids)
-        self._ship(states, rows, functools.partial(self.sender.send, ids), self._count_lost_features)
+        self._ship(vectors, functools.partial(self.sender.send, ids), self._count_lost_features)
 
     def send_refresh(self, ids: list[str], generated: np.ndarray, states: list[torch.Tensor],
                      rows: np.ndarray) -> None:
-        """Like `send`, for decode rows: each vector goes with the generated count it was captured at."""
+        """The decode rows of `states` (concatenated along features), each with the generated count it was
+        captured at."""
         self.refreshes += len(ids)
-        self._ship(states, rows, functools.partial(self.sender.send_refresh, ids, generated),
+        self._ship(select_rows(states, rows), functools.partial(self.sender.send_refresh, ids, generated),
                    self._count_lost_refreshes)
 
-    def _ship(self, states: list[torch.Tensor], rows: np.ndarray, deliver: Callable[[np.ndarray], None],
+    def _ship(self, selected: torch.Tensor, deliver: Callable[[np.ndarray], None],
               lost: Callable[[int], None]) -> None:
-        """Hand `states[k][rows]` to `deliver` on the host; on a device, after a copy that never blocks the step."""
-        row_index = torch.from_numpy(rows).to(states[0].device, non_blocking=True)
-        parts = [state.index_select(0, row_index) for state in states]
-        selected = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).float()
+        """Hand `selected` to `deliver` on the host; on a device, after a copy that never blocks the step."""
+        selected = selected.float()
         if selected.device.type == "cpu":
             deliver(selected.numpy())
             return
@@ -247,7 +255,7 @@ class RowSink:
         try:
             self._copies.put_nowait((done, host, deliver, lost))
         except queue.Full:
-            lost(len(rows))
+            lost(int(selected.shape[0]))
 
     def _count_lost_features(self, count: int) -> None:
         self.sender.dropped += count
@@ -275,17 +283,26 @@ def checked_layers(layer: int | list[int], num_layers: int) -> list[int]:
     return sorted({index % num_layers for index in wanted})
 
 
+def capture_recipe(what: int | list[int] | Recipe | str, num_layers: int) -> Recipe:
+    """The recipe a capture records: a recipe (or its name) as given, or the last-token state of one
+    layer or of several (concatenated in layer order, the layer study)."""
+    if isinstance(what, (Recipe, str)):
+        return Recipe.parse(what).check_layers(num_layers)
+    return union([Recipe.last(index) for index in checked_layers(what, num_layers)])
+
+
 class _LayerCapture:
-    """What both routes share: the layers captured (sorted, in range) and the sink their rows go to."""
+    """What both routes share: the recipe, the layers it reads (sorted, in range) and the sink its rows go to."""
 
     method = ""
     refresh_at: tuple[int, ...] = ()  # generated counts whose decode states are sent (the aux route only)
 
-    def __init__(self, runner: Any, layer: int | list[int], sender: FeatureSender) -> None:
+    def __init__(self, runner: Any, what: int | list[int] | Recipe | str, sender: FeatureSender) -> None:
         self.runner = runner
         self.num_layers = len(decoder_layers(runner.get_model()))
-        self.layers = checked_layers(layer, self.num_layers)
-        self.layer = self.layers[0] if len(self.layers) == 1 else -1  # -1: several (the layer study)
+        self.recipe = capture_recipe(what, self.num_layers)
+        self.layers = list(self.recipe.layers)
+        self.layer = self.layers[0] if len(self.layers) == 1 else -1  # -1: several
         self.sink = RowSink(sender)
 
     @property
@@ -298,60 +315,130 @@ class _LayerCapture:
 
 
 class AuxStateCapture(_LayerCapture):
-    """The compiled-mode capture: the model returns layer L's residual stream as an aux hidden state.
+    """The compiled-mode capture: the model returns the recipe's layers as aux hidden states.
 
     Aux index L + 1 is the stream after decoder layer L (vLLM adds `hidden + residual` after each listed
-    index), i.e. transformers' `hidden_states[L + 1]`. With several layers the model returns them in
-    index order and one vector per request is their concatenation, `len(layers) * hidden_size` long.
+    index), i.e. transformers' `hidden_states[L + 1]`; the model returns them in index order. One vector
+    per request holds the recipe's blocks in order (`leap_core.recipes`): last-token rows, prompt
+    pools accumulated across prefill chunks (`serving.pooling`), and the request's own columns (prompt
+    length, decoding settings, domain) read from its sampling parameters when it was scheduled.
 
     `refresh_at` (generated counts, empty for none) also sends, as refresh rows, the decode states of
-    requests that reach one of those counts in a step.
+    requests that reach one of those counts in a step: the captured layers' states concatenated.
     """
 
     method = "aux_hidden_states"
 
-    def __init__(self, runner: Any, layer: int | list[int], sender: FeatureSender,
+    def __init__(self, runner: Any, what: int | list[int] | Recipe | str, sender: FeatureSender,
                  refresh_at: Sequence[int] = ()) -> None:
-        super().__init__(runner, layer, sender)
+        super().__init__(runner, what, sender)
         self.refresh_at = tuple(int(g) for g in refresh_at)
+        self.pool = PromptPool(self.recipe, self.layers, functools.partial(vllm_compat.compute_logits, runner)) \
+            if self.recipe.pools else None
+        self.needs_requests = any(b.kind in REQUEST_KINDS for b in self.recipe.blocks)
+        self._requests: dict[str, Any] = {}  # request id -> sampling params, until its prompt ends
+        self.settings_missing = 0
         vllm_compat.enable_aux_hidden_states(runner, tuple(index + 1 for index in self.layers))
         vllm_compat.after_each_forward(runner, self._after_forward)
 
     def _after_forward(self, runner: Any) -> None:
         try:
-            found = self.sink.prompt_end(runner)
-            refresh = self.sink.decode_checkpoints(runner, self.refresh_at) if self.refresh_at else None
-            if found is None and refresh is None:
-                return
-            states = vllm_compat.step_aux_states(runner)
-            if not states:
-                return
-            if found is not None:
-                ids, rows = found
-                self.sink.send(ids, list(states), rows)
-            if refresh is not None:
-                ids, generated, rows = refresh
-                self.sink.send_refresh(ids, generated, list(states), rows)
+            self._step(runner)
         except Exception:  # never fail the engine's step for LEAP: the request is served without a prediction
             logger.exception("LEAP capture failed for one step")
             self.sink.sender.dropped += 1
+
+    def _step(self, runner: Any) -> None:
+        if self.needs_requests:
+            self._remember_requests(runner)
+        req_ids, *layout = vllm_compat.step_prompt_layout(runner)
+        num_computed, num_prompt, query_start = (np.asarray(a) for a in layout)
+        states = None
+        if self.pool is not None and len(req_ids):
+            states = vllm_compat.step_aux_states(runner)
+            if states:
+                final = vllm_compat.step_final_states(runner) if self.pool.entropy else None
+                self.pool.add(req_ids, num_computed, num_prompt, query_start, states, final)
+        index, rows = prompt_end_rows(num_computed, num_prompt, query_start) if len(req_ids) else ((), ())
+        refresh = self.sink.decode_checkpoints(runner, self.refresh_at) if self.refresh_at else None
+        if len(index) == 0 and refresh is None:
+            return
+        states = states or vllm_compat.step_aux_states(runner)
+        if not states:
+            return
+        if len(index):
+            ids = [req_ids[i] for i in index]
+            vectors = self._vectors(ids, rows, num_prompt[index], list(states))
+            if vectors is None:
+                self.sink.sender.dropped += len(ids)
+            else:
+                self.sink.send(ids, vectors)
+        if refresh is not None:
+            ids, generated, refresh_rows = refresh
+            self.sink.send_refresh(ids, generated, list(states), refresh_rows)
+
+    def _remember_requests(self, runner: Any) -> None:
+        for request_id, params in vllm_compat.step_new_requests(runner):
+            self._requests[request_id] = params
+        while len(self._requests) > REQUESTS_MAX:  # requests aborted before their prompt ended
+            self._requests.pop(next(iter(self._requests)))
+
+    def _vectors(self, ids: list[str], rows: np.ndarray, prompt_tokens: np.ndarray,
+                 states: list[torch.Tensor]) -> torch.Tensor | None:
+        """[requests, recipe dim] in block order, or None when a pooled sum was lost."""
+        pooled = None
+        if self.pool is not None:
+            pooled = self.pool.pop(ids)
+            if pooled is None:
+                return None
+        hidden = states[0].shape[1]
+        device = states[0].device
+        row_index = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(device)
+        columns = [self._request_columns(rid, int(n)) for rid, n in zip(ids, prompt_tokens)] \
+            if self.needs_requests else []
+        parts, k = [], 0
+        for block in self.recipe.blocks:
+            if block.kind == "last":
+                parts.append(states[self.layers.index(block.layer)].index_select(0, row_index).float())
+            elif block.kind in ("mean", "entropy"):
+                parts.append(pooled[:, k * hidden:(k + 1) * hidden])
+                k += 1
+            else:
+                values = np.stack([c[block.name] for c in columns])
+                parts.append(torch.from_numpy(values).to(device))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def _request_columns(self, request_id: str, prompt_tokens: int) -> dict[str, np.ndarray]:
+        params = self._requests.pop(request_id, None)
+        if params is None:
+            self.settings_missing += 1
+        settings, max_tokens, domain = vllm_compat.sampling_settings(params, self.runner)
+        return request_columns(self.recipe, prompt_tokens, settings, max_tokens, domain)
+
+
+REQUEST_KINDS = ("prompt", "decoding", "domain")
+REQUESTS_MAX = 65_536  # sampling parameters kept for requests whose prompt has not ended
 
 
 class PrefillCapture(_LayerCapture):
     """The eager-mode fallback: forward hooks on one decoder layer or several, one message per request.
 
     Hooks never fire under torch.compile, so this serves only engines run with `enforce_eager=True`, on
-    the V1 model runner. With several layers each hook keeps its layer's residual stream for the step and
-    the last one sends the rows concatenated in layer order.
+    the V1 model runner, and only recipes of last-token blocks. With several layers each hook keeps its
+    layer's residual stream for the step and the last one sends the rows in the recipe's block order.
     """
 
     method = "forward_hook"
 
-    def __init__(self, runner: Any, layer: int | list[int], sender: FeatureSender) -> None:
+    def __init__(self, runner: Any, what: int | list[int] | Recipe | str, sender: FeatureSender) -> None:
         if vllm_compat.is_v2_model_runner(runner):
             raise RuntimeError("the forward-hook capture reads the V1 model runner's batch; "
                                "set VLLM_USE_V2_MODEL_RUNNER=0 or use a model with aux hidden states")
-        super().__init__(runner, layer, sender)
+        super().__init__(runner, what, sender)
+        if any(b.kind != "last" for b in self.recipe.blocks):
+            raise RecipeError(f"the forward-hook capture records last-token blocks only, not recipe {self.recipe}; "
+                              f"serve this model with a last@L recipe")
+        self._order = [self.layers.index(b.layer) for b in self.recipe.blocks]
         layers = decoder_layers(runner.get_model())
         self._found: tuple[list[str], np.ndarray] | None = None
         self._states: list[torch.Tensor] = []
@@ -384,5 +471,5 @@ class PrefillCapture(_LayerCapture):
         self._states.append(hidden if residual is None else hidden + residual)
         if last:
             ids, rows = self._found
-            self.sink.send(ids, self._states, rows)
+            self.sink.send(ids, select_rows([self._states[p] for p in self._order], rows))
             self._states, self._found = [], None

@@ -51,6 +51,8 @@ class LeapConfig(BaseSettings):
     readout_path: str | None = Field(None, description="leap_core readout file served at start")
     rls_state_path: str | None = Field(None, description="RLS anchor (theta, P) saved with the readout")
     layer: int | None = Field(None, description="decoder layer to capture; default: the readout's layer")
+    recipe: str | None = Field(None, description="feature recipe to capture (leap_core.recipes), e.g. "
+                                                 "last@17+mean@17; default: the readout's recipe, else last@<layer>")
     capture_all_layers: bool = Field(False, description="capture every decoder layer (layer study, not serving)")
     max_resident: int = Field(512, ge=1, description="R: requests kept resident (vLLM max_num_seqs)")
     decode_slots: int = Field(64, ge=1, description="K: requests decoded per step")
@@ -103,6 +105,13 @@ class LeapConfig(BaseSettings):
         if any(later <= earlier for earlier, later in zip(value, value[1:])):
             raise ValueError(f"refresh_at must be strictly increasing, got {value}")
         return value
+
+    @field_validator("recipe")
+    @classmethod
+    def _parsed_recipe(cls, value: str | None) -> str | None:
+        from leap_core.recipes import Recipe
+
+        return None if value is None else str(Recipe.parse(value))
 
     @field_validator("policy")
     @classmethod

@@ -96,8 +96,9 @@ class LeapRuntime:
         self.dim, self.num_layers, model, self.max_tokens_default = vllm_compat.served_model_shape(vllm_config)
         self.model_id, self.fingerprint = _model_identity(model)
         # imported here: serving.worker imports vLLM's platform, which module import must not
-        from serving.worker import capture_layer
+        from serving.worker import capture_layer, serving_recipe
 
+        self.recipe = serving_recipe(vllm_config, self.num_layers)
         self.layer = capture_layer(vllm_config, self.num_layers)
         self.counters = Counters()
         self.last_held: set[str] = set()
@@ -117,7 +118,8 @@ class LeapRuntime:
         self.refresh_error: str | None = None
         self.refresher: Refresher | None = self._make_refresher()
         self.readouts.start()
-        sizes = (self.dim * self.num_layers,) if self.config.capture_all_layers else (self.dim,)
+        # prefill vectors hold the recipe; refresh rows the last-token state of each captured layer
+        sizes = (self.recipe.dim(self.dim), len(self.recipe.layers) * self.dim)
         self.receiver = CaptureReceiver(channel_address(vllm_config, self.config), sizes, self._on_feature,
                                         self.telemetry, deliver_batch=self._on_features_in_step,
                                         deliver_refresh=self._on_refresh).start()

@@ -204,6 +204,44 @@ def step_aux_states(runner: Any) -> list | None:
     return None if state is None else state.aux_hidden_states
 
 
+def step_final_states(runner: Any) -> Any:
+    """This step's final hidden states ([tokens, hidden], after the model's last norm), or None."""
+    state = getattr(runner, "execute_model_state", None)
+    return None if state is None else state.hidden_states
+
+
+def compute_logits(runner: Any, hidden: Any) -> Any:
+    """Next-token logits of final hidden states, by the model's own head (`compute_logits`)."""
+    logits = runner.get_model().compute_logits(hidden)
+    if logits is None:
+        raise RuntimeError("the model computed no logits here (not the last pipeline stage)")
+    return logits
+
+
+def step_new_requests(runner: Any) -> list[tuple[str, Any]]:
+    """(request id, sampling params) of the requests this step schedules for the first time."""
+    state = getattr(runner, "execute_model_state", None)
+    output = None if state is None else getattr(state, "scheduler_output", None)
+    if output is None:
+        return []
+    return [(data.req_id, data.sampling_params) for data in output.scheduled_new_reqs]
+
+
+def sampling_settings(params: Any, runner: Any) -> tuple[dict, int, str | None]:
+    """(decoding settings, output budget, `leap_domain`) of a request's sampling params; greedy, the
+    model's length and no domain when they are unknown. An invalid `leap_domain` counts as none."""
+    from serving.request_extras import parse_leap_extras
+
+    max_len = int(getattr(runner, "max_model_len", 0) or 0)
+    if params is None:
+        return {}, max_len, None
+    settings = {name: getattr(params, name, None) for name in
+                ("temperature", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty")}
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_len
+    extras, _ = parse_leap_extras(getattr(params, "extra_args", None))
+    return settings, int(max_tokens), extras.leap_domain
+
+
 def step_prompt_layout(runner: Any):
     """(request ids, computed prompt tokens, prompt tokens, query start offsets) of this step's batch.
 

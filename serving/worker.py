@@ -14,6 +14,7 @@ from vllm.platforms import current_platform
 
 from serving import vllm_compat
 from serving.capture import AuxStateCapture, FeatureSender, PrefillCapture, decoder_layers
+from leap_core.recipes import Recipe, readout_recipe, union
 from serving.config import LeapConfig, channel_address, leap_config_from_vllm
 from serving.refresh import RefreshReadoutError, load_refresh_readout
 
@@ -31,17 +32,40 @@ def default_layer(num_layers: int) -> int:
     return max(0, min(num_layers - 2, round(0.73 * num_layers)))
 
 
-def capture_layer(vllm_config, num_layers: int) -> int:
-    config = leap_config_from_vllm(vllm_config)
-    if config.layer is not None:
-        return config.layer
+def _readout_metadata(config: LeapConfig) -> dict:
     if config.readout_path and Path(config.readout_path).is_file():
         from leap_core.readout_format import from_bytes
 
-        layer = from_bytes(Path(config.readout_path).read_bytes()).metadata.get("layer")
-        if layer is not None:
-            return int(layer)
-    return default_layer(num_layers)
+        return from_bytes(Path(config.readout_path).read_bytes()).metadata
+    return {}
+
+
+def readout_side_recipe(config: LeapConfig, num_layers: int) -> Recipe:
+    """The recipe readouts are served on: the settings' recipe, else the settings' layer, else the recipe
+    of the readout served at start, else the last token of `default_layer`."""
+    if config.recipe is not None:
+        return Recipe.parse(config.recipe).check_layers(num_layers)
+    if config.layer is not None:
+        return Recipe.last(config.layer).check_layers(num_layers)
+    metadata = _readout_metadata(config)
+    if metadata.get("recipe") or metadata.get("layer") is not None:
+        return readout_recipe(metadata).check_layers(num_layers)
+    return Recipe.last(default_layer(num_layers))
+
+
+def serving_recipe(vllm_config, num_layers: int) -> Recipe:
+    """The recipe this engine captures: `readout_side_recipe`, or the last token of every layer in the
+    layer study (`capture_all_layers`)."""
+    config = leap_config_from_vllm(vllm_config)
+    if config.capture_all_layers:
+        return union([Recipe.last(index) for index in range(num_layers)])
+    return readout_side_recipe(config, num_layers)
+
+
+def capture_layer(vllm_config, num_layers: int) -> int:
+    """The serving layer (feedback rows and refresh are keyed by it): the first layer the recipe reads."""
+    config = leap_config_from_vllm(vllm_config)
+    return next(b.layer for b in readout_side_recipe(config, num_layers).blocks if b.layer is not None)
 
 
 def refresh_checkpoints(worker, config: LeapConfig, layer: int) -> tuple[int, ...]:
@@ -70,11 +94,11 @@ def install_capture(worker) -> AuxStateCapture | PrefillCapture:
     runner = worker.model_runner
     num_layers = len(decoder_layers(runner.get_model()))
     serving_layer = capture_layer(worker.vllm_config, num_layers)
-    layers = list(range(num_layers)) if config.capture_all_layers else serving_layer
+    recipe = serving_recipe(worker.vllm_config, num_layers)
     sender = FeatureSender(channel_address(worker.vllm_config, config))
     try:
         capture: AuxStateCapture | PrefillCapture = AuxStateCapture(
-            runner, layers, sender, refresh_at=refresh_checkpoints(worker, config, serving_layer))
+            runner, recipe, sender, refresh_at=refresh_checkpoints(worker, config, serving_layer))
     except vllm_compat.AuxHiddenStatesUnsupported as exc:
         model = worker.vllm_config.model_config.model
         if not worker.vllm_config.model_config.enforce_eager:
@@ -85,9 +109,9 @@ def install_capture(worker) -> AuxStateCapture | PrefillCapture:
         logger.warning("LEAP: %s; using the forward-hook capture in eager mode (%s)", exc, EAGER_COST)
         if config.refresh_configured:
             logger.warning("LEAP refresh is off: the forward-hook capture sends no decode states")
-        capture = PrefillCapture(runner, layers, sender)
+        capture = PrefillCapture(runner, recipe, sender)
     where = f"all {num_layers} decoder layers (layer study)" if config.capture_all_layers else \
-        f"decoder layer {capture.layer} of {num_layers}"
+        f"recipe {capture.recipe} of {num_layers} decoder layers"
     refresh = f"; decode states at {list(capture.refresh_at)} generated tokens for refresh" \
         if capture.refresh_at else ""
     logger.info("LEAP capture (%s) installed on %s%s", capture.method, where, refresh)
@@ -121,7 +145,7 @@ class LeapWorker(EagerKernelsWorker):
         capture = self.leap_capture
         if capture is None:
             return {}
-        return {"layer": capture.layer, "method": capture.method, "captured": capture.captured,
+        return {"layer": capture.layer, "recipe": str(capture.recipe), "method": capture.method, "captured": capture.captured,
                 "sent": capture.sender.sent, "dropped": capture.sender.dropped,
                 "refresh_captured": capture.sink.refreshes, "refresh_sent": capture.sender.refresh_sent,
                 "refresh_dropped": capture.sender.refresh_dropped}

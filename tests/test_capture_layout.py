@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from serving import vllm_compat
-from serving.capture import RowSink, prompt_end_rows
+from serving.capture import RowSink, prompt_end_rows, select_rows
 
 
 class RecordingSender:
@@ -77,7 +77,7 @@ def test_both_runner_layouts_send_the_same_rows():
         sender = RecordingSender()
         sink = RowSink(sender)
         ids, rows = sink.prompt_end(runner)
-        sink.send(ids, vllm_compat.step_aux_states(runner), rows)
+        sink.send(ids, select_rows(vllm_compat.step_aux_states(runner), rows))
         assert sender.sent_ids == ["r0"]
         np.testing.assert_array_equal(sender.rows[0], AUX[4].numpy())
 
@@ -102,7 +102,7 @@ def test_several_aux_layers_are_concatenated_in_layer_order():
     sender = RecordingSender()
     sink = RowSink(sender)
     ids, rows = sink.prompt_end(runner)
-    sink.send(ids, [AUX, second], rows)
+    sink.send(ids, select_rows([AUX, second], rows))
     np.testing.assert_array_equal(sender.rows[0], np.concatenate([AUX[4].numpy(), second[4].numpy()]))
 
 
