@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -32,6 +32,8 @@ from leap_core import alpha as alpha_path
 from leap_core import metrics
 from leap_core.alpha import AlphaSelection
 from leap_core.readout import LinearReadout
+from leap_core.recipe_choice import choose_recipe, validate_recipes
+from leap_core.recipes import RECIPE_VERSION, STATE_KINDS, Recipe, readout_recipe
 from leap_core.rls import RLS, fit_readout_with_anchor
 
 DEFAULT_MAX_TOKENS = 1024
@@ -63,6 +65,7 @@ class FitResult:
     metrics: dict[str, float]
     params: dict[str, Any]
     eval_arrays: dict[str, np.ndarray]  # "true" and "pred" output lengths of the test rows
+    validation: list[dict[str, Any]] | None = None  # the recipe choice's table (None: no choice made)
 
 
 def _usable(frame: TrainingFrame) -> np.ndarray:
@@ -207,6 +210,8 @@ def fit_readout(
     alphas: Sequence[float] = ALPHA_GRID,
     blas_threads: int | None = 1,
     anchor: RLS | None = None,
+    capture_recipe: str | None = None,
+    recipes: Sequence[str] | None = None,
 ) -> FitResult:
     """Fit a readout on `frame_train`, score it on `frame_test`, and anchor RLS at the training rows.
 
@@ -220,20 +225,75 @@ def fit_readout(
     max_tokens: the output budget M; by default the largest max_tokens among the training rows,
         else DEFAULT_MAX_TOKENS. It must match the budget serving runs with, since predictions are
         clipped to [1, M].
+    capture_recipe: the recipe the rows' features were captured with (`leap_core.recipes`; default
+        `last@<layer>`): the readout records which of its columns it reads.
+    recipes: candidate recipes to choose from (each covered by `capture_recipe`), by validation on the
+        newest rows of `frame_train` only (`choose_recipe`); the readout is fitted on the chosen one and
+        the table is returned as `FitResult.validation`. None: the whole capture recipe, no choice.
+        Not with `anchor` (the anchor fixes the recipe).
     blas_threads: BLAS threads for the fit (None: the library's default). One by default: the fit
         shares its host with the serving process, and on a loaded 2-core machine two BLAS threads
         made the fit on 100k rows at d = 576 2-4x slower than one (36-70 s against 16-21 s).
     Rows that are not training labels (abort, error, repetition) are dropped from both frames.
     """
     with threadpool_limits(limits=blas_threads, user_api="blas"):
-        return _fit(frame_train, frame_test, alpha=alpha, target=target, max_tokens=max_tokens,
-                    model_id=model_id, model_fingerprint=model_fingerprint, layer=layer, version=version,
-                    alphas=alphas, anchor=anchor)
+        capture = Recipe.parse(capture_recipe) if capture_recipe else Recipe.last(layer)
+        validation = None
+        if recipes:
+            if anchor is not None:
+                raise ValueError("an anchored fit keeps the anchor's recipe; choose recipes without an anchor")
+            validation = validate_window(frame_train, capture, recipes, target=target,
+                                         max_tokens=_budget(frame_train, max_tokens), alphas=alphas)
+            chosen = Recipe.parse(choose_recipe(validation)["recipe"])
+            columns = chosen.columns(capture, _hidden(capture, np.asarray(frame_train.features).shape[1]))
+            frame_train, frame_test = _columns(frame_train, columns), _columns(frame_test, columns)
+            capture = chosen
+        elif anchor is not None and str(readout_recipe(anchor.readout_.metadata)) != str(capture):
+            kept = readout_recipe(anchor.readout_.metadata)  # the anchor reads part of the capture
+            columns = kept.columns(capture, _hidden(capture, np.asarray(frame_train.features).shape[1]))
+            frame_train, frame_test = _columns(frame_train, columns), _columns(frame_test, columns)
+            capture = kept
+        fit = _fit(frame_train, frame_test, alpha=alpha, target=target, max_tokens=max_tokens,
+                   model_id=model_id, model_fingerprint=model_fingerprint, layer=layer, version=version,
+                   alphas=alphas, anchor=anchor, recipe=capture)
+        return replace(fit, validation=validation)
+
+
+def _hidden(capture: Recipe, dim: int) -> int:
+    """The hidden size a capture of `dim` columns implies (its state blocks are hidden wide)."""
+    states = sum(b.kind in STATE_KINDS for b in capture.blocks)
+    hidden = (dim - capture.dim(0)) // states
+    if capture.dim(hidden) != dim:
+        raise ValueError(f"features of {dim} columns are not a capture of recipe {capture}")
+    return hidden
+
+
+def _columns(frame: TrainingFrame, columns: np.ndarray) -> TrainingFrame:
+    return frame._replace(features=np.asarray(frame.features)[:, columns])
+
+
+def validate_window(frame_train: TrainingFrame, capture: Recipe, recipes: Sequence[str], *, target: str,
+                    max_tokens: int, alphas: Sequence[float] = ALPHA_GRID,
+                    validation_fraction: float = VALIDATION_FRACTION) -> list[dict[str, Any]]:
+    """`leap_core.recipe_choice.validate_recipes` over the candidates the capture covers, on the training
+    rows in arrival order: the newest `validation_fraction` scores, the older rows fit."""
+    train = _without_aborted(frame_train)
+    X = np.asarray(train.features)
+    hidden = _hidden(capture, X.shape[1])
+    covered = [Recipe.parse(name) for name in recipes if Recipe.parse(name).covered_by(capture, hidden)]
+    if not covered:
+        raise ValueError(f"none of the recipes {list(recipes)} is covered by the capture recipe {capture}")
+    arrival = np.asarray(train.arrival_time)
+    order = np.argsort(arrival, kind="stable")
+    lengths = np.asarray(train.output_tokens, dtype=np.float64)[order]
+    matrices = {str(r): X[order][:, r.columns(capture, hidden)] for r in covered}
+    return validate_recipes(matrices, lengths, max_tokens=int(max_tokens), target=target, alphas=alphas,
+                            cv=alpha_path.newest_split(len(order), validation_fraction))
 
 
 def _fit(frame_train: TrainingFrame, frame_test: TrainingFrame, *, alpha: float | str, target: str,
          max_tokens: int | None, model_id: str, model_fingerprint: str, layer: int, version: str,
-         alphas: Sequence[float], anchor: RLS | None = None) -> FitResult:
+         alphas: Sequence[float], recipe: Recipe, anchor: RLS | None = None) -> FitResult:
     budget = int(anchor.readout_.max_tokens) if anchor is not None else _budget(frame_train, max_tokens)
     excluded = {reason: excluded_by_reason(frame_train).get(reason, 0) + excluded_by_reason(frame_test).get(reason, 0)
                 for reason in {*excluded_by_reason(frame_train), *excluded_by_reason(frame_test)}}
@@ -266,6 +326,8 @@ def _fit(frame_train: TrainingFrame, frame_test: TrainingFrame, *, alpha: float 
         "model_id": model_id,
         "model_fingerprint": model_fingerprint,
         "layer": int(layer),
+        "recipe": str(recipe),
+        "recipe_version": RECIPE_VERSION,
         "version": version,
         "n_train": int(X_train.shape[0]),
         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -293,6 +355,7 @@ def _fit(frame_train: TrainingFrame, frame_test: TrainingFrame, *, alpha: float 
     arrivals = np.concatenate([train.arrival_time, test.arrival_time])
     params: dict[str, Any] = {
         "layer": int(layer),
+        "recipe": str(recipe),
         "alpha": chosen,
         "alpha_selection": "anchor" if anchor is not None else "auto" if selection is not None else "given",
         "target": target,

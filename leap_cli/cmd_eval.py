@@ -216,3 +216,21 @@ def report(results: Path = typer.Option(RESULTS, help="folder of saved study res
     emit(rendered, as_json, "report")
     if outcomes is not None and any(o["rc"] for o in outcomes):
         raise typer.Exit(1)
+
+
+@eval_app.command("recipes")
+def recipes(
+    quick: bool = typer.Option(False, "--quick", help="8 recipes and 500 bootstrap draws (under 10 minutes "
+                                                      "from the committed corpus)"),
+    candidates: Optional[str] = typer.Option(None, help="recipes to compare, comma-separated "
+                                                        "(default: the study's list; every one must be covered "
+                                                        "by the corpus' wide recipe)"),
+    max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
+    build: bool = BUILD,
+) -> None:
+    """Feature recipes side by side: held-out Spearman and MAE per set (greedy and sampled traffic) with
+    intervals, cost per request and bytes per feedback row, and the recipe the fit flow would choose."""
+    from evaluation.recipes import recipe_study
+
+    result = recipe_study(quick, _names(candidates) if candidates else None, max_tokens, model, _say(as_json), build)
+    _finish(result, "recipes", "recipes-quick" if quick else "recipes", as_json, save)

@@ -9,8 +9,9 @@ A recipe is a list of blocks, concatenated in order into one feature vector per 
 - `prompt`: log(1 + prompt tokens), one column;
 - `decoding`: the request's decoding settings, `DECODING_COLUMNS` (so one readout serves greedy and
   sampled traffic);
-- `domain=a/b/c`: one indicator column per named domain, a per-domain intercept that RLS can move on
-  its own when one domain's traffic shifts (a request of no listed domain has all zeros).
+- `domain=a/b/c`: one indicator column per named domain (`DOMAIN_VALUE` for the request's domain), a
+  per-domain intercept that RLS can move on its own when one domain's traffic shifts (a request of no
+  listed domain has all zeros).
 
 The name is the blocks joined by `+`, e.g. `last@17+mean@17+prompt+decoding`; it is what serving's
 capture, the corpus, the fit flow and the readout file all record (`recipe` in the readout metadata,
@@ -237,10 +238,18 @@ def prompt_column(prompt_tokens: int) -> np.ndarray:
     return np.asarray([math.log1p(max(int(prompt_tokens), 0))], dtype=np.float32)
 
 
+DOMAIN_VALUE = 100.0
+"""The value of a request's own domain column (the others are 0). The readout standardizes its columns,
+and a column that is constant in the training rows (a domain with no training rows) keeps scale 1, so
+its ridge penalty on the intercept shift is alpha / DOMAIN_VALUE^2: RLS moves a new domain's intercept
+after a few of its finished requests instead of shrinking it by the shared penalty. A domain present in
+the training rows is standardized like any column."""
+
+
 def domain_columns(domains: Sequence[str], domain: str | None) -> np.ndarray:
     row = np.zeros(len(domains), dtype=np.float32)
     if domain in domains:
-        row[list(domains).index(domain)] = 1.0
+        row[list(domains).index(domain)] = DOMAIN_VALUE
     return row
 
 

@@ -1,0 +1,66 @@
+"""Choosing a feature recipe (and so a layer) by validation on the training window only.
+
+For each candidate recipe, every split's held-out predictions come from the one alpha path
+(`leap_core.alpha.held_out_path`: the whole penalty grid for the cost of one fit). The penalty is the one
+with the lowest held-out mean absolute error; the recipe's score is the Spearman rank correlation of
+its held-out predictions at that penalty against the true lengths (outputs that reached M tie at M),
+since ranking is what the scheduler uses. The chosen recipe has the highest score; a recipe within
+`tolerance` of it with fewer columns wins instead (it costs less to capture, store and correct).
+
+The fit flow splits by arrival (the newest rows of its training window); the recipe study by
+shuffled K-fold grouped by prompt. Neither looks at its test rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from leap_core import targets
+from leap_core.alpha import ALPHAS, held_out_path, kfold
+from leap_core.metrics import censored_spearman
+
+TOLERANCE = 0.0
+"""Validation Spearman a smaller recipe may give up and still be chosen (0: the best score wins)."""
+
+
+def validate_recipe(X: ArrayLike, lengths: ArrayLike, *, max_tokens: int, target: str = "sqrt",
+                    cv: Any = None, groups: ArrayLike | None = None, alphas: ArrayLike = ALPHAS) -> dict[str, Any]:
+    """{"alpha", "spearman", "mae", "n", "dim"} of one recipe's matrix X over the splits of `cv`.
+
+    Rows never held out (a `newest_split` keeps the older ones for fitting only) are not scored.
+    """
+    X = np.asarray(X)
+    lengths = np.asarray(lengths, dtype=np.float64).reshape(-1)
+    alphas = np.asarray(alphas, dtype=np.float64).reshape(-1)
+    splitter = kfold() if cv is None else cv
+    y = targets.transform(lengths, target)
+    held = np.full((lengths.size, alphas.size), np.nan)
+    for fit_rows, held_rows in splitter.split(X, lengths, groups):
+        pred = held_out_path(X[fit_rows], y[fit_rows], X[held_rows], alphas)
+        held[held_rows] = targets.to_lengths(pred, target, int(max_tokens))
+    scored = ~np.isnan(held[:, 0])
+    if scored.sum() < 3:
+        raise ValueError(f"validation scored {int(scored.sum())} rows; it needs at least 3")
+    errors = np.abs(held[scored] - lengths[scored, None]).mean(axis=0)
+    best = int(np.argmin(errors))
+    return {"alpha": float(alphas[best]), "mae": float(errors[best]), "n": int(scored.sum()), "dim": int(X.shape[1]),
+            "spearman": censored_spearman(lengths[scored], held[scored, best], int(max_tokens))}
+
+
+def validate_recipes(matrices: Mapping[str, ArrayLike], lengths: ArrayLike, **options: Any) -> list[dict[str, Any]]:
+    """One `validate_recipe` row per recipe, {"recipe": name, ...}, best validation Spearman first."""
+    table = [{"recipe": name, **validate_recipe(X, lengths, **options)} for name, X in matrices.items()]
+    return sorted(table, key=lambda row: (-row["spearman"], row["dim"], row["recipe"]))
+
+
+def choose_recipe(table: list[dict[str, Any]], tolerance: float = TOLERANCE) -> dict[str, Any]:
+    """The row to serve: the best validation Spearman, or the smallest recipe within `tolerance` of it."""
+    if not table:
+        raise ValueError("no recipe was validated")
+    best = max(row["spearman"] for row in table)
+    close = [row for row in table if row["spearman"] >= best - tolerance]
+    return min(close, key=lambda row: (row["dim"], -row["spearman"], row["recipe"]))

@@ -1,0 +1,152 @@
+"""Feature recipes (names, layout, column selection), pooling across chunks, and the recipe choice."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from leap_core.recipe_choice import choose_recipe, validate_recipe, validate_recipes
+from leap_core.recipes import (DECODING_COLUMNS, DOMAIN_VALUE, Recipe, RecipeError, decoding_columns,
+                               domain_columns, entropy_weights, pooled, readout_recipe, request_columns, union)
+from serving.pooling import PromptPool, entropy_of_logits, prompt_rows
+
+H = 4
+
+
+def test_a_name_round_trips_and_says_what_the_vector_holds():
+    recipe = Recipe.parse("last@17+mean@22+prompt+decoding+domain=chat/math")
+    assert str(recipe) == "last@17+mean@22+prompt+decoding+domain=chat/math"
+    assert recipe.layers == (17, 22)
+    assert recipe.dim(H) == H + H + 1 + len(DECODING_COLUMNS) + 2
+    assert recipe.offsets(H)["mean@22"] == (H, 2 * H)
+    assert recipe.pools and not Recipe.parse("last@3").pools
+
+
+@pytest.mark.parametrize("bad", ["", "last", "last@x", "max@3", "prompt", "last@3+last@3",
+                                 "last@1+domain=a/a", "last@1+domain=a+domain=b", "last@1+domain=a b"])
+def test_bad_names_are_refused_with_a_reason(bad):
+    with pytest.raises(RecipeError):
+        Recipe.parse(bad)
+
+
+def test_layers_are_checked_against_the_model_and_negative_ones_count_from_the_end():
+    assert str(Recipe.parse("last@-1").check_layers(30)) == "last@29"
+    with pytest.raises(RecipeError, match="30 decoder layers"):
+        Recipe.parse("mean@30").check_layers(30)
+
+
+def test_a_readout_recipe_reads_its_columns_out_of_a_wider_capture():
+    capture = Recipe.parse("last@1+last@2+mean@2+prompt+domain=a/b/c")
+    vector = np.arange(capture.dim(H))
+    columns = Recipe.parse("mean@2+last@1+domain=c/a").columns(capture, H)
+    # mean@2 is the third block, last@1 the first, then the c and a indicators
+    np.testing.assert_array_equal(vector[columns], [8, 9, 10, 11, 0, 1, 2, 3, 15, 13])
+    assert not Recipe.parse("entropy@2").covered_by(capture, H)
+    with pytest.raises(RecipeError, match="domains"):
+        Recipe.parse("last@1+domain=d").columns(capture, H)
+
+
+def test_union_holds_every_block_once_in_a_fixed_order():
+    wide = union(["mean@3+last@5", "last@2+prompt", "last@5+domain=x", "last@2+domain=y/x"])
+    assert str(wide) == "last@2+last@5+mean@3+prompt+domain=x/y"
+    for name in ("mean@3+last@5", "last@2+prompt", "last@5+domain=x", "last@2+domain=y/x"):
+        assert Recipe.parse(name).covered_by(wide, H)
+
+
+def test_readouts_from_before_recipes_are_the_last_token_of_their_layer():
+    assert str(readout_recipe({"layer": 22})) == "last@22"
+    assert str(readout_recipe({"layer": 22, "recipe": "last@17+mean@17"})) == "last@17+mean@17"
+    with pytest.raises(RecipeError):
+        readout_recipe({})
+
+
+def test_request_columns_follow_the_settings_and_default_to_greedy():
+    recipe = Recipe.parse("last@1+prompt+decoding+domain=chat/math")
+    cols = request_columns(recipe, 99, {"temperature": 0.7, "top_p": 0.9, "frequency_penalty": None}, 1023, "math")
+    np.testing.assert_allclose(cols["prompt"], [np.log(100)], rtol=1e-6)
+    np.testing.assert_allclose(cols["decoding"], [0.7, 0.9, np.log(1024), 1.0, 0.0, 0.0], rtol=1e-6)
+    np.testing.assert_array_equal(cols["domain=chat/math"], [0.0, DOMAIN_VALUE])
+    assert decoding_columns({}, 0)[0] == 0.0 and decoding_columns({}, 0)[1] == 1.0
+    assert not domain_columns(("chat",), "unknown").any()
+
+
+def test_entropy_weights_are_the_entropy_of_each_rows_softmax():
+    logits = np.array([[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]])
+    np.testing.assert_allclose(entropy_weights(logits), [np.log(4), 0.0], atol=1e-9)
+    np.testing.assert_allclose(entropy_of_logits(torch.tensor(logits)).numpy(), [np.log(4), 0.0], atol=1e-5)
+    states = np.array([[1.0, 0.0], [3.0, 2.0]])
+    np.testing.assert_allclose(pooled(states), [2.0, 1.0])
+    np.testing.assert_allclose(pooled(states, np.array([1.0, 3.0])), [2.5, 1.5])
+
+
+def test_prompt_rows_take_only_the_prompt_part_of_each_request():
+    # r0: prompt chunk of 3 (computed 2 of 5 -> rows 0..2); r1: decode (computed 6 >= prompt 4);
+    # r2: prompt of 4 computed from 0, 6 rows scheduled (4 prompt rows, then 2 beyond, as with drafts)
+    index, counts, rows = prompt_rows(np.array([2, 6, 0]), np.array([5, 4, 4]), np.array([0, 3, 4, 10]))
+    assert index.tolist() == [0, 2] and counts.tolist() == [3, 4]
+    assert rows.tolist() == [0, 1, 2, 4, 5, 6, 7]
+
+
+def _pool_steps(recipe: Recipe, prompt: np.ndarray, logits: np.ndarray, chunk: int) -> np.ndarray:
+    """Feed one request's prompt through PromptPool in chunks of `chunk` rows; return its pooled vector."""
+    pool = PromptPool(recipe, list(recipe.layers), lambda final: torch.from_numpy(logits)[final[:, 0].long()])
+    n = prompt.shape[0]
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        state = torch.from_numpy(prompt[start:stop]).float()
+        # the final state's first column carries the row's position, so the fake head finds its logits
+        final = torch.arange(start, stop, dtype=torch.float32)[:, None].repeat(1, 2)
+        pool.add(["r"], np.array([start]), np.array([n]), np.array([0, stop - start]), [state], final)
+    out = pool.pop(["r"])
+    assert out is not None and len(pool) == 0
+    return out.numpy()[0]
+
+
+def test_pooling_across_prefill_chunks_equals_pooling_the_whole_prompt():
+    rng = np.random.default_rng(0)
+    prompt = rng.normal(size=(11, H))
+    logits = rng.normal(size=(11, 7)) * 3
+    recipe = Recipe.parse("mean@0+entropy@0")
+    whole = np.concatenate([pooled(prompt), pooled(prompt, entropy_weights(logits))])
+    for chunk in (11, 4, 1):
+        np.testing.assert_allclose(_pool_steps(recipe, prompt, logits, chunk), whole, rtol=1e-5, atol=1e-6)
+
+
+def test_a_restarted_prefill_starts_a_fresh_sum_and_an_evicted_one_is_reported_lost():
+    recipe = Recipe.parse("mean@0")
+    pool = PromptPool(recipe, [0], lambda final: final, max_requests=1)
+    ones, twos = torch.ones((2, H)), 2 * torch.ones((2, H))
+    pool.add(["a"], np.array([0]), np.array([4]), np.array([0, 2]), [ones], None)
+    pool.add(["a"], np.array([0]), np.array([4]), np.array([0, 2]), [twos], None)  # recomputed from token 0
+    pool.add(["a"], np.array([2]), np.array([4]), np.array([0, 2]), [twos], None)
+    np.testing.assert_allclose(pool.pop(["a"]).numpy()[0], 2.0)
+    pool.add(["a"], np.array([0]), np.array([4]), np.array([0, 2]), [ones], None)
+    pool.add(["b"], np.array([0]), np.array([4]), np.array([0, 2]), [ones], None)  # evicts a
+    assert pool.evicted == 1
+    pool.add(["a"], np.array([2]), np.array([4]), np.array([0, 2]), [ones], None)  # a partial sum: not kept
+    assert pool.pop(["a"]) is None
+
+
+def test_the_choice_prefers_the_recipe_whose_columns_carry_the_signal():
+    rng = np.random.default_rng(1)
+    n = 400
+    signal, noise = rng.normal(size=(n, 3)), rng.normal(size=(n, 3))
+    lengths = np.clip((8 + 3 * signal[:, 0] + rng.normal(scale=0.5, size=n)) ** 2, 1, 512)
+    table = validate_recipes({"noise": noise, "signal": signal, "both": np.hstack([noise, signal])}, lengths,
+                             max_tokens=512)
+    assert table[0]["spearman"] >= table[1]["spearman"] >= table[2]["spearman"]
+    assert table[-1]["recipe"] == "noise" and table[-1]["spearman"] < 0.2
+    assert choose_recipe(table)["recipe"] in ("signal", "both")
+    # a tolerance lets the smaller of two near-equal recipes win
+    assert choose_recipe(table, tolerance=1.0)["recipe"] in ("noise", "signal")
+    assert choose_recipe(table, tolerance=1.0)["dim"] == 3
+
+
+def test_a_newest_rows_split_scores_only_the_newest_rows():
+    from leap_core.alpha import newest_split
+
+    rng = np.random.default_rng(2)
+    X = rng.normal(size=(50, 2))
+    row = validate_recipe(X, rng.integers(1, 100, 50), max_tokens=128, cv=newest_split(50, 0.2))
+    assert row["n"] == 10 and row["dim"] == 2
