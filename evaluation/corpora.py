@@ -6,6 +6,7 @@ then cost seconds instead of an engine start.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -115,6 +116,46 @@ def load_or_build_recipe_corpus(prompts: Sequence[dict], max_tokens: int = 1024,
     return joined(recipe_rows(folder, labels.ids.tolist()), labels)
 
 
+def load_or_build_sampled_labels(prompts: Sequence[dict], max_tokens: int = 1024, model: str | None = None,
+                                 say: Callable[[str], None] = lambda message: None, build: bool = True,
+                                 samples: int = 4):
+    """The sampled labels (harness.sampled_labels: `samples` outputs per prompt under SAMPLED_DECODING, label
+    = their median) of `prompts`, in prompt order, generating only the prompts the snapshot and the cache
+    lack (`build=False`: only the rows already recorded)."""
+    from harness.experiment import open_live
+    from harness.sampled_labels import (SAMPLED_DECODING, build_sampled_labels, load_sampled_labels,
+                                        missing_sampled, sampled_key)
+
+    info = model_info(model)
+    folder = corpus_dir(sampled_key(info.fingerprint, max_tokens, SAMPLED_DECODING, samples))
+    wanted = [p["id"] for p in prompts]
+    missing = set(missing_sampled(folder, max_tokens, wanted))
+    if missing and not build:
+        say(f"sampled labels: {len(missing)} prompts not recorded yet: left out (no build)")
+    elif missing:
+        say(f"sampled labels: running {len(missing)} prompts x {samples} samples through the engine")
+        live = open_live(model, LeapConfig(policy="fcfs", rls=False, max_resident=256), max_tokens=max_tokens,
+                         decoding=SAMPLED_DECODING)
+        try:
+            live.runtime.configure(policy="fcfs", rls=False, decode_slots=live.runtime.config.max_resident)
+            started = time.monotonic()
+            step = max(1, len(missing) // 24)
+
+            def progress(done: int, total: int) -> None:
+                if done % step == 0 or done == total:
+                    say(f"sampled labels: {done}/{total} prompts ({time.monotonic() - started:.0f} s)")
+
+            result = build_sampled_labels(live.engine, [p for p in prompts if p["id"] in missing], folder,
+                                          max_tokens, live.decoding, samples, on_progress=progress,
+                                          max_prompt_tokens=max(16, live.engine.vllm_config.model_config.max_model_len
+                                                                - max_tokens - 1))
+            say(f"sampled labels: {result['rows']} rows, {result['generated_tokens']} tokens generated in "
+                f"{time.monotonic() - started:.0f} s, {result['dropped_too_long']} prompts too long")
+        finally:
+            live.close()
+    return load_sampled_labels(folder, max_tokens, ids=wanted)
+
+
 def interleave_sets(prompts: Sequence[dict]) -> list[dict]:
     """Prompts reordered so every set advances at its share of the whole (the engine admits in order):
     a build stopped early leaves each set covered in proportion, not the first sets complete and the
@@ -128,9 +169,11 @@ def interleave_sets(prompts: Sequence[dict]) -> list[dict]:
 
 def build_snapshot(selection: str, all_layers_selection: str, max_tokens: int = 1024, model: str | None = None,
                    say: Callable[[str], None] = lambda message: None, build: bool = True,
-                   decode_states: bool = True) -> dict:
+                   decode_states: bool = True, sampled: bool | None = None) -> dict:
     """Generate what the cache lacks for the snapshot's prompts (resumable), then rewrite the committed
-    snapshot as the union of its rows and the cache's for those prompts; return the manifest."""
+    snapshot as the union of its rows and the cache's for those prompts; return the manifest.
+    `sampled` (default: as `decode_states`, the other study-specific part a `--select` build leaves out)
+    adds the sampled labels of the sampled pool last."""
     from evaluation.selections import seeded_prompts, select
     from harness import snapshot
     from harness.corpus import noted_skipped
@@ -171,6 +214,39 @@ def build_snapshot(selection: str, all_layers_selection: str, max_tokens: int = 
         entry = snapshot.corpus_entry(corpus, spec, skipped)
         manifest = snapshot.write_manifest({key: entry}, info, DEFAULT_DECODING, max_tokens, prompts=stored)
         say(f"snapshot {key}: {len(corpus)} rows, {len(skipped)} prompts too long for the engine")
+    include_sampled = decode_states if sampled is None else sampled
+    if include_sampled:  # the "sampled" part, after "every"
+        manifest = sampled_snapshot_part(max_tokens, model, say, build, prompts_record=stored) or manifest
+    return manifest
+
+
+def sampled_snapshot_part(max_tokens: int = 1024, model: str | None = None,
+                          say: Callable[[str], None] = lambda message: None, build: bool = True,
+                          samples: int = 4, prompts_record: dict | None = None) -> dict | None:
+    """Generate what the cache lacks for the sampled pool (evaluation.selections.sampled_pool), write its
+    rows into the committed snapshot with a manifest entry of kind "sampled"; return the manifest (None
+    when no row is recorded yet). `prompts_record` as in harness.snapshot.write_manifest."""
+    from evaluation.selections import SAMPLED_POOL, sampled_pool
+    from harness import snapshot
+    from harness.corpus import noted_skipped
+    from harness.sampled_labels import SAMPLED_DECODING, sampled_entry, sampled_key, write_sampled_rows
+
+    info = model_info(model)
+    train, held = sampled_pool()
+    prompts = train + held
+    key = sampled_key(info.fingerprint, max_tokens, SAMPLED_DECODING, samples)
+    say(f"sampled labels: {len(prompts)} prompts (the sampled pool), {samples} samples each")
+    rows = load_or_build_sampled_labels(prompts, max_tokens, model, say, build, samples)
+    if not len(rows):
+        say(f"snapshot {key}: no rows recorded yet, left out")
+        return None
+    wanted = {p["id"] for p in prompts}
+    skipped = (noted_skipped(corpus_dir(key)) | snapshot.skipped_ids(key)) & wanted
+    write_sampled_rows(rows, key)
+    spec = f"sampled pool: {SAMPLED_POOL} ShareGPT of the training window + {SAMPLED_POOL} held out"
+    entry = sampled_entry(rows, spec, SAMPLED_DECODING, samples, skipped)
+    manifest = snapshot.write_manifest({key: entry}, info, DEFAULT_DECODING, max_tokens, prompts=prompts_record)
+    say(f"snapshot {key}: {len(rows)} rows, {len(skipped)} prompts too long for the engine")
     return manifest
 
 

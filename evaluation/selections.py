@@ -85,3 +85,16 @@ def recipe_pool() -> tuple[list[dict], list[dict]]:
     """(training window, held-out prompts) of the recipe study: CHAT_TRAIN, then RECIPE_HELD_OUT without it."""
     train = select(CHAT_TRAIN)
     return train, select(RECIPE_HELD_OUT, exclude={p["id"] for p in train})
+
+
+# The sampled-label slice (harness.sampled_labels): 120 ShareGPT prompts of the chat training window and
+# 120 held out from it, each generated several times under sampled decoding.
+SAMPLED_POOL = 120
+
+
+def sampled_pool() -> tuple[list[dict], list[dict]]:
+    """(training-window prompts, held-out prompts) of the sampled labels: the first SAMPLED_POOL ShareGPT
+    prompts of CHAT_TRAIN, and the first SAMPLED_POOL of CHAT_TEST without CHAT_TRAIN's ids."""
+    train = select(CHAT_TRAIN)
+    held = select(CHAT_TEST, exclude={p["id"] for p in train})
+    return [p for p in train if p.get("set") == "sharegpt"][:SAMPLED_POOL], held[:SAMPLED_POOL]
