@@ -139,9 +139,13 @@ def recorded_costs(path: Path = COSTS) -> dict[str, Any]:
 
 
 def capture_ms(recipe: Recipe, costs: dict[str, Any]) -> float | None:
-    """Capture cost per request of a recipe: the engine-measured cost of each of its blocks, summed."""
+    """Capture cost per request of a recipe: measured on its own engine when it was benchmarked, else the
+    widest benchmarked recipe's per-block costs of its blocks plus the per-step base, summed."""
+    measured = (costs.get("recipes") or {}).get(str(recipe))
+    if measured is not None:
+        return float(measured["capture_ms_per_request"])
     blocks = costs.get("capture_ms_per_block") or {}
-    total = 0.0
+    total = float(costs.get("capture_ms_base", 0.0))
     for block in recipe.blocks:
         key = block.kind if block.kind in ("prompt", "decoding", "domain", "last") else block.name
         if key not in blocks:
@@ -195,7 +199,7 @@ def rls_study(train: RecipeRows, held: RecipeRows, recipes: Sequence[str], alpha
 def run_recipes(train: RecipeRows, held: RecipeRows, candidates: Sequence[str], *, n_boot: int,
                 costs: dict[str, Any], say: Say = lambda message: None, groups: np.ndarray | None = None) -> dict:
     """Validate every candidate on the training window, choose, and score each on the held-out rows."""
-    candidates = list(dict.fromkeys(candidates))
+    candidates = list(dict.fromkeys([DEFAULT_RECIPE, *candidates]))  # today's recipe is always compared
     say(f"validating {len(candidates)} recipes on {len(train)} training rows ({N_SPLITS}-fold, grouped by prompt)")
     table = validate_recipes({name: train.X(name) for name in candidates}, train.lengths,
                              max_tokens=train.max_tokens, cv=GroupKFold(N_SPLITS),

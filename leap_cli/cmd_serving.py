@@ -237,3 +237,37 @@ def bench_serving_command(
                            say=lambda m: console.print(f"[bold]bench serving[/]: {m}"))
     emit(result if as_json else {k: v for k, v in result.items() if k != "runs"}, as_json,
          "stock vLLM against LEAP, each with its defaults")
+
+
+DEFAULT_BENCH_RECIPES = "last@22,last@17+last@22,last@14+last@17+last@22+mean@17+mean@22+entropy@17+prompt+decoding"
+
+
+@bench_app.command("recipes")
+def bench_recipes_command(
+    recipes: str = typer.Option(DEFAULT_BENCH_RECIPES, help="recipes to run, comma-separated; the first is the "
+                                                            "reference (the last-token recipe)"),
+    n: int = typer.Option(96, help="requests replayed per engine (ShareGPT)"),
+    tokens: int = typer.Option(64, help="fixed output tokens per request"),
+    slots: int = typer.Option(32, help="resident = decode slots"),
+    repeats: int = typer.Option(2, help="rounds, each recipe once per round in rotating order"),
+    model: Optional[str] = typer.Option(None),
+    save: bool = typer.Option(False, "--save", help="write docs/results/recipe-costs.json for `leap eval recipes`"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Each recipe's engine cost: throughput against the last-token recipe, capture ms per request (and per
+    block), predictions ready before the first decode."""
+    from harness.recipe_bench import bench_recipes
+
+    say = (lambda m: None) if as_json else (lambda m: console.print(f"[bold]bench recipes[/]: {m}"))
+    names = [r.strip() for r in recipes.split(",") if r.strip()]
+    result = bench_recipes(_prompts(None, n, seed=0), names, tokens=tokens, slots=slots, repeats=repeats,
+                           model=model, say=say)
+    if save:
+        from evaluation.recipes import COSTS
+        from leap_io.jsonable import dumps
+
+        COSTS.parent.mkdir(parents=True, exist_ok=True)
+        COSTS.write_text(dumps(result, indent=1) + "\n")
+        say(f"saved {COSTS}")
+    emit(result if as_json else {k: v for k, v in result.items() if k != "runs"}, as_json,
+         "feature recipes: engine cost")

@@ -27,6 +27,7 @@ import functools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -338,15 +339,28 @@ class AuxStateCapture(_LayerCapture):
         self.needs_requests = any(b.kind in REQUEST_KINDS for b in self.recipe.blocks)
         self._requests: dict[str, Any] = {}  # request id -> sampling params, until its prompt ends
         self.settings_missing = 0
+        self.seconds = 0.0  # host seconds in the capture's step work (see `block_seconds` for its parts)
+        self._assembly: dict[str, float] = {}
         vllm_compat.enable_aux_hidden_states(runner, tuple(index + 1 for index in self.layers))
         vllm_compat.after_each_forward(runner, self._after_forward)
 
     def _after_forward(self, runner: Any) -> None:
+        start = time.perf_counter()
         try:
             self._step(runner)
         except Exception:  # never fail the engine's step for LEAP: the request is served without a prediction
             logger.exception("LEAP capture failed for one step")
             self.sink.sender.dropped += 1
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def block_seconds(self) -> dict[str, float]:
+        """Host seconds per recipe block: pooling (and the entropy logits) while prompts are computed, and
+        assembling each block at the prompt's end."""
+        out = dict(self._assembly)
+        for name, seconds in (self.pool.seconds if self.pool is not None else {}).items():
+            out[name] = out.get(name, 0.0) + seconds
+        return out
 
     def _step(self, runner: Any) -> None:
         if self.needs_requests:
@@ -397,6 +411,7 @@ class AuxStateCapture(_LayerCapture):
         columns = [self._request_columns(rid, int(n)) for rid, n in zip(ids, prompt_tokens)] \
             if self.needs_requests else []
         parts, k = [], 0
+        clock = time.perf_counter()
         for block in self.recipe.blocks:
             if block.kind == "last":
                 parts.append(states[self.layers.index(block.layer)].index_select(0, row_index).float())
@@ -406,6 +421,9 @@ class AuxStateCapture(_LayerCapture):
             else:
                 values = np.stack([c[block.name] for c in columns])
                 parts.append(torch.from_numpy(values).to(device))
+            now = time.perf_counter()
+            self._assembly[block.name] = self._assembly.get(block.name, 0.0) + now - clock
+            clock = now
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def _request_columns(self, request_id: str, prompt_tokens: int) -> dict[str, np.ndarray]:

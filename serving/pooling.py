@@ -13,6 +13,7 @@ so a request aborted during its prefill cannot leak memory.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -21,7 +22,8 @@ import torch
 
 from leap_core.recipes import Recipe
 
-LOGIT_ROWS = 256  # prompt rows whose logits are computed at once for the entropy weights
+LOGIT_ROWS = 256
+ENTROPY_LOGITS = "entropy_logits"  # the timing key of the logits every entropy block shares  # prompt rows whose logits are computed at once for the entropy weights
 
 
 def prompt_rows(num_computed: np.ndarray, num_prompt: np.ndarray, query_start: np.ndarray
@@ -62,6 +64,14 @@ class PromptPool:
         # request id -> (sums [blocks, hidden], token count, entropy weight total)
         self._sums: OrderedDict[str, list] = OrderedDict()
         self.evicted = 0
+        self.seconds: dict[str, float] = {}  # host seconds spent per block (and ENTROPY_LOGITS), see `_charge`
+
+    def _charge(self, name: str, since: float) -> float:
+        """Add the host time since `since` to `name`; return now. On a CPU engine this is the work itself;
+        on an accelerator only the launches (the device runs asynchronously)."""
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - since
+        return now
 
     def __len__(self) -> int:
         return len(self._sums)
@@ -75,13 +85,17 @@ class PromptPool:
         device = states[0].device
         row_t = torch.from_numpy(rows).to(device)
         seg_t = torch.from_numpy(np.repeat(np.arange(index.size), counts)).to(device)
+        clock = time.perf_counter()
         weights = self._entropy(final, row_t) if self.entropy else None
+        if self.entropy:
+            clock = self._charge(ENTROPY_LOGITS, clock)
         step = torch.zeros((index.size, len(self.blocks), states[0].shape[1]), dtype=torch.float32, device=device)
         for k, (block, position) in enumerate(zip(self.blocks, self.positions)):
             x = states[position].index_select(0, row_t).float()
             if block.kind == "entropy":
                 x = x * weights[:, None]
             step[:, k].index_add_(0, seg_t, x)
+            clock = self._charge(block.name, clock)
         wsum = (torch.zeros(index.size, dtype=torch.float32, device=device).index_add_(0, seg_t, weights)
                 if weights is not None else None)
         for j, i in enumerate(index):

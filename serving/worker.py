@@ -148,4 +148,6 @@ class LeapWorker(EagerKernelsWorker):
         return {"layer": capture.layer, "recipe": str(capture.recipe), "method": capture.method, "captured": capture.captured,
                 "sent": capture.sender.sent, "dropped": capture.sender.dropped,
                 "refresh_captured": capture.sink.refreshes, "refresh_sent": capture.sender.refresh_sent,
-                "refresh_dropped": capture.sender.refresh_dropped}
+                "refresh_dropped": capture.sender.refresh_dropped,
+                "capture_seconds": getattr(capture, "seconds", None),
+                "block_seconds": capture.block_seconds() if hasattr(capture, "block_seconds") else {}}
