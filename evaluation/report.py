@@ -10,18 +10,19 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from evaluation import corpus_report, live, offline, simulated, transfer
+from evaluation import corpus_report, live, offline, recipes_report, simulated, transfer
 
 Renderer = tuple[Callable[[dict, Path], None], Callable[[dict, str], str]]
 SINGLE: dict[str, Renderer] = {
     "corpus": (corpus_report.plot_corpus, corpus_report.section_corpus),
     "targets": (offline.plot_targets, offline.section_targets),
     "layers": (offline.plot_layers, offline.section_layers),
+    "recipes": (recipes_report.plot_recipes, recipes_report.section_recipes),
     "live": (live.plot_live, live.section_live),
     "refresh": (simulated.plot_refresh, simulated.section_refresh),
     "tail": (simulated.plot_tail, simulated.section_tail),
 }
-ORDER = ("corpus", "targets", "layers", "transfer", "live", "live-quick", "load", "refresh", "tail")
+ORDER = ("corpus", "targets", "layers", "recipes", "transfer", "live", "live-quick", "load", "refresh", "tail")
 
 HEADER = """# Results
 
@@ -41,6 +42,8 @@ RERUN: tuple[tuple[str, ...], ...] = (
     ("eval", "corpus"),
     ("eval", "targets"),
     ("eval", "layers"),
+    ("bench", "recipes"),
+    ("eval", "recipes"),
     ("eval", "transfer", "--test", "arena_hard", "--name", "transfer-chat", *BASELINES),
     ("eval", "transfer", "--test", "alpaca", "--test", "alpaca_eval", "--test", "self_instruct",
      "--name", "transfer-instruction", *BASELINES),
@@ -79,6 +82,8 @@ def _load(folder: Path) -> dict[str, list[dict]]:
         key = result["study"]
         if key == "live" and result.get("quick"):
             key = "live-quick"
+        elif key == "recipes" and result.get("quick"):
+            key = "recipes-quick"  # the page shows the full study; the quick one is its smoke check
         result["_name"] = path.stem
         by_study.setdefault(key, []).append(result)
     return by_study

@@ -1,0 +1,90 @@
+"""The recipe study's section of docs/results.md: accuracy per set, cost, bytes per row, the choice, RLS."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from evaluation.offline import _corr, _fmt, _pyplot, _tokens
+
+
+def _ci(figure: dict | None, spec: str = ".3f", bound: str = ".2f") -> str:
+    if not figure or figure.get("value") is None:
+        return "n/a"
+    value = _fmt(figure["value"], spec)
+    low, high = figure.get("ci_low"), figure.get("ci_high")
+    if low is None or high is None:
+        return value
+    return f"{value} [{_fmt(low, bound)}, {_fmt(high, bound)}]"
+
+
+def plot_recipes(result: dict, path: Path) -> None:
+    """Held-out ShareGPT and pooled Spearman per recipe, with intervals."""
+    plt = _pyplot()
+    names = list(result["recipes"])
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1.5))
+    y = np.arange(len(names))
+    for offset, key, label in ((-0.18, "sharegpt", "ShareGPT (held out)"), (0.18, "pooled", "all held-out sets")):
+        figs = [result["recipes"][n]["spearman"].get(key) or {} for n in names]
+        values = np.array([f.get("value") if f.get("value") is not None else np.nan for f in figs], dtype=float)
+        low = np.array([f.get("ci_low") if f.get("ci_low") is not None else np.nan for f in figs], dtype=float)
+        high = np.array([f.get("ci_high") if f.get("ci_high") is not None else np.nan for f in figs], dtype=float)
+        ax.errorbar(values, y + offset, xerr=[values - low, high - values], fmt="o", capsize=3, label=label)
+    ax.set_yticks(y, [f"{n}{'  (chosen)' if n == result['chosen'] else ''}" for n in names], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("held-out Spearman (95% bootstrap interval)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def section_recipes(result: dict, image: str) -> str:
+    recipes = result["recipes"]
+    sets = [s for s in result["sets_held_out"]]
+    lines = [
+        "## Feature recipes",
+        "",
+        f"`leap eval recipes{' --quick' if result.get('quick') else ''}` compares {len(recipes)} recipes read from "
+        f"one prefill by serving's own capture (corpus recipe `{result['wide_recipe']}`, plus prompt length, "
+        f"decoding settings and domain columns). Every recipe is fitted on the chat training window "
+        f"({result['n_train']} rows, greedy and sampled labels) with the penalty its validation chose, and "
+        f"scored on held-out rows per set. The fit flow's choice, by {result['validation_split']}: "
+        f"**`{result['chosen']}`** (today's recipe: `{result['default']}`).",
+        "",
+        "| Recipe | dim | bytes / feedback row | cost ms / request (capture + predict) | validation Spearman | "
+        "ShareGPT Spearman | pooled Spearman | pooled MAE (uncensored) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, fig in recipes.items():
+        cost = fig.get("cost_ms")
+        mark = " (chosen)" if name == result["chosen"] else " (today)" if name == result["default"] else ""
+        lines.append(f"| `{name}`{mark} | {fig['dim']} | {fig['bytes_per_row']:,} | "
+                     f"{_fmt(cost, '.3f') if cost is not None else 'not measured'} | "
+                     f"{_corr(fig['validation_spearman'])} | {_ci(fig['spearman'].get('sharegpt'))} | "
+                     f"{_ci(fig['spearman'].get('pooled'))} | {_ci(fig['mae'].get('pooled'), '.1f', '.0f')} |")
+    lines += ["", f"![recipes]({image})", "", "Held-out Spearman per set (n rows):", "",
+              "| Recipe | " + " | ".join(f"{s} ({result['n_held_out'].get(s, '?')})" for s in sets) + " |",
+              "|---|" + "---|" * len(sets)]
+    for name, fig in recipes.items():
+        lines.append(f"| `{name}` | " + " | ".join(_corr((fig["spearman"].get(s) or {}).get("value"))
+                                                   for s in sets) + " |")
+    rls = result.get("rls") or {}
+    if rls:
+        domains = sorted({d for per in rls.values() for d in per})
+        lines += ["", "Anchored RLS on each other domain (half its held-out rows as feedback, the other half "
+                  "scored): within-domain Spearman, frozen -> corrected, and MAE in tokens:", "",
+                  "| Recipe | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]
+        for name, per in rls.items():
+            cells = []
+            for d in domains:
+                f = per.get(d)
+                cells.append("n/a" if f is None else
+                             f"{_corr(f['frozen']['spearman'])} -> {_corr(f['rls']['spearman'])}; "
+                             f"MAE {_tokens(f['frozen']['mae'])} -> {_tokens(f['rls']['mae'])}")
+            lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    lines += ["", f"Costs: {result.get('cost_source')}. Bytes per row: the float32 feature vector a feedback row "
+              f"stores for that recipe. Brackets: 95% bootstrap intervals over the held-out rows "
+              f"({result['bootstrap']['n_boot']} resamples); outputs that reached M tie at M."]
+    return "\n".join(lines)
