@@ -52,7 +52,12 @@ class LeapConfig(BaseSettings):
     rls_state_path: str | None = Field(None, description="RLS anchor (theta, P) saved with the readout")
     layer: int | None = Field(None, description="decoder layer to capture; default: the readout's layer")
     recipe: str | None = Field(None, description="feature recipe to capture (leap_core.recipes), e.g. "
-                                                 "last@17+mean@17; default: the readout's recipe, else last@<layer>")
+                                                 "last@17+mean@17; default: every candidate of `recipes` and the "
+                                                 "readout's recipe together")
+    # NoDecode: the environment gives "last@22,last@17+mean@17", not JSON
+    recipes: Annotated[tuple[str, ...], NoDecode] = Field(
+        (), description="candidate recipes the fit flow chooses among (LEAP_RECIPES, comma-separated): the "
+                        "engine captures all of them, so its feedback rows serve every candidate")
     capture_all_layers: bool = Field(False, description="capture every decoder layer (layer study, not serving)")
     max_resident: int = Field(512, ge=1, description="R: requests kept resident (vLLM max_num_seqs)")
     decode_slots: int = Field(64, ge=1, description="K: requests decoded per step")
@@ -112,6 +117,20 @@ class LeapConfig(BaseSettings):
         from leap_core.recipes import Recipe
 
         return None if value is None else str(Recipe.parse(value))
+
+    @field_validator("recipes", mode="before")
+    @classmethod
+    def _recipes_from_text(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @field_validator("recipes")
+    @classmethod
+    def _parsed_recipes(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        from leap_core.recipes import Recipe
+
+        return tuple(str(Recipe.parse(name)) for name in value)
 
     @field_validator("policy")
     @classmethod

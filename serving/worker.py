@@ -41,15 +41,21 @@ def _readout_metadata(config: LeapConfig) -> dict:
 
 
 def readout_side_recipe(config: LeapConfig, num_layers: int) -> Recipe:
-    """The recipe readouts are served on: the settings' recipe, else the settings' layer, else the recipe
-    of the readout served at start, else the last token of `default_layer`."""
+    """The recipe readouts are served on: the settings' recipe; else the settings' layer; else every
+    candidate recipe (`recipes`) and the recipe of the readout served at start together; else, with
+    nothing to go by, the last token of `default_layer` (logged: a validated recipe should be named)."""
     if config.recipe is not None:
         return Recipe.parse(config.recipe).check_layers(num_layers)
     if config.layer is not None:
         return Recipe.last(config.layer).check_layers(num_layers)
+    parts = [Recipe.parse(name) for name in config.recipes]
     metadata = _readout_metadata(config)
     if metadata.get("recipe") or metadata.get("layer") is not None:
-        return readout_recipe(metadata).check_layers(num_layers)
+        parts.append(readout_recipe(metadata))
+    if parts:
+        return (parts[0] if len(parts) == 1 else union(parts)).check_layers(num_layers)
+    logger.warning("LEAP: no recipe, layer, candidate recipes or readout given; capturing last@%d by depth. "
+                   "Set LEAP_RECIPES to the fit flow's candidates or serve a readout", default_layer(num_layers))
     return Recipe.last(default_layer(num_layers))
 
 
