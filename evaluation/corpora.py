@@ -215,8 +215,38 @@ def build_snapshot(selection: str, all_layers_selection: str, max_tokens: int = 
         manifest = snapshot.write_manifest({key: entry}, info, DEFAULT_DECODING, max_tokens, prompts=stored)
         say(f"snapshot {key}: {len(corpus)} rows, {len(skipped)} prompts too long for the engine")
     include_sampled = decode_states if sampled is None else sampled
-    if include_sampled:  # the "sampled" part, after "every"
+    if include_sampled:  # the "sampled" part, after "every"; then the recipe corpus
         manifest = sampled_snapshot_part(max_tokens, model, say, build, prompts_record=stored) or manifest
+        manifest = recipes_snapshot_part(max_tokens, model, say, build, prompts_record=stored) or manifest
+    return manifest
+
+
+def recipes_snapshot_part(max_tokens: int = 1024, model: str | None = None,
+                          say: Callable[[str], None] = lambda message: None, build: bool = True,
+                          prompts_record: dict | None = None) -> dict | None:
+    """Prefill what the cache lacks of the recipe study's prompts (evaluation.selections.recipe_pool) with
+    the wide recipe, and write those rows into the committed snapshot with a manifest entry that names the
+    recipe; return the manifest (None when no row is recorded yet)."""
+    from evaluation.selections import RECIPE_HELD_OUT, recipe_pool
+    from harness import snapshot
+    from harness.corpus import noted_skipped
+    from harness.recipe_corpus import WIDE_RECIPE, recipe_corpus_key, recipe_rows
+
+    info = model_info(model)
+    train, held = recipe_pool()
+    joined_rows = load_or_build_recipe_corpus(train + held, max_tokens, model, say, build)
+    key = recipe_corpus_key(info.fingerprint, WIDE_RECIPE)
+    rows = recipe_rows(corpus_dir(key), joined_rows.ids.tolist())
+    if not len(rows):
+        say(f"snapshot {key}: no rows recorded yet, left out")
+        return None
+    wanted = {p["id"] for p in train + held}
+    skipped = (noted_skipped(corpus_dir(key)) | snapshot.skipped_ids(key)) & wanted
+    snapshot.write_rows(rows, key)
+    entry = {**snapshot.corpus_entry(rows, f"recipe pool: training window + {RECIPE_HELD_OUT}", skipped),
+             "kind": "recipes", "recipe": str(WIDE_RECIPE), "max_tokens": 1}
+    manifest = snapshot.write_manifest({key: entry}, info, DEFAULT_DECODING, max_tokens, prompts=prompts_record)
+    say(f"snapshot {key}: {len(rows)} rows of recipe {WIDE_RECIPE}")
     return manifest
 
 

@@ -123,12 +123,12 @@ def test_the_committed_snapshot_matches_its_manifest(tmp_path, monkeypatch):
         assert snapshot.write_prompts(stored, tmp_path / "rewritten")["content_hash"] == \
             manifest["prompts"]["content_hash"]
     for key, entry in manifest["corpora"].items():
-        if entry.get("kind"):  # another table kind (sampled labels: tests/test_sampled_labels.py)
+        if entry.get("kind") == "sampled":  # another table kind: tests/test_sampled_labels.py
             continue
         empty = tmp_path / key
         empty.mkdir()
         layer = -1 if entry["layer"] == "all" else entry["layer"]
-        rows = load_corpus(empty, layer, manifest["max_tokens"])
+        rows = load_corpus(empty, layer, entry.get("max_tokens", manifest["max_tokens"]))  # recipes: prefill only
         assert len(rows) == entry["rows"] and sorted(rows.ids.tolist()) == entry["ids"]
         assert snapshot.content_hash(rows) == entry["content_hash"]
         assert rows.features.shape[1] == entry["dim"]
