@@ -165,6 +165,18 @@ def _per_set(rows: RecipeRows, pred: np.ndarray, n_boot: int) -> dict[str, Any]:
     return out
 
 
+def _paired_difference(rows: RecipeRows, pred: np.ndarray, default: np.ndarray, n_boot: int) -> dict[str, Any]:
+    """Per set and pooled: this recipe's held-out Spearman minus the default recipe's on the same rows, with
+    a paired bootstrap interval (both predictions resampled together)."""
+    values, _ = metrics.censor(rows.lengths, rows.max_tokens, rows.censored)
+    out = {}
+    for name in [*sorted(set(rows.sets.tolist())), "pooled"]:
+        mask = np.ones(len(rows), bool) if name == "pooled" else rows.sets == name
+        out[name] = metrics.bootstrap_ci(metrics.spearman_difference, values[mask], pred[mask], default[mask],
+                                         n_boot=n_boot, vectorized=True)
+    return out
+
+
 def rls_study(train: RecipeRows, held: RecipeRows, recipes: Sequence[str], alphas: dict[str, float],
               seed: int = 0) -> dict[str, Any]:
     """Anchored RLS per recipe on each other domain: half its rows as feedback (in a seeded order), the
@@ -207,11 +219,13 @@ def run_recipes(train: RecipeRows, held: RecipeRows, candidates: Sequence[str], 
     chosen = choose_recipe(table)
     alphas = {row["recipe"]: row["alpha"] for row in table}
     recipes = {}
+    predictions = {}
     for name in candidates:
         say(f"held-out figures of {name}")
         recipe = Recipe.parse(name)
         readout = _fit(train, name, alphas[name])
-        figures = _per_set(held, readout.predict(held.X(name)), n_boot)
+        predictions[name] = readout.predict(held.X(name))
+        figures = _per_set(held, predictions[name], n_boot)
         row = next(r for r in table if r["recipe"] == name)
         predict = predict_ms(readout, held.X(name))
         capture = capture_ms(recipe, costs)
@@ -222,6 +236,9 @@ def run_recipes(train: RecipeRows, held: RecipeRows, candidates: Sequence[str], 
             "bytes_per_row": 4 * recipe.dim(train.hidden), "dim": recipe.dim(train.hidden),
             "alpha": row["alpha"], "validation_spearman": row["spearman"], "validation_mae": row["mae"],
         }
+    for name in candidates:
+        recipes[name]["spearman_vs_default"] = _paired_difference(held, predictions[name],
+                                                                  predictions[DEFAULT_RECIPE], n_boot)
     default_and_chosen = list(dict.fromkeys([DEFAULT_RECIPE, chosen["recipe"]]))
     with_domains = [f"{name}+domain={'/'.join(train.capture.domains)}" for name in default_and_chosen]
     say("RLS with and without per-domain intercepts")

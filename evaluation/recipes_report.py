@@ -70,6 +70,12 @@ def section_recipes(result: dict, image: str) -> str:
     for name, fig in recipes.items():
         lines.append(f"| `{name}` | " + " | ".join(_corr((fig["spearman"].get(s) or {}).get("value"))
                                                    for s in sets) + " |")
+    gain = recipes[result["chosen"]].get("spearman_vs_default")
+    if gain and result["chosen"] != result["default"]:
+        lines += ["", f"Held-out Spearman of the chosen `{result['chosen']}` minus today's `{result['default']}` on "
+                  "the same rows (paired bootstrap interval):", "",
+                  "| " + " | ".join([*sets, "pooled"]) + " |", "|" + "---|" * (len(sets) + 1),
+                  "| " + " | ".join(_ci(gain.get(s), "+.3f", "+.2f") for s in [*sets, "pooled"]) + " |"]
     rls = result.get("rls") or {}
     if rls:
         domains = sorted({d for per in rls.values() for d in per})

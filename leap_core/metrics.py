@@ -202,6 +202,11 @@ def difference_of_means(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.mean(a, axis=-1) - np.mean(b, axis=-1)
 
 
+def spearman_difference(true: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Paired rows: Spearman of prediction a minus Spearman of prediction b against the same truth."""
+    return spearman_batch(true, a) - spearman_batch(true, b)
+
+
 def bootstrap_ci(statistic: Callable[..., Any], *arrays: ArrayLike, n_boot: int = 2000, seed: int = 0,
                  level: float = 0.95, strata: ArrayLike | None = None, vectorized: bool = False) -> dict[str, float]:
     """A statistic of paired rows and its percentile bootstrap interval: {"value", "ci_low", "ci_high"}.

@@ -63,6 +63,8 @@ def test_the_study_chooses_on_training_rows_and_scores_every_recipe_per_set():
         assert figures["cost_ms"] is None and figures["predict_ms"] > 0
     assert result["recipes"]["mean@17"]["spearman"]["pooled"]["value"] > \
         result["recipes"]["last@22"]["spearman"]["pooled"]["value"] + 0.3
+    gain = result["recipes"]["mean@17"]["spearman_vs_default"]
+    assert gain["gsm8k"]["ci_low"] > 0.3 and result["recipes"]["last@22"]["spearman_vs_default"]["pooled"]["value"] == 0
     # RLS: the default and the chosen recipe, each with and without per-domain intercepts, on the math rows
     assert set(result["rls"]) == {"last@22", result["chosen"], "last@22+domain=chat/math",
                                   f"{result['chosen']}+domain=chat/math"}
