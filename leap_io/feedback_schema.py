@@ -1,8 +1,10 @@
 """The columns of a feedback segment: one row per finished request, written once by the serving process.
 
 The schema is shared by the writer (serving) and the ingest flow (flows/store.py), so it lives in one
-place. The feature column is a fixed-size list of float32 whose size is the readout's input dim; a
-segment's Parquet metadata records that dim, the layer and the model fingerprint.
+place. The feature column is a fixed-size list of float32: the whole vector the serving engine
+captured, its capture recipe (`leap_core.recipes`), so a readout may be fitted on any recipe that recipe
+covers. A segment's Parquet metadata records that dim, the recipe (`leap.recipe`; segments from before
+recipes have none and hold `last@<layer>`), the serving layer and the model fingerprint.
 """
 
 import pyarrow as pa
@@ -16,6 +18,7 @@ META_LAYER = b"leap.layer"
 META_MODEL_ID = b"leap.model_id"
 META_MODEL_FINGERPRINT = b"leap.model_fingerprint"
 META_REPLICA_ID = b"leap.replica_id"  # the serving replica whose writer made the segment (optional)
+META_RECIPE = b"leap.recipe"  # the capture recipe the feature column holds (optional: else last@<layer>)
 
 
 def feedback_schema(dim: int) -> pa.Schema:
@@ -49,12 +52,14 @@ COLUMNS = tuple(feedback_schema(1).names)
 
 
 def segment_metadata(dim: int, layer: int, model_id: str, fingerprint: str,
-                     replica_id: str | None = None) -> dict[bytes, bytes]:
+                     replica_id: str | None = None, recipe: str | None = None) -> dict[bytes, bytes]:
     metadata = {META_SCHEMA_VERSION: SCHEMA_VERSION.encode(), META_DIM: str(dim).encode(),
                 META_LAYER: str(layer).encode(), META_MODEL_ID: model_id.encode(),
                 META_MODEL_FINGERPRINT: fingerprint.encode()}
     if replica_id:
         metadata[META_REPLICA_ID] = replica_id.encode()
+    if recipe:
+        metadata[META_RECIPE] = recipe.encode()
     return metadata
 
 

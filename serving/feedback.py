@@ -284,7 +284,8 @@ class FeedbackWriter:
                  flush_seconds: float = 0.05, *, replica_id: str | None = None,
                  max_queue_rows: int = DEFAULT_MAX_QUEUE_ROWS, max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
                  max_quarantine_bytes: int = DEFAULT_MAX_QUARANTINE_BYTES,
-                 orphan_age_s: float = DEFAULT_ORPHAN_AGE_S, lock_wait_s: float = 5.0) -> None:
+                 orphan_age_s: float = DEFAULT_ORPHAN_AGE_S, lock_wait_s: float = 5.0,
+                 recipe: str | None = None) -> None:
         if max_queue_rows < 1 or max_rows < 1 or flush_rows < 1:
             raise ValueError("max_queue_rows, max_rows and flush_rows must be >= 1")
         self.root = Path(folder)
@@ -293,7 +294,7 @@ class FeedbackWriter:
         self.replica_dir = self.root / self.replica_id
         self.quarantine_dir = self.replica_dir / QUARANTINE_DIR
         self.schema = feedback_schema(dim).with_metadata(
-            segment_metadata(dim, layer, model_id, fingerprint, replica_id=self.replica_id))
+            segment_metadata(dim, layer, model_id, fingerprint, replica_id=self.replica_id, recipe=recipe))
         self._convert = _Converter(self.schema)
         self.max_rows, self.max_seconds = max_rows, max_seconds
         self.flush_rows, self.flush_seconds = flush_rows, flush_seconds

@@ -1,7 +1,8 @@
 """Finished requests: their feedback row, for the writer and the in-process listeners, and the quality gauges.
 
 One row per finished request that was resident and had its feature captured (the feature is the row's
-training input). The row carries what the engine measured (tokens, times, finish reason), what LEAP
+training input: the whole captured vector, the engine's capture recipe, whichever part the serving
+readout reads, so the fit flow can choose among every recipe the capture covers). The row carries what the engine measured (tokens, times, finish reason), what LEAP
 predicted (at admission and latest, with the readout version) and the client's validated extras; an
 extra that failed validation is simply absent (None), never a reason to lose the row.
 
