@@ -5,7 +5,7 @@ so a push takes effect at the next step without touching the OpenAI front end. W
 `Authorization: Bearer <token>`; every refusal is a JSON error and leaves the old readout serving.
 
   GET  /leap/health            200 while the target reports healthy (target.health(), when it has one), else 503
-  GET  /leap/readout           current readout metadata, version, RLS stats
+  GET  /leap/readout           current readout metadata, version, capture and readout recipes, RLS stats
   POST /leap/readout           body: a leap_core readout file, or a bundle (readout + RLS anchor);
                                `?force=1` lets an older version replace a newer one (a rollback)
   POST /leap/feedback/flush    close the open feedback segment so ingest sees every finished request
@@ -70,10 +70,11 @@ class _Refusal(Exception):
 
 
 def body_limit(target: Any, max_body: int | None) -> int:
-    """The largest push body accepted: `max_body`, else enough for a full bundle of the target's dim."""
+    """The largest push body accepted: `max_body`, else enough for a full bundle of the widest readout the
+    target serves (`feature_dim`, its captured vector; else its `dim`)."""
     if max_body is not None:
         return int(max_body)
-    dim = getattr(target, "dim", None)
+    dim = getattr(target, "feature_dim", None) or getattr(target, "dim", None)
     if isinstance(dim, int) and not isinstance(dim, bool) and dim > 0:
         from leap_io.push_bundle import max_bundle_bytes
 

@@ -81,10 +81,14 @@ class OnlineLearner:
     def alive(self) -> bool:
         return self._thread.alive
 
-    def observe(self, feature: np.ndarray, output_tokens: int) -> bool:
-        """Queue one finished request; False when it was dropped because the queue is full."""
+    def observe(self, feature: np.ndarray, output_tokens: int, generation: int | None = None) -> bool:
+        """Queue one finished request; False when it was dropped because the queue is full.
+
+        `generation` is the anchor the row was prepared for (its readout's columns); a row of another
+        anchor than the current one is dropped, not learned. Default: the current one.
+        """
         try:
-            self._queue.put_nowait((feature, output_tokens, self._generation))
+            self._queue.put_nowait((feature, output_tokens, self._generation if generation is None else generation))
         except queue.Full:
             self._drop("queue_full", 1)
             return False
@@ -167,13 +171,13 @@ class OnlineLearner:
                     self._idle.notify_all()
 
     def _take(self, feature: np.ndarray, output_tokens: int, generation: int) -> None:
+        if generation != self._generation:  # a row of an earlier anchor: never learned, never a reason
+            self._drop("reanchored", 1)     # to drop the current anchor's rows
+            return
         if generation != self._buffered_generation:  # rows kept from before a reanchor are not learned
             self._drop("reanchored", len(self._features))
             self._features, self._lengths = [], []
             self._buffered_generation = generation
-        if generation != self._generation:
-            self._drop("reanchored", 1)
-            return
         rls = self._rls
         feature = np.asarray(feature)
         if rls is not None and feature.shape != (rls.dim_,):

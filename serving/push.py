@@ -4,13 +4,16 @@ Refusals, each a PushRefused with its HTTP status:
   413  the body, or an array in it, is larger than any readout this replica could serve
   422  not a readout or bundle; weights that are not finite or do not fit float32; RLS state that
        does not fit the readout
-  409  the readout is for another model, layer, dim, target or budget; or its version is older than
-       the serving one (a rollback must say `force`)
+  409  the readout is for another model, target or budget; its recipe reads blocks the replica does
+       not capture, or its dim is not its recipe's; or its version is older than the serving one (a
+       rollback must say `force`)
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,6 +23,7 @@ from leap_core.readout_format import (
     ReadoutMismatchError,
     from_bytes,
 )
+from leap_core.recipes import Recipe, RecipeError, readout_recipe
 from leap_core.rls import RLS
 from leap_io.push_bundle import BundleError, open_bundle
 from serving.admin import PushRefused
@@ -34,6 +38,50 @@ _SCHEMES = (
     ("time", re.compile(r"^(\d{8}T\d{6})(?:-[0-9A-Za-z]+)?$")),  # 20250101T120000-ab12cd34 (the fit flow)
     ("number", re.compile(r"^(\d+)$")),  # 7 (a registry version number)
 )
+
+
+@dataclass(frozen=True)
+class CaptureSpace:
+    """What a replica's captured vectors hold (its capture recipe over a model's hidden size and layer
+    count), so that every readout is checked against it and reads its own columns of it.
+
+    `default` is the recipe of a predictor that records neither a recipe nor a layer (an evaluation
+    head served on the features as they come): the recipe readouts are served on at start.
+    """
+
+    recipe: Recipe
+    hidden: int
+    num_layers: int
+    default: Recipe | None = None
+
+    @property
+    def dim(self) -> int:
+        return self.recipe.dim(self.hidden)
+
+    def recipe_of(self, metadata: Mapping, strict: bool = True) -> Recipe:
+        """The recipe a readout reads (files from before recipes: `last@<layer>`), layers counted from 0;
+        unless `strict`, `default` for metadata that names neither."""
+        if not strict and not metadata.get("recipe") and metadata.get("layer") is None and self.default is not None:
+            return self.default
+        return readout_recipe(metadata).check_layers(self.num_layers)
+
+    def columns(self, metadata: Mapping) -> np.ndarray:
+        """The indices of a captured vector a served readout or predictor reads; RecipeError if the capture
+        does not hold them."""
+        return self.recipe_of(metadata, strict=False).columns(self.recipe, self.hidden)
+
+    def check(self, readout: LinearReadout) -> np.ndarray:
+        """`columns` of a readout about to serve, or PushRefused (409) naming both recipes."""
+        try:
+            recipe = self.recipe_of(readout.metadata)
+            columns = recipe.columns(self.recipe, self.hidden)
+        except RecipeError as exc:
+            raise PushRefused(f"refused: the readout's recipe does not fit this replica's capture recipe "
+                              f"{self.recipe}: {exc}", 409) from exc
+        if readout.dim_ != columns.size:
+            raise PushRefused(f"refused: the readout has dim {readout.dim_}, but its recipe {recipe} has dim "
+                              f"{columns.size} at hidden size {self.hidden}", 409)
+        return columns
 
 
 def version_key(version: str) -> tuple[str, object] | None:
@@ -77,12 +125,15 @@ def _check_weights(name: str, values: np.ndarray, *, positive: bool = False) -> 
                           f"be at least {_F32_TINY:.3g}", 422)
 
 
-def validate_push(body: bytes, expect: dict, current: LinearReadout | None) -> tuple[LinearReadout, RLS | None]:
+def validate_push(body: bytes, expect: dict, current: LinearReadout | None,
+                  capture: CaptureSpace | None = None) -> tuple[LinearReadout, RLS | None]:
     """The readout (and RLS anchor) a push carries, or PushRefused saying why it must not serve.
 
-    `expect` names the model fingerprint, layer and dim of this replica; a readout already serving also
-    fixes the target and the output budget M, since RLS and the scheduler work in that target's space,
-    and its version, which a push may not go back from unless the bundle says `force`.
+    `expect` names metadata the readout must record as given (a replica: its model fingerprint);
+    `capture`, when given, must hold the readout's recipe, and the readout's dim must be that recipe's
+    (`CaptureSpace.check`). A readout already serving also fixes the target and the output budget M,
+    since RLS and the scheduler work in that target's space, and its version, which a push may not go
+    back from unless the bundle says `force`.
     """
     try:
         bundle = open_bundle(body)
@@ -97,6 +148,8 @@ def validate_push(body: bytes, expect: dict, current: LinearReadout | None) -> t
         raise PushRefused(f"refused: {exc}", 409) from exc
     except (ReadoutFormatError, ValueError) as exc:
         raise PushRefused(f"refused: not a valid readout: {exc}", 422) from exc
+    if capture is not None:
+        capture.check(readout)
     _check_weights("readout coef", readout.coef_)
     _check_weights("readout mean", readout.mean_)
     _check_weights("readout scale", readout.scale_, positive=True)

@@ -6,6 +6,13 @@ change of readout goes through `_publish` under one lock, which swaps the predic
 rescores every live request from its cached feature, so requests admitted under the old readout are
 ordered by the new one from the next step.
 
+Columns. A captured vector holds the engine's capture recipe (`leap_core.recipes`); a readout reads the
+columns of its own recipe from it (`CaptureSpace.columns`), which may be all of them or a part. Every
+readout is checked against the capture before it serves (its recipe covered, its dim that recipe's),
+and every place it is applied takes its columns: the predictor thread (the published readout is wrapped
+with its columns, so a batch is always sliced and predicted by one readout), the in-step prediction,
+the rescoring of a publish and the rows handed to RLS.
+
 Generations. A push, a restore or a reset starts a new anchor generation (the learner's). An RLS update
 is tagged with the generation it was learned in and is dropped if a push arrived meanwhile, so a stale
 correction can never overwrite a newer push. The same holds for the registry champion, which loads in
@@ -30,7 +37,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +51,7 @@ from leap_io.push_bundle import make_bundle, read_bundle
 from serving.config import LeapConfig
 from serving.online import OnlineLearner
 from serving.predictor import PredictorService, Readout
-from serving.push import validate_push
+from serving.push import CaptureSpace, validate_push
 from serving.telemetry import Telemetry
 from serving.tracking import RequestTracker
 
@@ -114,29 +122,56 @@ class ReadoutState:
         return readout_bytes, rls_state, meta
 
 
+class OnColumns:
+    """A readout applied to its columns of a captured vector: what the predictor thread is given."""
+
+    def __init__(self, readout: Readout, columns: np.ndarray | None) -> None:
+        self.readout = readout
+        self.columns = columns
+        self.metadata = readout.metadata
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        X = np.atleast_2d(X)
+        return self.readout.predict(X if self.columns is None else X[:, self.columns])
+
+
+@dataclass(frozen=True)
+class _Served:
+    """What serves, swapped as one reference: the readout, its columns (None: the whole vector) and the
+    anchor generation it belongs to, so the engine thread never pairs a readout with another's columns."""
+
+    readout: Readout | None = None
+    columns: np.ndarray | None = None
+    generation: int = 0
+
+    def select(self, features: np.ndarray) -> np.ndarray:
+        return features if self.columns is None else features[..., self.columns]
+
+
 class ReadoutService:
     """The serving readout of one runtime, its predictor thread and its RLS learner.
 
     Parameters
     ----------
     config : the runtime's settings (read live: `configure` may switch RLS between replays).
-    expect : what a readout must match to serve here (layer, dim, model fingerprint).
+    expect : metadata a readout must record as given to serve here (the model fingerprint).
     tracker : the per-request state predictions are stored in and live features read from.
     telemetry : counts and the readout info metric.
-    serving_slice : the layer-L part of a captured vector.
-    model_id : the served model's id, which names its registered readout model with the layer.
+    capture : what the captured vectors hold; None applies every readout to the whole vector unchecked.
+    model_id, layer : the served model's id and serving layer, which name its registered readout model.
     """
 
     def __init__(self, config: LeapConfig, expect: dict, tracker: RequestTracker, telemetry: Telemetry,
-                 serving_slice: Callable[[np.ndarray], np.ndarray], model_id: str = "") -> None:
+                 capture: CaptureSpace | None = None, model_id: str = "", layer: int | None = None) -> None:
         self.config = config
         self._expect = dict(expect)
         self._tracker = tracker
         self._telemetry = telemetry
-        self._slice = serving_slice
+        self.capture = capture
         self._model_id = model_id
+        self._layer = layer if layer is not None else self._expect.get("layer")
         self._lock = threading.RLock()
-        self.readout: Readout | None = None
+        self._served = _Served()
         self.source = "none"
         self._generation = 0
         self.persisted_at: float | None = None
@@ -154,6 +189,18 @@ class ReadoutService:
 
     # -- what serves -------------------------------------------------------------------------------
     @property
+    def readout(self) -> Readout | None:
+        return self._served.readout
+
+    @property
+    def recipe(self) -> str | None:
+        """The recipe the serving readout reads (None while none serves, or without a capture space)."""
+        readout = self.readout
+        if readout is None or self.capture is None:
+            return None
+        return str(self.capture.recipe_of(readout.metadata, strict=False))
+
+    @property
     def version(self) -> str:
         readout = self.readout
         return "" if readout is None else str(readout.metadata.get("version", ""))
@@ -169,7 +216,7 @@ class ReadoutService:
             if self.config.rls_state_path and Path(self.config.rls_state_path).is_file():
                 with np.load(self.config.rls_state_path) as npz:
                     rls_state = {k: npz[k] for k in npz.files}
-            readout, rls = validate_push(make_bundle(readout_bytes, rls_state), self._expect, None)
+            readout, rls = validate_push(make_bundle(readout_bytes, rls_state), self._expect, None, self.capture)
             self._serve(readout, rls, "config")
             return self
         if self.config.registry_uri:
@@ -184,7 +231,7 @@ class ReadoutService:
             if saved is None:
                 return False
             readout_bytes, rls_state, meta = saved
-            readout, rls = validate_push(make_bundle(readout_bytes, rls_state), self._expect, None)
+            readout, rls = validate_push(make_bundle(readout_bytes, rls_state), self._expect, None, self.capture)
         except Exception as exc:  # noqa: BLE001 - a damaged or foreign state folder must never keep a replica down
             self._telemetry.drop("state", "unusable")
             logger.warning("LEAP state in %s is not served: %s", self.state.folder, exc)
@@ -204,12 +251,12 @@ class ReadoutService:
 
                 registry = ReadoutRegistry(self.config.registry_uri)
                 name = self.config.registry_model or ReadoutRegistry.model_name(self._model_id,
-                                                                                int(self._expect["layer"]))
+                                                                                int(self._layer))
                 champion = registry.load_readout(name, CHAMPION, expect=self._expect)
                 anchor = registry.load_rls_state(name, CHAMPION, readout=champion)
                 # checked exactly like a push: the registry is one more place a bad readout can come from
                 bundle = make_bundle(to_bytes(champion), anchor.state_arrays() if anchor is not None else None)
-                readout, rls = validate_push(bundle, self._expect, None)
+                readout, rls = validate_push(bundle, self._expect, None, self.capture)
             except Exception as exc:
                 logger.warning("LEAP could not load the registry champion from %s: %s", self.config.registry_uri,
                                exc, exc_info=True)
@@ -228,7 +275,7 @@ class ReadoutService:
     # -- changing what serves ----------------------------------------------------------------------
     def push(self, body: bytes) -> dict:
         """Validate and hot-swap a pushed readout (PushRefused keeps the old one), then persist it."""
-        readout, rls = validate_push(body, self._expect, self.readout)
+        readout, rls = validate_push(body, self._expect, self.readout, self.capture)
         previous = self.version
         with self._lock:
             self._serve(readout, rls, "push")
@@ -282,11 +329,17 @@ class ReadoutService:
                 return
             self._publish(readout)
 
+    def _columns(self, readout: Readout | None) -> np.ndarray | None:
+        if readout is None or self.capture is None:
+            return None
+        return self.capture.columns(readout.metadata)
+
     def _publish(self, readout: Readout | None) -> None:
         """Serve `readout` from now on and rescore the live requests from their cached features."""
         with self._lock:
-            self.readout = readout
-            self.predictor.publish(readout)
+            served = _Served(readout, self._columns(readout), self._generation)
+            self._served = served
+            self.predictor.publish(None if readout is None else OnColumns(readout, served.columns))
             self._telemetry.set_readout(self.version, self.source)
             self._telemetry.rls_updates.set(self.learner.updates)
             if readout is None:
@@ -295,7 +348,7 @@ class ReadoutService:
             if not ids:
                 return
             try:
-                values = np.asarray(readout.predict(np.stack([self._slice(f) for f in features])), dtype=np.float64)
+                values = np.asarray(readout.predict(served.select(np.stack(features))), dtype=np.float64)
             except Exception:
                 self._telemetry.drop("prediction", "rescore_error", len(ids))
                 logger.exception("LEAP: rescoring %d live requests with %s failed; they keep their predictions",
@@ -307,7 +360,7 @@ class ReadoutService:
     def submit(self, request_id: str, feature: np.ndarray) -> None:
         """Queue a captured feature for prediction (nothing to do while no readout serves)."""
         if self.readout is not None:
-            self.predictor.submit(request_id, self._slice(feature))
+            self.predictor.submit(request_id, feature)  # the published readout takes its columns
 
     def predict_in_step(self, request_ids: list[str], features: list[np.ndarray]) -> None:
         """Predict a step's features on the calling (engine) thread when the readout is linear.
@@ -316,26 +369,34 @@ class ReadoutService:
         and makes the prediction ready before the request's first decode. Other predictors (an
         evaluation MLP) keep running on the predictor thread, where their cost is measured.
         """
-        readout = self.readout
+        served = self._served
+        readout = served.readout
         if readout is None:
             return
         if not isinstance(readout, LinearReadout):
             for request_id, feature in zip(request_ids, features):
-                self.predictor.submit(request_id, self._slice(feature))
+                self.predictor.submit(request_id, feature)
             return
         try:
-            values = np.asarray(readout.predict(np.stack([self._slice(f) for f in features])), dtype=np.float64)
+            values = np.asarray(readout.predict(served.select(np.stack(features))), dtype=np.float64)
         except Exception:  # a bad batch falls back to the predictor thread, which retries row by row
             logger.warning("LEAP: in-step prediction failed; the predictor thread takes the batch", exc_info=True)
             for request_id, feature in zip(request_ids, features):
-                self.predictor.submit(request_id, self._slice(feature))
+                self.predictor.submit(request_id, feature)
             return
         self._tracker.add_predictions(request_ids, values.reshape(-1), str(readout.metadata.get("version", "")))
 
     def observe(self, feature: np.ndarray, output_tokens: int) -> None:
-        """Hand a finished request to RLS, when it learns."""
-        if self.learner.active:
-            self.learner.observe(self._slice(feature), output_tokens)
+        """Hand a finished request's columns to RLS, when it learns, tagged with the anchor they belong to."""
+        served = self._served
+        if not self.learner.active or served.readout is None:
+            return
+        try:
+            row = served.select(feature)
+        except IndexError:  # the receiver checks sizes; this only keeps the feedback row if one slips through
+            self._telemetry.drop("rls_row", "wrong_dim")
+            return
+        self.learner.observe(row, output_tokens, served.generation)
 
     def _on_predictions(self, ids: Sequence[str], values: np.ndarray, version: str, enqueued: np.ndarray) -> None:
         if version != self.version:  # predicted by a readout replaced meanwhile; the publish rescored them

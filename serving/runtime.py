@@ -4,6 +4,8 @@
 - `ReadoutService` (serving/readout_service.py): the serving readout, the predictor and RLS threads,
   pushes, persistence and the restore at start;
 - `CaptureReceiver` (serving/receiver.py): captured features from the workers, validated;
+- a `CaptureSpace` (serving/push.py): what a captured vector holds (the engine's capture recipe), which
+  every readout is checked against and reads its own recipe's columns of;
 - `FeedbackRecorder` (serving/recorder.py): one row per finished request for the writer and listeners;
 - a `leap_core.policy.DecodePolicy`: which decode candidates run this step;
 - `Telemetry` (serving/telemetry.py): the Prometheus registry and the drop / error counts;
@@ -43,10 +45,11 @@ from serving.config import (
 )
 from serving.online import OnlineLearner
 from serving.predictor import PredictorService
+from serving.push import CaptureSpace
 from serving.readout_service import ReadoutService
 from serving.receiver import CaptureReceiver
 from serving.recorder import FeedbackRecorder
-from serving.refresh import Refresher, RefreshReadoutError, load_refresh_readout
+from serving.refresh import Refresher, RefreshReadoutError, load_refresh_readout, refresh_columns
 from serving.supervise import RateLimitedLog
 from serving.telemetry import Telemetry
 from serving.tracking import RequestTracker, Tracked
@@ -96,10 +99,12 @@ class LeapRuntime:
         self.dim, self.num_layers, model, self.max_tokens_default = vllm_compat.served_model_shape(vllm_config)
         self.model_id, self.fingerprint = _model_identity(model)
         # imported here: serving.worker imports vLLM's platform, which module import must not
-        from serving.worker import capture_layer, serving_recipe
+        from serving.worker import capture_layer, readout_side_recipe, serving_recipe
 
         self.recipe = serving_recipe(vllm_config, self.num_layers)
         self.layer = capture_layer(vllm_config, self.num_layers)
+        self.capture = CaptureSpace(self.recipe, self.dim, self.num_layers,
+                                    default=readout_side_recipe(self.config, self.num_layers))
         self.counters = Counters()
         self.last_held: set[str] = set()
         self.last_step_shape: tuple[int, int] = (0, 0)  # (decoded requests, prefill tokens) of the last step
@@ -111,7 +116,7 @@ class LeapRuntime:
         self.tracker = RequestTracker(self.telemetry, finished_memory=self.config.finished_memory,
                                       orphan_ttl_s=self.config.orphan_ttl_s)
         self.readouts = ReadoutService(self.config, self._expect(), self.tracker, self.telemetry,
-                                       self.serving_slice, model_id=self.model_id)
+                                       self.capture, model_id=self.model_id, layer=self.layer)
         self.recorder = FeedbackRecorder(self._feedback_writer(), self.model_id, self.fingerprint, self.layer,
                                          self.telemetry)
         self.policy: DecodePolicy = self._make_policy()
@@ -132,18 +137,24 @@ class LeapRuntime:
 
     # -- set-up --------------------------------------------------------------------------------
     def _expect(self) -> dict:
-        expect = {"layer": self.layer, "dim": self.dim}
-        if self.fingerprint:
-            expect["model_fingerprint"] = self.fingerprint
-        return expect
+        """What a readout file must record as given: the served model's fingerprint (its recipe and dim
+        are checked against the capture, `CaptureSpace.check`)."""
+        return {"model_fingerprint": self.fingerprint} if self.fingerprint else {}
+
+    @property
+    def feature_dim(self) -> int:
+        """The size of a captured vector, and so of the widest readout this engine can serve."""
+        return self.capture.dim
 
     def _feedback_writer(self) -> Any:
         if not self.config.feedback_dir:
             return None
         from serving import feedback
 
-        writer = feedback.FeedbackWriter(self.config.feedback_dir, self.dim, self.layer, self.model_id,
-                                         self.fingerprint, max_rows=self.config.segment_max_rows,
+        # rows keep the whole captured vector, so the fit flow may choose any recipe the capture covers
+        writer = feedback.FeedbackWriter(self.config.feedback_dir, self.feature_dim, self.layer, self.model_id,
+                                         self.fingerprint, recipe=str(self.recipe),
+                                         max_rows=self.config.segment_max_rows,
                                          max_seconds=self.config.segment_max_seconds,
                                          # the admin port tells replicas on one host apart
                                          replica_id=feedback.default_replica_id(self.config.admin_port or None))
@@ -164,12 +175,12 @@ class LeapRuntime:
                 logger.warning("LEAP refresh is off: %s", self.refresh_error)
             return None
         try:
-            readout = load_refresh_readout(c.refresh_readout_path, self._expect())
+            readout = load_refresh_readout(c.refresh_readout_path, self._expect(), self.capture)
         except RefreshReadoutError as exc:
             self.refresh_error = str(exc)
             logger.error("LEAP refresh is off, decodes keep the countdown: %s", exc)
             return None
-        refresher = Refresher(readout, c.refresh_at)
+        refresher = Refresher(readout, c.refresh_at, refresh_columns(readout, self.capture))
         logger.info("LEAP refreshes remaining lengths at %s generated tokens with readout %s",
                     list(refresher.checkpoints), refresher.version)
         return refresher
@@ -212,12 +223,6 @@ class LeapRuntime:
     def predictions(self) -> dict[str, float]:
         return self.tracker.predictions
 
-    def serving_slice(self, feature: np.ndarray) -> np.ndarray:
-        """The layer-L part of a captured vector (all of it unless every layer is captured)."""
-        if feature.shape[0] == self.dim:
-            return feature
-        return feature[self.layer * self.dim:(self.layer + 1) * self.dim]
-
     def _on_feature(self, request_id: str, feature: np.ndarray) -> None:
         """The receiver thread's hand-off: keep the feature and queue it for a prediction."""
         if self.tracker.add_feature(request_id, feature):
@@ -235,7 +240,7 @@ class LeapRuntime:
         if refresher is None:  # the worker captured them, but this runtime refused the refresh readout
             self.telemetry.drop("refresh", "refresh_off", len(request_ids))
             return
-        totals = refresher.predicted_totals(generated, np.stack([self.serving_slice(s) for s in states]))
+        totals = refresher.predicted_totals(generated, np.stack(states))
         applied = self.tracker.refresh(request_ids, generated, totals)
         self.counters.refreshed += applied
         self.telemetry.refreshes.inc(applied)
@@ -415,6 +420,7 @@ class LeapRuntime:
         meta = dict(getattr(readout, "metadata", {}) or {})
         return {
             "version": self.version, "policy": self.config.policy, "layer": self.layer, "dim": self.dim,
+            "recipe": str(self.recipe), "feature_dim": self.feature_dim, "readout_recipe": self.readouts.recipe,
             "model_id": self.model_id, "model_fingerprint": self.fingerprint,
             "target": getattr(readout, "target", None), "max_tokens": getattr(readout, "max_tokens", None),
             "readout": {k: v for k, v in meta.items() if isinstance(v, (str, int, float, bool))},
@@ -450,7 +456,8 @@ class LeapRuntime:
                 "missed": c.missed, "waited_s": c.waited_s, "max_steps_held_out": c.max_held_out,
                 "finished": self.recorder.finished, "feedback_rows": self.recorder.rows, "steps": c.steps,
                 "schedule_overhead_s": c.schedule_s, "predicted": self.predictor.predicted,
-                "refreshed": c.refreshed, "resident": len(self.tracker.tracked)}
+                "refreshed": c.refreshed, "resident": len(self.tracker.tracked), "recipe": str(self.recipe),
+                "readout_recipe": self.readouts.recipe}
 
     def close(self) -> None:
         """Stop taking pushes first, then features, then predictions and learning; feedback last."""

@@ -186,7 +186,7 @@ def service(tmp_path):
     telemetry = Telemetry()
     tracker = RequestTracker(telemetry)
     config = LeapConfig(rls=True, rls_every=4, state_dir=str(tmp_path / "state"))
-    made = ReadoutService(config, {"layer": LAYER, "dim": DIM}, tracker, telemetry, lambda f: f).start()
+    made = ReadoutService(config, {"layer": LAYER, "dim": DIM}, tracker, telemetry).start()
     yield made
     made.close()
 
