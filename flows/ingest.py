@@ -24,6 +24,14 @@ A segment's content never changes once renamed. When it does:
   `checksum_changed` (one quarantine row, and a `changed_segments` row keyed by path and checksum,
   so later runs skip it). The rows ingested from the first content stay, as do their ledger counts.
 
+Capture recipes (see `flows.store`): a segment's metadata may record the recipe its features were
+captured with (`leap.recipe`; a bare `recipe` key is read too); each accepted row stores it,
+canonicalized by `leap_core.recipes.Recipe.parse`, and a segment that records none stores NULL, which
+means `last@<layer>`. A recipe that does not parse quarantines every row of its segment
+(`unparsable_recipe`), and so does one that the segment's dim cannot be a capture of
+(`recipe_does_not_fit_dim`: no hidden size gives that dim). The dim check is per feature space
+(fingerprint, layer, recipe), so two recipes of one layer never conflict.
+
 Finish reasons (see `flows.store`): `stop` and `length` rows are training labels; `abort`, `error` and
 `repetition` rows are stored but never trained on, and each report counts them by reason
 (`not_trainable`); any other reason is quarantined as `unknown_finish_reason`.
@@ -67,6 +75,7 @@ from flows.store import (
     StoreBusyError,
     stored_dims,
 )
+from leap_core.recipes import STATE_KINDS, Recipe
 from leap_io.jsonable import dumps
 from leap_io.feedback_schema import (
     META_DIM,
@@ -76,6 +85,16 @@ from leap_io.feedback_schema import (
     META_REPLICA_ID,
     feedback_schema,
 )
+
+try:
+    from leap_io.feedback_schema import META_RECIPE
+except ImportError:  # a feedback_schema from before segments recorded their recipe
+    META_RECIPE = b"leap.recipe"
+_RECIPE_KEYS = tuple(dict.fromkeys((META_RECIPE, b"leap.recipe", b"recipe")))
+"""Segment metadata keys that may hold the capture recipe, the first one present wins."""
+
+SpaceKey = tuple[str, int, str]
+"""A feature space: (model fingerprint, layer, capture recipe), as `flows.store.stored_dims` keys it."""
 
 STATUS_OK = "ok"
 STATUS_UNREADABLE = "unreadable"
@@ -97,6 +116,8 @@ REASON_ZERO_OUTPUT_TOKENS = "zero_output_tokens"
 REASON_NON_FINITE_TIME = "non_finite_time"
 REASON_FINISH_BEFORE_ARRIVAL = "finish_before_arrival"
 REASON_UNKNOWN_FINISH_REASON = "unknown_finish_reason"
+REASON_UNPARSABLE_RECIPE = "unparsable_recipe"
+REASON_RECIPE_WRONG_DIM = "recipe_does_not_fit_dim"
 
 
 def null_field_reason(column: str) -> str:
@@ -219,6 +240,32 @@ def _mask(array: pa.Array | pa.ChunkedArray) -> np.ndarray:
     return pc.fill_null(array, False).to_numpy(zero_copy_only=False).astype(bool)
 
 
+def _segment_recipe(metadata: Mapping[bytes, bytes]) -> tuple[str | None, str | None]:
+    """(canonical recipe, None), (None, None) when the segment records none, or (None, why) when the
+    recorded one does not parse."""
+    raw = next((metadata[key] for key in _RECIPE_KEYS if key in metadata), None)
+    if raw is None:
+        return None, None
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:
+        return None, f"the recipe {raw[:200]!r} is not UTF-8"
+    if not text.strip():
+        return None, None  # an empty value says no more than a missing one
+    try:
+        return str(Recipe.parse(text)), None
+    except ValueError as error:  # RecipeError
+        return None, str(error)[:500]
+
+
+def _fits_dim(recipe: str, dim: int) -> bool:
+    """Whether some hidden size makes `recipe`'s vector `dim` floats long."""
+    parsed = Recipe.parse(recipe)
+    states = sum(block.kind in STATE_KINDS for block in parsed.blocks)
+    rest = dim - parsed.dim(0)
+    return rest > 0 and rest % states == 0
+
+
 def _metadata_value(metadata: dict[bytes, bytes], key: bytes, kind: type) -> Any:
     raw = metadata.get(key)
     if raw is None:
@@ -234,6 +281,7 @@ class _Segment:
 
     Everything here depends on the segment alone; `judge_against_store` adds the one check that
     needs the store (a dim that conflicts with the dim already stored for the same feature space).
+    `recipe` is the segment's capture recipe (None: it records none, i.e. `last@<layer>`).
     """
 
     def __init__(self, raw: pa.Table) -> None:
@@ -241,6 +289,7 @@ class _Segment:
         self.n = raw.num_rows
         metadata = raw.schema.metadata or {}
         self.dim = _metadata_value(metadata, META_DIM, int)
+        self.recipe, self.recipe_error = _segment_recipe(metadata)
         self.verdicts = _Verdicts(self.n)
         self.columns: dict[str, pa.Array] = {}
         column_problems: list[str] = []
@@ -309,6 +358,7 @@ class _Segment:
             flag(True, problem)
         for rows, problem in self._row_problems:
             flag(rows, problem)
+        flag(self.recipe_error is not None, REASON_UNPARSABLE_RECIPE)
 
         ids = columns["request_id"]
         flag(_mask(pc.or_kleene(ids.is_null(), pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(ids)), 0))),
@@ -340,6 +390,7 @@ class _Segment:
         if self.dim is None:
             flag(True, REASON_MISSING_SEGMENT_DIM)
             return
+        flag(self.recipe is not None and not _fits_dim(self.recipe, self.dim), REASON_RECIPE_WRONG_DIM)
         feature = self.feature
         if pa.types.is_fixed_size_list(feature.type) and feature.type.list_size == self.dim:
             wrong_dim = _mask(feature.is_null())  # null rows already failed; every other row has dim floats
@@ -362,8 +413,9 @@ class _Segment:
         bad[parents[~np.isfinite(flat)]] = True
         return bad
 
-    def feature_spaces(self) -> tuple[np.ndarray, list[tuple[str | None, int | None]]]:
-        """Each row's feature space as a code into the list of distinct (fingerprint, layer) pairs."""
+    def feature_spaces(self) -> tuple[np.ndarray, list[tuple[str | None, int | None, str | None]]]:
+        """Each row's feature space as a code into the list of distinct (fingerprint, layer, recipe)
+        triples; the recipe is the segment's, else `last@<layer>` as `flows.store.RECIPE_SQL` reads it."""
         fingerprints = pc.dictionary_encode(self.columns["model_fingerprint"])
         layers = pc.dictionary_encode(self.columns["layer"])
         # Codes shifted by one so that null (-1) is a code too, then one integer per pair.
@@ -374,9 +426,14 @@ class _Segment:
         fp_values = [None, *fingerprints.dictionary.to_pylist()]
         layer_values = [None, *layers.dictionary.to_pylist()]
         named = [(fp_values[pair // width], layer_values[pair % width]) for pair in pairs.tolist()]
-        return codes.reshape(-1), named
+        return codes.reshape(-1), [(fingerprint, layer, self._space_recipe(layer)) for fingerprint, layer in named]
 
-    def judge_against_store(self, stored_dims: Mapping[tuple[str, int], int]) -> None:
+    def _space_recipe(self, layer: int | None) -> str | None:
+        if self.recipe is not None:
+            return self.recipe
+        return None if layer is None else str(Recipe.last(int(layer)))
+
+    def judge_against_store(self, stored_dims: Mapping[SpaceKey, int]) -> None:
         """Fail the rows whose feature space is already stored with another dim."""
         if self._dim_conflict_rank is None or not stored_dims:
             return
@@ -415,7 +472,7 @@ class _Segment:
         table = pa.table({**self.columns, "feature": self.feature})
         return table if accepted.all() else table.filter(pa.array(accepted))
 
-    def dims_by_space(self, accepted: np.ndarray) -> dict[tuple[str, int], int]:
+    def dims_by_space(self, accepted: np.ndarray) -> dict[SpaceKey, int]:
         """The dim this segment stores for each feature space among the accepted rows."""
         if not accepted.any():
             return {}
@@ -534,8 +591,8 @@ def _not_trainable(rows: pa.Table) -> dict[str, int]:
     return {item["values"]: int(item["counts"]) for item in counts if item["values"] in NOT_TRAINING_FINISH_REASONS}
 
 
-def _ingest_table(con: duckdb.DuckDBPyConnection, read: _ReadSegment, known_dims: Mapping[tuple[str, int], int],
-                  hook: StageHook | None) -> tuple[IngestReport, dict[tuple[str, int], int]]:
+def _ingest_table(con: duckdb.DuckDBPyConnection, read: _ReadSegment, known_dims: Mapping[SpaceKey, int],
+                  hook: StageHook | None) -> tuple[IngestReport, dict[SpaceKey, int]]:
     """Write one judged segment; also returns the dims it stored for each feature space."""
     segment, judged = read.segment, read.judged
     now = _now()
@@ -554,9 +611,9 @@ def _ingest_table(con: duckdb.DuckDBPyConnection, read: _ReadSegment, known_dims
                   f"SELECT {columns}, ?, ?, ? FROM _incoming_requests", [segment, now, read.replica_id])
     _stage(hook, "requests")
     _insert_arrow(con, "_incoming_features", rows.select(["request_id", "layer", "model_fingerprint", "feature"]),
-                  "INSERT INTO features (request_id, dim, layer, model_fingerprint, feature) "
-                  "SELECT request_id, ?, layer, model_fingerprint, feature FROM _incoming_features",
-                  [judged.dim])
+                  "INSERT INTO features (request_id, dim, layer, model_fingerprint, feature, recipe) "
+                  "SELECT request_id, ?, layer, model_fingerprint, feature, ? FROM _incoming_features",
+                  [judged.dim, judged.recipe])
     _stage(hook, "features")
     quarantine = judged.quarantine_rows(segment)
     if quarantine.num_rows:
@@ -655,8 +712,8 @@ def _replica_of(path: Path, metadata: Mapping[bytes, bytes]) -> str | None:
     return match.group("replica") if match else None
 
 
-def _write_segment(con: duckdb.DuckDBPyConnection, read: _ReadSegment, known_dims: Mapping[tuple[str, int], int],
-                   hook: StageHook | None) -> tuple[IngestReport, dict[tuple[str, int], int]]:
+def _write_segment(con: duckdb.DuckDBPyConnection, read: _ReadSegment, known_dims: Mapping[SpaceKey, int],
+                   hook: StageHook | None) -> tuple[IngestReport, dict[SpaceKey, int]]:
     """Write one read segment inside the open transaction (raises if writing it fails)."""
     if read.changed_from is not None:
         return _record_changed(con, read), {}
@@ -672,7 +729,7 @@ def _rollback(con: duckdb.DuckDBPyConnection) -> None:
         con.execute("ROLLBACK")
 
 
-def _write_alone(con: duckdb.DuckDBPyConnection, read: _ReadSegment, known_dims: dict[tuple[str, int], int],
+def _write_alone(con: duckdb.DuckDBPyConnection, read: _ReadSegment, known_dims: dict[SpaceKey, int],
                  hook: StageHook | None) -> IngestReport:
     """Write one segment in a transaction of its own; if writing it raises, record it failed instead."""
     con.execute("BEGIN TRANSACTION")
@@ -710,7 +767,7 @@ def _ingest_paths(con: duckdb.DuckDBPyConnection, sources: Sequence[SegmentFile]
     changed = {(segment, checksum) for segment, checksum
                in con.execute("SELECT segment, checksum FROM changed_segments").fetchall()}
     known_dims = stored_dims(con)
-    pending_dims: dict[tuple[str, int], int] = {}  # written by the open transaction
+    pending_dims: dict[SpaceKey, int] = {}  # written by the open transaction
     reports: list[IngestReport] = []
     group: list[tuple[_ReadSegment, int]] = []  # segments written in the open transaction, with their report's index
     rows_in_transaction = 0

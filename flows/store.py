@@ -21,7 +21,14 @@ quarantined as unknown.
 Schema versions. `SCHEMA_VERSION` is written to `store_meta`; opening an older file (read-only too)
 migrates it once under the write lock: version 2 added `requests.replica_id` (the serving replica
 whose feedback sub-folder held the row; NULL for rows ingested before, or from top-level segments)
-and the `changed_segments` table.
+and the `changed_segments` table; version 3 added `features.recipe`.
+
+Feature recipes. Each feature row records the capture recipe (`leap_core.recipes`) its vector was
+captured with, from the segment's metadata: which blocks the vector holds, in order. NULL (rows ingested
+before version 3, and segments that record none) means `last@<layer>`, the one recipe there was before;
+`RECIPE_SQL` is that rule in SQL. A feature space is (model fingerprint, layer, recipe): the dim check
+and the training frames keep recipes apart, since two recipes of one layer hold different columns even
+when their dims agree.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from leap_io.feedback_schema import NOT_TRAINING_FINISH_REASONS, TRAINING_FINISH
 FINISH_REASONS = TRAINING_FINISH_REASONS + NOT_TRAINING_FINISH_REASONS
 """Every finish reason a row may carry; any other is quarantined."""
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the store's tables; see the module docstring for what each version added."""
 
 SCALAR_COLUMNS = tuple(name for name in feedback_schema(1).names if name != "feature")
@@ -91,7 +98,8 @@ SCHEMA_DDL = (
   dim INTEGER NOT NULL,
   layer INTEGER NOT NULL,
   model_fingerprint VARCHAR NOT NULL,
-  feature FLOAT[] NOT NULL
+  feature FLOAT[] NOT NULL,
+  recipe VARCHAR
 )""",
     """CREATE TABLE IF NOT EXISTS quarantine (
   segment VARCHAR NOT NULL,
@@ -154,6 +162,8 @@ def _migrate(con: duckdb.DuckDBPyConnection) -> None:
             con.execute(ddl)
         if "replica_id" not in _columns(con, "requests"):  # version 1 -> 2
             con.execute("ALTER TABLE requests ADD COLUMN replica_id VARCHAR")
+        if "recipe" not in _columns(con, "features"):  # version 2 -> 3: NULL is last@<layer>
+            con.execute("ALTER TABLE features ADD COLUMN recipe VARCHAR")
         con.execute("INSERT OR REPLACE INTO store_meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
         con.execute("COMMIT")
     except BaseException:
@@ -180,6 +190,22 @@ class TrainingFrame(NamedTuple):
     def take(self, rows: np.ndarray | slice) -> TrainingFrame:
         """The frame restricted to `rows` (indices, a boolean mask, or a slice for views), in that order."""
         return TrainingFrame(*(None if column is None else column[rows] for column in self))
+
+
+def recipe_sql(alias: str = "f") -> str:
+    """The capture recipe of a `features` row in SQL: its `recipe`, else `last@<layer>`."""
+    return f"coalesce({alias}.recipe, 'last@' || CAST({alias}.layer AS VARCHAR))"
+
+
+RECIPE_SQL = recipe_sql()
+"""`recipe_sql()` for the `features` table under the alias `f`."""
+
+
+def canonical_recipe(name: str) -> str:
+    """A recipe's canonical name (`leap_core.recipes.Recipe.parse`); RecipeError if it does not parse."""
+    from leap_core.recipes import Recipe
+
+    return str(Recipe.parse(name))
 
 
 _CATALOG = "leap_store"
@@ -373,10 +399,13 @@ class LogStore:
         domains: Sequence[str] | None = None,
         model_fingerprint: str | None = None,
         layer: int | None = None,
+        recipe: str | None = None,
     ) -> TrainingFrame:
         """Requests with arrival_time in [since, until), optionally only some domains / one feature space.
 
-        Raises ValueError when the selection mixes feature dims (filter by fingerprint and layer).
+        `recipe`: only rows captured with this recipe (rows that record none are `last@<layer>`).
+        Raises ValueError when the selection mixes feature dims or capture recipes (filter by
+        fingerprint, layer and recipe): a frame's columns mean one thing.
         """
         where, params = [], []
         if since is not None:
@@ -394,9 +423,12 @@ class LogStore:
         if layer is not None:
             where.append("f.layer = ?")
             params.append(int(layer))
+        if recipe is not None:
+            where.append(f"{RECIPE_SQL} = ?")
+            params.append(canonical_recipe(recipe))
         query = (
             "SELECT r.request_id, f.dim, f.feature, r.output_tokens, r.finish_reason, r.domain, "
-            "r.arrival_time, r.max_tokens FROM requests r JOIN features f USING (request_id)"
+            f"r.arrival_time, r.max_tokens, {RECIPE_SQL} AS recipe FROM requests r JOIN features f USING (request_id)"
             + (" WHERE " + " AND ".join(where) if where else "")
             + " ORDER BY r.arrival_time, r.request_id"
         )
@@ -405,12 +437,12 @@ class LogStore:
         return _frame_from_arrow(table)
 
 
-def stored_dims(con: duckdb.DuckDBPyConnection) -> dict[tuple[str, int], int]:
-    """The feature dim already stored for each (model fingerprint, layer)."""
+def stored_dims(con: duckdb.DuckDBPyConnection) -> dict[tuple[str, int, str], int]:
+    """The feature dim already stored for each feature space (model fingerprint, layer, capture recipe)."""
     rows = con.execute(
-        "SELECT model_fingerprint, layer, min(dim) FROM features GROUP BY ALL"
+        f"SELECT f.model_fingerprint, f.layer, {RECIPE_SQL}, min(f.dim) FROM features f GROUP BY ALL"
     ).fetchall()
-    return {(fingerprint, int(layer)): int(dim) for fingerprint, layer, dim in rows}
+    return {(fingerprint, int(layer), recipe): int(dim) for fingerprint, layer, recipe, dim in rows}
 
 
 def _frame_from_arrow(table: pa.Table) -> TrainingFrame:
@@ -419,6 +451,11 @@ def _frame_from_arrow(table: pa.Table) -> TrainingFrame:
     if len(dims) > 1:
         raise ValueError(
             f"the selection mixes feature dims {sorted(dims)}; filter by model_fingerprint and layer"
+        )
+    recipes = pc.unique(table.column("recipe")).to_pylist()
+    if len(recipes) > 1:
+        raise ValueError(
+            f"the selection mixes capture recipes {sorted(recipes)}; filter by model_fingerprint, layer and recipe"
         )
     dim = dims[0] if dims else 0
     feature = table.column("feature").combine_chunks()
