@@ -60,6 +60,11 @@ class PipelineSettings(BaseSettings):
     fit_anchor: Literal["none", "champion"] = Field(
         "none", description="'champion': the fit corrects the champion's RLS state with the window's rows "
                             "(one ridge solve on both) instead of fitting on the window alone")
+    recipes: Annotated[list[str] | None, NoDecode] = Field(
+        None, description="candidate feature recipes, comma-separated or a JSON list (e.g. "
+                          "'last@17,last@17+mean@17+prompt'): the fit validates those the rows' capture "
+                          "recipe covers on the newest training rows and fits the best; None: the capture "
+                          "recipe, no choice")
 
     # read by registry.client.ReadoutRegistry from the same variables, so every process agrees
     mlflow_retries: int = Field(3, ge=0, description="retries of a failed MLflow call (backoff doubling "
@@ -74,7 +79,7 @@ class PipelineSettings(BaseSettings):
     serving_port: int = 8000
     admin_port: int = 8011
 
-    @field_validator("endpoints", "domains", mode="before")
+    @field_validator("endpoints", "domains", "recipes", mode="before")
     @classmethod
     def _split_list(cls, value: Any) -> Any:
         if not isinstance(value, str):
@@ -83,6 +88,17 @@ class PipelineSettings(BaseSettings):
         if text.startswith("["):
             return json.loads(text)
         return [item.strip() for item in text.split(",") if item.strip()]
+
+    @field_validator("recipes", mode="after")
+    @classmethod
+    def _parse_recipes(cls, value: list[str] | None) -> list[str] | None:
+        """Each candidate by its canonical name (`leap_core.recipes.Recipe.parse`); a bad one fails here."""
+        if value is None:
+            return None
+        from leap_core.recipes import Recipe
+
+        names = list(dict.fromkeys(str(Recipe.parse(item)) for item in value))
+        return names or None
 
     @model_validator(mode="after")
     def _derive_paths(self) -> PipelineSettings:

@@ -31,8 +31,9 @@ from flows.promotion import promote as promote_everywhere
 from flows.promotion import rollback as rollback_everywhere
 from flows.push import PushFailed, push_readout
 from flows.settings import PipelineSettings
-from flows.store import TRAINING_FINISH_REASONS, LogStore, TrainingFrame
+from flows.store import RECIPE_SQL, TRAINING_FINISH_REASONS, LogStore, TrainingFrame, canonical_recipe
 from flows.training import fit_readout, select_window, time_split
+from leap_core.recipes import STATE_KINDS, Recipe
 from leap_core.rls import RLS
 from leap_io.jsonable import dumps, to_jsonable
 from registry.client import (
@@ -57,11 +58,17 @@ GATES_DDL = """CREATE TABLE IF NOT EXISTS gates (
 
 @dataclass(frozen=True)
 class FeatureSpace:
-    """Whose hidden states a readout reads: the serving model and the captured layer."""
+    """Whose hidden states a readout reads: the serving model, the captured layer and the capture recipe
+    of the rows (`leap_core.recipes`; rows that record none, and an empty `recipe`, are `last@<layer>`)."""
 
     model_id: str
     model_fingerprint: str
     layer: int
+    recipe: str = ""
+
+    def __post_init__(self) -> None:
+        recipe = canonical_recipe(self.recipe) if self.recipe else str(Recipe.last(self.layer))
+        object.__setattr__(self, "recipe", recipe)
 
 
 def plain(value: Any) -> Any:
@@ -75,32 +82,62 @@ def _key(payload: Any) -> str:
 
 # ---------------------------------------------------------------------------- the log store
 
-def latest_feature_space(store: LogStore, model_fingerprint: str | None = None,
-                         layer: int | None = None) -> FeatureSpace | None:
-    """The feature space of the most recent feedback (optionally narrowed); None for an empty store."""
+def latest_feature_space(store: LogStore, model_fingerprint: str | None = None, layer: int | None = None,
+                         recipe: str | None = None) -> FeatureSpace | None:
+    """The feature space (fingerprint, layer, capture recipe) of the most recent feedback, optionally
+    narrowed; None for an empty store."""
     where, params = [], []
     if model_fingerprint is not None:
-        where.append("model_fingerprint = ?")
+        where.append("f.model_fingerprint = ?")
         params.append(model_fingerprint)
     if layer is not None:
-        where.append("layer = ?")
+        where.append("f.layer = ?")
         params.append(int(layer))
-    query = ("SELECT any_value(model_id), model_fingerprint, layer FROM requests"
+    if recipe is not None:
+        where.append(f"{RECIPE_SQL} = ?")
+        params.append(canonical_recipe(recipe))
+    query = (f"SELECT any_value(r.model_id), f.model_fingerprint, f.layer, {RECIPE_SQL} AS recipe "
+             "FROM requests r JOIN features f USING (request_id)"
              + (" WHERE " + " AND ".join(where) if where else "")
-             + " GROUP BY model_fingerprint, layer ORDER BY max(arrival_time) DESC LIMIT 1")
+             + " GROUP BY ALL ORDER BY max(r.arrival_time) DESC LIMIT 1")
     with store.connect(read_only=True) as con:
         row = con.execute(query, params).fetchone()
     if row is None:
         return None
-    model_id, fingerprint, found_layer = row
-    return FeatureSpace(model_id=model_id or fingerprint, model_fingerprint=fingerprint, layer=int(found_layer))
+    model_id, fingerprint, found_layer, found_recipe = row
+    return FeatureSpace(model_id=model_id or fingerprint, model_fingerprint=fingerprint, layer=int(found_layer),
+                        recipe=found_recipe)
 
 
 def largest_max_tokens(store: LogStore, space: FeatureSpace) -> int | None:
     with store.connect(read_only=True) as con:
-        row = con.execute("SELECT max(max_tokens) FROM requests WHERE model_fingerprint = ? AND layer = ?",
-                          [space.model_fingerprint, space.layer]).fetchone()
+        row = con.execute("SELECT max(r.max_tokens) FROM requests r JOIN features f USING (request_id) "
+                          f"WHERE f.model_fingerprint = ? AND f.layer = ? AND {RECIPE_SQL} = ?",
+                          [space.model_fingerprint, space.layer, space.recipe]).fetchone()
     return None if row is None or row[0] is None else int(row[0])
+
+
+def capture_hidden(capture: str | Recipe, dim: int) -> int:
+    """The hidden size a capture recipe's vector of `dim` floats implies (its state blocks are that wide)."""
+    capture = Recipe.parse(capture)
+    states = sum(block.kind in STATE_KINDS for block in capture.blocks)
+    hidden = (int(dim) - capture.dim(0)) // states
+    if hidden <= 0 or capture.dim(hidden) != dim:
+        raise ValueError(f"features of {dim} floats are not a capture of recipe {capture}")
+    return hidden
+
+
+def covered_recipes(candidates: Sequence[str] | None, capture: str, dim: int) -> tuple[list[str], list[str]]:
+    """(covered, not covered): the candidate recipes a capture of `dim` floats holds every block of
+    (`Recipe.columns`), canonical names in the given order without repeats, and the others."""
+    covered: list[str] = []
+    missing: list[str] = []
+    if not candidates:
+        return covered, missing
+    hidden = capture_hidden(capture, dim)
+    for name in dict.fromkeys(canonical_recipe(c) for c in candidates):
+        (covered if Recipe.parse(name).covered_by(capture, hidden) else missing).append(name)
+    return covered, missing
 
 
 def recorded_lengths(store: LogStore, request_ids: Sequence[str],
@@ -185,9 +222,11 @@ def ingest_feedback(duckdb_path: str, feedback_dir: str, retry_failed: bool = Fa
 @task(name="select-training-window", cache_policy=NO_CACHE)
 def select_training_window(duckdb_path: str, space: FeatureSpace, since: float | None, until: float | None,
                            domains: list[str] | None, min_rows: int) -> TrainingFrame:
-    """The finished requests of one feature space arriving in [since, until)."""
+    """The finished requests of one feature space (fingerprint, layer and capture recipe) arriving in
+    [since, until)."""
     return select_window(LogStore(duckdb_path), since=since, until=until, domains=domains,
-                         model_fingerprint=space.model_fingerprint, layer=space.layer, min_rows=min_rows)
+                         model_fingerprint=space.model_fingerprint, layer=space.layer, recipe=space.recipe,
+                         min_rows=min_rows)
 
 
 def window_hash(frame: TrainingFrame) -> str:
@@ -233,12 +272,19 @@ def _champion_budget(registry: ReadoutRegistry, name: str) -> tuple[int | None, 
 def fit_and_register(frame: TrainingFrame, tracking_uri: str, space: FeatureSpace, alpha: str | float = "auto",
                      target: str = "sqrt", max_tokens: int | None = None, test_fraction: float = 0.2,
                      window: Mapping[str, Any] | None = None, fallback_max_tokens: int | None = None,
-                     lock_path: str | None = None, anchor: str = "none") -> dict[str, Any]:
+                     lock_path: str | None = None, anchor: str = "none",
+                     recipes: Sequence[str] | None = None) -> dict[str, Any]:
     """Fit a readout on `frame`, register it and point `challenger` at it.
 
     anchor "champion": correct the champion's RLS state with the window's training rows (one exact
     batch update, equal to a ridge solve on the champion's rows and these), so a window smaller than
     the champion's training set refines it instead of replacing it; with no champion, a plain fit.
+
+    recipes: candidate feature recipes; those the capture recipe of the rows (`space.recipe`) covers
+    are validated on the newest rows of the training split and the best is fitted (`fit_readout`).
+    The run logs them (`recipe_candidates`, and `recipe_candidates_not_covered`), the validation table
+    (`recipe_validation.json`, an MLflow table) and the chosen recipe's `validation_spearman`. None,
+    none covered, or an anchored fit (the champion fixes the recipe): the capture recipe, no choice.
 
     A fit of the same rows with the same settings returns the version registered then (the alias is
     set again unless that version is already the champion). The output budget defaults to the
@@ -258,18 +304,25 @@ def fit_and_register(frame: TrainingFrame, tracking_uri: str, space: FeatureSpac
     champion = registry.get_alias(name, CHAMPION)
     anchored = anchor == "champion" and champion is not None
     rows_hash = window_hash(frame)
+    candidates, not_covered = covered_recipes(recipes, space.recipe, np.asarray(frame.features).shape[1])
+    if anchored:
+        candidates = []  # the anchor keeps the champion's recipe
+    # keys added only when set, so the fits of before recipes keep their keys
     fit_settings = {"window_hash": rows_hash, "alpha": str(alpha), "target": target, "max_tokens": int(budget),
                     "test_fraction": float(test_fraction), "model_fingerprint": space.model_fingerprint,
-                    "layer": space.layer, **({"anchor": f"champion-{champion}"} if anchored else {})}
+                    "layer": space.layer, **({"anchor": f"champion-{champion}"} if anchored else {}),
+                    **({"capture_recipe": space.recipe} if space.recipe != str(Recipe.last(space.layer)) else {}),
+                    **({"recipes": candidates} if candidates else {})}
     fit_key = _key(fit_settings)
     found = _registered_fit(registry, name, fit_key)
     if found is not None:
         version, run_id = found
         if version != champion:
             registry.set_challenger(name, version)
+        run = registry.client.get_run(run_id)
         return {"name": name, "version": version, "run_id": run_id, "reused": True, "fit_key": fit_key,
                 "window_hash": rows_hash, "rows": len(frame.request_ids), "champion": champion,
-                "metrics": dict(registry.client.get_run(run_id).data.metrics)}
+                "recipe": run.data.params.get("recipe", space.recipe), "metrics": dict(run.data.metrics)}
 
     train, test = time_split(frame, test_fraction)
     readout_version = f"{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}-{fit_key[:8]}"
@@ -280,22 +333,32 @@ def fit_and_register(frame: TrainingFrame, tracking_uri: str, space: FeatureSpac
             raise ValueError(f"champion {champion} of {name} has no RLS state to anchor at")
     fit = fit_readout(train, test, alpha=alpha, target=target, max_tokens=int(budget), model_id=space.model_id,
                       model_fingerprint=space.model_fingerprint, layer=space.layer, version=readout_version,
-                      anchor=anchor_rls)
+                      anchor=anchor_rls, capture_recipe=space.recipe, recipes=candidates or None)
     rls = fit.rls_state
     if isinstance(rls, Mapping):
         rls = RLS.from_state_arrays(fit.readout, dict(rls))
     params = {**dict(fit.params), **{f"requested_{k}": v for k, v in (window or {}).items()},
               "fit_key": fit_key, "window_hash": rows_hash, "alpha_requested": str(alpha),
               "anchor": f"champion v{champion}" if anchored else "none",
-              "test_fraction": float(test_fraction)}
-    logged = registry.log_readout(fit.readout, rls=rls, params=params, metrics=dict(fit.metrics),
+              "test_fraction": float(test_fraction), "capture_recipe": space.recipe,
+              "recipe": fit.params.get("recipe", space.recipe), "recipe_candidates": ",".join(candidates),
+              "recipe_choice": "anchor" if anchored else "validation" if candidates else "capture",
+              **({"recipe_candidates_not_covered": ",".join(not_covered)} if not_covered else {})}
+    metrics = dict(fit.metrics)
+    validation = [dict(row) for row in fit.validation] if fit.validation else None
+    if validation:
+        chosen = next((row for row in validation if row["recipe"] == params["recipe"]), None)
+        if chosen is not None:
+            metrics["validation_spearman"] = float(chosen["spearman"])
+    logged = registry.log_readout(fit.readout, rls=rls, params=params, metrics=metrics,
                                   eval_arrays=fit.eval_arrays, run_name=f"fit-{readout_version}",
-                                  tags={"fit_key": fit_key})
+                                  tags={"fit_key": fit_key}, validation=validation)
     registry.set_challenger(name, logged.version)
     return {"name": name, "version": logged.version, "run_id": logged.run_id, "reused": False,
             "fit_key": fit_key, "window_hash": rows_hash, "rows": len(frame.request_ids),
-            "readout_version": readout_version, "champion": champion,
-            "metrics": plain({k: v for k, v in dict(fit.metrics).items() if isinstance(v, (int, float, np.number))})}
+            "readout_version": readout_version, "champion": champion, "recipe": params["recipe"],
+            "validation": plain(validation),
+            "metrics": plain({k: v for k, v in metrics.items() if isinstance(v, (int, float, np.number))})}
 
 
 def _readout_pair(registry: ReadoutRegistry, name: str, version: str):

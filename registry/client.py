@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +71,8 @@ MODEL_ARTIFACT_PATH = "model"
 PLOTS_ARTIFACT_PATH = "plots"
 VERDICT_FILE = "verdict.json"
 RESULTS_FILE = "results.json"
+RECIPE_VALIDATION_FILE = "recipe_validation.json"
+"""The fit's recipe validation table, an MLflow table artifact (the UI compares it across runs)."""
 
 _MAX_TAG_LENGTH = 5000
 _ensured_uris: set[str] = set()
@@ -84,8 +86,8 @@ DEFAULT_BACKOFF_S = 0.5
 DEFAULT_LOCK_TIMEOUT_S = 120.0
 
 # Calls not retried: a request that reached the server before the connection broke would leave a
-# second run or version behind.
-_NOT_RETRIED = frozenset({"create_run", "create_model_version"})
+# second run or version behind, or (log_table appends to a table already there) a table's rows twice.
+_NOT_RETRIED = frozenset({"create_run", "create_model_version", "log_table"})
 _TRANSIENT_CODES = frozenset({"INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED",
                               "DEADLINE_EXCEEDED", "ABORTED", "IO_ERROR", "UNAVAILABLE"})
 
@@ -393,28 +395,36 @@ class ReadoutRegistry:
     def log_readout(self, readout: LinearReadout, *, rls: RLS | None = None, params: Mapping[str, Any],
                     metrics: Mapping[str, float], eval_arrays: Mapping[str, Any] | None = None,
                     experiment: str = READOUT_EXPERIMENT, run_name: str | None = None,
-                    tags: Mapping[str, str] | None = None) -> RegisteredReadout:
+                    tags: Mapping[str, str] | None = None,
+                    validation: Sequence[Mapping[str, Any]] | None = None) -> RegisteredReadout:
         """Log one fitted readout as a run and register it as a new model version.
 
         `params` carries the data provenance (window, row counts, data hash); the readout's own
         hyper-parameters are added here. `eval_arrays` ("true", "pred" output lengths on held-out
-        rows) draws the predicted-vs-true scatter and the MAE-by-bucket chart.
+        rows) draws the predicted-vs-true scatter and the MAE-by-bucket chart. `validation` (the
+        fit's recipe choice, one row per candidate recipe) is logged as the MLflow table
+        `RECIPE_VALIDATION_FILE`, with a `chosen` column marking the readout's recipe. The run and
+        the version are tagged with the readout's `recipe` (`last@<layer>` when it records none).
         """
         from leap_core.readout_format import to_bytes
+        from leap_core.recipes import readout_recipe
 
         metadata = dict(readout.metadata)
         layer = int(metadata["layer"])
         name = self.model_name(str(metadata["model_id"]), layer)
+        recipe = str(readout_recipe(metadata))
         identity_tags = {
             "model_id": str(metadata["model_id"]),
             "model_fingerprint": str(metadata.get("model_fingerprint", "")),
             "layer": str(layer),
+            "recipe": recipe,
             "readout_version": str(metadata.get("version", "")),
         }
         run_tags = {**identity_tags, **{str(k): str(v) for k, v in (tags or {}).items()}}
         all_params = {
             **{str(k): v for k, v in params.items()},
             "layer": layer,
+            "recipe": recipe,
             "alpha": readout.alpha,
             "target": readout.target,
             "max_tokens": readout.max_tokens,
@@ -428,6 +438,8 @@ class ReadoutRegistry:
         try:
             self._log_params(run_id, all_params)
             self._log_metrics(run_id, metrics)
+            if validation:
+                self._log_validation(run_id, validation, recipe)
             with tempfile.TemporaryDirectory(prefix="leap-readout-") as tmp:
                 run_files = Path(tmp) / "run"
                 run_files.mkdir()
@@ -462,6 +474,15 @@ class ReadoutRegistry:
             raise
         self.client.set_terminated(run_id, "FINISHED")
         return RegisteredReadout(name=name, version=str(version.version), run_id=run_id)
+
+    def _log_validation(self, run_id: str, validation: Sequence[Mapping[str, Any]], recipe: str) -> None:
+        import pandas as pd
+
+        columns = ["recipe", "alpha", "spearman", "mae", "n", "dim"]
+        table = pd.DataFrame([dict(row) for row in validation])
+        table = table[[c for c in columns if c in table.columns] + [c for c in table.columns if c not in columns]]
+        table["chosen"] = table["recipe"].astype(str) == recipe
+        self.client.log_table(run_id, data=table, artifact_file=RECIPE_VALIDATION_FILE)
 
     def _log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
         entries = [Param(_metric_key(k), str(v) if not isinstance(v, (dict, list, tuple))
