@@ -25,7 +25,7 @@ A segment's content never changes once renamed. When it does:
   so later runs skip it). The rows ingested from the first content stay, as do their ledger counts.
 
 Capture recipes (see `flows.store`): a segment's metadata may record the recipe its features were
-captured with (`leap.recipe`; a bare `recipe` key is read too); each accepted row stores it,
+captured with (`leap.recipe`, `leap_io.feedback_schema.META_RECIPE`); each accepted row stores it,
 canonicalized by `leap_core.recipes.Recipe.parse`, and a segment that records none stores NULL, which
 means `last@<layer>`. A recipe that does not parse quarantines every row of its segment
 (`unparsable_recipe`), and so does one that the segment's dim cannot be a capture of
@@ -82,16 +82,10 @@ from leap_io.feedback_schema import (
     META_LAYER,
     META_MODEL_FINGERPRINT,
     META_MODEL_ID,
+    META_RECIPE,
     META_REPLICA_ID,
     feedback_schema,
 )
-
-try:
-    from leap_io.feedback_schema import META_RECIPE
-except ImportError:  # a feedback_schema from before segments recorded their recipe
-    META_RECIPE = b"leap.recipe"
-_RECIPE_KEYS = tuple(dict.fromkeys((META_RECIPE, b"leap.recipe", b"recipe")))
-"""Segment metadata keys that may hold the capture recipe, the first one present wins."""
 
 SpaceKey = tuple[str, int, str]
 """A feature space: (model fingerprint, layer, capture recipe), as `flows.store.stored_dims` keys it."""
@@ -243,7 +237,7 @@ def _mask(array: pa.Array | pa.ChunkedArray) -> np.ndarray:
 def _segment_recipe(metadata: Mapping[bytes, bytes]) -> tuple[str | None, str | None]:
     """(canonical recipe, None), (None, None) when the segment records none, or (None, why) when the
     recorded one does not parse."""
-    raw = next((metadata[key] for key in _RECIPE_KEYS if key in metadata), None)
+    raw = metadata.get(META_RECIPE)
     if raw is None:
         return None, None
     try:

@@ -1,9 +1,8 @@
 """Feature recipes through the pipeline: segments record their capture recipe, the store keeps each
 recipe's rows apart, and the fit flow chooses among candidate recipes by validation and logs the choice.
 
-Against the real parts, as tests/test_flows.py: segments written by the serving writer (the capture
-recipe stamped into their metadata the way a writer that records it does), a DuckDB log store, a sqlite
-MLflow registry and a temporary Prefect server.
+Against the real parts, as tests/test_flows.py: segments written by the serving writer with its capture
+recipe, a DuckDB log store, a sqlite MLflow registry and a temporary Prefect server.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 
 from flows.ingest import (  # noqa: E402
-    META_RECIPE,
     REASON_FEATURE_DIM_CONFLICT,
     REASON_RECIPE_WRONG_DIM,
     REASON_UNPARSABLE_RECIPE,
@@ -35,6 +33,7 @@ from flows.pipeline import fit_flow, ingest_flow  # noqa: E402
 from flows.settings import PipelineSettings  # noqa: E402
 from flows.store import SCHEMA_VERSION, LogStore  # noqa: E402
 from flows.tasks import FeatureSpace, covered_recipes, latest_feature_space  # noqa: E402
+from leap_io.feedback_schema import META_RECIPE  # noqa: E402
 from registry.client import CHALLENGER, READOUT_EXPERIMENT, RECIPE_VALIDATION_FILE, ReadoutRegistry  # noqa: E402
 from serving.feedback import FeedbackWriter  # noqa: E402
 from tests.segment_fuzz import write_segment  # noqa: E402
@@ -84,31 +83,30 @@ def _rows(rng: np.random.Generator, prefix: str, first: int, n: int, dim: int, *
     return rows
 
 
-def _stamp(path: Path, recipe: str | bytes, key: bytes = META_RECIPE) -> None:
-    """Record a capture recipe in a closed segment's metadata, as a writer that records one does
-    (rewritten under a temporary name and renamed, like the writer's own segments)."""
+def _stamp(path: Path, recipe: str | bytes) -> None:
+    """Record a capture recipe in a closed segment's metadata as the serving writer does (rewritten
+    under a temporary name and renamed, like the writer's own segments)."""
     table = pq.read_table(path)
     value = recipe if isinstance(recipe, bytes) else recipe.encode()
-    table = table.replace_schema_metadata({**(table.schema.metadata or {}), key: value})
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), META_RECIPE: value})
     temporary = path.with_name(f".{path.name}.tmp")
     pq.write_table(table, temporary)
     os.replace(temporary, path)
 
 
-def _write(feedback: Path, replica: str, segments: list[list[dict]], dim: int,
-           recipe: str | bytes | None) -> list[Path]:
-    """Each list of rows as one segment of the serving writer (named after the replica)."""
+def _write(feedback: Path, replica: str, segments: list[list[dict]], dim: int, recipe: str | None) -> None:
+    """Each list of rows as one segment of the serving writer (named after the replica), which records
+    `recipe` in the segment's metadata (None: a writer from before recipes, which records none)."""
     for rows in segments:
-        writer = FeedbackWriter(feedback, dim, LAYER, MODEL_ID, FINGERPRINT, replica_id=replica)
+        writer = FeedbackWriter(feedback, dim, LAYER, MODEL_ID, FINGERPRINT, replica_id=replica, recipe=recipe)
         for row in rows:
             assert writer.write(row)
         assert writer.close()
     paths = sorted(feedback.glob(f"feedback-*-{replica}-*.parquet"))
     assert len(paths) == len(segments)
-    if recipe is not None:
-        for path in paths:
-            _stamp(path, recipe)
-    return paths
+    for path in paths:
+        recorded = pq.read_schema(path).metadata.get(META_RECIPE)
+        assert recorded == (None if recipe is None else recipe.encode())
 
 
 @pytest.fixture(scope="module")
@@ -194,8 +192,7 @@ def test_explicit_last_recipe_is_the_same_space_as_none(tmp_path: Path):
     feedback = tmp_path / "feedback"
     feedback.mkdir()
     write_segment(feedback / "seg-1.parquet", 20, 8, seed=1, start_time=START)
-    _stamp(write_segment(feedback / "seg-2.parquet", 20, 8, seed=2, start_time=START + 1e4).path, "last@20",
-           key=b"recipe")  # the bare key is read too
+    _stamp(write_segment(feedback / "seg-2.parquet", 20, 8, seed=2, start_time=START + 1e4).path, "last@20")
     _stamp(write_segment(feedback / "seg-3.parquet", 20, 6, seed=3, start_time=START + 2e4).path, "last@20")
     _stamp(write_segment(feedback / "seg-4.parquet", 20, 13, seed=4, start_time=START + 3e4).path,
            "last@20+mean@20")  # two state blocks cannot make 13 floats
