@@ -98,14 +98,16 @@ def select_window(
     model_fingerprint: str | None = None,
     layer: int | None = None,
     min_rows: int = 50,
+    recipe: str | None = None,
 ) -> TrainingFrame:
-    """The finished requests arriving in [since, until), of one feature space when given.
+    """The finished requests arriving in [since, until), of one feature space when given (`recipe`:
+    the capture recipe of the rows, see `LogStore.training_frame`).
 
     Raises NotEnoughRowsError when fewer than `min_rows` of them finished without an abort, and
-    ValueError (from the store) when the selection mixes feature dims.
+    ValueError (from the store) when the selection mixes feature dims or capture recipes.
     """
     frame = store.training_frame(since=since, until=until, domains=domains,
-                                 model_fingerprint=model_fingerprint, layer=layer)
+                                 model_fingerprint=model_fingerprint, layer=layer, recipe=recipe)
     usable = int(_usable(frame).sum())
     if usable < min_rows:
         excluded = ", ".join(f"{count} {reason}" for reason, count in excluded_by_reason(frame).items() if count)
