@@ -132,7 +132,7 @@ class OnColumns:
 
     def predict(self, X: np.ndarray) -> np.ndarray:
         X = np.atleast_2d(X)
-        return self.readout.predict(X if self.columns is None else X[:, self.columns])
+        return self.readout.predict(X if self.columns is None else X.take(self.columns, axis=1))
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,9 @@ class _Served:
     generation: int = 0
 
     def select(self, features: np.ndarray) -> np.ndarray:
-        return features if self.columns is None else features[..., self.columns]
+        """The columns of one vector or of rows of them, C-ordered (fancy indexing would give Fortran order,
+        and another BLAS path rounds float32 products differently from a row's own prediction)."""
+        return features if self.columns is None else np.take(features, self.columns, axis=-1)
 
 
 class ReadoutService:
@@ -330,9 +332,14 @@ class ReadoutService:
             self._publish(readout)
 
     def _columns(self, readout: Readout | None) -> np.ndarray | None:
+        """The readout's columns of a captured vector; None when it reads the whole vector as it comes
+        (then nothing is copied, and predictions are computed exactly as on the vector itself)."""
         if readout is None or self.capture is None:
             return None
-        return self.capture.columns(readout.metadata)
+        columns = self.capture.columns(readout.metadata)
+        if columns.size == self.capture.dim and np.array_equal(columns, np.arange(columns.size)):
+            return None
+        return columns
 
     def _publish(self, readout: Readout | None) -> None:
         """Serve `readout` from now on and rescore the live requests from their cached features."""
