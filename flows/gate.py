@@ -107,13 +107,16 @@ def replay_gate(engine_settings: Any, prompts: Sequence[Mapping[str, Any]], fixe
     dropped first, and a few requests are replayed once untimed to warm the engine. The engine is
     shut down before returning, so the process can build another.
     """
-    from serving.config import LeapConfig
     from harness.engine import build_engine, leap_scheduler
+    from leap_core.recipes import readout_recipe, union
+    from serving.config import LeapConfig
     from harness.replay import ReplayRequest, encode_prompts, planned_arrivals, replay
 
     if readouts.get("challenger") is None:
         raise ValueError("the gate needs a challenger readout")
-    engine = build_engine(engine_settings, LeapConfig(policy="fcfs", rls=False))
+    # one engine serves both readouts: it captures the recipes of both (each reads its own columns)
+    recipe = union([readout_recipe(pair[0].metadata) for pair in readouts.values() if pair is not None])
+    engine = build_engine(engine_settings, LeapConfig(policy="fcfs", rls=False, recipe=str(recipe)))
     try:
         runtime = leap_scheduler(engine).leap
         candidates = [p for p in prompts if p["id"] in fixed_lengths]

@@ -74,14 +74,17 @@ def capture_layer(vllm_config, num_layers: int) -> int:
     return next(b.layer for b in readout_side_recipe(config, num_layers).blocks if b.layer is not None)
 
 
-def refresh_checkpoints(worker, config: LeapConfig, layer: int) -> tuple[int, ...]:
+def refresh_checkpoints(worker, config: LeapConfig, recipe: Recipe, num_layers: int) -> tuple[int, ...]:
     """The generated counts whose decode states the capture sends: `refresh_at` when refresh is
-    configured and its readout fits this model's layer and hidden size, else none (logged why)."""
+    configured and its readout reads one of the captured layers (`last@L`), else none (logged why).
+    A refresh row holds every captured layer's state; the runtime takes the readout's layer."""
     if not config.refresh_configured:
         return ()
-    dim = vllm_compat.served_model_shape(worker.vllm_config)[0]
+    from serving.push import CaptureSpace
+
+    hidden = vllm_compat.served_model_shape(worker.vllm_config)[0]
     try:
-        load_refresh_readout(config.refresh_readout_path, {"layer": layer, "dim": dim})
+        load_refresh_readout(config.refresh_readout_path, {}, CaptureSpace(recipe, hidden, num_layers))
     except RefreshReadoutError as exc:
         logger.error("LEAP capture sends no decode states for refresh: %s", exc)
         return ()
@@ -104,7 +107,7 @@ def install_capture(worker) -> AuxStateCapture | PrefillCapture:
     sender = FeatureSender(channel_address(worker.vllm_config, config))
     try:
         capture: AuxStateCapture | PrefillCapture = AuxStateCapture(
-            runner, recipe, sender, refresh_at=refresh_checkpoints(worker, config, serving_layer))
+            runner, recipe, sender, refresh_at=refresh_checkpoints(worker, config, recipe, num_layers))
     except vllm_compat.AuxHiddenStatesUnsupported as exc:
         model = worker.vllm_config.model_config.model
         if not worker.vllm_config.model_config.enforce_eager:

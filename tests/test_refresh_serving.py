@@ -381,13 +381,18 @@ def test_refresh_at_without_a_readout_file_is_off_with_a_warning(build, caplog):
 def test_the_worker_captures_decode_states_only_for_a_refresh_readout_that_fits(tmp_path, refresh_file):
     from serving.worker import refresh_checkpoints
 
+    from leap_core.recipes import Recipe
+
     worker = SimpleNamespace(vllm_config=engine_config())
+    layers = worker.vllm_config.model_config.hf_text_config.num_hidden_layers
     fits = LeapConfig(refresh_at=CHECKPOINTS, refresh_readout_path=refresh_file)
-    assert refresh_checkpoints(worker, fits, LAYER) == CHECKPOINTS
-    assert refresh_checkpoints(worker, fits, LAYER + 1) == ()
-    assert refresh_checkpoints(worker, LeapConfig(refresh_at=CHECKPOINTS), LAYER) == ()
+    assert refresh_checkpoints(worker, fits, Recipe.last(LAYER), layers) == CHECKPOINTS
+    # a refresh row holds every captured layer's state at the decode row, whatever block reads the layer
+    assert refresh_checkpoints(worker, fits, Recipe.parse(f"last@{LAYER + 1}+mean@{LAYER}"), layers) == CHECKPOINTS
+    assert refresh_checkpoints(worker, fits, Recipe.last(LAYER + 1), layers) == ()
+    assert refresh_checkpoints(worker, LeapConfig(refresh_at=CHECKPOINTS), Recipe.last(LAYER), layers) == ()
     missing = LeapConfig(refresh_at=CHECKPOINTS, refresh_readout_path=str(tmp_path / "missing.bin"))
-    assert refresh_checkpoints(worker, missing, LAYER) == ()
+    assert refresh_checkpoints(worker, missing, Recipe.last(LAYER), layers) == ()
 
 
 # -- the real engine -----------------------------------------------------------------------------------
