@@ -49,10 +49,33 @@ async def _send_traffic(base_url: str, model: str, prompts: list[dict], max_toke
     return {"sent": len(prompts), "failed": len(failures), "failures": failures[:5]}
 
 
+DEMO_RECIPES = ("last@22", "last@17", "last@17+last@22")
+"""The candidate recipes of the demo's replica and fit flow: cheap last-token recipes of two layers (the
+recipe study's; `leap eval recipes` compares many more). The replica captures all of them."""
+
+
+def _recipe_rows(model: Any, rows: Any, recipes: tuple[str, ...]) -> tuple[Any, Any] | None:
+    """(rows with the wide recipe's features instead of layer L's, that wide recipe) for the chat rows the
+    committed recipe corpus holds, or None when it holds too few or does not cover every candidate."""
+    from harness.corpus import corpus_dir
+    from harness.recipe_corpus import WIDE_RECIPE, joined, recipe_corpus_key, recipe_rows
+    from leap_core.recipes import Recipe
+
+    if not all(Recipe.parse(r).covered_by(WIDE_RECIPE, model.hidden_size) for r in recipes):
+        return None
+    wide = joined(recipe_rows(corpus_dir(recipe_corpus_key(model.fingerprint, WIDE_RECIPE))), rows)
+    return (wide, WIDE_RECIPE) if len(wide) >= 100 else None
+
+
 def bootstrap_champion(tracking_uri: str, model: Any, max_tokens: int, exclude: list[dict],
-                       test_fraction: float = 0.2) -> dict[str, Any]:
+                       test_fraction: float = 0.2, recipes: tuple[str, ...] = DEMO_RECIPES) -> dict[str, Any]:
     """Register a readout fitted on the snapshot's chat rows (minus the `exclude` prompts, matched by id and
     by text, since the embedded package numbers ShareGPT differently) as the first champion.
+
+    The recipe (and so the layer) is chosen among `recipes` by validation on the training rows only, as
+    the fit flow chooses (`leap_core.recipe_choice`), from the committed recipe corpus; the readout is
+    registered under the layer a replica capturing every candidate reports (the first layer of their
+    union). Without a recipe corpus for this model, the last token of the default layer, as before.
 
     Idempotent: a registry that already has a champion for this model and layer keeps it. Without a
     snapshot for this model (another model, another M) nothing is registered and serving starts
@@ -60,46 +83,71 @@ def bootstrap_champion(tracking_uri: str, model: Any, max_tokens: int, exclude: 
     import numpy as np
 
     from harness.corpus import corpus_dir, corpus_key, load_corpus
-    from harness.experiment import fit_on_corpus
     from harness.replay import DEFAULT_DECODING
     from harness.snapshot import provenance, stored_texts
+    from leap_core.alpha import kfold
     from leap_core.metrics import spearman
-    from leap_core.rls import RLS
+    from leap_core.recipe_choice import choose_recipe, validate_recipes
+    from leap_core.recipes import RECIPE_VERSION, Recipe, union
+    from leap_core.rls import fit_readout_with_anchor
     from registry.client import CHAMPION, ReadoutRegistry
     from serving.worker import default_layer
 
-    layer = default_layer(model.num_layers)
-    registry = ReadoutRegistry(tracking_uri)
-    name = registry.model_name(model.model_id, layer)
-    current = registry.get_alias(name, CHAMPION)
-    if current is not None:
-        return {"status": "kept", "name": name, "version": current}
-    key = corpus_key(model.fingerprint, layer, max_tokens, DEFAULT_DECODING)
-    rows = load_corpus(corpus_dir(key), layer, max_tokens)
+    corpus_layer = default_layer(model.num_layers)
+    key = corpus_key(model.fingerprint, corpus_layer, max_tokens, DEFAULT_DECODING)
+    rows = load_corpus(corpus_dir(key), corpus_layer, max_tokens)
     texts = stored_texts()
     excluded_ids, excluded_texts = {p["id"] for p in exclude}, {p["prompt"] for p in exclude}
     usable = (rows.domains == "chat") & np.array([i not in excluded_ids and texts.get(i) not in excluded_texts
                                                   for i in rows.ids.astype(str)], dtype=bool)
-    if int(usable.sum()) < 100:
-        return {"status": "no-snapshot", "name": name, "rows": int(usable.sum())}
     chat = rows.subset(np.flatnonzero(usable))
+    wide = _recipe_rows(model, chat, recipes) if recipes else None
+    capture = union(recipes) if wide is not None else Recipe.last(corpus_layer)
+    if wide is not None:
+        chat, wide_recipe = wide
+    layer = next(b.layer for b in capture.blocks if b.layer is not None)
+    registry = ReadoutRegistry(tracking_uri)
+    name = registry.model_name(model.model_id, layer)
+    current = registry.get_alias(name, CHAMPION)
+    if current is not None:
+        return {"status": "kept", "name": name, "version": current, "capture_recipe": str(capture),
+                "recipe_candidates": list(recipes) if wide is not None else None}
+    if len(chat) < 100:
+        return {"status": "no-snapshot", "name": name, "rows": len(chat), "recipe_candidates": None}
     order = np.random.default_rng(0).permutation(len(chat))
     n_test = int(round(test_fraction * len(chat)))
     train, test = chat.subset(np.sort(order[n_test:])), chat.subset(np.sort(order[:n_test]))
+    validation = None
+    chosen = capture
+    columns = np.arange(train.features.shape[1])
+    if wide is not None:
+        matrices = {r: train.features[:, Recipe.parse(r).columns(wide_recipe, model.hidden_size)] for r in recipes}
+        validation = validate_recipes(matrices, train.output_tokens, max_tokens=max_tokens, cv=kfold())
+        picked = choose_recipe(validation)
+        chosen = Recipe.parse(picked["recipe"])
+        columns = chosen.columns(wide_recipe, model.hidden_size)
     source = provenance()
-    readout, anchor = fit_on_corpus(train, model, version=f"snapshot-{source['corpus_hash'][:8]}")
-    predicted = readout.predict(test.features)
+    metadata = dict(model_id=model.model_id, model_fingerprint=model.fingerprint, layer=layer, recipe=str(chosen),
+                    recipe_version=RECIPE_VERSION, version=f"snapshot-{source['corpus_hash'][:8]}",
+                    n_train=len(train))
+    alpha = next((row["alpha"] for row in validation or [] if row["recipe"] == str(chosen)), 1000.0)
+    readout, rls = fit_readout_with_anchor(train.features[:, columns], train.output_tokens, alpha=alpha,
+                                           max_tokens=max_tokens, metadata=metadata)
+    predicted = readout.predict(test.features[:, columns])
     logged = registry.log_readout(
-        readout, rls=RLS.from_state_arrays(readout, anchor),
+        readout, rls=rls,
         params={"source": "corpus snapshot", "corpus_hash": source["corpus_hash"], "corpus_key": key,
-                "n_train": len(train), "n_test": len(test), "max_tokens": max_tokens},
+                "n_train": len(train), "n_test": len(test), "max_tokens": max_tokens, "recipe": str(chosen),
+                "recipe_candidates": ",".join(recipes) if wide is not None else "", "capture_recipe": str(capture)},
         metrics={"test_spearman": spearman(test.output_tokens, predicted),
                  "test_mae": float(np.mean(np.abs(predicted - test.output_tokens))),
                  "train_capped_fraction": train.capped_fraction()},
-        eval_arrays={"true": test.output_tokens, "pred": predicted}, run_name="bootstrap-from-snapshot")
+        eval_arrays={"true": test.output_tokens, "pred": predicted}, run_name="bootstrap-from-snapshot",
+        validation=validation)
     registry.promote(name, logged.version)
     return {"status": "registered", "name": name, "version": str(logged.version), "rows": len(train),
-            "corpus_hash": source["corpus_hash"]}
+            "corpus_hash": source["corpus_hash"], "recipe": str(chosen), "capture_recipe": str(capture),
+            "recipe_candidates": list(recipes) if wide is not None else None, "validation": validation}
 
 
 def run_demo(n_prompts: int = 240, max_tokens: int = 1024, concurrency: int = 256, keep_serving: bool = False,
@@ -136,6 +184,8 @@ def run_demo(n_prompts: int = 240, max_tokens: int = 1024, concurrency: int = 25
     settings = PipelineSettings()
     say("registering the first champion, fitted on the committed corpus snapshot")
     bootstrap = bootstrap_champion(settings.mlflow_tracking_uri, model, max_tokens, prompts)
+    if bootstrap.get("recipe_candidates"):  # the replica captures every candidate; serving finds the champion
+        os.environ.setdefault("LEAP_RECIPES", ",".join(bootstrap["recipe_candidates"]))  # under their layer
     os.environ.setdefault("LEAP_REGISTRY_URI", settings.mlflow_tracking_uri)  # serving loads the champion
     was_running = stack.service_pid(settings.stack_dir, "serving") is not None
     say("starting the serving process (vLLM + LEAP)")
