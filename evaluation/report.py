@@ -91,13 +91,14 @@ def _load(folder: Path) -> dict[str, list[dict]]:
 
 def render_report(folder: Path, out: Path) -> dict:
     """Write `out` and one PNG per section into `folder`; returns what was rendered."""
-    from harness.snapshot import read_manifest
+    from harness.snapshot import current_hashes, read_manifest
 
     by_study = _load(folder)
     manifest = read_manifest() or {}
     snapshot_hash = manifest.get("corpus_hash")
+    current = current_hashes(manifest)  # a snapshot that only added corpus keys keeps earlier results current
     stale = sorted(r["_name"] for results in by_study.values() for r in results
-                   if r.get("corpus_hash") != snapshot_hash)
+                   if r.get("corpus_hash") not in current)
     header = HEADER + (f"\nCorpus snapshot `{snapshot_hash}` (`corpus/manifest.json`: "
                        f"{sum(e['rows'] for e in manifest.get('corpora', {}).values()):,} rows)."
                        if snapshot_hash else "\nNo corpus snapshot in this checkout.")

@@ -162,9 +162,12 @@ def write_manifest(entries: dict[str, dict], model: Any, decoding: dict, max_tok
     root = root or ROOT
     old = read_manifest(root) or {}
     corpora = {**old.get("corpora", {}), **entries}
+    kept_prompts = prompts if prompts is not None else old.get("prompts")
+    corpus_hash = manifest_hash(corpora, kept_prompts)
     manifest = {
         "format": FORMAT,
-        "corpus_hash": manifest_hash(corpora, prompts if prompts is not None else old.get("prompts")),
+        "corpus_hash": corpus_hash,
+        "supersedes": _superseded(old, corpora, kept_prompts, corpus_hash),
         "model": {"model_id": model.model_id, "fingerprint": model.fingerprint, "num_layers": model.num_layers,
                   "hidden_size": model.hidden_size},
         "engine": {"numerics": ENGINE_NUMERICS, "vllm": vllm.__version__},
@@ -178,6 +181,25 @@ def write_manifest(entries: dict[str, dict], model: Any, decoding: dict, max_tok
     tmp.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     tmp.rename(root / MANIFEST)
     return manifest
+
+
+def _superseded(old: dict, corpora: dict[str, dict], prompts: dict | None, corpus_hash: str) -> list[str]:
+    """Earlier corpus hashes whose rows this snapshot still holds unchanged: a rewrite that only adds corpus
+    keys keeps every result recorded on the earlier snapshot current (it read the same rows). A changed key
+    or prompt file clears the list."""
+    if not old or old.get("corpus_hash") in (None, corpus_hash):
+        return list(old.get("supersedes", []))
+    same = all(corpora.get(key, {}).get("content_hash") == entry.get("content_hash")
+               for key, entry in old.get("corpora", {}).items())
+    same = same and (old.get("prompts") or {}).get("content_hash") == (prompts or {}).get("content_hash")
+    return [*old.get("supersedes", []), old["corpus_hash"]] if same else []
+
+
+def current_hashes(manifest: dict | None) -> set[str]:
+    """The corpus hashes a result may record and still be current: the snapshot's and those it supersedes."""
+    if not manifest:
+        return set()
+    return {manifest.get("corpus_hash"), *manifest.get("supersedes", [])} - {None}
 
 
 def manifest_hash(corpora: dict[str, dict], prompts: dict | None = None) -> str:

@@ -167,3 +167,19 @@ def test_prompts_the_engine_could_not_take_are_not_retried(root, tmp_path):
     cache = tmp_path / "cache" / key
     cache.mkdir(parents=True)
     assert corpus_module.missing_ids(cache, 3, 100, ["p0", "p1", "long-1", "new"]) == ["new"]
+
+
+def test_adding_a_corpus_key_keeps_earlier_results_current_and_changing_one_does_not(root):
+    from leap_io.model_identity import ModelInfo
+
+    model = ModelInfo(path="/m", model_id="m", fingerprint="f" * 16, num_layers=4, hidden_size=4,
+                      max_position_embeddings=64)
+    first = _corpus(6)
+    old = snapshot.write_manifest({"L3-a": snapshot.corpus_entry(first, "a")}, model, {}, 100)
+    grown = snapshot.write_manifest({"L3-b": snapshot.corpus_entry(_corpus(4, seed=1), "b")}, model, {}, 100)
+    assert grown["corpus_hash"] != old["corpus_hash"]
+    assert snapshot.current_hashes(grown) == {grown["corpus_hash"], old["corpus_hash"]}
+    rewritten = snapshot.write_manifest({"L3-b": snapshot.corpus_entry(_corpus(4, seed=1), "b")}, model, {}, 100)
+    assert snapshot.current_hashes(rewritten) == snapshot.current_hashes(grown)  # same rows: nothing changes
+    changed = snapshot.write_manifest({"L3-a": snapshot.corpus_entry(_corpus(6, seed=2), "a")}, model, {}, 100)
+    assert snapshot.current_hashes(changed) == {changed["corpus_hash"]}
