@@ -239,7 +239,10 @@ def bench_serving_command(
          "stock vLLM against LEAP, each with its defaults")
 
 
-DEFAULT_BENCH_RECIPES = "last@22,last@17+last@22,last@14+last@17+last@22+mean@17+mean@22+entropy@17+prompt+decoding"
+# the last-token recipe (reference), the cheapest pooled recipe, the study's choice on the snapshot, and the
+# widest (entropy pooling runs the model's logits over every prompt token)
+DEFAULT_BENCH_RECIPES = ("last@22,last@17+mean@17,last@14+last@17+last@22+mean@17+mean@22+prompt,"
+                         "last@14+last@17+last@22+mean@17+mean@22+entropy@17+prompt+decoding")
 
 
 @bench_app.command("recipes")
