@@ -82,26 +82,36 @@ def _read_rows(path: Path) -> pa.Table:
     return table
 
 
-def load_corpus(folder: Path, layer: int, max_tokens: int, ids: Sequence[str] | None = None) -> Corpus:
-    """Read a corpus: the committed snapshot's rows for this key (if any), then every shard of `folder`
-    (optionally only the given prompt ids, in that order). A prompt id recorded twice counts once, the
-    snapshot's row first."""
+def stacked_rows(folder: Path, read: Callable[[Path], pa.Table]) -> tuple[pa.Table, np.ndarray] | None:
+    """(the committed snapshot's rows for this key, then every shard of `folder`, each prompt id once with
+    its first row; which rows came from the cache), or None when there are none. Shared by every table
+    kind kept this way (length corpora, sampled labels)."""
     from harness.snapshot import snapshot_file
 
     snapshot = snapshot_file(folder.name)
     sources = ([snapshot] if snapshot is not None else []) + sorted(folder.glob("shard-*.parquet"))
     if not sources:
-        empty = np.array([], dtype=object)
-        return Corpus(empty, empty, empty, empty, np.array([], int), np.array([], int), empty,
-                      np.zeros((0, 0), np.float32), layer, max_tokens)
-    tables = [_read_rows(s) for s in sources]
+        return None
+    tables = [read(s) for s in sources]
     n_snapshot = tables[0].num_rows if snapshot is not None else 0
     table = pa.concat_tables(tables)
     _, first = np.unique(np.asarray(table.column("id").to_pylist(), dtype=object), return_index=True)
     kept = np.sort(first)
     if kept.size < table.num_rows:
         table = table.take(pa.array(kept))
-    from_cache = kept >= n_snapshot
+    return table, kept >= n_snapshot
+
+
+def load_corpus(folder: Path, layer: int, max_tokens: int, ids: Sequence[str] | None = None) -> Corpus:
+    """Read a corpus: the committed snapshot's rows for this key (if any), then every shard of `folder`
+    (optionally only the given prompt ids, in that order). A prompt id recorded twice counts once, the
+    snapshot's row first."""
+    stacked = stacked_rows(folder, _read_rows)
+    if stacked is None:
+        empty = np.array([], dtype=object)
+        return Corpus(empty, empty, empty, empty, np.array([], int), np.array([], int), empty,
+                      np.zeros((0, 0), np.float32), layer, max_tokens)
+    table, from_cache = stacked
     features = table.column("feature").combine_chunks()
     dim = features.type.list_size
     matrix = features.values.to_numpy(zero_copy_only=False).reshape(-1, dim).astype(np.float32, copy=False)

@@ -126,22 +126,13 @@ def load_sampled_labels(folder: Path, max_tokens: int, ids: Sequence[str] | None
     """Read a sampled-label table: the committed snapshot's rows for this key (if any), then every shard of
     `folder` (optionally only the given prompt ids, in that order). A prompt id recorded twice counts once,
     the snapshot's row first. Rows read from the cache count in `harness.corpus.READ` (provenance)."""
-    from harness.corpus import READ
-    from harness.snapshot import snapshot_file
+    from harness.corpus import READ, stacked_rows
 
-    snapshot = snapshot_file(folder.name)
-    sources = ([snapshot] if snapshot is not None else []) + sorted(folder.glob("shard-*.parquet"))
-    if not sources:
+    stacked = stacked_rows(folder, lambda path: pq.read_table(path).select(
+        ["id", "set", "domain", "prompt_tokens", "lengths", "capped", "median", "iqr"]))
+    if stacked is None:
         return _empty(max_tokens)
-    tables = [pq.read_table(s).select(["id", "set", "domain", "prompt_tokens", "lengths", "capped", "median", "iqr"])
-              for s in sources]
-    n_snapshot = tables[0].num_rows if snapshot is not None else 0
-    table = pa.concat_tables(tables)
-    _, first = np.unique(np.asarray(table.column("id").to_pylist(), dtype=object), return_index=True)
-    kept = np.sort(first)
-    if kept.size < table.num_rows:
-        table = table.take(pa.array(kept))
-    from_cache = kept >= n_snapshot
+    table, from_cache = stacked
     lengths = table.column("lengths").to_pylist()
     width = max((len(v) for v in lengths), default=0)
     if any(len(v) != width for v in lengths):

@@ -94,10 +94,11 @@ class LeapConfig(BaseSettings):
     refresh_readout_path: str | None = Field(None, description="leap_core readout fitted on decode states to the "
                                                                "remaining length, at the serving layer")
 
-    @field_validator("refresh_at", mode="before")
+    @field_validator("refresh_at", "recipes", mode="before")
     @classmethod
-    def _checkpoints_from_text(cls, value: Any) -> Any:
-        """"16,32,64" (the environment's form) as a sequence; other forms go to pydantic unchanged."""
+    def _list_from_text(cls, value: Any) -> Any:
+        """"16,32,64" or "last@22,last@17" (the environment's form) as a sequence; other forms go to
+        pydantic unchanged."""
         if isinstance(value, str):
             return tuple(part.strip() for part in value.split(",") if part.strip())
         return value
@@ -117,13 +118,6 @@ class LeapConfig(BaseSettings):
         from leap_core.recipes import Recipe
 
         return None if value is None else str(Recipe.parse(value))
-
-    @field_validator("recipes", mode="before")
-    @classmethod
-    def _recipes_from_text(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return tuple(part.strip() for part in value.split(",") if part.strip())
-        return value
 
     @field_validator("recipes")
     @classmethod
