@@ -257,9 +257,32 @@ def run_recipes(train: RecipeRows, held: RecipeRows, candidates: Sequence[str], 
 
 # ------------------------------------------------------------------------------------ the study
 
+BASELINES = ("prompt_length", "minilm_ridge", "trail_mlp")  # those that train within minutes on 2 CPU cores
+
+
+def baseline_figures(held: RecipeRows, names: Sequence[str], max_tokens: int, model: str | None, say: Say,
+                     build: bool, n_boot: int) -> dict[str, Any]:
+    """Per-set figures of the baselines on the study's held-out rows (fitted on the same training window's
+    greedy rows; a prompt's sampled row is scored with the same prediction, against its median label)."""
+    from evaluation.selections import CHAT_TRAIN, RECIPE_HELD_OUT
+    from evaluation.studies import datasets, fitted_baselines
+
+    train_data, held_data = datasets([CHAT_TRAIN, RECIPE_HELD_OUT], max_tokens, model, say, build=build)
+    out = {}
+    for name, predictor in fitted_baselines(train_data, names, say).items():
+        by_id = dict(zip(held_data.ids.tolist(), np.asarray(predictor.predict(held_data), dtype=np.float64)))
+        keep = np.asarray([rid in by_id for rid in held.ids], dtype=bool)
+        rows = held.take(keep)
+        figures = _per_set(rows, np.asarray([by_id[rid] for rid in rows.ids]), n_boot)
+        out[name] = {key: figures[key] for key in ("spearman", "mae", "within_set_spearman")}
+    return out
+
+
 def recipe_study(quick: bool = False, candidates: Sequence[str] | None = None, max_tokens: int = 1024,
-                 model: str | None = None, say: Say = lambda message: None, build: bool = True) -> dict:
-    """The recipe study on the committed corpus (building what it lacks unless `build` is False)."""
+                 model: str | None = None, say: Say = lambda message: None, build: bool = True,
+                 baselines: Sequence[str] | None = None) -> dict:
+    """The recipe study on the committed corpus (building what it lacks unless `build` is False), with the
+    baselines (default: `BASELINES`, none with `quick`) scored on the same held-out rows."""
     from evaluation.corpora import load_or_build_recipe_corpus
     from evaluation.selections import recipe_pool
 
@@ -279,6 +302,9 @@ def recipe_study(quick: bool = False, candidates: Sequence[str] | None = None, m
         held = RecipeRows.concat([held, sampled.take(~np.isin(sampled.ids, list(train_ids)))])
     result = run_recipes(train, held, QUICK_CANDIDATES if quick and candidates is None else candidates or CANDIDATES,
                          n_boot=500 if quick else 2000, costs=recorded_costs(), say=say)
+    names = (() if quick else BASELINES) if baselines is None else tuple(baselines)
+    n_boot = 500 if quick else 2000
+    result["baselines"] = baseline_figures(held, names, max_tokens, model, say, build, n_boot) if names else {}
     result.update(quick=quick, max_tokens=max_tokens, capture=str(capture), wide_recipe=str(WIDE_RECIPE),
                   sampled_rows=0 if sampled is None else len(sampled), sampled_settings=SAMPLED)
     return result

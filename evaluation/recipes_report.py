@@ -70,6 +70,19 @@ def section_recipes(result: dict, image: str) -> str:
     for name, fig in recipes.items():
         lines.append(f"| `{name}` | " + " | ".join(_corr((fig["spearman"].get(s) or {}).get("value"))
                                                    for s in sets) + " |")
+    base = result.get("baselines") or {}
+    if base:
+        lines += ["", "Baselines on the same held-out rows (fitted on the window's greedy rows), Spearman per set:",
+                  "", "| Baseline | " + " | ".join([*sets, "pooled"]) + " |", "|---|" + "---|" * (len(sets) + 1)]
+        for name, fig in base.items():
+            lines.append(f"| {name} | " + " | ".join(_ci(fig["spearman"].get(s)) for s in [*sets, "pooled"]) + " |")
+        chosen = recipes[result["chosen"]]["spearman"]
+        behind = [f"{name} on {s}" for name, fig in base.items() for s in sets
+                  if (fig["spearman"].get(s) or {}).get("value") is not None
+                  and (chosen.get(s) or {}).get("value") is not None
+                  and fig["spearman"][s]["value"] > chosen[s]["value"]]
+        lines += ["", "Where a baseline ranks better than the chosen recipe (point estimates): "
+                  + (", ".join(behind) if behind else "nowhere") + "."]
     gain = recipes[result["chosen"]].get("spearman_vs_default")
     if gain and result["chosen"] != result["default"]:
         lines += ["", f"Held-out Spearman of the chosen `{result['chosen']}` minus today's `{result['default']}` on "

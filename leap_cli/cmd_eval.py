@@ -225,6 +225,9 @@ def recipes(
     candidates: Optional[str] = typer.Option(None, help="recipes to compare, comma-separated "
                                                         "(default: the study's list; every one must be covered "
                                                         "by the corpus' wide recipe)"),
+    baselines: Optional[str] = typer.Option(None, help="baselines scored on the same held-out rows, "
+                                                       "comma-separated (default prompt_length,minilm_ridge,"
+                                                       "trail_mlp; none with --quick; '' for none)"),
     max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
     build: bool = BUILD,
 ) -> None:
@@ -232,5 +235,6 @@ def recipes(
     intervals, cost per request and bytes per feedback row, and the recipe the fit flow would choose."""
     from evaluation.recipes import recipe_study
 
-    result = recipe_study(quick, _names(candidates) if candidates else None, max_tokens, model, _say(as_json), build)
+    result = recipe_study(quick, _names(candidates) if candidates else None, max_tokens, model, _say(as_json), build,
+                          None if baselines is None else _names(baselines))
     _finish(result, "recipes", "recipes-quick" if quick else "recipes", as_json, save)
