@@ -150,3 +150,41 @@ def test_a_newest_rows_split_scores_only_the_newest_rows():
     X = rng.normal(size=(50, 2))
     row = validate_recipe(X, rng.integers(1, 100, 50), max_tokens=128, cv=newest_split(50, 0.2))
     assert row["n"] == 10 and row["dim"] == 2
+
+
+def _every_study_recipe():
+    from evaluation.recipes import CANDIDATES
+
+    return [*CANDIDATES, "last@17+mean@17+prompt+decoding+domain=chat/math"]
+
+
+@pytest.mark.parametrize("name", _every_study_recipe())
+def test_anchored_rls_equals_one_ridge_solve_on_training_and_feedback_rows_for_every_recipe(name):
+    """The RLS equivalence (leap_core.rls) on each study recipe's columns of one wide capture."""
+    from leap_core import targets
+    from leap_core.rls import fit_readout_with_anchor
+
+    hidden = 5
+    capture = union([*_every_study_recipe()])
+    rng = np.random.default_rng(3)
+
+    def rows(n: int, domain: str, temperature: float) -> np.ndarray:
+        out = rng.normal(size=(n, capture.dim(hidden)))
+        for i in range(n):  # the request columns as serving fills them
+            cols = request_columns(capture, int(rng.integers(5, 500)), {"temperature": temperature}, 1024, domain)
+            for block, values in cols.items():
+                start, stop = capture.offsets(hidden)[block]
+                out[i, start:stop] = values
+        return out
+
+    X_train = np.vstack([rows(150, "chat", 0.0), rows(50, "chat", 0.7)])
+    X_feedback = rows(60, "math", 0.7)
+    y_train, y_feedback = rng.integers(1, 1024, 200), rng.integers(1, 1024, 60)
+    columns = Recipe.parse(name).columns(capture, hidden)
+    readout, rls = fit_readout_with_anchor(X_train[:, columns], y_train, alpha=3.0, max_tokens=1024)
+    learned = rls.partial_fit(X_feedback[:, columns], y_feedback).readout()
+    U = np.column_stack([np.ones(260), readout.standardize(np.vstack([X_train, X_feedback])[:, columns])])
+    penalty = 3.0 * np.eye(U.shape[1])
+    penalty[0, 0] = 0.0
+    expected = np.linalg.solve(U.T @ U + penalty, U.T @ targets.transform(np.r_[y_train, y_feedback], "sqrt"))
+    np.testing.assert_allclose(learned.theta_, expected, rtol=1e-8, atol=1e-8 * np.abs(expected).max())
