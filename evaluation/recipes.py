@@ -15,7 +15,7 @@ numbers.
 - **Cost**: capture milliseconds per request measured in the engine by `leap bench recipes`
   (docs/results/recipe-costs.json), plus the readout's prediction measured here; bytes per feedback row.
 - **RLS**: the anchored correction of the default and chosen recipes, with and without per-domain
-  intercepts, on half of each other domain's rows as feedback, scored on the other half.
+  intercepts, on one mixed stream of half of each other domain's rows, scored per domain on the other half.
 """
 
 from __future__ import annotations
@@ -179,30 +179,34 @@ def _paired_difference(rows: RecipeRows, pred: np.ndarray, default: np.ndarray, 
 
 def rls_study(train: RecipeRows, held: RecipeRows, recipes: Sequence[str], alphas: dict[str, float],
               seed: int = 0) -> dict[str, Any]:
-    """Anchored RLS per recipe on each other domain: half its rows as feedback (in a seeded order), the
-    other half scored, against the frozen readout. Spearman within the domain, MAE in tokens."""
-    out: dict[str, Any] = {}
+    """Anchored RLS per recipe on a mixed stream: half of each other domain's rows (in a seeded order) as
+    feedback, all domains interleaved as a shared replica sees them; the other halves scored per domain
+    against the frozen readout. Spearman within the domain, MAE in tokens. With one intercept, RLS can
+    only shift all domains together; per-domain intercepts (a `domain=` block) move each on its own."""
     domains = sorted(d for d in set(held.domains.tolist()) if d != "chat")
     rng = np.random.default_rng(seed)
-    splits = {}
+    feedback, scored = [], {}
     for domain in domains:
         index = rng.permutation(np.flatnonzero(held.domains == domain))
-        splits[domain] = (index[: index.size // 2], index[index.size // 2:])
+        feedback.append(index[: index.size // 2])
+        scored[domain] = index[index.size // 2:]
+    stream = rng.permutation(np.concatenate(feedback)) if feedback else np.zeros(0, dtype=np.int64)
+    out: dict[str, Any] = {}
     for recipe in recipes:
         readout = _fit(train, recipe, alphas[recipe])
-        anchor_X = train.X(recipe)
+        X = held.X(recipe)
+        corrected = RLS.from_readout(readout, train.X(recipe)).partial_fit(X[stream], held.lengths[stream]).readout()
         per_domain = {}
-        for domain, (feedback, scored) in splits.items():
-            rls = RLS.from_readout(readout, anchor_X)
-            corrected = rls.partial_fit(held.X(recipe)[feedback], held.lengths[feedback]).readout()
-            true, censored = held.lengths[scored], held.censored[scored]
-            X = held.X(recipe)[scored]
+        for domain, rows in scored.items():
+            true, censored = held.lengths[rows], held.censored[rows]
+            frozen, fixed = readout.predict(X[rows]), corrected.predict(X[rows])
             per_domain[domain] = {
-                "feedback": int(feedback.size), "scored": int(scored.size),
-                "frozen": {"spearman": metrics.censored_spearman(true, readout.predict(X), held.max_tokens, censored),
-                           "mae": metrics.mae(true, readout.predict(X))},
-                "rls": {"spearman": metrics.censored_spearman(true, corrected.predict(X), held.max_tokens, censored),
-                        "mae": metrics.mae(true, corrected.predict(X))},
+                "feedback": int(np.isin(stream, np.flatnonzero(held.domains == domain)).sum()),
+                "scored": int(rows.size),
+                "frozen": {"spearman": metrics.censored_spearman(true, frozen, held.max_tokens, censored),
+                           "mae": metrics.mae(true, frozen)},
+                "rls": {"spearman": metrics.censored_spearman(true, fixed, held.max_tokens, censored),
+                        "mae": metrics.mae(true, fixed)},
             }
         out[recipe] = per_domain
     return out

@@ -92,8 +92,9 @@ def section_recipes(result: dict, image: str) -> str:
     rls = result.get("rls") or {}
     if rls:
         domains = sorted({d for per in rls.values() for d in per})
-        lines += ["", "Anchored RLS on each other domain (half its held-out rows as feedback, the other half "
-                  "scored): within-domain Spearman, frozen -> corrected, and MAE in tokens:", "",
+        lines += ["", "Anchored RLS on one mixed feedback stream (half of each other domain's held-out rows, "
+                  "interleaved), scored per domain on the other half: within-domain Spearman, frozen -> "
+                  "corrected, and MAE in tokens:", "",
                   "| Recipe | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]
         for name, per in rls.items():
             cells = []

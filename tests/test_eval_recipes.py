@@ -71,17 +71,20 @@ def test_the_study_chooses_on_training_rows_and_scores_every_recipe_per_set():
     assert result["rls"]["last@22"]["math"]["feedback"] == 30
 
 
-def test_domain_intercepts_let_rls_correct_a_shifted_domain():
-    capture = capture_of(["chat", "math"])
+def test_domain_intercepts_correct_two_domains_shifted_apart_where_one_intercept_cannot():
+    capture = capture_of(["chat", "instruction", "math"])
     train = capture_rows(_corpus(300, 4, ("sharegpt",), ("chat",)), capture, {})
-    shifted = _corpus(200, 5, ("gsm8k",), ("math",))
-    shifted.output_tokens = np.clip(shifted.output_tokens * 3, 1, 512)  # the math domain runs 3x longer
+    longer, shorter = _corpus(200, 5, ("gsm8k",), ("math",)), _corpus(200, 7, ("alpaca",), ("instruction",))
+    longer.output_tokens = np.clip(longer.output_tokens * 3, 1, 512)  # math runs 3x longer
+    shorter.output_tokens = np.clip(shorter.output_tokens // 3, 1, 512)  # instruction 3x shorter
     held = RecipeRows.concat([capture_rows(_corpus(40, 6, ("sharegpt",), ("chat",)), capture, {}),
-                              capture_rows(shifted, capture, {})])
+                              capture_rows(longer, capture, {}), capture_rows(shorter, capture, {})])
     result = run_recipes(train, held, ["mean@17"], n_boot=20, costs={})
-    plain, with_domain = result["rls"]["mean@17"]["math"], result["rls"]["mean@17+domain=chat/math"]["math"]
-    assert with_domain["rls"]["mae"] < with_domain["frozen"]["mae"]
-    assert with_domain["rls"]["mae"] <= plain["rls"]["mae"] * 1.05
+    plain, per_domain = result["rls"]["mean@17"], result["rls"]["mean@17+domain=chat/instruction/math"]
+    for domain in ("math", "instruction"):
+        assert plain[domain]["feedback"] == 100 and per_domain[domain]["feedback"] == 100  # one mixed stream
+        assert per_domain[domain]["rls"]["mae"] < per_domain[domain]["frozen"]["mae"]
+        assert per_domain[domain]["rls"]["mae"] < plain[domain]["rls"]["mae"]
 
 
 def test_capture_cost_is_the_measured_one_or_the_sum_of_block_costs():
