@@ -144,13 +144,14 @@ def capture_ms(recipe: Recipe, costs: dict[str, Any]) -> float | None:
     measured = (costs.get("recipes") or {}).get(str(recipe))
     if measured is not None:
         return float(measured["capture_ms_per_request"])
+    from harness.recipe_bench import block_cost_key
+
     blocks = costs.get("capture_ms_per_block") or {}
     total = float(costs.get("capture_ms_base", 0.0))
     for block in recipe.blocks:
-        key = block.kind if block.kind in ("prompt", "decoding", "domain", "last") else block.name
-        if key not in blocks:
+        if block_cost_key(block) not in blocks:
             return None
-        total += float(blocks[key])
+        total += float(blocks[block_cost_key(block)])
     return total
 
 

@@ -11,8 +11,9 @@ order rotates every repeat so drift on a shared machine hits each alike. Per eng
   block (`block_ms_per_request`; on a CPU engine the work itself);
 - `ready_before_decode`: the share of requests whose prediction was ready before their first decode.
 
-`capture_ms_per_block` (the widest recipe's parts, per request) is what `leap eval recipes` sums for recipes
-that were not benchmarked themselves.
+`capture_ms_per_block` (the widest recipe's parts, per request) plus `capture_ms_base` (the step work every
+recipe does: the reference recipe's capture time less its blocks) is what `leap eval recipes` sums for
+recipes that were not benchmarked themselves.
 """
 
 from __future__ import annotations
@@ -96,13 +97,21 @@ def bench_recipes(prompts: list[dict], recipes: Sequence[str], tokens: int = 64,
     for name, ms in ((n, statistics.median(r["block_ms_per_request"].get(n, 0.0) for r in runs[str(widest)]))
                      for n in runs[str(widest)][0]["block_ms_per_request"]):
         per_block[name] = ms
-    base = summary[str(widest)]["capture_ms_per_request"] - sum(per_block.values())
+    costs = _by_kind(per_block)
+    reference_blocks = sum(costs.get(block_cost_key(b), 0.0) for b in parsed[0].blocks)
+    base = summary[reference]["capture_ms_per_request"] - reference_blocks
     return {
         "requests": len(prompts), "tokens": tokens, "slots": slots, "repeats": repeats, "reference": reference,
-        "recipes": summary, "capture_ms_per_block": _by_kind(per_block), "capture_ms_base": max(base, 0.0),
+        "recipes": summary, "capture_ms_per_block": costs, "capture_ms_base": max(base, 0.0),
         "measured_on": str(widest), "runs": runs,
         "source": f"leap bench recipes: {len(prompts)} requests x {tokens} tokens, {repeats} repeats per recipe",
     }
+
+
+def block_cost_key(block) -> str:
+    """The key of a block in `capture_ms_per_block`: `last` for any last@L, the kind for request columns,
+    the block's name for pools."""
+    return block.kind if block.kind in ("prompt", "decoding", "domain", "last") else block.name
 
 
 def _by_kind(per_block: dict[str, float]) -> dict[str, float]:
