@@ -104,6 +104,20 @@ def section_recipes(result: dict, image: str) -> str:
                              f"{_corr(f['frozen']['spearman'])} -> {_corr(f['rls']['spearman'])}; "
                              f"MAE {_tokens(f['frozen']['mae'])} -> {_tokens(f['rls']['mae'])}")
             lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    from evaluation.recipes import recorded_costs
+
+    bench = recorded_costs()
+    if bench.get("recipes"):
+        lines += ["", f"Engine cost (`leap bench recipes`: {bench['requests']} requests x {bench['tokens']} fixed tokens, "
+                  f"{bench['slots']} slots, one compiled engine per recipe, {bench['repeats']} rounds in rotating "
+                  f"order; throughput is each round's ratio to `{bench['reference']}`, median and range):", "",
+                  "| Recipe | throughput / last-token | generated tok/s | capture ms / request | ready before first decode |",
+                  "|---|---|---|---|---|"]
+        for name, row in bench["recipes"].items():
+            ratio = row["throughput_vs_last"]
+            lines.append(f"| `{name}` | {_fmt(ratio['value'], '.3f')} [{_fmt(ratio['ci_low'], '.2f')}, "
+                         f"{_fmt(ratio['ci_high'], '.2f')}] (n = {ratio['n']}) | {_fmt(row['tokens_per_s'], '.0f')} | "
+                         f"{_fmt(row['capture_ms_per_request'], '.3f')} | {_fmt(row['ready_before_decode'], '.1%')} |")
     lines += ["", f"Costs: {result.get('cost_source')}. Bytes per row: the float32 feature vector a feedback row "
               f"stores for that recipe. Brackets: 95% bootstrap intervals over the held-out rows "
               f"({result['bootstrap']['n_boot']} resamples); outputs that reached M tie at M."]
