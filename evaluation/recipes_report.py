@@ -76,13 +76,14 @@ def section_recipes(result: dict, image: str) -> str:
                   "", "| Baseline | " + " | ".join([*sets, "pooled"]) + " |", "|---|" + "---|" * (len(sets) + 1)]
         for name, fig in base.items():
             lines.append(f"| {name} | " + " | ".join(_ci(fig["spearman"].get(s)) for s in [*sets, "pooled"]) + " |")
-        chosen = recipes[result["chosen"]]["spearman"]
-        behind = [f"{name} on {s}" for name, fig in base.items() for s in sets
-                  if (fig["spearman"].get(s) or {}).get("value") is not None
-                  and (chosen.get(s) or {}).get("value") is not None
-                  and fig["spearman"][s]["value"] > chosen[s]["value"]]
-        lines += ["", "Where a baseline ranks better than the chosen recipe (point estimates): "
-                  + (", ".join(behind) if behind else "nowhere") + "."]
+        lines += ["", "Where a baseline ranks better than a recipe (point estimates, per held-out set):", ""]
+        for recipe, fig_recipe in recipes.items():
+            mine = fig_recipe["spearman"]
+            behind = [f"{name} on {s}" for name, fig in base.items() for s in [*sets, "pooled"]
+                      if (fig["spearman"].get(s) or {}).get("value") is not None
+                      and (mine.get(s) or {}).get("value") is not None
+                      and fig["spearman"][s]["value"] > mine[s]["value"]]
+            lines.append(f"- `{recipe}`: " + (", ".join(behind) if behind else "none") + ".")
     gain = recipes[result["chosen"]].get("spearman_vs_default")
     if gain and result["chosen"] != result["default"]:
         lines += ["", f"Held-out Spearman of the chosen `{result['chosen']}` minus today's `{result['default']}` on "
