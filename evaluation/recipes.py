@@ -95,7 +95,7 @@ def capture_of(domains: Sequence[str]) -> Recipe:
 def capture_rows(corpus: Corpus, capture: Recipe, decoding: dict, lengths: np.ndarray | None = None,
                  set_suffix: str = "", censored: np.ndarray | None = None) -> RecipeRows:
     """Corpus rows (wide features) laid out as `capture`, under the given decoding settings."""
-    hidden = corpus.features.shape[1] // len(WIDE_RECIPE.blocks)
+    hidden = WIDE_RECIPE.hidden_for(corpus.features.shape[1])
     n = len(corpus)
     settings = {**GREEDY, **decoding}
     extra = np.concatenate([

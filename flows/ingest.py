@@ -75,7 +75,7 @@ from flows.store import (
     StoreBusyError,
     stored_dims,
 )
-from leap_core.recipes import STATE_KINDS, Recipe
+from leap_core.recipes import Recipe, RecipeError
 from leap_io.jsonable import dumps
 from leap_io.feedback_schema import (
     META_DIM,
@@ -254,10 +254,11 @@ def _segment_recipe(metadata: Mapping[bytes, bytes]) -> tuple[str | None, str | 
 
 def _fits_dim(recipe: str, dim: int) -> bool:
     """Whether some hidden size makes `recipe`'s vector `dim` floats long."""
-    parsed = Recipe.parse(recipe)
-    states = sum(block.kind in STATE_KINDS for block in parsed.blocks)
-    rest = dim - parsed.dim(0)
-    return rest > 0 and rest % states == 0
+    try:
+        Recipe.parse(recipe).hidden_for(dim)
+        return True
+    except RecipeError:
+        return False
 
 
 def _metadata_value(metadata: dict[bytes, bytes], key: bytes, kind: type) -> Any:

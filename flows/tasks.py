@@ -33,7 +33,7 @@ from flows.push import PushFailed, push_readout
 from flows.settings import PipelineSettings
 from flows.store import RECIPE_SQL, TRAINING_FINISH_REASONS, LogStore, TrainingFrame, canonical_recipe
 from flows.training import fit_readout, select_window, time_split
-from leap_core.recipes import STATE_KINDS, Recipe
+from leap_core.recipes import Recipe
 from leap_core.rls import RLS
 from leap_io.jsonable import dumps, to_jsonable
 from registry.client import (
@@ -117,16 +117,6 @@ def largest_max_tokens(store: LogStore, space: FeatureSpace) -> int | None:
     return None if row is None or row[0] is None else int(row[0])
 
 
-def capture_hidden(capture: str | Recipe, dim: int) -> int:
-    """The hidden size a capture recipe's vector of `dim` floats implies (its state blocks are that wide)."""
-    capture = Recipe.parse(capture)
-    states = sum(block.kind in STATE_KINDS for block in capture.blocks)
-    hidden = (int(dim) - capture.dim(0)) // states
-    if hidden <= 0 or capture.dim(hidden) != dim:
-        raise ValueError(f"features of {dim} floats are not a capture of recipe {capture}")
-    return hidden
-
-
 def covered_recipes(candidates: Sequence[str] | None, capture: str, dim: int) -> tuple[list[str], list[str]]:
     """(covered, not covered): the candidate recipes a capture of `dim` floats holds every block of
     (`Recipe.columns`), canonical names in the given order without repeats, and the others."""
@@ -134,7 +124,7 @@ def covered_recipes(candidates: Sequence[str] | None, capture: str, dim: int) ->
     missing: list[str] = []
     if not candidates:
         return covered, missing
-    hidden = capture_hidden(capture, dim)
+    hidden = Recipe.parse(capture).hidden_for(int(dim))
     for name in dict.fromkeys(canonical_recipe(c) for c in candidates):
         (covered if Recipe.parse(name).covered_by(capture, hidden) else missing).append(name)
     return covered, missing

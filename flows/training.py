@@ -33,7 +33,7 @@ from leap_core import metrics
 from leap_core.alpha import AlphaSelection
 from leap_core.readout import LinearReadout
 from leap_core.recipe_choice import choose_recipe, validate_recipes
-from leap_core.recipes import RECIPE_VERSION, STATE_KINDS, Recipe, readout_recipe
+from leap_core.recipes import RECIPE_VERSION, Recipe, readout_recipe
 from leap_core.rls import RLS, fit_readout_with_anchor
 
 DEFAULT_MAX_TOKENS = 1024
@@ -247,27 +247,18 @@ def fit_readout(
             validation = validate_window(frame_train, capture, recipes, target=target,
                                          max_tokens=_budget(frame_train, max_tokens), alphas=alphas)
             chosen = Recipe.parse(choose_recipe(validation)["recipe"])
-            columns = chosen.columns(capture, _hidden(capture, np.asarray(frame_train.features).shape[1]))
+            columns = chosen.columns(capture, capture.hidden_for(np.asarray(frame_train.features).shape[1]))
             frame_train, frame_test = _columns(frame_train, columns), _columns(frame_test, columns)
             capture = chosen
         elif anchor is not None and str(readout_recipe(anchor.readout_.metadata)) != str(capture):
             kept = readout_recipe(anchor.readout_.metadata)  # the anchor reads part of the capture
-            columns = kept.columns(capture, _hidden(capture, np.asarray(frame_train.features).shape[1]))
+            columns = kept.columns(capture, capture.hidden_for(np.asarray(frame_train.features).shape[1]))
             frame_train, frame_test = _columns(frame_train, columns), _columns(frame_test, columns)
             capture = kept
         fit = _fit(frame_train, frame_test, alpha=alpha, target=target, max_tokens=max_tokens,
                    model_id=model_id, model_fingerprint=model_fingerprint, layer=layer, version=version,
                    alphas=alphas, anchor=anchor, recipe=capture)
         return replace(fit, validation=validation)
-
-
-def _hidden(capture: Recipe, dim: int) -> int:
-    """The hidden size a capture of `dim` columns implies (its state blocks are hidden wide)."""
-    states = sum(b.kind in STATE_KINDS for b in capture.blocks)
-    hidden = (dim - capture.dim(0)) // states
-    if capture.dim(hidden) != dim:
-        raise ValueError(f"features of {dim} columns are not a capture of recipe {capture}")
-    return hidden
 
 
 def _columns(frame: TrainingFrame, columns: np.ndarray) -> TrainingFrame:
@@ -281,7 +272,7 @@ def validate_window(frame_train: TrainingFrame, capture: Recipe, recipes: Sequen
     rows in arrival order: the newest `validation_fraction` scores, the older rows fit."""
     train = _without_aborted(frame_train)
     X = np.asarray(train.features)
-    hidden = _hidden(capture, X.shape[1])
+    hidden = capture.hidden_for(X.shape[1])
     covered = [Recipe.parse(name) for name in recipes if Recipe.parse(name).covered_by(capture, hidden)]
     if not covered:
         raise ValueError(f"none of the recipes {list(recipes)} is covered by the capture recipe {capture}")

@@ -152,6 +152,14 @@ class Recipe:
             blocks.append(b)
         return Recipe(tuple(blocks))
 
+    def hidden_for(self, dim: int) -> int:
+        """The hidden size that makes this recipe's vector `dim` floats long; RecipeError when none does."""
+        states = sum(b.kind in STATE_KINDS for b in self.blocks)
+        hidden = (int(dim) - self.dim(0)) // states
+        if hidden <= 0 or self.dim(hidden) != dim:
+            raise RecipeError(f"features of {dim} floats are not a capture of recipe {self}")
+        return hidden
+
     def offsets(self, hidden: int) -> dict[str, tuple[int, int]]:
         """{block name: (start, stop)} of each block in this recipe's vector."""
         out, start = {}, 0

@@ -22,8 +22,8 @@ import torch
 
 from leap_core.recipes import Recipe
 
-LOGIT_ROWS = 256
-ENTROPY_LOGITS = "entropy_logits"  # the timing key of the logits every entropy block shares  # prompt rows whose logits are computed at once for the entropy weights
+LOGIT_ROWS = 256  # prompt rows whose logits are computed at once for the entropy weights
+ENTROPY_LOGITS = "entropy_logits"  # the timing key of the logits every entropy block shares
 
 
 def prompt_rows(num_computed: np.ndarray, num_prompt: np.ndarray, query_start: np.ndarray
