@@ -24,6 +24,7 @@ from flows.store import LogStore  # noqa: E402
 from flows.tasks import gate_slice, promote_if_passed, record_gate, recorded_gate  # noqa: E402
 from registry.client import CHALLENGER, CHAMPION, PREVIOUS_CHAMPION, ReadoutRegistry  # noqa: E402
 from serving.feedback import FeedbackWriter  # noqa: E402
+from tests.flow_fixtures import ingest_and_fit, pipeline_home  # noqa: E402
 
 pytestmark = [pytest.mark.pipeline,
               pytest.mark.filterwarnings("ignore:Type object .* OperatorClass:DeprecationWarning")]
@@ -73,23 +74,14 @@ def home(tmp_path_factory, prefect_server):
         for row in _feedback_rows(rng, segment * ROWS_PER_SEGMENT, ROWS_PER_SEGMENT):
             writer.write(row)
         writer.close()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LEAP_HOME", str(folder))
-        patch.setenv("LEAP_MLFLOW_TRACKING_URI", f"sqlite:///{folder}/mlflow/mlflow.db")
-        patch.setenv("LEAP_ENDPOINTS", "")
-        patch.setenv("LEAP_MIN_ROWS", "100")
-        for key in ("LEAP_MAX_TOKENS", "LEAP_LAYER", "LEAP_MODEL_FINGERPRINT", "LEAP_ADMIN_TOKEN"):
-            patch.delenv(key, raising=False)
+    with pipeline_home(folder):
         yield folder
 
 
 @pytest.fixture(scope="module")
 def fitted(home):
     """The loop's first two steps, run once for the module."""
-    ingested = ingest_flow()
-    fit = fit_flow()
-    return {"ingest": ingested, "fit": fit, "uri": f"sqlite:///{home}/mlflow/mlflow.db",
-            "store": LogStore(home / "leap.duckdb")}
+    return ingest_and_fit(home)
 
 
 def _summary(ptl, tokens) -> dict:

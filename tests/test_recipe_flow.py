@@ -29,7 +29,7 @@ from flows.ingest import (  # noqa: E402
     REASON_UNPARSABLE_RECIPE,
     ingest_folder,
 )
-from flows.pipeline import fit_flow, ingest_flow  # noqa: E402
+from flows.pipeline import fit_flow  # noqa: E402
 from flows.settings import PipelineSettings  # noqa: E402
 from flows.store import SCHEMA_VERSION, LogStore  # noqa: E402
 from flows.tasks import FeatureSpace, covered_recipes, latest_feature_space  # noqa: E402
@@ -37,6 +37,7 @@ from leap_io.feedback_schema import META_RECIPE  # noqa: E402
 from registry.client import CHALLENGER, READOUT_EXPERIMENT, RECIPE_VALIDATION_FILE, ReadoutRegistry  # noqa: E402
 from serving.feedback import FeedbackWriter  # noqa: E402
 from tests.segment_fuzz import write_segment  # noqa: E402
+from tests.flow_fixtures import ingest_and_fit, pipeline_home  # noqa: E402
 
 pytestmark = [pytest.mark.pipeline,
               pytest.mark.filterwarnings("ignore:Type object .* OperatorClass:DeprecationWarning")]
@@ -129,23 +130,13 @@ def home(tmp_path_factory, prefect_server):
     mean = slice(HIDDEN, 2 * HIDDEN)
     _write(feedback, "b-wide", [_rows(rng, "wide", s * WIDE_ROWS, WIDE_ROWS, 2 * HIDDEN, signal=mean,
                                       start=START + 1e5) for s in range(2)], 2 * HIDDEN, CAPTURE)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LEAP_HOME", str(folder))
-        patch.setenv("LEAP_MLFLOW_TRACKING_URI", f"sqlite:///{folder}/mlflow/mlflow.db")
-        patch.setenv("LEAP_ENDPOINTS", "")
-        patch.setenv("LEAP_MIN_ROWS", "100")
-        patch.setenv("LEAP_RECIPES", ",".join(CANDIDATES))
-        for key in ("LEAP_MAX_TOKENS", "LEAP_LAYER", "LEAP_MODEL_FINGERPRINT", "LEAP_ADMIN_TOKEN"):
-            patch.delenv(key, raising=False)
+    with pipeline_home(folder, LEAP_RECIPES=",".join(CANDIDATES)):
         yield folder
 
 
 @pytest.fixture(scope="module")
 def fitted(home):
-    ingested = ingest_flow()
-    fit = fit_flow()
-    return {"ingest": ingested, "fit": fit, "uri": f"sqlite:///{home}/mlflow/mlflow.db",
-            "store": LogStore(home / "leap.duckdb")}
+    return ingest_and_fit(home)
 
 
 # ---------------------------------------------------------------------------- ingest and the store
