@@ -129,7 +129,15 @@ REFUSED = {
     "a pool not captured": (lambda: one_hot_readout("mean@1+prompt", 0, "bad"), "mean@1"),
     "a domain not captured": (lambda: one_hot_readout("last@2+domain=c", 0, "bad"), "domain"),
     "a dim not its recipe's": (lambda: first_value_readout("bad", dim=DIM + 1), "dim"),
+    "a recipe that does not parse": (lambda: with_recipe(first_value_readout("bad"), "last@2+<script>"), "recipe"),
+    "a recipe that is not text": (lambda: with_recipe(first_value_readout("bad"), ["last@2", {"x": 1}]), "recipe"),
 }
+
+
+def with_recipe(readout, recipe):
+    """A readout whose metadata names `recipe`, whatever a hostile pusher writes there."""
+    readout.metadata["recipe"] = recipe
+    return readout
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
