@@ -30,6 +30,15 @@ class PipelineSettings(BaseSettings):
     mlflow_tracking_uri: str | None = Field(
         None, description="default: the stack's MLflow server while it runs, else sqlite under <home>/mlflow")
     feedback_dir: Path | None = Field(None, description="feedback segments (default <home>/feedback)")
+    store_url: str | None = Field(
+        None, description="the log store: None keeps the DuckDB file (duckdb_path, one writer at a time); "
+                          "a postgresql+psycopg:// URL is a store several ingest workers write at once")
+    feedback_url: str | None = Field(
+        None, description="feedback in object storage, s3://bucket/prefix (each replica writes under "
+                          "<prefix>/<replica id>/); None: the local feedback_dir")
+    s3_endpoint_url: str | None = Field(
+        None, description="S3-compatible endpoint (MinIO, moto); None: AWS. Credentials: the AWS_* variables")
+    replicas: int = Field(1, ge=1, description="serving replicas the local stack starts (`leap stack up --fleet`)")
     endpoints: Annotated[list[str] | None, NoDecode] = Field(
         None, description="admin URLs of the serving replicas, comma-separated or a JSON list "
                           "(default: the local stack's admin port; an empty string: push nowhere)")
