@@ -136,6 +136,28 @@ class RLS(BaseEstimator):
                    P=np.array(arrays["P"], dtype=np.float64, order="F"), counters=counters)
         return rls
 
+    @classmethod
+    def from_information(cls, readout: LinearReadout, A: ArrayLike, b: ArrayLike, *, alpha: float,
+                         counters: tuple[int, int, int] = (0, 0, 0), **params: Any) -> RLS:
+        """Start at the ridge problem whose information is A and b: theta = A^-1 b and P = A^-1, both
+        from one Cholesky factor of A (the recovery path's solve).
+
+        For information assembled outside an update, e.g. the sum of several replicas' states over one
+        anchor (`leap_core.fleet_rls`). `readout` gives the standardization A and b were built on.
+        """
+        rls = cls(**params)
+        rls._check_params()
+        p = readout.n_params_
+        A = np.asarray(A, dtype=np.float64)
+        b = np.asarray(b, dtype=np.float64).reshape(-1)
+        if A.shape != (p, p) or b.shape != (p,):
+            raise ValueError(f"information of shapes {A.shape} and {b.shape} does not fit a readout of dim {p - 1}")
+        if not (np.isfinite(A).all() and np.isfinite(b).all()):
+            raise ValueError("information arrays A and b must be finite")
+        rls._start(readout, float(alpha), A=np.array(A, order="F"), b=b, theta=None, P=None,
+                   counters=tuple(int(c) for c in counters))
+        return rls
+
     def _check_params(self) -> None:
         if not (0.0 < float(self.forgetting) <= 1.0):
             raise ValueError(f"forgetting must lie in (0, 1], got {self.forgetting}")
@@ -154,7 +176,7 @@ class RLS(BaseEstimator):
         return _BLAS.limit(limits=int(self.blas_threads), user_api="blas")
 
     def _start(self, readout: LinearReadout, alpha: float, *, A: np.ndarray, b: np.ndarray,
-               theta: np.ndarray, P: np.ndarray | None, counters: tuple[int, int, int]) -> None:
+               theta: np.ndarray | None, P: np.ndarray | None, counters: tuple[int, int, int]) -> None:
         p = readout.n_params_
         self.readout_ = readout
         self.alpha_ = alpha
@@ -167,8 +189,9 @@ class RLS(BaseEstimator):
         self._k = 0
         self._s = 1.0
         if P is None:
-            self._rebuild_from_anchor(solve_theta=False)
-            self.theta_ = np.array(theta, dtype=np.float64)
+            self._rebuild_from_anchor(solve_theta=theta is None)
+            if theta is not None:
+                self.theta_ = np.array(theta, dtype=np.float64)
         else:
             self._B = P
             self.theta_ = theta

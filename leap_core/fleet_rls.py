@@ -1,0 +1,154 @@
+"""Exact merge of several replicas' RLS states that started from one common anchor.
+
+Every replica of a fleet serves the same pushed readout and its RLS anchor (A_0, b_0) and folds only
+its own finished requests into it. With forgetting 1 an RLS state is nothing but the information of
+the anchored ridge problem (leap_core.rls):
+
+    A_i = A_0 + sum_{r in R_i} u_r u_r^T,     b_i = b_0 + sum_{r in R_i} u_r y_r,
+
+whatever the batch sizes and however lazily the rows were folded (u_r = [1, z_r] with z_r standardized
+by the anchor readout's mean and scale, y_r in its target space). The one-shot anchored ridge solve on
+the training rows and the feedback of every replica has the information
+
+    A* = A_0 + sum_i sum_{r in R_i} u_r u_r^T = A_0 + sum_i (A_i - A_0),   b* = b_0 + sum_i (b_i - b_0),
+
+so merging is a sum of differences, and theta* = A*^-1 b*, P* = A*^-1 come from one Cholesky factor.
+This holds only when every term is built on the same problem: the same standardization (else the u_r
+differ), the same alpha (else A_0 differs) and no forgetting (rho < 1 discounts A_0 itself, so a
+difference no longer isolates the feedback). Anything else is refused with a ValueError.
+
+The rows a replica folded are counted by the information itself: the intercept column is all ones,
+so A_i[0, 0] - A_0[0, 0] is the number of rows it added, which must equal the growth of its own
+`n_seen` counter. A state that does not extend the anchor this way (a replica on another anchor,
+a damaged state) is refused rather than merged.
+
+After the merged state is pushed, every replica is anchored at it, so the next merge takes it as A_0
+and counts only rows folded since: no row is counted twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from leap_core import targets
+from leap_core.readout import LinearReadout
+from leap_core.rls import RLS
+
+State = Mapping[str, np.ndarray]
+_ROW_TOLERANCE = 1e-6
+
+
+def _arrays(state: RLS | State) -> dict[str, np.ndarray]:
+    return state.state_arrays() if isinstance(state, RLS) else {k: np.asarray(v) for k, v in state.items()}
+
+
+def _scalar(state: State, key: str) -> float:
+    return float(np.asarray(state[key]).reshape(-1)[0])
+
+
+def feedback_rows(base: RLS | State, state: RLS | State) -> int:
+    """The rows `state` folded on top of `base`: the growth of A[0, 0] (the intercept's information).
+
+    ValueError when it is not a non-negative whole number (the state does not extend this anchor).
+    """
+    base, state = _arrays(base), _arrays(state)
+    grown = float(state["A"][0, 0]) - float(base["A"][0, 0])
+    rows = round(grown)
+    if rows < 0 or abs(grown - rows) > _ROW_TOLERANCE * max(1.0, abs(float(base["A"][0, 0]))):
+        raise ValueError(f"the state's intercept information grew by {grown:.6g} over the anchor's, which no "
+                         "whole number of feedback rows gives: it is not anchored at this base")
+    return int(rows)
+
+
+def check_mergeable(base: RLS | State, replicas: Sequence[RLS | State]) -> list[int]:
+    """The rows each replica folded on top of `base`; ValueError, naming the replica (by position) and
+    the reason, when a state cannot enter an exact merge (see the module docstring)."""
+    base = _arrays(base)
+    keys = ("A", "b", "mean", "scale", "counters", "alpha", "forgetting")
+    missing = [key for key in keys if key not in base]
+    if missing:
+        raise ValueError(f"the base state lacks arrays {missing}")
+    if _scalar(base, "forgetting") != 1.0:
+        raise ValueError(f"the base state has forgetting {_scalar(base, 'forgetting')}; an exact merge needs "
+                         "forgetting 1 (a discounted anchor cannot be separated from the feedback)")
+    rows = []
+    for index, replica in enumerate(replicas):
+        replica = _arrays(replica)
+        where = f"replica {index}"
+        missing = [key for key in keys if key not in replica]
+        if missing:
+            raise ValueError(f"{where}: the state lacks arrays {missing}")
+        if _scalar(replica, "forgetting") != 1.0:
+            raise ValueError(f"{where}: forgetting is {_scalar(replica, 'forgetting')}; an exact merge needs "
+                             "forgetting 1 (a discounted anchor cannot be separated from the feedback)")
+        if np.shape(replica["A"]) != np.shape(base["A"]) or np.shape(replica["b"]) != np.shape(base["b"]):
+            raise ValueError(f"{where}: information of shape {np.shape(replica['A'])} does not match the "
+                             f"base's {np.shape(base['A'])}")
+        if not (np.array_equal(replica["mean"], base["mean"]) and np.array_equal(replica["scale"], base["scale"])):
+            raise ValueError(f"{where}: the state was built on another standardization than the base's")
+        if _scalar(replica, "alpha") != _scalar(base, "alpha"):
+            raise ValueError(f"{where}: alpha {_scalar(replica, 'alpha')} differs from the base's "
+                             f"{_scalar(base, 'alpha')}")
+        if not (np.isfinite(replica["A"]).all() and np.isfinite(replica["b"]).all()):
+            raise ValueError(f"{where}: the information arrays A and b must be finite")
+        try:
+            folded = feedback_rows(base, replica)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        seen = int(np.asarray(replica["counters"])[1]) - int(np.asarray(base["counters"])[1])
+        if seen != folded:
+            raise ValueError(f"{where}: its information holds {folded} rows beyond the base but its counter says "
+                             f"{seen}: it is not anchored at this base")
+        rows.append(folded)
+    return rows
+
+
+def merge_anchored(readout: LinearReadout, base: RLS | State, replicas: Sequence[RLS | State],
+                   **rls_params: Any) -> RLS:
+    """The RLS of the one-shot anchored ridge solve on the base's rows and every replica's feedback.
+
+    `readout` is the anchor readout (its standardization, target and metadata); `base` its RLS state,
+    and `replicas` the states each replica reached from it. A = A_0 + sum_i (A_i - A_0), b likewise;
+    theta and P from one Cholesky factor (`RLS.from_information`). Counters add up the same way.
+    """
+    base = _arrays(base)
+    states = [_arrays(replica) for replica in replicas]
+    check_mergeable(base, states)
+    if not (np.array_equal(readout.mean_, base["mean"]) and np.array_equal(readout.scale_, base["scale"])):
+        raise ValueError("the base state was built on another standardization than the readout's")
+    A = np.array(base["A"], dtype=np.float64)
+    b = np.array(base["b"], dtype=np.float64)
+    counters = np.asarray(base["counters"], dtype=np.int64).copy()
+    for state in states:
+        A += np.asarray(state["A"], dtype=np.float64) - np.asarray(base["A"], dtype=np.float64)
+        b += np.asarray(state["b"], dtype=np.float64) - np.asarray(base["b"], dtype=np.float64)
+        counters += np.asarray(state["counters"], dtype=np.int64) - np.asarray(base["counters"], dtype=np.int64)
+    rls_params.setdefault("forgetting", 1.0)
+    return RLS.from_information(readout, A, b, alpha=_scalar(base, "alpha"),
+                                counters=tuple(int(c) for c in counters), **rls_params)
+
+
+def anchored_refit(readout: LinearReadout, base: RLS | State, X: ArrayLike, lengths: ArrayLike) -> np.ndarray:
+    """theta of the anchored ridge problem re-solved in one shot on the base's information and the
+    feedback rows (X, lengths): solve(A_0 + U^T U, b_0 + U^T y), by a general solver, independent of
+    any RLS update. The reference a merged state is checked against (`refit_max_abs_diff`)."""
+    base = _arrays(base)
+    X = np.atleast_2d(np.asarray(X, dtype=np.float64))
+    U = np.column_stack([np.ones(X.shape[0]), readout.standardize(X)]) if X.size else np.zeros((0, readout.n_params_))
+    y = targets.transform(np.asarray(lengths, dtype=np.float64).reshape(-1), readout.target)
+    if U.shape[0] != y.shape[0]:
+        raise ValueError(f"{U.shape[0]} feedback rows but {y.shape[0]} lengths")
+    A = np.asarray(base["A"], dtype=np.float64) + U.T @ U
+    b = np.asarray(base["b"], dtype=np.float64) + U.T @ y
+    return np.linalg.solve(A, b)
+
+
+def refit_max_abs_diff(merged: RLS, readout: LinearReadout, base: RLS | State, X: ArrayLike,
+                       lengths: ArrayLike) -> float:
+    """max |theta_merged - theta_refit| over the weights: how far a merge is from re-solving the anchored
+    ridge problem on the base and all the feedback rows the replicas folded (X, lengths)."""
+    return float(np.max(np.abs(merged.theta_ - anchored_refit(readout, base, X, lengths))))
