@@ -82,6 +82,24 @@ class PipelineSettings(BaseSettings):
     push_retries: int = Field(3, ge=0, description="retries of a failed push to one replica")
     push_timeout_s: float = Field(30.0, gt=0.0)
 
+    # the drift watch (flows.drift): when live quality calls for a retrain, an RLS reset or a rollback
+    drift_margin: float = Field(0.25, gt=0.0, description="retrain when live MAE exceeds the champion's "
+                                "validation MAE by this fraction (and roll back when the champion's anchor "
+                                "MAE exceeds the previous champion's live one by it)")
+    drift_rls_margin: float = Field(0.10, ge=0.0, description="reset a replica's RLS to its anchor when the "
+                                    "corrected readout's MAE exceeds the anchor's by this fraction")
+    drift_window: int = Field(3, ge=1, description="consecutive observations that must all show it")
+    drift_min_rows: int = Field(64, ge=2, description="finished requests each observation must be over")
+    drift_cooldown_s: float = Field(3600.0, ge=0.0, description="no second retrain (reset of one replica, "
+                                    "rollback) within this many seconds of the last")
+    drift_scrape_timeout_s: float = Field(5.0, gt=0.0)
+    drift_history: int = Field(64, ge=1, description="observations kept per replica and domain")
+    drift_state_path: Path | None = Field(None, description="the watch's state (default <home>/drift/watch.json)")
+    drift_retrain_deployment: str | None = Field(
+        None, description="run this retrain deployment (e.g. leap-retrain/hourly) on drift, under its "
+                          "concurrency limit; None: the retrain flow runs in the watch")
+    drift_interval_s: float = Field(300.0, gt=0.0, description="seconds between watches (`leap watch`)")
+
     stack_host: str = "127.0.0.1"
     mlflow_port: int = 5000
     prefect_port: int = 4200
@@ -116,6 +134,8 @@ class PipelineSettings(BaseSettings):
             self.duckdb_path = self.home / "leap.duckdb"
         if self.feedback_dir is None:
             self.feedback_dir = self.home / "feedback"
+        if self.drift_state_path is None:
+            self.drift_state_path = self.home / "drift" / "watch.json"
         if self.admin_token_file is None:
             self.admin_token_file = self.home / "admin.token"
         if self.endpoints is None:

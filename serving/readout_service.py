@@ -174,6 +174,7 @@ class ReadoutService:
         self._layer = layer if layer is not None else self._expect.get("layer")
         self._lock = threading.RLock()
         self._served = _Served()
+        self._anchor = _Served()  # the readout as last pushed (restored, loaded), before RLS corrects it
         self.source = "none"
         self._generation = 0
         self.persisted_at: float | None = None
@@ -305,6 +306,7 @@ class ReadoutService:
         with self._lock:
             self._generation = self.learner.reanchor(None, "")
             self.source = "none"
+            self._anchor = _Served(None, None, self._generation)
             self._publish(None)
 
     def serve_predictor(self, predictor: Readout, version: str) -> None:
@@ -312,6 +314,7 @@ class ReadoutService:
         with self._lock:
             self._generation = self.learner.reanchor(None, version)
             self.source = "push"
+            self._anchor = _Served(None, None, self._generation)
             self._publish(predictor)
 
     def _serve(self, readout: LinearReadout, rls: RLS | None, source: str) -> None:
@@ -322,6 +325,7 @@ class ReadoutService:
             self._generation = self.learner.reanchor(rls if self.config.rls else None, version)
             self.source = source
             self._publish(readout)
+            self._anchor = self._served
 
     def publish_learned(self, readout: LinearReadout, generation: int) -> None:
         """The learner's publish: served only if no push, restore or reset happened since it was learned."""
@@ -392,6 +396,15 @@ class ReadoutService:
                 self.predictor.submit(request_id, feature)
             return
         self._tracker.add_predictions(request_ids, values.reshape(-1), str(readout.metadata.get("version", "")))
+
+    def anchor_prediction(self, feature: np.ndarray) -> tuple[float | None, int]:
+        """The anchor readout's prediction of one captured vector (None while no anchor serves: no
+        readout, or a predictor without RLS, which is then its own anchor) and the anchor's generation."""
+        anchor = self._anchor
+        if anchor.readout is None:
+            return None, anchor.generation
+        value = np.asarray(anchor.readout.predict(anchor.select(np.asarray(feature))[None, :]), dtype=np.float64)
+        return float(value.reshape(-1)[0]), anchor.generation
 
     def observe(self, feature: np.ndarray, output_tokens: int) -> None:
         """Hand a finished request's columns to RLS, when it learns, tagged with the anchor they belong to."""

@@ -6,6 +6,13 @@ readout reads, so the fit flow can choose among every recipe the capture covers)
 predicted (at admission and latest, with the readout version) and the client's validated extras; an
 extra that failed validation is simply absent (None), never a reason to lose the row.
 
+Quality by domain (`DomainQuality`): the rolling Spearman and MAE of the serving readout's prediction
+against the true length, and the MAE the anchor readout (the readout as pushed, before RLS corrected it)
+would have had on the same requests, for every request ("all") and by the client's `leap_domain`. The
+figures cover the requests finished since the current anchor, so a push or a reset starts them afresh
+and a drift watch never blames a new readout for its predecessor's errors; the domains are capped,
+and rows of domains beyond the cap count in "all" only (dropped from their own, and counted).
+
 Listeners are in-process consumers (the harness collects its corpus through one); a listener that raises
 is counted (`leap_thread_errors_total{thread="listener"}`) and the others still get the row.
 """
@@ -32,15 +39,91 @@ logger = logging.getLogger(__name__)
 DECODING_KEYS = ("temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty",
                  "repetition_penalty", "ignore_eos", "seed")
 QUALITY_WINDOW = 256
+QUALITY_EVERY = 16
+"""The quality gauges are recomputed every this many finished requests of a window (and once it holds as many)."""
+MAX_DOMAINS = 32
+ALL = "all"
+
+Anchor = Callable[[np.ndarray], "tuple[float | None, int]"]
+"""anchor(feature) -> (the anchor readout's prediction or None when no anchor serves, anchor generation)."""
+
+
+class DomainQuality:
+    """Rolling prediction quality by domain since the current anchor, exported as labelled gauges.
+
+    Each window holds the last `window` (predicted, anchor-predicted, true length) triples of its
+    domain. A new anchor generation empties every window and clears the gauges. At most `max_domains`
+    domains besides "all" are kept; a row of another domain is counted in "all" and dropped from its
+    own (`leap_dropped_total{what="quality_row", reason="domain_cap"}`).
+    """
+
+    def __init__(self, telemetry: Telemetry, window: int = QUALITY_WINDOW, every: int = QUALITY_EVERY,
+                 max_domains: int = MAX_DOMAINS) -> None:
+        self._telemetry = telemetry
+        self.window, self.every, self.max_domains = window, every, max_domains
+        self.generation: int | None = None
+        self._rows: dict[str, deque[tuple[float, float, float]]] = {}
+        self._added: dict[str, int] = {}
+
+    def add(self, predicted: float, anchor: float, output_tokens: int, domain: str | None, generation: int) -> None:
+        if generation != self.generation:
+            self.reset(generation)
+        self._add(ALL, predicted, anchor, output_tokens)
+        if domain is None or domain == ALL:
+            return
+        if domain not in self._rows and len(self._rows) > self.max_domains:  # "all" is one of them
+            self._telemetry.drop("quality_row", "domain_cap")
+            return
+        self._add(domain, predicted, anchor, output_tokens)
+
+    def reset(self, generation: int | None) -> None:
+        """Forget every window (a new anchor serves)."""
+        self.generation = generation
+        self._telemetry.anchor_generation.set(generation or 0)
+        self._rows.clear()
+        self._added.clear()
+        t = self._telemetry
+        for gauge in (t.domain_spearman, t.domain_mae, t.domain_anchor_mae, t.domain_rows):
+            gauge.clear()
+
+    def figures(self, domain: str = ALL) -> dict | None:
+        """The domain's spearman, mae, anchor_mae and rows now (None when it has no rows)."""
+        rows = self._rows.get(domain)
+        if not rows:
+            return None
+        values = np.asarray(rows, dtype=np.float64)
+        true = values[:, 2]
+        return {"spearman": spearman(true, values[:, 0]) if len(values) > 1 else float("nan"),
+                "mae": mae(true, values[:, 0]), "anchor_mae": mae(true, values[:, 1]), "rows": len(values)}
+
+    def domains(self) -> list[str]:
+        return list(self._rows)
+
+    def _add(self, domain: str, predicted: float, anchor: float, output_tokens: int) -> None:
+        rows = self._rows.get(domain)
+        if rows is None:
+            rows = self._rows[domain] = deque(maxlen=self.window)
+        rows.append((float(predicted), float(anchor), float(output_tokens)))
+        added = self._added[domain] = self._added.get(domain, 0) + 1
+        if added < self.every or added % self.every == 0:  # every row while the window is small
+            figures = self.figures(domain)
+            t = self._telemetry
+            t.domain_spearman.labels(domain=domain).set(figures["spearman"])
+            t.domain_mae.labels(domain=domain).set(figures["mae"])
+            t.domain_anchor_mae.labels(domain=domain).set(figures["anchor_mae"])
+            t.domain_rows.labels(domain=domain).set(figures["rows"])
 
 
 class FeedbackRecorder:
     """Builds each finished request's row and hands it to the feedback writer and the listeners.
 
     `writer` is a `serving.feedback.FeedbackWriter` or None (no feedback written, listeners only).
+    `anchor` gives the anchor readout's prediction of a feature (`ReadoutService.anchor_prediction`);
+    without it, or while no anchor serves, the served prediction stands for the anchor's.
     """
 
-    def __init__(self, writer: Any, model_id: str, fingerprint: str, layer: int, telemetry: Telemetry) -> None:
+    def __init__(self, writer: Any, model_id: str, fingerprint: str, layer: int, telemetry: Telemetry,
+                 anchor: Anchor | None = None) -> None:
         self.writer = writer
         self.model_id, self.fingerprint, self.layer = model_id, fingerprint, layer
         self.listeners: list[Callable[[dict], None]] = []
@@ -49,6 +132,8 @@ class FeedbackRecorder:
         self.rows = 0
         self.finished = 0
         self.recent: deque[tuple[float, int]] = deque(maxlen=QUALITY_WINDOW)
+        self.anchor = anchor
+        self.quality = DomainQuality(telemetry)
 
     def record(self, request: Any, entry: Tracked | None, feature: np.ndarray | None, predicted: float | None,
                version: str, policy: str) -> dict | None:
@@ -58,6 +143,7 @@ class FeedbackRecorder:
         self._telemetry.finished.inc()
         if entry is not None and predicted is not None and output_tokens > 0:
             self._quality(predicted, output_tokens)
+            self._domain_quality(predicted, output_tokens, feature, entry.extras.leap_domain)
         if feature is None or entry is None or (self.writer is None and not self.listeners):
             return None
         row = self.row(request, entry, feature, predicted, version, policy)
@@ -95,6 +181,21 @@ class FeedbackRecorder:
             pairs = np.asarray(self.recent)
             self._telemetry.spearman.set(spearman(pairs[:, 1], pairs[:, 0]))
             self._telemetry.mae.set(mae(pairs[:, 1], pairs[:, 0]))
+
+    def _domain_quality(self, predicted: float, output_tokens: int, feature: np.ndarray | None,
+                        domain: str | None) -> None:
+        anchored, generation = None, self.quality.generation or 0
+        if self.anchor is not None:
+            if feature is None:  # the anchor's prediction is unknown: the comparison needs both
+                self._telemetry.drop("quality_row", "no_feature")
+                return
+            try:
+                anchored, generation = self.anchor(feature)
+            except Exception:  # noqa: BLE001 - a figure is never worth the row
+                self._telemetry.drop("quality_row", "anchor_error")
+                self._warn.warning("anchor", "LEAP: the anchor readout could not predict", exc_info=True)
+                return
+        self.quality.add(predicted, predicted if anchored is None else anchored, output_tokens, domain, generation)
 
     # -- the writer --------------------------------------------------------------------------------
     def flush(self) -> dict:

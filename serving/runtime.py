@@ -118,7 +118,7 @@ class LeapRuntime:
         self.readouts = ReadoutService(self.config, self._expect(), self.tracker, self.telemetry,
                                        self.capture, model_id=self.model_id, layer=self.layer)
         self.recorder = FeedbackRecorder(self._feedback_writer(), self.model_id, self.fingerprint, self.layer,
-                                         self.telemetry)
+                                         self.telemetry, anchor=self.readouts.anchor_prediction)
         self.policy: DecodePolicy = self._make_policy()
         self.refresh_error: str | None = None
         self.refresher: Refresher | None = self._make_refresher()

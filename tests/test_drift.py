@@ -1,0 +1,182 @@
+"""The drift watch's decisions on recorded observations, its reading of /metrics text and its state file."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from flows.drift import (
+    RESET,
+    RETRAIN,
+    ROLLBACK,
+    Baseline,
+    DriftPolicy,
+    DriftState,
+    MetricsError,
+    Observation,
+    decide,
+    parse_quality,
+    state_file,
+)
+
+POLICY = DriftPolicy(margin=0.25, rls_margin=0.10, window=3, min_rows=64, cooldown_s=600.0)
+BASE = Baseline(champion="2", champion_readout="r2", validation_mae=100.0, previous_readout="r1")
+
+
+def recorded(maes, anchor_maes=None, rows=256, version="r2", replica="http://a", domain="all", start=1000.0,
+             generation=1) -> list[Observation]:
+    anchor_maes = anchor_maes or maes
+    return [Observation(replica, domain, 0.5, float(m), float(a), rows, version, start + 60 * i, generation)
+            for i, (m, a) in enumerate(zip(maes, anchor_maes))]
+
+
+def state_of(*series: list[Observation], **clocks) -> DriftState:
+    state = DriftState(clocks)
+    for observations in series:
+        for observation in observations:
+            state.add(observation)
+    return state
+
+
+def now_of(state: DriftState) -> float:
+    return max(o.time for _, _, series in state.series() for o in series)
+
+
+def only(decisions: list[dict]) -> dict:
+    assert len(decisions) == 1, decisions
+    return decisions[0]
+
+
+def test_live_error_above_the_champions_validation_error_over_the_window_retrains():
+    state = state_of(recorded([110, 130, 140, 150]))
+    decision = only(decide(state, BASE, POLICY, now_of(state)))
+    assert decision["action"] == RETRAIN and decision["acted"]
+    assert decision["mae"] == [130, 140, 150] and "validation MAE (100.0)" in decision["reason"]
+
+
+@pytest.mark.parametrize("maes, rows, why", [
+    ([130, 120, 140], 256, "one observation within the margin"),
+    ([130, 140], 256, "fewer observations than the window"),
+    ([130, 140, 150], 63, "too few requests behind each"),
+])
+def test_no_retrain_unless_every_observation_of_the_window_shows_it(maes, rows, why):
+    state = state_of(recorded(maes, rows=rows))
+    assert decide(state, BASE, POLICY, now_of(state)) == [], why
+
+
+def test_a_window_across_an_anchor_change_or_another_readout_or_a_silent_replica_is_not_judged():
+    pushed = recorded([130, 140, 150])
+    pushed[0] = Observation(**{**pushed[0].__dict__, "generation": 0})  # before a push
+    state = state_of(pushed)
+    assert decide(state, BASE, POLICY, now_of(state)) == []
+    state = state_of(recorded([130, 140, 150], version="r9"))  # serves another readout than the champion
+    assert decide(state, BASE, POLICY, now_of(state)) == []
+    state = state_of(recorded([130, 140, 150]))
+    assert decide(state, BASE, POLICY, now_of(state) + 60) == []  # no figures in this scrape
+    assert decide(state, Baseline(None, None, None), POLICY, now_of(state)) == []  # no champion
+
+
+def test_a_second_retrain_waits_for_the_cooldown_and_says_so():
+    state = state_of(recorded([130, 140, 150]), last_retrain_at=1000.0)
+    now = now_of(state)
+    decision = only(decide(state, BASE, POLICY, now))
+    assert not decision["acted"] and decision["held_back"] == "retrain cooldown"
+    state.last_retrain_at = now - POLICY.cooldown_s
+    assert only(decide(state, BASE, POLICY, now))["acted"]
+
+
+def test_one_retrain_per_run_however_many_replicas_and_domains_drift():
+    state = state_of(recorded([130, 140, 150]), recorded([130, 140, 150], replica="http://b"),
+                     recorded([130, 140, 150], domain="math"))
+    decisions = decide(state, BASE, POLICY, now_of(state))
+    assert [d["action"] for d in decisions] == [RETRAIN] * 3
+    assert [d["acted"] for d in decisions] == [True, False, False]
+    assert {d.get("held_back") for d in decisions[1:]} == {"one retrain per run"}
+
+
+def test_an_online_correction_worse_than_its_anchor_resets_that_replica_first():
+    corrected = recorded([130, 140, 150], anchor_maes=[90, 95, 100], version="r2+rls7")
+    state = state_of(corrected, recorded([90, 95, 100], version="r2+rls3", replica="http://b"))
+    decision = only(decide(state, BASE, POLICY, now_of(state)))
+    assert decision["action"] == RESET and decision["replica"] == "http://a" and decision["acted"]
+    assert "anchor" in decision["reason"]
+    # within the margin, or not corrected at all (the anchor serves), nothing to reset
+    state = state_of(recorded([105, 105, 105], anchor_maes=[100, 100, 100], version="r2+rls7"))
+    assert decide(state, BASE, POLICY, now_of(state)) == []
+    state = state_of(recorded([150, 150, 150], anchor_maes=[100, 100, 100], version="r2"))
+    assert only(decide(state, BASE, POLICY, now_of(state)))["action"] == RETRAIN
+
+
+def test_resets_have_a_cooldown_per_replica():
+    state = state_of(recorded([130, 140, 150], anchor_maes=[90, 95, 100], version="r2+rls7"),
+                     recorded([130, 140, 150], anchor_maes=[90, 95, 100], version="r2+rls7", replica="http://b"),
+                     last_reset_at={"http://a": 1100.0})
+    decisions = decide(state, BASE, POLICY, now_of(state))
+    assert [(d["replica"], d["acted"]) for d in decisions] == [("http://a", False), ("http://b", True)]
+
+
+def test_a_champion_worse_than_the_previous_one_was_on_the_same_traffic_is_rolled_back():
+    before = recorded([80, 82, 84, 81, 80], version="r1", start=0.0, generation=0)
+    after = recorded([120, 125, 130], version="r2", start=1000.0, generation=1)
+    state = state_of(before + after)
+    decisions = decide(state, BASE, POLICY, now_of(state))
+    assert decisions[0]["action"] == ROLLBACK and decisions[0]["acted"]
+    assert decisions[0]["previous_anchor_mae"] == 81
+    # the rollback re-anchors every replica: a retrain found this run waits
+    state = state_of(before + after, recorded([130, 140, 150], replica="http://b"))
+    decisions = decide(state, BASE, POLICY, now_of(state))
+    assert [(d["action"], d["acted"]) for d in decisions] == [(ROLLBACK, True), (RETRAIN, False)]
+    # no previous champion observed, or as good as it: no rollback
+    state = state_of(recorded([80, 82, 84], version="r1", start=0.0, generation=0) + recorded([90, 95, 99]))
+    assert decide(state, BASE, POLICY, now_of(state)) == []
+
+
+METRICS = """# HELP leap_domain_rolling_mae MAE
+# TYPE leap_domain_rolling_mae gauge
+leap_domain_rolling_mae{domain="all"} 120.5
+leap_domain_rolling_mae{domain="math"} 80.0
+leap_domain_rolling_mae{domain="half"} 3.0
+# TYPE leap_domain_anchor_mae gauge
+leap_domain_anchor_mae{domain="all"} 100.0
+leap_domain_anchor_mae{domain="math"} NaN
+# TYPE leap_domain_rolling_spearman gauge
+leap_domain_rolling_spearman{domain="all"} 0.6
+leap_domain_rolling_spearman{domain="math"} 0.4
+# TYPE leap_domain_rolling_rows gauge
+leap_domain_rolling_rows{domain="all"} 256.0
+leap_domain_rolling_rows{domain="math"} 40.0
+# TYPE leap_anchor_generation gauge
+leap_anchor_generation 3.0
+"""
+
+
+def test_the_quality_gauges_are_read_per_domain_and_a_domain_missing_figures_is_left_out():
+    observations = {o.domain: o for o in parse_quality(METRICS, "http://a", "r2+rls1", 5.0)}
+    assert set(observations) == {"all", "math"}
+    assert observations["all"] == Observation("http://a", "all", 0.6, 120.5, 100.0, 256, "r2+rls1", 5.0, 3)
+    assert math.isnan(observations["math"].anchor_mae) and observations["math"].rows == 40
+
+
+def test_metrics_that_are_not_prometheus_text_are_refused_with_the_replica_named():
+    with pytest.raises(MetricsError, match="http://a"):
+        parse_quality("leap_domain_rolling_mae{domain=\"all\" 1\n", "http://a", "", 0.0)
+
+
+def test_the_state_survives_runs_keeps_a_bounded_history_and_sets_a_broken_file_aside(tmp_path):
+    path = tmp_path / "drift" / "watch.json"
+    with state_file(path, keep=4) as (state, notes):
+        for observation in recorded(range(100, 110)):
+            state.add(observation)
+        state.last_retrain_at = 1234.0
+        assert notes == {}
+    with state_file(path, keep=4) as (state, notes):
+        series = state.observations["http://a"]["all"]
+        assert [o.mae for o in series] == [106, 107, 108, 109] and state.last_retrain_at == 1234.0
+    path.write_text("{not json")
+    with state_file(path, keep=4) as (state, notes):
+        assert state.observations == {}
+    aside = notes["state_set_aside"]["path"]
+    assert open(aside).read() == "{not json" and "JSONDecodeError" in notes["state_set_aside"]["reason"]
+    assert json.loads(path.read_text())["observations"] == {}
