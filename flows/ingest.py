@@ -41,7 +41,9 @@ Feedback folders: segments are read from the folder itself and from its sub-fold
 top-level segment it is the segment metadata's `leap.replica_id` when present, else the replica in a
 writer's segment name (`feedback-<time>-<replica>-<sequence>-<id>.parquet`), else NULL. Hidden
 names, the writer's open streams (`*.arrows.partial`), temporary names, deeper folders and
-`quarantine/` are never read.
+`quarantine/` are never read. A feedback location `s3://bucket/prefix` is read the same way from the
+objects `<prefix>/*.parquet` and `<prefix>/<replica id>/*.parquet` (the replicas' shippers upload there,
+serving/shipper.py); each segment's ledger identity is then its `s3://bucket/key`.
 
 While one segment is written, a helper thread already reads, checksums, parses and judges the next
 (all of which release the GIL), so reading and writing overlap. The checks that depend on the store
@@ -58,7 +60,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import duckdb
 import numpy as np
@@ -77,6 +79,7 @@ from flows.store import (
 )
 from leap_core.recipes import Recipe, RecipeError
 from leap_io.jsonable import dumps
+from leap_io.object_store import is_object_url
 from leap_io.feedback_schema import (
     META_DIM,
     META_LAYER,
@@ -627,12 +630,42 @@ def _ingest_table(con: duckdb.DuckDBPyConnection, read: _ReadSegment, known_dims
     return report, judged.dims_by_space(accepted)
 
 
+class SegmentSource(Protocol):
+    """Where one complete segment's bytes come from: a local file (`SegmentFile`) or an object in a bucket
+    (`flows.segment_sources.ObjectSegment`). `segment` is its identity in the ledger (the resolved path, or
+    `s3://bucket/key`), `replica_id` the replica folder it was found in (None at the top level), `name`
+    its file name (which may carry the writer's replica id), and `read_bytes()` raises
+    FileNotFoundError when it vanished after it was listed."""
+
+    @property
+    def segment(self) -> str: ...
+
+    @property
+    def replica_id(self) -> str | None: ...
+
+    @property
+    def name(self) -> str: ...
+
+    def read_bytes(self) -> bytes: ...
+
+
 @dataclass(frozen=True)
 class SegmentFile:
     """A complete segment found in the feedback folder, and the replica whose sub-folder holds it."""
 
     path: Path
     replica_id: str | None = None
+
+    @property
+    def segment(self) -> str:
+        return str(self.path.resolve())
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def read_bytes(self) -> bytes:
+        return self.path.read_bytes()
 
 
 @dataclass
@@ -652,7 +685,7 @@ class _ReadSegment:
     failure: Exception | None = None  # parsed, but judging it raised
 
 
-def _read_segment(source: SegmentFile, ledger: Mapping[str, tuple[str, str]], changed: set[tuple[str, str]],
+def _read_segment(source: SegmentSource, ledger: Mapping[str, tuple[str, str]], changed: set[tuple[str, str]],
                   retry_failed: bool) -> _ReadSegment:
     """Read, checksum, parse and judge one segment; runs on the read-ahead thread (no store access).
 
@@ -660,10 +693,10 @@ def _read_segment(source: SegmentFile, ledger: Mapping[str, tuple[str, str]], ch
     (segment, checksum) contents already quarantined as changed, as they were when the writing
     connection opened: only that connection writes, and each path comes once per run.
     """
-    path, replica = source.path, source.replica_id
-    segment = str(path.resolve())
+    replica = source.replica_id
+    segment = source.segment
     try:
-        data = path.read_bytes()
+        data = source.read_bytes()
     except FileNotFoundError:
         return _ReadSegment(segment, "", replica, skip_status=STATUS_VANISHED)
     checksum = _checksum(data)
@@ -687,7 +720,7 @@ def _read_segment(source: SegmentFile, ledger: Mapping[str, tuple[str, str]], ch
         return read
     read.rows = raw.num_rows
     if read.replica_id is None:
-        read.replica_id = _replica_of(path, raw.schema.metadata or {})
+        read.replica_id = _replica_of(source.name, raw.schema.metadata or {})
     try:
         read.judged = _Segment(raw)
     except _RUN_ERRORS:
@@ -697,13 +730,13 @@ def _read_segment(source: SegmentFile, ledger: Mapping[str, tuple[str, str]], ch
     return read
 
 
-def _replica_of(path: Path, metadata: Mapping[bytes, bytes]) -> str | None:
+def _replica_of(name: str, metadata: Mapping[bytes, bytes]) -> str | None:
     """The replica of a top-level segment: its metadata's, else the one in a writer's segment name."""
     given = metadata.get(META_REPLICA_ID)
     if given:
         with suppress(UnicodeDecodeError):
             return given.decode().strip() or None
-    match = _WRITER_NAME.match(path.name)
+    match = _WRITER_NAME.match(name)
     return match.group("replica") if match else None
 
 
@@ -747,7 +780,7 @@ def _write_alone(con: duckdb.DuckDBPyConnection, read: _ReadSegment, known_dims:
     return report
 
 
-def _ingest_paths(con: duckdb.DuckDBPyConnection, sources: Sequence[SegmentFile], hook: StageHook | None,
+def _ingest_paths(con: duckdb.DuckDBPyConnection, sources: Sequence[SegmentSource], hook: StageHook | None,
                   transaction_rows: int = 0, retry_failed: bool = False) -> list[IngestReport]:
     """Ingest `sources` in order, reading the next segment while writing this one.
 
@@ -832,13 +865,18 @@ def _is_segment(path: Path) -> bool:
     return path.suffix == ".parquet" and not path.name.startswith(".") and path.is_file()
 
 
-def complete_segments(folder: str | Path) -> list[SegmentFile]:
+def complete_segments(folder: str | Path, *, endpoint_url: str | None = None) -> list[SegmentSource]:
     """The renamed (complete) `*.parquet` segments of `folder` and of its replica sub-folders.
 
     Top-level segments come first, by name, then each sub-folder's by name, sub-folders by name.
     Temporary and hidden names, open streams (`*.arrows.partial`), deeper folders and the
-    `quarantine/` folder never match.
+    `quarantine/` folder never match. An `s3://bucket/prefix` location lists the objects under the
+    prefix the same way (`flows.segment_sources.object_segments`, at `endpoint_url`).
     """
+    if is_object_url(folder):
+        from flows.segment_sources import object_segments
+
+        return object_segments(str(folder), endpoint_url=endpoint_url)
     def entries(path: Path) -> list[Path]:
         try:
             return sorted(path.iterdir(), key=lambda entry: entry.name)
@@ -855,8 +893,13 @@ def complete_segments(folder: str | Path) -> list[SegmentFile]:
 
 
 def ingest_folder(store: LogStore, folder: str | Path | None = None, *, transaction_rows: int = 0,
-                  retry_failed: bool = False, _after_stage: StageHook | None = None) -> list[IngestReport]:
+                  retry_failed: bool = False, endpoint_url: str | None = None,
+                  _after_stage: StageHook | None = None) -> list[IngestReport]:
     """Ingest every complete segment of `folder` (default: the feedback folder) and its replica sub-folders.
+
+    `folder` may be an `s3://bucket/prefix` URL (at `endpoint_url`, else `LEAP_S3_ENDPOINT_URL`): the
+    objects `<prefix>/<replica id>/*.parquet` are read from the bucket, each identified in the ledger
+    by its `s3://bucket/key`.
 
     Each segment gets its own transaction unless `transaction_rows` > 0, which groups consecutive
     segments into one until they hold that many rows. That saves a commit per segment, which counts
@@ -869,7 +912,7 @@ def ingest_folder(store: LogStore, folder: str | Path | None = None, *, transact
         from leap_io.paths import sub_dir
 
         folder = sub_dir("feedback")
-    segments = complete_segments(folder)
+    segments = complete_segments(folder, endpoint_url=endpoint_url)
     with store.connect() as con:
         return _ingest_paths(con, segments, _after_stage, transaction_rows, retry_failed)
 

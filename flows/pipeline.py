@@ -52,7 +52,8 @@ def ingest_flow(feedback_dir: str | None = None, retry_failed: bool = False) -> 
     """Ingest the complete feedback segments into the DuckDB log store (`retry_failed`: try segments
     quarantined as failed again)."""
     settings = PipelineSettings()
-    summary = ingest_feedback(str(settings.duckdb_path), str(feedback_dir or settings.feedback_dir), retry_failed)
+    location = feedback_dir or settings.feedback_url or settings.feedback_dir  # the bucket, when the replicas ship
+    summary = ingest_feedback(str(settings.duckdb_path), str(location), retry_failed, settings.s3_endpoint_url)
     get_run_logger().info("ingest: %s", summary)
     return {"status": "ingested", **plain(summary)}
 

@@ -36,6 +36,7 @@ from flows.training import fit_readout, select_window, time_split
 from leap_core.recipes import Recipe
 from leap_core.rls import RLS
 from leap_io.jsonable import dumps, to_jsonable
+from leap_io.object_store import is_object_url
 from registry.client import (
     CHAMPION,
     GATE_EXPERIMENT,
@@ -200,12 +201,15 @@ def registry_at(tracking_uri: str, lock_path: str | None = None) -> ReadoutRegis
 
 
 @task(name="ingest-feedback", retries=2, retry_delay_seconds=5)
-def ingest_feedback(duckdb_path: str, feedback_dir: str, retry_failed: bool = False) -> dict[str, Any]:
+def ingest_feedback(duckdb_path: str, feedback_dir: str, retry_failed: bool = False,
+                    s3_endpoint_url: str | None = None) -> dict[str, Any]:
     """Ingest every complete feedback segment; segments already in the ledger are skipped, and a
-    segment that fails is quarantined (counted in `failed`) without stopping the others."""
+    segment that fails is quarantined (counted in `failed`) without stopping the others.
+    `feedback_dir` may be an s3://bucket/prefix URL (read at `s3_endpoint_url`)."""
     store = LogStore(duckdb_path)
-    Path(feedback_dir).mkdir(parents=True, exist_ok=True)
-    summary = totals(ingest_folder(store, feedback_dir, retry_failed=retry_failed))
+    if not is_object_url(feedback_dir):
+        Path(feedback_dir).mkdir(parents=True, exist_ok=True)
+    summary = totals(ingest_folder(store, feedback_dir, retry_failed=retry_failed, endpoint_url=s3_endpoint_url))
     return {**summary, "store": store.counts(), "finish_reasons": store.finish_reasons()}
 
 

@@ -24,7 +24,7 @@ import os
 import tempfile
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 POLICIES = ("fcfs", "leap", "oracle", "client")
@@ -70,6 +70,11 @@ class LeapConfig(BaseSettings):
     feedback_dir: str | None = Field(None, description="folder of feedback segments; None: no feedback")
     segment_max_rows: int = Field(5000, ge=1)
     segment_max_seconds: float = Field(300.0, gt=0.0)
+    feedback_url: str | None = Field(None, description="s3://bucket/prefix: closed segments are shipped from "
+                                                       "feedback_dir to <prefix>/<replica id>/ and deleted "
+                                                       "locally once verified; None: they stay in feedback_dir")
+    s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto); None: AWS. "
+                                                          "Credentials: the AWS_* variables")
     admin_host: str = "127.0.0.1"
     admin_port: int | None = Field(None, description="admin API port; None: no admin server")
     admin_token: str | None = Field(None, description="admin token; else LEAP_ADMIN_TOKEN_FILE")
@@ -125,6 +130,28 @@ class LeapConfig(BaseSettings):
         from leap_core.recipes import Recipe
 
         return tuple(str(Recipe.parse(name)) for name in value)
+
+    @field_validator("feedback_url")
+    @classmethod
+    def _object_url(cls, value: str | None) -> str | None:
+        from leap_io.object_store import parse_s3_url
+
+        return None if value is None or not value.strip() else str(parse_s3_url(value))
+
+    @field_validator("s3_endpoint_url")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        from leap_io.object_store import check_endpoint
+
+        return check_endpoint(value)
+
+    @model_validator(mode="after")
+    def _spool_for_shipping(self) -> LeapConfig:
+        """Segments are written locally first (the crash-safe spool), then shipped: a URL needs the folder."""
+        if self.feedback_url and not self.feedback_dir:
+            raise ValueError(f"feedback_url {self.feedback_url} needs feedback_dir (LEAP_FEEDBACK_DIR), the local "
+                             "folder segments are written to before they are shipped")
+        return self
 
     @field_validator("policy")
     @classmethod

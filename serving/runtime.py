@@ -147,6 +147,7 @@ class LeapRuntime:
         return self.capture.dim
 
     def _feedback_writer(self) -> Any:
+        self.shipper = None  # serving.shipper.FeedbackShipper when feedback_url is set
         if not self.config.feedback_dir:
             return None
         from serving import feedback
@@ -160,6 +161,9 @@ class LeapRuntime:
                                          replica_id=feedback.default_replica_id(self.config.admin_port or None))
         self.metrics_registry.register(feedback.FeedbackCollector(writer))
         self.telemetry.watch_thread("feedback", lambda: bool(self.recorder.writer_health().get("alive")))
+        from serving.shipper import start_shipper
+
+        self.shipper = start_shipper(self.config, writer, self.telemetry)
         return writer
 
     def _make_policy(self) -> DecodePolicy:
@@ -411,8 +415,12 @@ class LeapRuntime:
         return self.readouts.push(body)
 
     def flush_feedback(self) -> dict:
-        """Close the open feedback segment (as Parquet) so everything finished so far can be ingested."""
-        return self.recorder.flush()
+        """Close the open feedback segment (as Parquet) so everything finished so far can be ingested
+        (shipped to the bucket first, when feedback_url is set)."""
+        report = self.recorder.flush()
+        if self.shipper is not None:
+            report["shipper"] = self.shipper.ship(deadline_s=30.0)
+        return report
 
     # -- reporting -----------------------------------------------------------------------------
     def describe(self) -> dict:
@@ -446,6 +454,9 @@ class LeapRuntime:
                    "rls": self.learner.health(), "feedback": feedback}
         healthy = (threads["receiver"]["alive"] and threads["predictor"]["alive"] and threads["rls"]["alive"]
                    and (not feedback["enabled"] or feedback["healthy"]))
+        if self.shipper is not None:
+            threads["feedback_shipper"] = self.shipper.stats()
+            healthy = healthy and threads["feedback_shipper"]["healthy"]
         counters = {**self.telemetry.snapshot(), "state": self.tracker.sizes()}
         return {"healthy": bool(healthy), "threads": threads, "counters": counters}
 
@@ -467,6 +478,8 @@ class LeapRuntime:
         self._settle_late_rows(final=True)
         self.readouts.close()
         self.recorder.close()
+        if self.shipper is not None:
+            self.shipper.close()
 
 
 def _model_identity(model: str) -> tuple[str, str]:

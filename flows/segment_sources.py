@@ -1,0 +1,76 @@
+"""Feedback segments in a bucket, as sources `flows.ingest` reads like local files.
+
+The replicas' shippers (serving/shipper.py) upload each complete segment to
+`<prefix>/<replica id>/<segment name>`; `object_segments` lists them with the same rules
+`flows.ingest.complete_segments` applies to a local folder: `*.parquet` objects at the prefix's top level
+and one folder down, never hidden names, deeper keys or `quarantine/`; top-level objects first by name,
+then each replica folder's by name. Listing is paginated (`ObjectStore.list`), and an object is read
+only when ingest reaches it (on its read-ahead thread), so a long listing never holds every segment in
+memory. An object deleted between the listing and the read counts as vanished, like a local file.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from leap_io.object_store import ObjectNotFound, ObjectStore, parse_s3_url
+
+logger = logging.getLogger(__name__)
+
+_QUARANTINE = "quarantine"
+
+
+@dataclass(frozen=True)
+class ObjectSegment:
+    """One segment object; `flows.ingest.SegmentSource` for a bucket."""
+
+    store: ObjectStore
+    bucket: str
+    key: str
+    replica_id: str | None = None
+
+    @property
+    def segment(self) -> str:
+        return f"s3://{self.bucket}/{self.key}"
+
+    @property
+    def name(self) -> str:
+        return self.key.rsplit("/", 1)[-1]
+
+    def read_bytes(self) -> bytes:
+        """The object's bytes; `ObjectNotFound` (a FileNotFoundError) when it is gone."""
+        return self.store.get(self.bucket, self.key)
+
+
+def _is_segment_name(name: str) -> bool:
+    return name.endswith(".parquet") and not name.startswith(".")
+
+
+def object_segments(url: str, *, endpoint_url: str | None = None,
+                    store: ObjectStore | None = None) -> list[ObjectSegment]:
+    """The complete segments under `s3://bucket/prefix`, in the order a local folder's are ingested.
+
+    A bucket that does not exist yet (no replica has shipped) holds no segments; any other error of the
+    service (down, refused) is raised as `ObjectStoreError`, which ends the run like a local I/O error.
+    """
+    location = parse_s3_url(url)
+    store = store if store is not None else ObjectStore(endpoint_url)
+    base = f"{location.prefix}/" if location.prefix else ""
+    top: list[ObjectSegment] = []
+    nested: list[tuple[str, str, ObjectSegment]] = []
+    try:
+        for info in store.list(location.bucket, base):
+            parts = info.key[len(base):].split("/")
+            if len(parts) == 1 and _is_segment_name(parts[0]):
+                top.append(ObjectSegment(store, location.bucket, info.key))
+            elif (len(parts) == 2 and parts[0] and not parts[0].startswith(".") and parts[0] != _QUARANTINE
+                  and _is_segment_name(parts[1])):
+                nested.append((parts[0], parts[1], ObjectSegment(store, location.bucket, info.key, parts[0])))
+    except ObjectNotFound as error:  # listing raises it only for a missing bucket
+        logger.warning("no feedback bucket yet (%s): no segments to ingest", error)
+        return []
+    top.sort(key=lambda source: source.name)
+    nested.sort(key=lambda item: (item[0], item[1]))
+    return top + [source for _, _, source in nested]
+

@@ -1,0 +1,270 @@
+"""Feedback segments in an S3-compatible bucket: `s3://bucket/prefix` locations and a small boto3 client.
+
+Serving replicas upload their closed segments to `<prefix>/<replica id>/<segment name>` and ingest lists
+and reads them there, so a fleet shares one bucket instead of one feedback volume (which no two writers
+can share safely across machines). The same code talks to AWS S3, MinIO (the production compose file)
+and moto's server (the tests and `leap stack up --fleet`).
+
+Every location is validated before any request is made (`parse_s3_url` raises `ObjectURLError` naming
+what is wrong), and every upload is verified: the body travels with its Content-MD5, which the server
+checks against what it received (a body cut or corrupted on the way is refused with BadDigest), and the
+object is then read back by HEAD and must have the uploaded size (and, where the ETag is a plain MD5, the
+same digest). Only then may a caller delete its local copy.
+
+The endpoint is the `endpoint_url` argument, else `LEAP_S3_ENDPOINT_URL`, else AWS; credentials and
+region come from the standard `AWS_*` variables (boto3's own chain). Errors of the service (down,
+refused, no such bucket) are raised as `ObjectStoreError` with the operation and location in the
+message; a missing object as `ObjectNotFound` (a `FileNotFoundError`, as for a vanished local file).
+
+No vLLM and no flows imports: serving and the flows both use this module.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import ipaddress
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+ENDPOINT_ENV = "LEAP_S3_ENDPOINT_URL"
+SCHEME = "s3://"
+
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_KEY_PART = re.compile(r"^[A-Za-z0-9!_.*'()=+,;@-]+$")  # the S3 "safe" characters, per segment of a key
+_MAX_KEY_BYTES = 1024
+
+
+class ObjectURLError(ValueError):
+    """An object-storage location that is not a valid `s3://bucket/prefix`."""
+
+
+class ObjectStoreError(RuntimeError):
+    """The object store refused or could not be reached; the message names the operation and location."""
+
+
+class ObjectNotFound(ObjectStoreError, FileNotFoundError):
+    """The object (or its bucket) does not exist."""
+
+
+def is_object_url(location: Any) -> bool:
+    """Whether `location` names object storage (an `s3://` URL) rather than a local folder."""
+    return isinstance(location, str) and location.strip().lower().startswith(SCHEME)
+
+
+def _check_bucket(bucket: str, url: str) -> None:
+    if not _BUCKET.match(bucket):
+        raise ObjectURLError(f"{url!r}: bucket {bucket!r} must be 3-63 characters of lowercase letters, digits, "
+                             "'.' and '-', starting and ending with a letter or digit")
+    if ".." in bucket or ".-" in bucket or "-." in bucket:
+        raise ObjectURLError(f"{url!r}: bucket {bucket!r} has '..', '.-' or '-.', which S3 refuses")
+    try:
+        ipaddress.ip_address(bucket)
+    except ValueError:
+        return
+    raise ObjectURLError(f"{url!r}: bucket {bucket!r} is formatted as an IP address, which S3 refuses")
+
+
+def check_key_part(part: str, what: str = "key part") -> str:
+    """`part` as one segment of a key (a replica id, a segment name), or ObjectURLError saying why not."""
+    if not isinstance(part, str) or not part or part in (".", "..") or not _KEY_PART.match(part):
+        raise ObjectURLError(f"{what} {part!r} must be non-empty letters, digits and !_.*'()=+,;@- "
+                             "(no '/', spaces or other characters), and not '.' or '..'")
+    return part
+
+
+@dataclass(frozen=True)
+class S3Location:
+    """A bucket and a key prefix without leading or trailing '/' ('' for the bucket's root)."""
+
+    bucket: str
+    prefix: str = ""
+
+    def key(self, *parts: str) -> str:
+        """The key of `parts` under the prefix; each part is checked as one key segment."""
+        for part in parts:
+            check_key_part(part)
+        key = "/".join([p for p in (self.prefix, *parts) if p])
+        if len(key.encode()) > _MAX_KEY_BYTES:
+            raise ObjectURLError(f"key {key[:80]!r}... is longer than S3's {_MAX_KEY_BYTES} bytes")
+        return key
+
+    def url(self, key: str | None = None) -> str:
+        """`s3://bucket/key` (the identity of an object), or this location's URL."""
+        return f"{SCHEME}{self.bucket}/{self.prefix if key is None else key}".rstrip("/")
+
+    def child(self, part: str) -> S3Location:
+        return S3Location(self.bucket, self.key(part))
+
+    def __str__(self) -> str:
+        return self.url()
+
+
+def parse_s3_url(url: str) -> S3Location:
+    """Validate `s3://bucket/prefix` and return its parts; ObjectURLError says what is wrong."""
+    if not isinstance(url, str):
+        raise ObjectURLError(f"an object-storage location is a string s3://bucket/prefix, not {type(url).__name__}")
+    text = url.strip()
+    if not text.lower().startswith(SCHEME):
+        raise ObjectURLError(f"{url!r} is not an object-storage location: expected s3://bucket/prefix")
+    if any(ord(ch) < 0x20 or ch in "?#\\" for ch in text):
+        raise ObjectURLError(f"{url!r}: control characters, '?', '#' and '\\' are not allowed")
+    rest = text[len(SCHEME):]
+    bucket, _, prefix = rest.partition("/")
+    _check_bucket(bucket, url)
+    prefix = prefix.strip("/")
+    if prefix:
+        for part in prefix.split("/"):
+            try:
+                check_key_part(part, "prefix segment")
+            except ObjectURLError as error:
+                raise ObjectURLError(f"{url!r}: {error}") from None
+    return S3Location(bucket, prefix)
+
+
+def check_endpoint(endpoint: str | None) -> str | None:
+    """An S3 endpoint as http(s)://host[:port][/path], or None; ValueError says what is wrong."""
+    if endpoint is None or not str(endpoint).strip():
+        return None
+    text = str(endpoint).strip().rstrip("/")
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ObjectURLError(f"S3 endpoint {endpoint!r} must be an http:// or https:// URL with a host")
+    try:
+        parts.port  # noqa: B018 - raises on a port that is not a number in range
+    except ValueError as error:
+        raise ObjectURLError(f"S3 endpoint {endpoint!r}: {error}") from None
+    return text
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One listed object: its key, size and ETag (quotes removed)."""
+
+    key: str
+    size: int
+    etag: str
+
+
+def content_md5(data: bytes) -> tuple[str, str]:
+    """(hex digest, base64 digest for the Content-MD5 header) of `data`."""
+    digest = hashlib.md5(data, usedforsecurity=False).digest()
+    return digest.hex(), base64.b64encode(digest).decode()
+
+
+class ObjectStore:
+    """put / list / get / ensure_bucket over one S3-compatible endpoint (thread-safe: one boto3 client).
+
+    Timeouts are short and boto3 retries once: the callers (the shipper, ingest) have their own retry
+    with backoff, and a serving process must not hang on a dead endpoint.
+    """
+
+    def __init__(self, endpoint_url: str | None = None, *, connect_timeout_s: float = 3.0,
+                 read_timeout_s: float = 30.0, max_attempts: int = 2) -> None:
+        import boto3
+        from botocore.config import Config
+
+        self.endpoint_url = check_endpoint(endpoint_url if endpoint_url is not None else os.environ.get(ENDPOINT_ENV))
+        self.region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        config = Config(connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
+                        retries={"max_attempts": max_attempts, "mode": "standard"},
+                        # path-style: MinIO and moto serve buckets under the endpoint's path
+                        s3={"addressing_style": "path" if self.endpoint_url else "auto"})
+        self._client = boto3.session.Session().client("s3", endpoint_url=self.endpoint_url,
+                                                      region_name=self.region, config=config)
+
+    def __repr__(self) -> str:
+        return f"ObjectStore({self.endpoint_url or 'aws'})"
+
+    def _error(self, what: str, where: str, error: Exception) -> ObjectStoreError:
+        from botocore.exceptions import ClientError
+
+        if isinstance(error, ClientError):
+            code = str(error.response.get("Error", {}).get("Code", ""))
+            status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            message = f"{what} {where} at {self.endpoint_url or 'AWS'}: {code or status}: {error}"
+            if code in ("NoSuchKey", "NoSuchBucket", "404", "NotFound"):
+                return ObjectNotFound(message)
+            return ObjectStoreError(message)
+        return ObjectStoreError(f"{what} {where} at {self.endpoint_url or 'AWS'}: {type(error).__name__}: {error}")
+
+    def _call(self, what: str, where: str, method: str, **kwargs: Any) -> Any:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return getattr(self._client, method)(**kwargs)
+        except (ClientError, BotoCoreError) as error:
+            raise self._error(what, where, error) from error
+
+    def ensure_bucket(self, bucket: str) -> bool:
+        """Create `bucket` unless it exists; True when this call created it."""
+        _check_bucket(bucket, bucket)
+        try:
+            self._call("checking bucket", bucket, "head_bucket", Bucket=bucket)
+            return False
+        except ObjectNotFound:
+            pass
+        kwargs: dict[str, Any] = {"Bucket": bucket}
+        if self.region != "us-east-1":
+            kwargs["CreateBucketConfiguration"] = {"LocationConstraint": self.region}
+        try:
+            self._call("creating bucket", bucket, "create_bucket", **kwargs)
+        except ObjectStoreError as error:
+            if "BucketAlreadyOwnedByYou" in str(error):  # another replica created it in between
+                return False
+            raise
+        return True
+
+    def put(self, bucket: str, key: str, data: bytes) -> str:
+        """Upload `data` and verify it arrived whole; returns the MD5 hex. Raises ObjectStoreError otherwise.
+
+        The server checks the Content-MD5 against the body it received; the HEAD afterwards checks the
+        stored object's size (and its ETag where that is a plain MD5, as for a single-part upload
+        without KMS), so an upload the caller did not see fail is still caught before it deletes its copy.
+        """
+        where = f"s3://{bucket}/{key}"
+        md5_hex, md5_b64 = content_md5(data)
+        answer = self._call("uploading", where, "put_object", Bucket=bucket, Key=key, Body=data, ContentMD5=md5_b64)
+        etag = str(answer.get("ETag", "")).strip('"')
+        if re.fullmatch(r"[0-9a-f]{32}", etag) and etag != md5_hex:
+            raise ObjectStoreError(f"uploading {where}: the stored ETag {etag} is not the body's MD5 {md5_hex}")
+        head = self._call("verifying", where, "head_object", Bucket=bucket, Key=key)
+        size = int(head.get("ContentLength", -1))
+        stored = str(head.get("ETag", "")).strip('"')
+        if size != len(data):
+            raise ObjectStoreError(f"verifying {where}: {size} bytes stored, {len(data)} uploaded")
+        if re.fullmatch(r"[0-9a-f]{32}", stored) and stored != md5_hex:
+            raise ObjectStoreError(f"verifying {where}: the stored ETag {stored} is not the body's MD5 {md5_hex}")
+        return md5_hex
+
+    def list(self, bucket: str, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose key starts with `prefix`, in key order, page by page."""
+        where = f"s3://{bucket}/{prefix}"
+        paginator = self._client.get_paginator("list_objects_v2")
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
+                for item in page.get("Contents", []) or []:
+                    yield ObjectInfo(str(item["Key"]), int(item.get("Size", 0)), str(item.get("ETag", "")).strip('"'))
+        except (ClientError, BotoCoreError) as error:
+            raise self._error("listing", where, error) from error
+
+    def get(self, bucket: str, key: str) -> bytes:
+        """The object's bytes; ObjectNotFound when it is gone."""
+        where = f"s3://{bucket}/{key}"
+        answer = self._call("reading", where, "get_object", Bucket=bucket, Key=key)
+        from botocore.exceptions import BotoCoreError
+
+        try:
+            with answer["Body"] as body:
+                return body.read()
+        except BotoCoreError as error:
+            raise self._error("reading", where, error) from error
+
+    def delete(self, bucket: str, key: str) -> None:
+        self._call("deleting", f"s3://{bucket}/{key}", "delete_object", Bucket=bucket, Key=key)
