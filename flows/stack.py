@@ -1,5 +1,10 @@
 """The local stack: MLflow, Prefect and the serving process as detached processes on loopback.
 
+`up(..., fleet=N)` starts the fleet instead (flows/fleet.py): PostgreSQL, an S3 server, MLflow and
+Prefect on them, two Prefect process workers on the work pool `leap` and N serving replicas. A service
+may name others that must answer before it starts (`after`) and work to do first (`prepare`: a
+database, a bucket, the work pool); `up` starts each one as soon as what it waits for answers.
+
 Each service runs in its own session (so `down` can signal the whole process group, workers included)
 with a pid file and a log under `<home>/stack/`. A pid file only counts while its process is alive and
 still runs the service's program, so a stale file from a reboot or a reused pid never blocks `up`.
@@ -14,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,8 +29,8 @@ import httpx
 from flows.settings import PipelineSettings
 
 SERVICES = ("mlflow", "prefect", "serving")
-_START_ORDER = ("prefect", "mlflow", "serving")  # prefect boots while mlflow's schema is prepared here
-_PROGRAM_MARKERS = {"mlflow": ("mlflow",), "prefect": ("prefect",), "serving": ("leap", "vllm")}
+_PROGRAM_MARKERS = {"mlflow": ("mlflow",), "prefect": ("prefect",), "serving": ("leap", "vllm"),
+                    "postgres": ("postgres",), "s3": ("moto",), "worker": ("prefect",)}
 
 
 class StackError(RuntimeError):
@@ -43,45 +48,77 @@ class Service:
     ports: tuple[int, ...]
     start_timeout_s: float
     env: dict[str, str] = field(default_factory=dict)
+    check: Callable[[], bool] | None = None
+    """Whether it answers, when that is not an HTTP 200 from `health_url` (a database, a Prefect worker)."""
+    after: tuple[str, ...] = ()
+    """Services that must answer before this one starts."""
+    prepare: Callable[[], None] | None = None
+    """Work before the start (a schema, a database, a bucket); must be safe to repeat."""
+    user: str | None = None
+    """System user to run as (PostgreSQL refuses root); None: ours."""
+    stop_signal: int = signal.SIGTERM
+    cwd: Path | None = None
+    admin_url: str | None = None
+    """A serving replica's LEAP admin API (`status` reads its readout version and live figures there)."""
 
 
-def _program(name: str) -> str:
+def program(name: str) -> str:
     """A console script of this environment (beside the running interpreter), else from PATH."""
     candidate = Path(sys.executable).parent / name
     return str(candidate) if candidate.exists() else name
 
 
 def service_specs(settings: PipelineSettings) -> dict[str, Service]:
+    """The services of this home's stack, in start order: the fleet's while `up --fleet` recorded one."""
+    from flows import fleet
+
+    layout = fleet.read_layout(settings)
+    if layout is not None:
+        return fleet.fleet_specs(settings, layout)
+    return _single_specs(settings)
+
+
+def _single_specs(settings: PipelineSettings) -> dict[str, Service]:
     host = settings.stack_host
     mlflow_dir = settings.mlflow_dir
-    serve = [_program("leap"), "serve", "--host", host, "--port", str(settings.serving_port),
+    serve = [program("leap"), "serve", "--host", host, "--port", str(settings.serving_port),
              "--admin-port", str(settings.admin_port), "--feedback-dir", str(settings.feedback_dir),
              "--max-model-len", str(settings.max_model_len)]
     if settings.model_path is not None:
         serve += ["--model", str(settings.model_path)]
-    return {
-        "mlflow": Service(
-            "mlflow",
-            [_program("mlflow"), "server", "--backend-store-uri", settings.mlflow_sqlite_uri,
-             "--artifacts-destination", str(mlflow_dir / "artifacts"), "--host", host,
-             "--port", str(settings.mlflow_port), "--workers", "1"],
-            url=settings.mlflow_server_url, health_url=f"{settings.mlflow_server_url}/health",
-            ports=(settings.mlflow_port,), start_timeout_s=90.0,
-            env={"MLFLOW_DISABLE_TELEMETRY": "true"}),
+    def prepare_mlflow() -> None:
+        from registry.client import ensure_db
+
+        (mlflow_dir / "artifacts").mkdir(parents=True, exist_ok=True)
+        ensure_db(settings.mlflow_sqlite_uri)
+
+    def prepare_serving() -> None:
+        settings.token()  # the replica and the push flow must read the same token file
+
+    return {  # prefect boots while mlflow's schema is prepared here
         "prefect": Service(
             "prefect",
-            [_program("prefect"), "server", "start", "--host", host, "--port", str(settings.prefect_port)],
+            [program("prefect"), "server", "start", "--host", host, "--port", str(settings.prefect_port)],
             url=f"http://{host}:{settings.prefect_port}", health_url=f"{settings.prefect_api_url}/health",
             ports=(settings.prefect_port,), start_timeout_s=90.0,
             env={"PREFECT_HOME": str(settings.home / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                  "PREFECT_API_URL": settings.prefect_api_url}),
+        "mlflow": Service(
+            "mlflow",
+            [program("mlflow"), "server", "--backend-store-uri", settings.mlflow_sqlite_uri,
+             "--artifacts-destination", str(mlflow_dir / "artifacts"), "--host", host,
+             "--port", str(settings.mlflow_port), "--workers", "1"],
+            url=settings.mlflow_server_url, health_url=f"{settings.mlflow_server_url}/health",
+            ports=(settings.mlflow_port,), start_timeout_s=90.0,
+            env={"MLFLOW_DISABLE_TELEMETRY": "true"}, prepare=prepare_mlflow),
         "serving": Service(
             "serving", serve, url=f"http://{host}:{settings.serving_port}/v1",
             # vLLM answers /health once the engine serves; LEAP's admin API is up before that
             health_url=f"http://{host}:{settings.serving_port}/health",
             ports=(settings.serving_port, settings.admin_port),
-            start_timeout_s=600.0,
-            env={"LEAP_HOME": str(settings.home), "LEAP_ADMIN_TOKEN_FILE": str(settings.admin_token_file)}),
+            start_timeout_s=600.0, admin_url=f"http://{host}:{settings.admin_port}",
+            env={"LEAP_HOME": str(settings.home), "LEAP_ADMIN_TOKEN_FILE": str(settings.admin_token_file)},
+            prepare=prepare_serving),
     }
 
 
@@ -118,7 +155,8 @@ def _runs_program(pid: int, name: str) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return True  # no /proc here: trust the pid file
-    return any(marker in cmdline for marker in _PROGRAM_MARKERS.get(name, (name,)))
+    kind = name.rsplit("-", 1)[0] if name.rsplit("-", 1)[-1].isdigit() else name  # worker-0, serving-1
+    return any(marker in cmdline for marker in _PROGRAM_MARKERS.get(kind, (kind,)))
 
 
 def service_pid(stack_dir: str | Path, name: str) -> int | None:
@@ -151,86 +189,147 @@ def _log_tail(path: Path, lines: int = 20) -> str:
         return ""
 
 
+def healthy(service: Service) -> bool:
+    """Whether the service answers: its own check, else an HTTP 200 from its health URL."""
+    if service.check is not None:
+        try:
+            return bool(service.check())
+        except Exception:  # noqa: BLE001 - a check that fails is an unhealthy answer
+            return False
+    return answers(service.health_url)
+
+
 def _spawn(service: Service, stack_dir: Path, cwd: Path) -> int:
     env = {**os.environ, **service.env}
     with open(log_file(stack_dir, service.name), "ab") as log:
         log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(service.argv)}\n".encode())
         log.flush()
         process = subprocess.Popen(list(service.argv), stdin=subprocess.DEVNULL, stdout=log,
-                                   stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+                                   stderr=subprocess.STDOUT, env=env, cwd=service.cwd or cwd,
+                                   start_new_session=True, user=service.user)
     pid_file(stack_dir, service.name).write_text(f"{process.pid}\n")
     return process.pid
 
 
-def _names(names: Iterable[str] | None) -> list[str]:
-    chosen = list(SERVICES if names is None else names)
-    unknown = sorted(set(chosen) - set(SERVICES))
+def _names(names: Iterable[str] | None, specs: dict[str, Service]) -> list[str]:
+    """The chosen services in start order (all of them for None)."""
+    chosen = list(specs if names is None else names)
+    unknown = sorted(set(chosen) - set(specs))
     if unknown:
-        raise ValueError(f"unknown services {unknown}; choose from {list(SERVICES)}")
-    return chosen
+        raise ValueError(f"unknown services {unknown}; choose from {list(specs)}")
+    return [name for name in specs if name in chosen]
 
 
 # ---------------------------------------------------------------------------- commands
 
 def status(settings: PipelineSettings, names: Iterable[str] | None = None) -> dict[str, Any]:
-    """{"services": {name: {"healthy", "url", "pid", ...}}, "healthy": all of them healthy}."""
+    """{"services": {name: {"healthy", "url", "pid", ...}}, "replicas": [...], "healthy": all of them healthy}.
+
+    `replicas` has one entry per serving service among `names`: its admin URL, whether it is up, the
+    readout version it serves and its live rolling Spearman and MAE (the admin API's /leap/readout and
+    /metrics), so a fleet that disagrees on its version shows it here. `fleet` is the recorded layout
+    (None for the single-machine stack).
+    """
+    from flows import fleet
+
     specs = service_specs(settings)
-    services = {}
-    for name in _names(names):
+    services, replicas = {}, []
+    for name in _names(names, specs):
         spec = specs[name]
-        services[name] = {"healthy": answers(spec.health_url), "url": spec.url, "health_url": spec.health_url,
+        up_now = healthy(spec)
+        services[name] = {"healthy": up_now, "url": spec.url, "health_url": spec.health_url,
                           "pid": service_pid(settings.stack_dir, name),
                           "log": str(log_file(settings.stack_dir, name))}
-    return {"services": services, "healthy": all(s["healthy"] for s in services.values())}
+        if spec.admin_url is not None:
+            replicas.append({"name": name, "url": spec.url, "up": up_now, **fleet.replica_report(spec.admin_url)})
+    layout = fleet.read_layout(settings)
+    versions = sorted({str(r["version"]) for r in replicas if r.get("version") is not None})
+    return {"services": services, "replicas": replicas, "versions": versions,
+            "fleet": None if layout is None else {**layout.__dict__, "env_file": str(fleet.env_path(settings))},
+            "healthy": all(s["healthy"] for s in services.values())}
+
+
+def _wait_set(names: list[str], specs: dict[str, Service]) -> list[str]:
+    """`names` and everything they wait for, in start order."""
+    needed, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name not in needed:
+            needed.add(name)
+            todo.extend(specs[name].after)
+    return [name for name in specs if name in needed]
 
 
 def up(settings: PipelineSettings, names: Iterable[str] | None = None, wait: bool = True,
-       timeout_s: float | None = None) -> dict[str, Any]:
+       timeout_s: float | None = None, fleet: int | None = None) -> dict[str, Any]:
     """Start the services that are not running, then wait until all of them answer (when `wait`).
 
-    A running service is left alone, so `up` twice starts nothing the second time. Raises StackError
-    when a port is held by a process the stack did not start, or a service exits while starting.
+    `fleet=N` records the fleet layout with N serving replicas first (flows/fleet.py); without it a
+    recorded fleet is started again as recorded, unless none of its services runs, in which case the
+    single-machine stack is started instead. A running service is left alone, so `up` twice starts
+    nothing the second time. A service waits for those it names in `after` (started too when they do
+    not run); `wait=False` returns once every chosen service has been started. Raises StackError when
+    a port is held by a process the stack did not start, or a service exits or times out starting.
     """
-    names = _names(names)
-    specs = service_specs(settings)
+    from flows import fleet as fleet_module
+
     stack_dir = settings.stack_dir
     stack_dir.mkdir(parents=True, exist_ok=True)
+    if fleet is not None:
+        layout = fleet_module.read_layout(settings)
+        running = [name for name in (service_specs(settings) if layout else {})
+                   if service_pid(stack_dir, name) is not None]
+        if layout is not None and layout.replicas != fleet and running:
+            raise StackError(f"a fleet with {layout.replicas} replicas runs ({', '.join(running)}); "
+                             f"`leap stack down` first to change it to {fleet}")
+        if layout is None and any(service_pid(stack_dir, name) is not None for name in _single_specs(settings)):
+            raise StackError("the single-machine stack runs; `leap stack down` before `leap stack up --fleet`")
+        fleet_module.write_layout(settings, fleet_module.plan_layout(settings, fleet))
+    elif fleet_module.read_layout(settings) is not None and not any(
+            service_pid(stack_dir, name) is not None for name in service_specs(settings)):
+        fleet_module.forget_layout(settings)
+    specs = service_specs(settings)
+    chosen = _names(names, specs)
+    involved = _wait_set(chosen, specs)
+    to_start = [name for name in involved if service_pid(stack_dir, name) is None]
+    deadlines = {name: time.monotonic() + (timeout_s or specs[name].start_timeout_s) for name in involved}
     started: list[str] = []
-    for name in sorted(names, key=_START_ORDER.index):
-        spec = specs[name]
-        if service_pid(stack_dir, name) is not None:
-            continue
-        pid_file(stack_dir, name).unlink(missing_ok=True)
-        taken = [port for port in spec.ports if _port_taken(settings.stack_host, port)]
-        if taken:
-            raise StackError(f"{name}: port {taken[0]} is in use by a process the stack did not start; "
-                             f"stop it or choose another port (LEAP_*_PORT)")
-        if name == "mlflow":
-            from registry.client import ensure_db
-
-            (settings.mlflow_dir / "artifacts").mkdir(parents=True, exist_ok=True)
-            ensure_db(settings.mlflow_sqlite_uri)
-        elif name == "serving":
-            settings.token()  # the replica and the push flow must read the same token file
-        _spawn(spec, stack_dir, settings.home)
-        started.append(name)
-
-    if wait:
-        pending = set(names)
-        deadlines = {name: time.monotonic() + (timeout_s or specs[name].start_timeout_s) for name in names}
-        while pending:
-            for name in sorted(pending):
-                if answers(specs[name].health_url):
-                    pending.discard(name)
-                elif service_pid(stack_dir, name) is None:
-                    tail = _log_tail(log_file(stack_dir, name))
-                    raise StackError(f"{name} exited while starting; last log lines:\n{tail}")
-                elif time.monotonic() > deadlines[name]:
-                    raise StackError(f"{name} did not answer {specs[name].health_url} in time; "
-                                     f"see {log_file(stack_dir, name)}")
-            if pending:
-                time.sleep(0.5)
-    return {"started": started, **status(settings, names)}
+    pending = set(involved)
+    while to_start or (wait and pending):
+        answering = {name for name in pending if healthy(specs[name])}
+        pending -= answering
+        for name in list(to_start):
+            spec = specs[name]
+            if any(dep in pending for dep in spec.after):
+                continue
+            to_start.remove(name)
+            pid_file(stack_dir, name).unlink(missing_ok=True)
+            taken = [port for port in spec.ports if _port_taken(settings.stack_host, port)]
+            if taken:
+                raise StackError(f"{name}: port {taken[0]} is in use by a process the stack did not start; "
+                                 f"stop it or choose another port (LEAP_*_PORT)")
+            if spec.prepare is not None:
+                try:
+                    spec.prepare()
+                except Exception as exc:  # a database, bucket or pool that cannot be made stops `up` here
+                    raise StackError(f"{name}: preparing failed: {type(exc).__name__}: {exc}") from exc
+            _spawn(spec, stack_dir, settings.home)
+            deadlines[name] = time.monotonic() + (timeout_s or spec.start_timeout_s)
+            started.append(name)
+        for name in sorted(pending):
+            if name in to_start:
+                if time.monotonic() > deadlines[name]:
+                    raise StackError(f"{name} waited too long for {', '.join(specs[name].after)}")
+                continue
+            if service_pid(stack_dir, name) is None:
+                tail = _log_tail(log_file(stack_dir, name))
+                raise StackError(f"{name} exited while starting; last log lines:\n{tail}")
+            if time.monotonic() > deadlines[name]:
+                raise StackError(f"{name} did not answer {specs[name].health_url} in time; "
+                                 f"see {log_file(stack_dir, name)}")
+        if to_start or (wait and pending):
+            time.sleep(0.5)
+    return {"started": started, **status(settings, chosen)}
 
 
 def group_alive(pgid: int) -> bool:
@@ -251,8 +350,8 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def stop_process(pid: int, grace_s: float = 15.0) -> str:
-    """SIGTERM the process group a service leads, SIGKILL what is left after `grace_s`."""
+def stop_process(pid: int, grace_s: float = 15.0, sig: int = signal.SIGTERM) -> str:
+    """`sig` (SIGTERM) to the process group a service leads, SIGKILL what is left after `grace_s`."""
     try:
         pgid = os.getpgid(pid)
     except ProcessLookupError:
@@ -260,7 +359,7 @@ def stop_process(pid: int, grace_s: float = 15.0) -> str:
     if pgid != pid:  # not a session leader the stack started: signal only that process
         pgid = None
     send = (lambda sig: _signal_group(pgid, sig)) if pgid is not None else (lambda sig: os.kill(pid, sig))
-    send(signal.SIGTERM)
+    send(sig)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         if not _alive(pid) and (pgid is None or not group_alive(pgid)):
@@ -278,10 +377,18 @@ def stop_process(pid: int, grace_s: float = 15.0) -> str:
 
 
 def down(settings: PipelineSettings, names: Iterable[str] | None = None, grace_s: float = 15.0) -> dict[str, Any]:
-    """Stop the services the stack started (in reverse order) and remove their pid files."""
+    """Stop the services the stack started (in reverse order) and remove their pid files; once none of a
+    fleet's services runs, its recorded layout and env file go too (its data folders stay)."""
+    from flows import fleet
+
+    specs = service_specs(settings)
     stopped = {}
-    for name in reversed(_names(names)):
+    for name in reversed(_names(names, specs)):
         pid = service_pid(settings.stack_dir, name)
-        stopped[name] = "not running" if pid is None else stop_process(pid, grace_s)
+        stopped[name] = "not running" if pid is None else stop_process(pid, grace_s, specs[name].stop_signal)
         pid_file(settings.stack_dir, name).unlink(missing_ok=True)
-    return {"stopped": stopped, **status(settings, names)}
+    result = {"stopped": stopped, **status(settings, names)}
+    if fleet.read_layout(settings) is not None and all(service_pid(settings.stack_dir, name) is None
+                                                       for name in specs):
+        fleet.forget_layout(settings)
+    return result

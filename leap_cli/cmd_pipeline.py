@@ -22,7 +22,8 @@ from leap_cli import cmd_pipeline_bench  # noqa: F401  (registers `leap bench pi
 from leap_cli.apps import app, stack_app
 from leap_cli.output import console, emit
 
-_SERVICES_HELP = "comma-separated subset of mlflow,prefect,serving"
+_SERVICES_HELP = ("comma-separated subset of mlflow,prefect,serving (a fleet: postgres,s3,mlflow,prefect,"
+                  "worker-0,worker-1,serving-0,...)")
 
 
 def _settings():
@@ -178,13 +179,22 @@ def stack_up(
     services: Optional[str] = typer.Option(None, help=_SERVICES_HELP),
     wait: bool = typer.Option(True, help="wait until every service answers its health check"),
     timeout: Optional[float] = typer.Option(None, help="seconds to wait per service"),
+    fleet: bool = typer.Option(False, "--fleet", help="the fleet: PostgreSQL, S3 (moto), MLflow and Prefect on "
+                                                      "them, two Prefect process workers, --replicas replicas"),
+    replicas: Optional[int] = typer.Option(None, min=0, help="serving replicas of the fleet (default "
+                                                               "$LEAP_REPLICAS, 1)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Start MLflow, Prefect and the serving process on loopback (running ones are left alone)."""
+    """Start MLflow, Prefect and the serving process on loopback (running ones are left alone); with
+    --fleet, the fleet, whose variables (`$LEAP_HOME/stack/fleet.env`) every `leap` command then uses."""
     from flows import stack
 
-    _run(lambda: stack.up(_settings(), _service_names(services), wait=wait, timeout_s=timeout), as_json, "stack",
-         fail_unhealthy=wait)
+    def run() -> dict[str, Any]:
+        settings = _settings()
+        count = None if not fleet else (settings.replicas if replicas is None else replicas)
+        return stack.up(settings, _service_names(services), wait=wait, timeout_s=timeout, fleet=count)
+
+    _run(run, as_json, "stack", fail_unhealthy=wait)
 
 
 @stack_app.command("status")
@@ -192,7 +202,8 @@ def stack_status(
     services: Optional[str] = typer.Option(None, help=_SERVICES_HELP),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Health, URL and pid of each service; exits 1 unless all of them are healthy."""
+    """Health, URL and pid of each service, and each replica's readout version and live rolling Spearman and
+    MAE; exits 1 unless all of them are healthy."""
     from flows import stack
 
     _run(lambda: stack.status(_settings(), _service_names(services)), as_json, "stack")

@@ -9,12 +9,19 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from leap_cli.apps import app
 
+# While `leap stack up --fleet` runs in $LEAP_HOME, its store, bucket, replicas and servers are the
+# defaults of every command (variables already set win).
+from flows.fleet import apply_environment
+
+apply_environment()
+
 _COMMAND_MODULES = (
     "leap_cli.cmd_core",
     "leap_cli.cmd_serving",
     "leap_cli.cmd_pipeline",
     "leap_cli.cmd_eval",
     "leap_cli.cmd_faults",
+    "leap_cli.cmd_watch",
 )
 
 for _name in _COMMAND_MODULES:
