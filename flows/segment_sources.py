@@ -12,23 +12,41 @@ memory. An object deleted between the listing and the read counts as vanished, l
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from dataclasses import dataclass
 
-from leap_io.object_store import ObjectNotFound, ObjectStore, parse_s3_url
+from leap_io.object_store import ENDPOINT_ENV, ObjectNotFound, ObjectStore, check_endpoint, parse_s3_url
 
 logger = logging.getLogger(__name__)
 
 _QUARANTINE = "quarantine"
 
 
+_STORES: dict[str | None, ObjectStore] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def store_at(endpoint_url: str | None) -> ObjectStore:
+    """One client per endpoint for the process (boto3 clients are thread-safe; making one costs ~50 ms).
+    None means `LEAP_S3_ENDPOINT_URL` as it is now (else AWS)."""
+    endpoint_url = check_endpoint(endpoint_url if endpoint_url is not None else os.environ.get(ENDPOINT_ENV))
+    with _STORES_LOCK:
+        store = _STORES.get(endpoint_url)
+        if store is None:
+            store = _STORES[endpoint_url] = ObjectStore(endpoint_url)
+        return store
+
+
 @dataclass(frozen=True)
 class ObjectSegment:
-    """One segment object; `flows.ingest.SegmentSource` for a bucket."""
+    """One segment object; `flows.ingest.SegmentSource` for a bucket. Plain values only, so it pickles
+    (a task in another process can read it); the client comes from `store_at(endpoint_url)`."""
 
-    store: ObjectStore
     bucket: str
     key: str
     replica_id: str | None = None
+    endpoint_url: str | None = None
 
     @property
     def segment(self) -> str:
@@ -40,22 +58,22 @@ class ObjectSegment:
 
     def read_bytes(self) -> bytes:
         """The object's bytes; `ObjectNotFound` (a FileNotFoundError) when it is gone."""
-        return self.store.get(self.bucket, self.key)
+        return store_at(self.endpoint_url).get(self.bucket, self.key)
 
 
 def _is_segment_name(name: str) -> bool:
     return name.endswith(".parquet") and not name.startswith(".")
 
 
-def object_segments(url: str, *, endpoint_url: str | None = None,
-                    store: ObjectStore | None = None) -> list[ObjectSegment]:
+def object_segments(url: str, *, endpoint_url: str | None = None) -> list[ObjectSegment]:
     """The complete segments under `s3://bucket/prefix`, in the order a local folder's are ingested.
 
     A bucket that does not exist yet (no replica has shipped) holds no segments; any other error of the
     service (down, refused) is raised as `ObjectStoreError`, which ends the run like a local I/O error.
     """
     location = parse_s3_url(url)
-    store = store if store is not None else ObjectStore(endpoint_url)
+    store = store_at(endpoint_url)
+    endpoint_url = store.endpoint_url  # resolved (LEAP_S3_ENDPOINT_URL when not given), so it travels
     base = f"{location.prefix}/" if location.prefix else ""
     top: list[ObjectSegment] = []
     nested: list[tuple[str, str, ObjectSegment]] = []
@@ -63,10 +81,10 @@ def object_segments(url: str, *, endpoint_url: str | None = None,
         for info in store.list(location.bucket, base):
             parts = info.key[len(base):].split("/")
             if len(parts) == 1 and _is_segment_name(parts[0]):
-                top.append(ObjectSegment(store, location.bucket, info.key))
+                top.append(ObjectSegment(location.bucket, info.key, None, endpoint_url))
             elif (len(parts) == 2 and parts[0] and not parts[0].startswith(".") and parts[0] != _QUARANTINE
                   and _is_segment_name(parts[1])):
-                nested.append((parts[0], parts[1], ObjectSegment(store, location.bucket, info.key, parts[0])))
+                nested.append((parts[0], parts[1], ObjectSegment(location.bucket, info.key, parts[0], endpoint_url)))
     except ObjectNotFound as error:  # listing raises it only for a missing bucket
         logger.warning("no feedback bucket yet (%s): no segments to ingest", error)
         return []

@@ -10,6 +10,7 @@ runtime test builds a LeapRuntime without an engine (tests/runtime_fixtures.py).
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
-from flows.ingest import ingest_folder, totals
+from flows.ingest import complete_segments, ingest_folder, totals
 from flows.servers import free_port, running_s3
 from flows.store import LogStore
 from leap_io.object_store import ObjectStore, ObjectURLError, check_endpoint, parse_s3_url
@@ -291,6 +292,10 @@ def test_two_replicas_ship_under_their_own_prefixes_and_ingest_keeps_their_ids(t
     assert stored == sorted([(f"serving-0-{i:06d}", "serving-0") for i in range(30)]
                             + [(f"serving-1-{i:06d}", "serving-1") for i in range(17)])
     assert totals(ingest_folder(log, "s3://leap-no-such-bucket/fleet", endpoint_url=s3_env))["segments"] == 0
+    # a listed segment is plain values: it travels to another process (a mapped task) and reads there
+    source = complete_segments(url)[0]
+    assert pickle.loads(pickle.dumps(source)) == source
+    assert source.endpoint_url == s3_env and source.read_bytes()[:4] == b"PAR1"
 
 
 def test_the_runtime_ships_its_writers_segments_and_reports_them(tmp_path, s3_env, bucket, build):
