@@ -241,7 +241,8 @@ def status(settings: PipelineSettings, names: Iterable[str] | None = None) -> di
                           "pid": service_pid(settings.stack_dir, name),
                           "log": str(log_file(settings.stack_dir, name))}
         if spec.admin_url is not None:
-            replicas.append({"name": name, "url": spec.url, "up": up_now, **fleet.replica_report(spec.admin_url)})
+            replicas.append({"name": name, "url": spec.url, "up": up_now,
+                             **fleet.replica_report(spec.admin_url, name)})
     layout = fleet.read_layout(settings)
     versions = sorted({str(r["version"]) for r in replicas if r.get("version") is not None})
     return {"services": services, "replicas": replicas, "versions": versions,

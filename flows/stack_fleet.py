@@ -20,6 +20,7 @@ the `leap` command applies them to its environment (variables already set win), 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 from collections.abc import Callable, Mapping
@@ -46,8 +47,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 REPLICA_KV_CACHE_GIB = "1"
 """KV cache of each CPU replica (GiB): several vLLM CPU engines share this machine's memory."""
 _ROLLING_GAUGES = {"leap_rolling_spearman": "spearman", "leap_rolling_mae": "mae"}
-_DOMAIN_GAUGES = {"leap_domain_rolling_spearman": "spearman", "leap_domain_rolling_mae": "mae",
-                  "leap_domain_anchor_mae": "anchor_mae", "leap_domain_rolling_rows": "rows"}
+_FINISHED = "leap_finished_requests_total"
 
 
 @dataclass(frozen=True)
@@ -389,30 +389,41 @@ def fleet_specs(settings: PipelineSettings, layout: FleetLayout) -> dict[str, Se
 
 # ---------------------------------------------------------------------------- replica readouts
 
-def parse_gauges(text: str) -> dict[str, Any]:
-    """The rolling figures of a replica's /metrics text: spearman, mae and, when exported, by_domain."""
+def parse_gauges(text: str, replica: str = "", version: str = "") -> dict[str, Any]:
+    """The live figures in a replica's /metrics text: `spearman` and `mae` over its last finished requests
+    (None before any), and `by_domain` as the drift watch reads them (`flows.drift.parse_quality`)."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    from flows.drift import MetricsError, parse_quality
+
     figures: dict[str, Any] = {"spearman": None, "mae": None}
-    by_domain: dict[str, dict[str, float | None]] = {}
+    rolling: dict[str, float] = {}
+    finished = None
     try:
-        families = list(text_string_to_metric_families(text))
-    except ValueError:
-        return {**figures, "metrics_error": "unparseable /metrics text"}
-    for family in families:
-        for sample in family.samples:
-            value: float | None = float(sample.value)
-            value = None if value != value else value  # NaN: no finished requests yet
-            if sample.name in _ROLLING_GAUGES and not sample.labels:
-                figures[_ROLLING_GAUGES[sample.name]] = value
-            elif sample.name in _DOMAIN_GAUGES and "domain" in sample.labels:
-                by_domain.setdefault(sample.labels["domain"], {})[_DOMAIN_GAUGES[sample.name]] = value
-    if by_domain:
-        figures["by_domain"] = by_domain
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in _ROLLING_GAUGES and not sample.labels:
+                    rolling[_ROLLING_GAUGES[sample.name]] = float(sample.value)
+                elif sample.name == _FINISHED:
+                    finished = float(sample.value)
+        observations = parse_quality(text, replica, version, now=0.0)
+    except (MetricsError, ValueError, TypeError) as error:
+        return {**figures, "metrics_error": f"{type(error).__name__}: {error}"}
+    figures["finished"] = None if finished is None else int(finished)
+    if finished:  # the gauges read 0 until a request finishes: that is no figure, not a perfect MAE
+        figures.update({key: _finite(value) for key, value in rolling.items()})
+    if observations:
+        figures["by_domain"] = {o.domain: {"spearman": _finite(o.spearman), "mae": _finite(o.mae),
+                                           "anchor_mae": _finite(o.anchor_mae), "rows": o.rows}
+                                for o in observations}
     return figures
 
 
-def replica_report(url: str, timeout: float = 3.0) -> dict[str, Any]:
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def replica_report(url: str, name: str = "", timeout: float = 3.0) -> dict[str, Any]:
     """What one replica's admin API says: its readout version and live figures; errors are reported, not
     raised, so one replica that does not answer leaves the others' report intact."""
     report: dict[str, Any] = {"admin_url": url, "admin_up": False, "version": None, "spearman": None, "mae": None}
@@ -433,5 +444,7 @@ def replica_report(url: str, timeout: float = 3.0) -> dict[str, Any]:
     else:
         report["error"] = f"/leap/readout answered {readout.status_code} without a JSON object"
     if metrics.status_code == 200:
-        report.update(parse_gauges(metrics.text))
+        report.update(parse_gauges(metrics.text, name, str(report["version"] or "")))
+    else:
+        report["metrics_error"] = f"/metrics answered {metrics.status_code}"
     return report

