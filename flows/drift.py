@@ -316,9 +316,9 @@ def decide(state: DriftState, baseline: Baseline, policy: DriftPolicy, now: floa
 
 
 @task(name="scrape-replica", cache_policy=NO_CACHE)
-def scrape_replica(endpoint: str, timeout: float) -> dict[str, Any]:
-    """One replica's readout (version, model, layer) and per-domain observations; `error` when it fails."""
-    now = time.time()
+def scrape_replica(endpoint: str, timeout: float, now: float) -> dict[str, Any]:
+    """One replica's readout (version, model, layer) and per-domain observations, stamped `now` (the
+    watch's pass, so its decisions judge exactly what this pass saw); `error` when it fails."""
     try:
         with httpx.Client(timeout=timeout) as client:
             described = client.get(f"{endpoint}/leap/readout")
@@ -390,10 +390,10 @@ def _model_name(scrapes: Sequence[Mapping[str, Any]], name: str | None) -> str |
 def _carry_out(decision: dict[str, Any], settings: PipelineSettings, name: str, state: DriftState,
                now: float) -> None:
     """Act on one decision; its outcome (or the error) is written into it. Never raises."""
-    from flows.tasks import push_champion, rollback_champion
-
     action = decision["action"]
     try:
+        from flows.tasks import push_champion, rollback_champion
+
         if action == RETRAIN:
             state.last_retrain_at = now  # a retrain that fails is not retried before the cooldown either
             decision["outcome"] = start_retrain(settings.drift_retrain_deployment)
@@ -427,7 +427,7 @@ def drift_flow(name: str | None = None, act: bool = True) -> dict[str, Any]:
     settings = PipelineSettings()
     policy = DriftPolicy.from_settings(settings)
     now = time.time()
-    scrapes = [scrape_replica(endpoint, settings.drift_scrape_timeout_s) for endpoint in settings.endpoints]
+    scrapes = [scrape_replica(endpoint, settings.drift_scrape_timeout_s, now) for endpoint in settings.endpoints]
     unreachable = {s["endpoint"]: s["error"] for s in scrapes if "error" in s}
     name = _model_name(scrapes, name)
     result: dict[str, Any] = {"status": "watched", "name": name, "replicas": len(settings.endpoints),
