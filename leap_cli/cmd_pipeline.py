@@ -231,9 +231,12 @@ def deploy_command(
     name: str = typer.Option("hourly", help="deployment name"),
     serve: bool = typer.Option(True, help="keep running and execute the scheduled runs (Ctrl-C stops); "
                                           "--no-serve only registers the deployment"),
+    pool: Optional[str] = typer.Option(None, help="register on this process work pool instead (created if "
+                                                  "missing; its workers run the runs, one at a time)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Register the retrain flow with a cron schedule on the stack's Prefect server (PREFECT_API_URL)."""
+    """Register the retrain flow with a cron schedule on the stack's Prefect server (PREFECT_API_URL);
+    with --pool, on a work pool whose workers execute it, at most one run at a time."""
     settings = _settings()
     api_url = os.environ.get("PREFECT_API_URL") or settings.prefect_api_url
     os.environ["PREFECT_API_URL"] = api_url  # the runner's flow-run processes read it from the environment
@@ -246,6 +249,13 @@ def deploy_command(
 
         if not answers(f"{api_url}/health"):
             raise LookupError(f"no Prefect server answers at {api_url}; run `leap stack up` first")
+        if pool is not None:
+            from flows.stack_fleet import ensure_pool, register_deployment
+
+            ensure_pool(api_url, pool)
+            deployment_id = register_deployment(api_url, retrain_flow, name, pool, cron=cron, concurrency_limit=1)
+            return {"status": "registered", "deployment": f"{retrain_flow.name}/{name}", "id": deployment_id,
+                    "cron": cron, "api_url": api_url, "pool": pool, "concurrency_limit": 1}
         os.chdir(Path(__file__).resolve().parents[1])  # the deployment's entrypoint is relative to here
         with temporary_settings({PREFECT_API_URL: api_url}):
             deployment = retrain_flow.to_deployment(name=name, cron=cron)
@@ -254,7 +264,7 @@ def deploy_command(
                 "cron": cron, "api_url": api_url, "entrypoint": deployment.entrypoint}
 
     _run(register, as_json, "deploy")
-    if not serve:
+    if not serve or pool is not None:
         return
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
