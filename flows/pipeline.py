@@ -145,7 +145,7 @@ def push_flow(version: str | None = None, name: str | None = None, promote: bool
                 "reason": reason}
     promoted = promote_if_passed(settings.mlflow_tracking_uri, name, candidate, recorded["verdict"],
                                  settings.endpoints, settings.token(), str(settings.promotion_journal_dir), lock,
-                                 settings.push_retries, settings.push_timeout_s)
+                                 settings.push_retries, settings.push_timeout_s, settings.champion_url)
     get_run_logger().info("push: %s v%s serving on %d replicas, promoted", name, candidate, len(promoted["pushed"]))
     return plain({**promoted, "status": "promoted"})
 
@@ -158,7 +158,7 @@ def rollback_flow(name: str | None = None) -> dict[str, Any]:
     name = _model_name(settings, name)
     result = rollback_champion(settings.mlflow_tracking_uri, name, settings.endpoints, settings.token(),
                                str(settings.promotion_journal_dir), str(settings.alias_lock_path),
-                               settings.push_retries, settings.push_timeout_s)
+                               settings.push_retries, settings.push_timeout_s, settings.champion_url)
     get_run_logger().info("rollback: %s v%s is champion again on %d replicas", name, result["version"],
                           len(result["pushed"]))
     return plain(result)

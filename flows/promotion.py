@@ -23,6 +23,11 @@ are written back as they were read. A process killed part-way leaves its journal
 promotion or rollback of that model restores the earlier state from it first (or refuses to start
 while it cannot). MLflow calls are retried with backoff (`registry.client.call_with_retry`) and then
 fail loudly; nothing here ever changes serving except by a verified push.
+
+Once done, and still under the lock, the new champion's bundle is published (`leap_io.champion`, at
+`champion_url`) so a replica that starts later, or was not among `endpoints`, serves it at start. The
+publication is a copy: when it cannot be written the operation still stands, and the result says why
+(`published.error`); a replica then restores its own last push as before.
 """
 
 from __future__ import annotations
@@ -233,9 +238,23 @@ def _recover(registry: ReadoutRegistry, name: str, journal: _Journal, options: P
 # ---------------------------------------------------------------------------- the operation
 
 
+def publish_champion(champion_url: str | Path | None, name: str, bundle: bytes, readout_version: str,
+                     version: str | int) -> dict[str, Any] | None:
+    """Publish `bundle` as the champion of `name` (`leap_io.champion`); None without a location, and the
+    error instead of raising: the champion already serves and is named by the registry."""
+    if not champion_url:
+        return None
+    from leap_io.champion import ChampionPublication
+
+    try:
+        return ChampionPublication(champion_url).publish(name, bundle, readout_version, version)
+    except Exception as error:  # noqa: BLE001 - reported; replicas then restore their own last push
+        return {"location": str(champion_url), "error": f"{type(error).__name__}: {error}"}
+
+
 def _change(registry: ReadoutRegistry, name: str, kind: str,
             target_of: Callable[[dict[str, str]], dict[str, str | None]], endpoints: Sequence[str],
-            options: PushOptions, journal_dir: str | Path) -> dict[str, Any]:
+            options: PushOptions, journal_dir: str | Path, champion_url: str | Path | None = None) -> dict[str, Any]:
     journal = _Journal(journal_dir, name)
     with registry.alias_lock.held():
         try:
@@ -282,26 +301,29 @@ def _change(registry: ReadoutRegistry, name: str, kind: str,
                 message += f". Journal {journal.path}: the next promotion or rollback restores the rest first"
             raise PromotionFailed(message, restored=restored, state={**journal.state, **outcome}) from error
         journal.remove()
+        published = publish_champion(champion_url, name, bundle, expected, version)
     return {"name": name, "version": version, "readout_version": expected, "champion": version,
             "replaced": previous if previous != version else None, "aliases": target, "aliases_changed": changed,
-            "pushed": pushed, "recovered": recovered}
+            "pushed": pushed, "recovered": recovered, "published": published}
 
 
 def promote(registry: ReadoutRegistry, name: str, version: str | int, endpoints: Sequence[str],
-            options: PushOptions, journal_dir: str | Path) -> dict[str, Any]:
+            options: PushOptions, journal_dir: str | Path, champion_url: str | Path | None = None) -> dict[str, Any]:
     """Make `version` the champion on every replica and in the registry, or fail with the earlier state
-    restored (see the module docstring). Returns the pushes and the aliases written."""
+    restored (see the module docstring), then publish it at `champion_url`. Returns the pushes, the
+    aliases written and the publication."""
     result = _change(registry, name, PROMOTE, lambda current: registry.promotion_target(current, version),
-                     endpoints, options, journal_dir)
+                     endpoints, options, journal_dir, champion_url)
     return {"status": "promoted", **result}
 
 
 def rollback(registry: ReadoutRegistry, name: str, endpoints: Sequence[str], options: PushOptions,
-             journal_dir: str | Path) -> dict[str, Any]:
+             journal_dir: str | Path, champion_url: str | Path | None = None) -> dict[str, Any]:
     """Make `previous-champion` the champion again, in the registry AND on every replica, or fail with
-    the earlier state restored. Raises PromotionFailed (from LookupError) when there is none."""
+    the earlier state restored, then publish it at `champion_url`. Raises PromotionFailed (from
+    LookupError) when there is none."""
     result = _change(registry, name, ROLLBACK, lambda current: registry.rollback_target(name, current),
-                     endpoints, options, journal_dir)
+                     endpoints, options, journal_dir, champion_url)
     return {"status": "rolled-back", **result}
 
 

@@ -39,6 +39,9 @@ class PipelineSettings(BaseSettings):
     s3_endpoint_url: str | None = Field(
         None, description="S3-compatible endpoint (MinIO, moto); None: AWS. Credentials: the AWS_* variables")
     replicas: int = Field(1, ge=1, description="serving replicas the local stack starts (`leap stack up --fleet`)")
+    champion_url: str | None = Field(
+        None, description="where promotions publish the champion for replicas that start later "
+                          "(leap_io.champion): a folder or s3://bucket/prefix; default <home>/champion")
     endpoints: Annotated[list[str] | None, NoDecode] = Field(
         None, description="admin URLs of the serving replicas, comma-separated or a JSON list "
                           "(default: the local stack's admin port; an empty string: push nowhere)")
@@ -138,6 +141,8 @@ class PipelineSettings(BaseSettings):
             self.drift_state_path = self.home / "drift" / "watch.json"
         if self.admin_token_file is None:
             self.admin_token_file = self.home / "admin.token"
+        if self.champion_url is None:
+            self.champion_url = str(self.home / "champion")
         if self.endpoints is None:
             self.endpoints = [f"http://{self.stack_host}:{self.admin_port}"]
         self.endpoints = [url.rstrip("/") for url in self.endpoints]

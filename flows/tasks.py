@@ -422,29 +422,33 @@ def record_gate(duckdb_path: str, tracking_uri: str, name: str, challenger: str,
 @task(name="promote-if-passed", cache_policy=NO_CACHE)
 def promote_if_passed(tracking_uri: str, name: str, version: str, verdict: Mapping[str, Any],
                       endpoints: Sequence[str] = (), token: str = "", journal_dir: str | None = None,
-                      lock_path: str | None = None, push_retries: int = 3, push_timeout: float = 30.0
-                      ) -> dict[str, Any]:
+                      lock_path: str | None = None, push_retries: int = 3, push_timeout: float = 30.0,
+                      champion_url: str | None = None) -> dict[str, Any]:
     """On a passing verdict, make `version` the champion on every replica of `endpoints` and in the
     registry, all or nothing (`flows.promotion.promote`, which raises PromotionFailed with the
-    earlier state restored); otherwise leave every alias and replica alone."""
+    earlier state restored), and publish it at `champion_url`; otherwise leave every alias and
+    replica alone."""
     registry = registry_at(tracking_uri, lock_path)
     if not verdict.get("passed", False):
         return {"promoted": False, "champion": registry.get_alias(name, CHAMPION),
                 "reason": verdict.get("reason", "the gate did not pass")}
     journal = journal_dir or str(Path(lock_path or registry.alias_lock.path).parent / "promotions")
     result = promote_everywhere(registry, name, version, list(endpoints),
-                                PushOptions(token, retries=push_retries, timeout=push_timeout), journal)
+                                PushOptions(token, retries=push_retries, timeout=push_timeout), journal,
+                                champion_url)
     return {"promoted": True, **result}
 
 
 @task(name="rollback-champion", cache_policy=NO_CACHE)
 def rollback_champion(tracking_uri: str, name: str, endpoints: Sequence[str], token: str, journal_dir: str,
-                      lock_path: str | None = None, push_retries: int = 3, push_timeout: float = 30.0
-                      ) -> dict[str, Any]:
-    """Make previous-champion the champion again in the registry and on every replica, all or nothing."""
+                      lock_path: str | None = None, push_retries: int = 3, push_timeout: float = 30.0,
+                      champion_url: str | None = None) -> dict[str, Any]:
+    """Make previous-champion the champion again in the registry and on every replica, all or nothing,
+    and publish it at `champion_url`."""
     registry = registry_at(tracking_uri, lock_path)
     return rollback_everywhere(registry, name, list(endpoints),
-                               PushOptions(token, retries=push_retries, timeout=push_timeout), journal_dir)
+                               PushOptions(token, retries=push_retries, timeout=push_timeout), journal_dir,
+                               champion_url)
 
 
 def _bundle(registry: ReadoutRegistry, name: str, version: str, force: bool = False) -> tuple[bytes, str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,6 +29,13 @@ class ModelInfo:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def registered_model_name(model_id: str, layer: int) -> str:
+    """`leap-readout-<model id>-L<layer>`: the registered model of a serving model and layer (the registry
+    names its versions by it; serving finds the published champion by it without importing MLflow)."""
+    sanitised = re.sub(r"-{2,}", "-", re.sub(r"[^a-z0-9._-]+", "-", str(model_id).lower())).strip("-.")
+    return f"leap-readout-{sanitised}-L{int(layer)}"
 
 
 def weights_fingerprint(folder: Path) -> str:

@@ -56,6 +56,7 @@ from mlflow.tracking import MlflowClient
 
 from registry import plots as plotting
 from leap_io.jsonable import dumps
+from leap_io.model_identity import registered_model_name
 from registry.model import READOUT_FILE, RLS_STATE_FILE, save_readout_model
 
 if TYPE_CHECKING:
@@ -309,10 +310,6 @@ def ensure_db(tracking_uri: str) -> None:
         _ensured_uris.add(key)
 
 
-def _sanitise(text: str) -> str:
-    return re.sub(r"-{2,}", "-", re.sub(r"[^a-z0-9._-]+", "-", text.lower())).strip("-.")
-
-
 def _metric_key(key: str) -> str:
     """MLflow keys allow letters, digits, `_ - . / ` and space; domains come from free text."""
     return re.sub(r"[^A-Za-z0-9_\-./ ]+", "_", str(key))
@@ -370,7 +367,7 @@ class ReadoutRegistry:
     @staticmethod
     def model_name(model_id: str, layer: int) -> str:
         """`leap-readout-<model id>-L<layer>`: one registered model per serving model and layer."""
-        return f"leap-readout-{_sanitise(model_id)}-L{int(layer)}"
+        return registered_model_name(model_id, layer)
 
     def _experiment_id(self, name: str) -> str:
         experiment = self.client.get_experiment_by_name(name)

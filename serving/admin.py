@@ -9,6 +9,9 @@ so a push takes effect at the next step without touching the OpenAI front end. W
   POST /leap/readout           body: a leap_core readout file, or a bundle (readout + RLS anchor);
                                `?force=1` lets an older version replace a newer one (a rollback)
   POST /leap/feedback/flush    close the open feedback segment so ingest sees every finished request
+  GET  /leap/rls               (token) the RLS state learned since the last push, as a push bundle; the
+                               header X-Leap-Rls holds its base version and rows folded (JSON); 409
+                               when the replica learns nothing, 404 when the target keeps no RLS
   GET  /metrics                Prometheus text format
 
 No client can take the process down through it: a push body needs a Content-Length (411 without one,
@@ -43,6 +46,8 @@ DEFAULT_BODY_DEADLINE_S = 300.0
 _CHUNK = 1 << 20
 _DIGITS = re.compile(r"^[0-9]{1,19}$")
 _TRUE = ("1", "true", "yes", "on")
+RLS_PATH = "/leap/rls"
+RLS_INFO_HEADER = "X-Leap-Rls"
 
 
 class PushRefused(ValueError):
@@ -91,12 +96,15 @@ def _handler(target: AdminTarget, token: str | None, max_body: int | None, timeo
         def log_message(self, fmt: str, *args: Any) -> None:  # route to logging, not stderr
             logger.debug("admin: " + fmt, *args)
 
-        def _reply(self, status: int, payload: dict | bytes, content_type: str = "application/json") -> None:
+        def _reply(self, status: int, payload: dict | bytes, content_type: str = "application/json",
+                   headers: dict[str, str] | None = None) -> None:
             body = payload if isinstance(payload, bytes) else json.dumps(payload, default=str).encode()
             try:
                 self.send_response(status)
                 self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
                 if status == 503:
                     self.send_header("Retry-After", "1")
                 self.end_headers()
@@ -134,6 +142,8 @@ def _handler(target: AdminTarget, token: str | None, max_body: int | None, timeo
                 self._reply(200, target.describe())
             elif path == "/metrics":
                 self._reply(200, generate_latest(target.metrics_registry), CONTENT_TYPE_LATEST)
+            elif path == RLS_PATH:
+                self._rls()
             else:
                 self._reply(404, {"error": f"no such endpoint: {path}"})
 
@@ -152,18 +162,38 @@ def _handler(target: AdminTarget, token: str | None, max_body: int | None, timeo
             healthy = bool(report.get("healthy"))
             self._reply(200 if healthy else 503, {"status": "ok" if healthy else "unhealthy", **report})
 
+        def _authorized(self) -> bool:
+            """Whether the request carries the admin token; answers 403/401 itself when not."""
+            if not token:
+                self._reply(403, {"error": "pushes are disabled: no admin token is configured "
+                                           "(set LEAP_ADMIN_TOKEN or LEAP_ADMIN_TOKEN_FILE)"})
+                return False
+            given = self.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                self._reply(401, {"error": "missing or wrong admin token"})
+                return False
+            return True
+
+        def _rls(self) -> None:
+            if not self._authorized():
+                return
+            state = getattr(target, "rls_state", None)
+            if not callable(state):
+                self._reply(404, {"error": "this replica keeps no RLS state"})
+                return
+            try:
+                body, info = state()
+            except LookupError as exc:  # nothing learns here now: a state, not a failure
+                self._reply(409, {"error": str(exc), "serving": self._serving()})
+                return
+            self._reply(200, body, "application/octet-stream", {RLS_INFO_HEADER: json.dumps(info, default=str)})
+
         def _post(self) -> None:
             split = urlsplit(self.path)
             if split.path not in ("/leap/readout", "/leap/feedback/flush"):
                 self._reply(404, {"error": f"no such endpoint: {split.path}"})
                 return
-            if not token:
-                self._reply(403, {"error": "pushes are disabled: no admin token is configured "
-                                           "(set LEAP_ADMIN_TOKEN or LEAP_ADMIN_TOKEN_FILE)"})
-                return
-            given = self.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                self._reply(401, {"error": "missing or wrong admin token"})
+            if not self._authorized():
                 return
             if split.path == "/leap/feedback/flush":
                 try:

@@ -40,6 +40,12 @@ def register_predictor_policy(name: str) -> str:
     return name
 
 
+def _default_champion_location() -> str | None:
+    from leap_io.champion import default_location
+
+    return default_location()
+
+
 def known_policies() -> tuple[str, ...]:
     return (*POLICIES, *sorted(_PREDICTOR_POLICIES))
 
@@ -86,6 +92,11 @@ class LeapConfig(BaseSettings):
                                                        "when state_dir holds no push")
     registry_model: str | None = Field(None, description="registered model name; default "
                                                          "leap-readout-<model id>-L<layer>")
+    champion_url: str | None = Field(
+        default_factory=lambda: _default_champion_location(),
+        description="folder or s3://bucket/prefix where promotions publish the champion (leap_io.champion), "
+                    "served at start when newer than state_dir's push; default $LEAP_CHAMPION_URL, else "
+                    "$LEAP_HOME/champion when LEAP_HOME is set; an empty string: off")
     queue_max: int = Field(65_536, ge=1, description="longest predictor / RLS queue; beyond it items are "
                                                      "dropped and counted")
     finished_memory: int = Field(65_536, ge=1, description="recently finished ids remembered to drop their "

@@ -63,6 +63,7 @@ class OnlineLearner:
         self._features: list[np.ndarray] = []
         self._lengths: list[int] = []
         self._buffered_generation = 0
+        self._anchor_seen = rls.n_seen_ if rls is not None else 0
         self.published_version = base_version
         self._thread = SupervisedThread("leap-rls", self._run, on_error=lambda exc: self._error())
         self._thread.start()
@@ -111,10 +112,26 @@ class OnlineLearner:
         with self._lock:
             self._rls = rls
             self._base_version = base_version
+            self._anchor_seen = rls.n_seen_ if rls is not None else 0
             self.published_version = base_version
             self.updates = 0
             self._generation += 1
             return self._generation
+
+    def snapshot(self) -> dict | None:
+        """The RLS state learned under the current anchor, taken between two updates (None while nothing
+        learns): `state` (its state arrays), `readout` (the anchor readout the state extends),
+        `base_version` (that readout's version), `rows` (rows folded since the anchor), `updates`,
+        `generation`, and `buffered` (rows waiting for the next batch, not in the state yet).
+
+        A fleet merges these states over their common anchor (`leap_core.fleet_rls`)."""
+        with self._lock:
+            rls = self._rls
+            if rls is None:
+                return None
+            return {"state": rls.state_arrays(), "readout": rls.readout_, "base_version": self._base_version,
+                    "rows": int(rls.n_seen_ - self._anchor_seen), "updates": self.updates,
+                    "generation": self._generation, "buffered": len(self._features)}
 
     def close(self) -> None:
         self._thread.stopping.set()

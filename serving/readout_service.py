@@ -20,6 +20,10 @@ the background: a push that lands first wins.
 
 Where the readout at start comes from (`source` in `describe()`):
 
+0. "champion": the champion the last promotion published (`leap_io.champion`, at `champion_url`),
+   when it was published after this replica's last saved push and is another version: a replica that
+   was down or not yet started during a promotion, a rollback or a fleet merge takes the champion
+   without talking to MLflow (validated like a push, then saved as its state);
 1. "state": the last push this replica accepted, from `state_dir` (every accepted push is written
    there atomically: `readout.bin`, `rls.npz`, and `readout.json` last, with the others' digests, so a
    torn write is detected, logged and skipped, never served);
@@ -57,7 +61,7 @@ from serving.tracking import RequestTracker
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("push", "state", "registry", "config", "none")
+SOURCES = ("push", "champion", "state", "registry", "config", "none")
 
 
 class StateDamaged(RuntimeError):
@@ -121,6 +125,14 @@ class ReadoutState:
             raise StateDamaged(f"unreadable state in {self.folder}: {exc}") from exc
         return readout_bytes, rls_state, meta
 
+    def saved(self) -> tuple[str, float] | None:
+        """(version, saved_at) of the last saved push, from its metadata alone; None when none is readable."""
+        try:
+            meta = json.loads((self.folder / self.META).read_text())
+            return str(meta["version"]), float(meta["saved_at"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
 
 class OnColumns:
     """A readout applied to its columns of a captured vector: what the predictor thread is given."""
@@ -179,6 +191,7 @@ class ReadoutService:
         self._generation = 0
         self.persisted_at: float | None = None
         self.registry_status: dict[str, Any] = {"state": "off"}
+        self.champion_status: dict[str, Any] = {"state": "off"}
         self.state = ReadoutState(config.state_dir) if config.state_dir else None
         self.predictor = PredictorService(None, self._on_predictions, max_pending=config.queue_max,
                                           on_drop=lambda reason, n: telemetry.drop("prediction", reason, n))
@@ -211,7 +224,7 @@ class ReadoutService:
     def start(self) -> ReadoutService:
         """Start the predictor and serve the readout a restart should serve (see the module docstring)."""
         self.predictor.start()
-        if self._restore_state():
+        if self._take_published_champion() or self._restore_state():
             return self
         if self.config.readout_path:
             readout_bytes = Path(self.config.readout_path).read_bytes()  # an explicit file must load: fail loudly
@@ -242,6 +255,37 @@ class ReadoutService:
         self._serve(readout, rls, "state")
         self.persisted_at = meta.get("saved_at")
         logger.info("LEAP serves readout %s restored from %s", self.version, self.state.folder)
+        return True
+
+    def _take_published_champion(self) -> bool:
+        """Serve the published champion when it is newer than the saved push and another version."""
+        location = self.config.champion_url
+        if not location:
+            return False
+        try:
+            from leap_io.champion import ChampionPublication
+            from leap_io.model_identity import registered_model_name
+
+            name = self.config.registry_model or registered_model_name(self._model_id, int(self._layer))
+            published = ChampionPublication(location).load(name)
+            if published is None:
+                self.champion_status = {"state": "none", "location": str(location), "model": name}
+                return False
+            saved = self.state.saved() if self.state is not None else None
+            if saved is not None and (saved[0] == published.version or saved[1] >= published.published_at):
+                self.champion_status = {"state": "older-than-state", "version": published.version}
+                return False
+            readout, rls = validate_push(published.bundle, self._expect, None, self.capture)
+        except Exception as exc:  # noqa: BLE001 - an unusable publication must never keep a replica down
+            self._telemetry.drop("champion", "unusable")
+            self.champion_status = {"state": "failed", "error": f"{type(exc).__name__}: {exc}"}
+            logger.warning("LEAP published champion at %s is not served: %s", location, exc)
+            return False
+        self._serve(readout, rls, "champion")
+        self.champion_status = {"state": "loaded", "version": self.version, "model": name,
+                                "registry_version": published.registry_version}
+        self._persist(published.bundle, self.version)
+        logger.info("LEAP serves the published champion %s of %s", self.version, name)
         return True
 
     def _load_registry_in_background(self) -> None:
@@ -425,9 +469,23 @@ class ReadoutService:
         self._tracker.add_predictions(ids, values, version)
 
     # -- reporting ---------------------------------------------------------------------------------
+    def rls_bundle(self) -> tuple[bytes, dict]:
+        """What RLS learned here since the last anchor, as a push bundle (the anchor readout and the
+        state arrays), with `base_version` (the anchor's readout version), `rows` folded since it,
+        `updates`, `generation`, `buffered` (rows not in the state yet) and `serving` (the version
+        serving now). The fleet merge reads it (`flows.fleet`). LookupError when nothing learns."""
+        snapshot = self.learner.snapshot()
+        if snapshot is None:
+            reason = ("no readout serves" if self.readout is None
+                      else "online learning is off, or the serving readout came without RLS state")
+            raise LookupError(f"this replica holds no RLS state: {reason}")
+        info = {key: snapshot[key] for key in ("base_version", "rows", "updates", "generation", "buffered")}
+        return make_bundle(to_bytes(snapshot["readout"]), snapshot["state"]), {**info, "serving": self.version}
+
     def describe(self) -> dict:
         return {"version": self.version, "source": self.source, "generation": self._generation,
-                "persisted_at": self.persisted_at, "registry": dict(self.registry_status)}
+                "persisted_at": self.persisted_at, "registry": dict(self.registry_status),
+                "champion": dict(self.champion_status)}
 
     def close(self) -> None:
         self.predictor.stop()

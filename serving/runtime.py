@@ -414,6 +414,10 @@ class LeapRuntime:
         """Validate and hot-swap a pushed readout; raise PushRefused and keep the old one otherwise."""
         return self.readouts.push(body)
 
+    def rls_state(self) -> tuple[bytes, dict]:
+        """The RLS state learned since the last anchor, as a bundle, and what it is (GET /leap/rls)."""
+        return self.readouts.rls_bundle()
+
     def flush_feedback(self) -> dict:
         """Close the open feedback segment (as Parquet) so everything finished so far can be ingested
         (shipped to the bucket first, when feedback_url is set)."""

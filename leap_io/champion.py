@@ -1,0 +1,141 @@
+"""The published champion: the push bundle of the registry's champion at a well-known place, so a replica
+that starts or restarts serves it without talking to MLflow.
+
+Every promotion and rollback (`flows.promotion`) publishes the new champion's bundle here once the
+replicas serve it and the aliases name it; a replica reads it at start and serves it when it is newer
+than its own saved state (`serving.readout_service`), validated exactly as a push is.
+
+A publication of registered model `name` is two objects under the location (a local folder, or
+`s3://bucket/prefix` through `leap_io.object_store`):
+
+  <name>.bundle   the push bundle (readout file and RLS state; `leap_io.push_bundle`)
+  <name>.json     {"version": readout version, "registry_version", "published_at" (unix s), "sha256"}
+
+The bundle is written first and the JSON last, each atomically (a local rename; an S3 put is atomic),
+and the JSON names the bundle's digest: a reader that meets a bundle of another publication (written
+between its two reads) sees the digest differ and treats the publication as absent this time, never
+serving a mix. `published_at` is compared with a replica's own `saved_at`: both clocks must agree
+(one host, or NTP), as every timestamp the stack compares.
+
+No MLflow and no vLLM imports: the serving plugin reads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from leap_io.object_store import is_object_url
+
+CHAMPION_URL_ENV = "LEAP_CHAMPION_URL"
+
+
+class PublicationDamaged(ValueError):
+    """A publication that must not serve: unreadable JSON, a bundle whose digest is not the recorded one."""
+
+
+@dataclass(frozen=True)
+class Publication:
+    bundle: bytes
+    version: str
+    registry_version: str
+    published_at: float
+
+
+def default_location(home: str | Path | None = None) -> str | None:
+    """`$LEAP_CHAMPION_URL`, else `<home>/champion` (home: the argument, else `$LEAP_HOME`), else None."""
+    explicit = os.environ.get(CHAMPION_URL_ENV, "").strip()
+    if explicit:
+        return explicit
+    home = home if home is not None else os.environ.get("LEAP_HOME", "").strip() or None
+    return str(Path(home).resolve() / "champion") if home else None
+
+
+def _digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _check_name(name: str) -> str:
+    if not name or "/" in name or name in (".", "..") or not all(c.isalnum() or c in "._-" for c in name):
+        raise ValueError(f"a publication name is letters, digits, '.', '_' and '-', not {name!r}")
+    return name
+
+
+class ChampionPublication:
+    """Publish and read champions under one location (a folder or an `s3://bucket/prefix` URL)."""
+
+    def __init__(self, location: str | Path, endpoint_url: str | None = None) -> None:
+        self.location = str(location)
+        self._s3 = None
+        if is_object_url(self.location):
+            from leap_io.object_store import ObjectStore, parse_s3_url
+
+            self._where = parse_s3_url(self.location)
+            self._s3 = ObjectStore(endpoint_url)
+        else:
+            self._folder = Path(self.location)
+
+    def __repr__(self) -> str:
+        return f"ChampionPublication({self.location!r})"
+
+    # -- storage ---------------------------------------------------------------------------------
+    def _write(self, file_name: str, data: bytes) -> None:
+        if self._s3 is not None:
+            self._s3.ensure_bucket(self._where.bucket)
+            self._s3.put(self._where.bucket, self._where.key(file_name), data)
+            return
+        self._folder.mkdir(parents=True, exist_ok=True)
+        path = self._folder / file_name
+        tmp = path.with_name(f".{file_name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as sink:
+            sink.write(data)
+            sink.flush()
+            os.fsync(sink.fileno())
+        os.replace(tmp, path)
+
+    def _read(self, file_name: str) -> bytes | None:
+        if self._s3 is not None:
+            from leap_io.object_store import ObjectNotFound
+
+            try:
+                return self._s3.get(self._where.bucket, self._where.key(file_name))
+            except ObjectNotFound:
+                return None
+        try:
+            return (self._folder / file_name).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    # -- publications ----------------------------------------------------------------------------
+    def publish(self, name: str, bundle: bytes, version: str, registry_version: str | int) -> dict[str, Any]:
+        """Write `bundle` as the champion of `name` (bundle first, JSON last); what was written."""
+        name = _check_name(name)
+        meta = {"version": str(version), "registry_version": str(registry_version), "published_at": time.time(),
+                "sha256": _digest(bundle), "bytes": len(bundle)}
+        self._write(f"{name}.bundle", bundle)
+        self._write(f"{name}.json", json.dumps(meta, indent=1).encode())
+        return {"location": self.location, "name": name, **meta}
+
+    def load(self, name: str) -> Publication | None:
+        """The champion published for `name`; None when none is; PublicationDamaged when it must not serve."""
+        name = _check_name(name)
+        raw = self._read(f"{name}.json")
+        if raw is None:
+            return None
+        try:
+            meta = json.loads(raw)
+            expected, version = str(meta["sha256"]), str(meta["version"])
+            published_at = float(meta["published_at"])
+            registry_version = str(meta.get("registry_version", ""))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise PublicationDamaged(f"{self.location}/{name}.json is not a publication: {exc}") from exc
+        bundle = self._read(f"{name}.bundle")
+        if bundle is None or _digest(bundle) != expected:
+            raise PublicationDamaged(f"{self.location}/{name}.bundle is missing or is not the one {name}.json "
+                                     "names (a publication in progress, or an edited file)")
+        return Publication(bundle, version, registry_version, published_at)
