@@ -75,6 +75,7 @@ from flows.store import (
     SCALAR_COLUMNS,
     LogStore,
     StoreBusyError,
+    feature_bytes,
     stored_dims,
 )
 from leap_core.recipes import Recipe, RecipeError
@@ -608,7 +609,9 @@ def _ingest_table(con: duckdb.DuckDBPyConnection, read: _ReadSegment, known_dims
                   f"INSERT INTO requests ({columns}, segment, ingested_at, replica_id) "
                   f"SELECT {columns}, ?, ?, ? FROM _incoming_requests", [segment, now, read.replica_id])
     _stage(hook, "requests")
-    _insert_arrow(con, "_incoming_features", rows.select(["request_id", "layer", "model_fingerprint", "feature"]),
+    features = rows.select(["request_id", "layer", "model_fingerprint"]).append_column(
+        "feature", feature_bytes(rows.column("feature"), judged.dim or 0))  # a view of the float32 buffer
+    _insert_arrow(con, "_incoming_features", features,
                   "INSERT INTO features (request_id, dim, layer, model_fingerprint, feature, recipe) "
                   "SELECT request_id, ?, layer, model_fingerprint, feature, ? FROM _incoming_features",
                   [judged.dim, judged.recipe])

@@ -2,8 +2,15 @@
 
 DuckDB lets one process at a time open a file read-write (no other process can open it at all
 meanwhile), so connections are short-lived and opening one retries with backoff before giving up
-with `StoreBusyError`. Features live in a `FLOAT[]` column (one table holds several feature spaces,
-whose dims differ) and travel to and from numpy through Arrow, never row by row.
+with `StoreBusyError`.
+
+Feature encoding. Each feature vector is stored as a BLOB of its `dim` little-endian float32 values
+(`feature_bytes`), next to its `dim`: one table holds several feature spaces whose dims differ, which
+a fixed-size `FLOAT[dim]` column cannot, and a BLOB is copied into the table as one value, where a
+`FLOAT[]` list is appended float by float (that append was half of DuckDB's ingest time). Ingest
+views a segment's float32 buffer as fixed-size binary values without copying it, and
+`features_from_bytes` views the blobs a query returns as one (n, dim) array, so features never
+travel row by row in either direction.
 
 Writers attach the file with small row groups: DuckDB writes each complete row group a transaction
 appends straight into the database file, so a feedback segment's features are written once instead
@@ -21,7 +28,9 @@ quarantined as unknown.
 Schema versions. `SCHEMA_VERSION` is written to `store_meta`; opening an older file (read-only too)
 migrates it once under the write lock: version 2 added `requests.replica_id` (the serving replica
 whose feedback sub-folder held the row; NULL for rows ingested before, or from top-level segments)
-and the `changed_segments` table; version 3 added `features.recipe`.
+and the `changed_segments` table; version 3 added `features.recipe`; version 4 stores
+`features.feature` as little-endian float32 bytes (BLOB) instead of `FLOAT[]`, converted in place
+chunk by chunk through Arrow.
 
 Feature recipes. Each feature row records the capture recipe (`leap_core.recipes`) its vector was
 captured with, from the segment's metadata: which blocks the vector holds, in order. NULL (rows ingested
@@ -49,8 +58,11 @@ from leap_io.feedback_schema import NOT_TRAINING_FINISH_REASONS, TRAINING_FINISH
 FINISH_REASONS = TRAINING_FINISH_REASONS + NOT_TRAINING_FINISH_REASONS
 """Every finish reason a row may carry; any other is quarantined."""
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Version of the store's tables; see the module docstring for what each version added."""
+
+FEATURE_DTYPE = np.dtype("<f4")
+"""How the store encodes one feature value: little-endian float32, whatever the host's byte order."""
 
 SCALAR_COLUMNS = tuple(name for name in feedback_schema(1).names if name != "feature")
 """Every column of a feedback segment except the feature vector, in schema order."""
@@ -98,7 +110,7 @@ SCHEMA_DDL = (
   dim INTEGER NOT NULL,
   layer INTEGER NOT NULL,
   model_fingerprint VARCHAR NOT NULL,
-  feature FLOAT[] NOT NULL,
+  feature BLOB NOT NULL,
   recipe VARCHAR
 )""",
     """CREATE TABLE IF NOT EXISTS quarantine (
@@ -154,8 +166,34 @@ def _schema_version(con: duckdb.DuckDBPyConnection) -> int:
     return int(rows[0][0]) if rows else 1
 
 
+_LIST_TO_BYTES = "leap_float_list_to_bytes"
+"""The SQL name under which `_migrate` registers `_list_to_bytes` while it converts `FLOAT[]` features."""
+
+
+def _column_type(con: duckdb.DuckDBPyConnection, table: str, column: str) -> str | None:
+    rows = con.execute(
+        "SELECT data_type FROM information_schema.columns WHERE table_name = ? AND column_name = ? "
+        "AND table_catalog = current_database()", [table, column]).fetchall()
+    return rows[0][0] if rows else None
+
+
+def _list_to_bytes(lists: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """A chunk of `FLOAT[]` values as the little-endian float32 bytes version 4 stores (a NULL element,
+    which ingest never stored, becomes NaN rather than shifting the values after it)."""
+    if isinstance(lists, pa.ChunkedArray):
+        lists = lists.combine_chunks()
+    lengths = pc.fill_null(pc.list_value_length(lists), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = np.zeros(len(lists) + 1, dtype=np.int64)
+    np.cumsum(lengths * FEATURE_DTYPE.itemsize, out=offsets[1:])
+    values = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(FEATURE_DTYPE)
+    return pa.Array.from_buffers(pa.large_binary(), len(lists), [None, pa.py_buffer(offsets), pa.py_buffer(values)])
+
+
 def _migrate(con: duckdb.DuckDBPyConnection) -> None:
     """Create missing tables and bring an older store to SCHEMA_VERSION, in one transaction."""
+    with suppress(duckdb.Error):  # registered by an earlier migration on this connection
+        con.remove_function(_LIST_TO_BYTES)
+    con.create_function(_LIST_TO_BYTES, _list_to_bytes, ["FLOAT[]"], "BLOB", type="arrow")
     con.execute("BEGIN TRANSACTION")
     try:
         for ddl in SCHEMA_DDL:
@@ -164,6 +202,8 @@ def _migrate(con: duckdb.DuckDBPyConnection) -> None:
             con.execute("ALTER TABLE requests ADD COLUMN replica_id VARCHAR")
         if "recipe" not in _columns(con, "features"):  # version 2 -> 3: NULL is last@<layer>
             con.execute("ALTER TABLE features ADD COLUMN recipe VARCHAR")
+        if _column_type(con, "features", "feature") != "BLOB":  # version 3 -> 4: FLOAT[] to float32 bytes
+            con.execute(f"ALTER TABLE features ALTER COLUMN feature TYPE BLOB USING {_LIST_TO_BYTES}(feature)")
         con.execute("INSERT OR REPLACE INTO store_meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
         con.execute("COMMIT")
     except BaseException:
@@ -433,8 +473,70 @@ class LogStore:
             + " ORDER BY r.arrival_time, r.request_id"
         )
         with self.connect(read_only=True) as con:
+            # 64-bit offsets: a frame's feature bytes may pass the 2 GiB a 32-bit binary column can index
+            con.execute("SET arrow_large_buffer_size = true")
             table = con.sql(query, params=params).to_arrow_table()
         return _frame_from_arrow(table)
+
+
+def feature_bytes(feature: pa.Array | pa.ChunkedArray, dim: int) -> pa.Array:
+    """Feature vectors of `dim` floats each (a list or fixed-size list of float32, without NULL rows
+    or elements) as the values the store keeps: `dim * 4` little-endian bytes per row.
+
+    A fixed-size list's float buffer becomes fixed-size binary values without a copy (on a
+    little-endian host), so DuckDB receives each vector as one value. ValueError when a row does
+    not hold exactly `dim` floats.
+    """
+    if isinstance(feature, pa.ChunkedArray):
+        feature = feature.combine_chunks()
+    n = len(feature)
+    if n == 0:  # e.g. a segment whose rows all failed: their list type need not match `dim`
+        return pa.array([], pa.binary())
+    if feature.null_count:
+        raise ValueError(f"{feature.null_count} feature rows are NULL; the store keeps no NULL feature")
+    if pa.types.is_fixed_size_list(feature.type):
+        if feature.type.list_size != dim:
+            raise ValueError(f"the features hold {feature.type.list_size} floats per row, not {dim}")
+        values = feature.values.slice(feature.offset * dim, n * dim)
+    else:
+        lengths = pc.list_value_length(feature).to_numpy(zero_copy_only=False)
+        if n and not (lengths == dim).all():
+            raise ValueError(f"feature rows hold {sorted(set(lengths.tolist()) - {dim})} floats, not {dim}")
+        values = pc.list_flatten(feature)
+    if values.type != pa.float32() or values.null_count:
+        raise ValueError(f"features must be float32 values without NULL elements, not {values.type} "
+                         f"with {values.null_count} NULL")
+    floats = values.to_numpy(zero_copy_only=True).astype(FEATURE_DTYPE, copy=False)
+    width = dim * FEATURE_DTYPE.itemsize
+    if width == 0:  # no fixed-size binary of width 0 to view: every row is the empty blob
+        return pa.array([b""] * n, pa.binary())
+    return pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), n, [None, pa.py_buffer(floats)])
+
+
+def features_from_bytes(blobs: pa.Array | pa.ChunkedArray, dim: int) -> np.ndarray:
+    """The (n, dim) float32 matrix of feature blobs as `feature_bytes` wrote them, read from the
+    blobs' buffers without a per-row step (a view of them when the query returned one chunk)."""
+    chunks = blobs.chunks if isinstance(blobs, pa.ChunkedArray) else [blobs]
+    width = dim * FEATURE_DTYPE.itemsize
+    parts = []
+    for chunk in chunks:
+        if not len(chunk):
+            continue
+        if chunk.null_count:
+            raise ValueError(f"{chunk.null_count} stored feature rows are NULL")
+        if not (pa.types.is_binary(chunk.type) or pa.types.is_large_binary(chunk.type)):
+            raise TypeError(f"feature blobs must be binary, not {chunk.type}")
+        offset_type = np.int64 if pa.types.is_large_binary(chunk.type) else np.int32
+        offsets = np.frombuffer(chunk.buffers()[1], dtype=offset_type)[chunk.offset:chunk.offset + len(chunk) + 1]
+        if not (np.diff(offsets) == width).all():
+            raise ValueError(f"stored feature rows do not all hold {dim} float32 values ({width} bytes)")
+        values = np.frombuffer(chunk.buffers()[2], dtype=FEATURE_DTYPE, count=len(chunk) * dim,
+                               offset=int(offsets[0]))
+        parts.append(values.reshape(len(chunk), dim))
+    if not parts:
+        return np.zeros((0, dim), dtype=np.float32)
+    matrix = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return matrix.astype(np.float32, copy=False)
 
 
 def stored_dims(con: duckdb.DuckDBPyConnection) -> dict[tuple[str, int, str], int]:
@@ -446,7 +548,6 @@ def stored_dims(con: duckdb.DuckDBPyConnection) -> dict[tuple[str, int, str], in
 
 
 def _frame_from_arrow(table: pa.Table) -> TrainingFrame:
-    n = table.num_rows
     dims = pc.unique(table.column("dim")).to_pylist()
     if len(dims) > 1:
         raise ValueError(
@@ -458,11 +559,9 @@ def _frame_from_arrow(table: pa.Table) -> TrainingFrame:
             f"the selection mixes capture recipes {sorted(recipes)}; filter by model_fingerprint, layer and recipe"
         )
     dim = dims[0] if dims else 0
-    feature = table.column("feature").combine_chunks()
-    values = feature.flatten().to_numpy(zero_copy_only=False)
     return TrainingFrame(
         request_ids=table.column("request_id").to_numpy(zero_copy_only=False),
-        features=values.astype(np.float32, copy=False).reshape(n, dim),
+        features=features_from_bytes(table.column("feature"), dim),
         output_tokens=table.column("output_tokens").to_numpy(zero_copy_only=False).astype(np.int64),
         finish_reason=table.column("finish_reason").to_numpy(zero_copy_only=False),
         domain=table.column("domain").to_numpy(zero_copy_only=False),
