@@ -165,8 +165,11 @@ class ObjectStore:
 
     def __init__(self, endpoint_url: str | None = None, *, connect_timeout_s: float = 3.0,
                  read_timeout_s: float = 30.0, max_attempts: int = 2) -> None:
-        import boto3
-        from botocore.config import Config
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError as error:  # the fleet extra is not installed
+            raise ObjectStoreError(f"object storage needs boto3 (pip install '.[fleet]'): {error}") from None
 
         self.endpoint_url = check_endpoint(endpoint_url if endpoint_url is not None else os.environ.get(ENDPOINT_ENV))
         self.region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
