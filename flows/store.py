@@ -524,6 +524,13 @@ def features_from_bytes(blobs: pa.Array | pa.ChunkedArray, dim: int) -> np.ndarr
             continue
         if chunk.null_count:
             raise ValueError(f"{chunk.null_count} stored feature rows are NULL")
+        if pa.types.is_fixed_size_binary(chunk.type):
+            if chunk.type.byte_width != width:
+                raise ValueError(f"stored feature rows hold {chunk.type.byte_width} bytes, not {dim} float32 values")
+            values = np.frombuffer(chunk.buffers()[1], dtype=FEATURE_DTYPE, count=len(chunk) * dim,
+                                   offset=chunk.offset * width)
+            parts.append(values.reshape(len(chunk), dim))
+            continue
         if not (pa.types.is_binary(chunk.type) or pa.types.is_large_binary(chunk.type)):
             raise TypeError(f"feature blobs must be binary, not {chunk.type}")
         offset_type = np.int64 if pa.types.is_large_binary(chunk.type) else np.int32

@@ -1,0 +1,169 @@
+"""How the log store encodes feature vectors (little-endian float32 bytes), and the version 3 -> 4 migration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from flows.ingest import ingest_folder
+from flows.store import (
+    FEATURE_DTYPE,
+    SCHEMA_DDL,
+    SCHEMA_VERSION,
+    LogStore,
+    feature_bytes,
+    features_from_bytes,
+    stored_dims,
+)
+from tests.segment_fuzz import write_segment
+
+
+def _matrix(n: int, dim: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, dim)).astype(np.float32)
+
+
+def _fixed(matrix: np.ndarray) -> pa.FixedSizeListArray:
+    return pa.FixedSizeListArray.from_arrays(pa.array(matrix.reshape(-1)), matrix.shape[1])
+
+
+def test_feature_bytes_are_each_rows_little_endian_float32_values_and_read_back_exactly() -> None:
+    matrix = _matrix(7, 5)
+    matrix[0, 0], matrix[1, 1] = -0.0, np.float32(1e-45)  # sign of zero and a subnormal survive
+
+    for feature in (_fixed(matrix), pa.array(list(matrix), pa.list_(pa.float32())),
+                    pa.chunked_array([_fixed(matrix[:3]), _fixed(matrix[3:])])):
+        blobs = feature_bytes(feature, 5)
+        assert blobs.to_pylist() == [row.astype("<f4").tobytes() for row in matrix]
+        back = features_from_bytes(blobs, 5)
+        assert back.dtype == np.float32 and back.shape == (7, 5)
+        assert back.tobytes() == matrix.tobytes()
+
+
+def test_a_fixed_size_list_becomes_blobs_without_a_copy_and_a_slice_keeps_its_rows() -> None:
+    matrix = _matrix(10, 4)
+    feature = _fixed(matrix)
+
+    blobs = feature_bytes(feature, 4)
+    assert blobs.buffers()[1].address == feature.values.buffers()[1].address  # a view of the floats
+
+    sliced = feature_bytes(feature.slice(3, 4), 4)
+    np.testing.assert_array_equal(features_from_bytes(sliced, 4), matrix[3:7])
+
+
+def test_features_from_bytes_reads_binary_and_large_binary_chunks_and_slices() -> None:
+    matrix = _matrix(9, 3)
+    blobs = [row.astype("<f4").tobytes() for row in matrix]
+    for kind in (pa.binary(), pa.large_binary()):
+        chunked = pa.chunked_array([pa.array(blobs[:4], kind), pa.array(blobs[4:], kind).slice(1)])
+        np.testing.assert_array_equal(features_from_bytes(chunked, 3), np.concatenate([matrix[:4], matrix[5:]]))
+    assert features_from_bytes(pa.array([], pa.large_binary()), 3).shape == (0, 3)
+
+
+def test_feature_bytes_refuses_rows_that_do_not_hold_dim_float32_values() -> None:
+    matrix = _matrix(3, 4)
+    with pytest.raises(ValueError, match="4 floats per row, not 5"):
+        feature_bytes(_fixed(matrix), 5)
+    with pytest.raises(ValueError, match="not 4"):
+        feature_bytes(pa.array([[1.0, 2.0, 3.0, 4.0], [1.0]], pa.list_(pa.float32())), 4)
+    with pytest.raises(ValueError, match="NULL"):
+        feature_bytes(pa.array([[1.0, 2.0], None], pa.list_(pa.float32())), 2)
+    with pytest.raises(ValueError, match="NULL"):
+        feature_bytes(pa.array([[1.0, None]], pa.list_(pa.float32())), 2)
+    with pytest.raises(ValueError, match="float32"):
+        feature_bytes(pa.array([[1.0, 2.0]], pa.list_(pa.float64())), 2)
+    assert len(feature_bytes(_fixed(matrix)[:0], 5)) == 0  # no row: nothing to check the dim against
+
+
+def test_features_from_bytes_refuses_blobs_of_another_length() -> None:
+    blobs = pa.array([np.ones(4, "<f4").tobytes(), np.ones(3, "<f4").tobytes()], pa.binary())
+    with pytest.raises(ValueError, match="4 float32 values"):
+        features_from_bytes(blobs, 4)
+
+
+def test_feature_dtype_is_little_endian_float32() -> None:
+    assert FEATURE_DTYPE == np.dtype("<f4")
+
+
+# --------------------------------------------------------------------- a version 3 file, as it was
+
+_V3_FEATURES_DDL = """CREATE TABLE IF NOT EXISTS features (
+  request_id VARCHAR PRIMARY KEY,
+  dim INTEGER NOT NULL,
+  layer INTEGER NOT NULL,
+  model_fingerprint VARCHAR NOT NULL,
+  feature FLOAT[] NOT NULL,
+  recipe VARCHAR
+)"""
+
+
+def _version_3_store(path: Path) -> dict[str, np.ndarray]:
+    """A store as version 3 created it (features in `FLOAT[]`), holding two feature spaces of
+    different dims; returns each request's vector."""
+    ddl = [_V3_FEATURES_DDL if "TABLE IF NOT EXISTS features" in text else text for text in SCHEMA_DDL]
+    assert ddl != list(SCHEMA_DDL)
+    vectors = {f"a-{i}": row for i, row in enumerate(_matrix(40, 6, seed=1))}
+    vectors |= {f"b-{i}": row for i, row in enumerate(_matrix(25, 3, seed=2))}
+    con = duckdb.connect(str(path))
+    for text in ddl:
+        con.execute(text)
+    con.execute("INSERT INTO store_meta VALUES ('schema_version', '3')")
+    for i, (request_id, vector) in enumerate(vectors.items()):
+        wide = request_id.startswith("a-")
+        con.execute("INSERT INTO requests (request_id, model_fingerprint, layer, arrival_time, finish_time, "
+                    "prompt_tokens, output_tokens, finish_reason, segment, ingested_at) "
+                    "VALUES (?, ?, 20, ?, ?, 3, ?, 'stop', '/v3.parquet', now())",
+                    [request_id, "fp-wide" if wide else "fp-narrow", float(i), float(i) + 1.0, 5 + i])
+        con.execute("INSERT INTO features VALUES (?, ?, 20, ?, ?, ?)",
+                    [request_id, len(vector), "fp-wide" if wide else "fp-narrow", vector.tolist(),
+                     "mean@20" if wide else None])
+    con.close()
+    return vectors
+
+
+def test_a_version_3_store_converts_its_features_once_and_reads_back_every_float(tmp_path: Path) -> None:
+    path = tmp_path / "v3.duckdb"
+    vectors = _version_3_store(path)
+    store = LogStore(path, busy_timeout_s=5.0)
+
+    wide = store.training_frame(model_fingerprint="fp-wide")  # a reader migrates once, then reads
+    narrow = store.training_frame(model_fingerprint="fp-narrow", recipe="last@20")
+
+    assert store.schema_version() == SCHEMA_VERSION == 4
+    np.testing.assert_array_equal(wide.features, np.stack([vectors[i] for i in wide.request_ids]))
+    np.testing.assert_array_equal(narrow.features, np.stack([vectors[i] for i in narrow.request_ids]))
+    assert (wide.features.shape, narrow.features.shape) == ((40, 6), (25, 3))
+    with store.connect(read_only=True) as con:
+        types = dict(con.execute("SELECT column_name, data_type FROM information_schema.columns "
+                                 "WHERE table_name = 'features'").fetchall())
+        lengths = con.execute("SELECT DISTINCT dim, octet_length(feature) FROM features ORDER BY dim").fetchall()
+        first = con.execute("SELECT feature FROM features WHERE request_id = 'a-0'").fetchone()[0]
+        dims = stored_dims(con)
+    assert types["feature"] == "BLOB"
+    assert lengths == [(3, 12), (6, 24)]
+    assert first == vectors["a-0"].astype("<f4").tobytes()
+    assert dims == {("fp-wide", 20, "mean@20"): 6, ("fp-narrow", 20, "last@20"): 3}
+
+
+def test_a_migrated_version_3_store_takes_new_segments_beside_its_old_rows(tmp_path: Path) -> None:
+    path = tmp_path / "v3.duckdb"
+    vectors = _version_3_store(path)
+    feedback = tmp_path / "feedback"
+    feedback.mkdir()
+    written = write_segment(feedback / "new.parquet", 12, 3, seed=4, model_fingerprint="fp-narrow",
+                            start_time=1_000.0, finish_reasons=("stop",))
+    store = LogStore(path, busy_timeout_s=5.0)
+
+    [report] = ingest_folder(store, feedback)
+
+    assert report.accepted == 12 and store.schema_version() == SCHEMA_VERSION
+    frame = store.training_frame(model_fingerprint="fp-narrow")
+    assert frame.features.shape == (37, 3)
+    old = np.isin(frame.request_ids, list(vectors))
+    np.testing.assert_array_equal(frame.features[old], np.stack([vectors[i] for i in frame.request_ids[old]]))
+    new = written.table.to_pydict()
+    expected = dict(zip(new["request_id"], np.asarray(new["feature"], dtype=np.float32)))
+    np.testing.assert_array_equal(frame.features[~old], np.stack([expected[i] for i in frame.request_ids[~old]]))
