@@ -177,7 +177,7 @@ def run_demo(n_prompts: int = 240, max_tokens: int = 1024, concurrency: int = 25
     from flows import stack
     from flows.pipeline import fit_flow, gate_flow, ingest_flow, push_flow
     from flows.settings import PipelineSettings
-    from flows.store import LogStore
+    from flows.stores import open_store
 
     settings = PipelineSettings()
     os.environ.setdefault("LEAP_ENDPOINTS", f"http://{settings.stack_host}:{settings.admin_port}")
@@ -216,7 +216,7 @@ def run_demo(n_prompts: int = 240, max_tokens: int = 1024, concurrency: int = 25
             say("pushing and promoting the challenger")
             push = push_flow(version=fit["version"], name=fit["name"], promote=True)
         served = httpx.get(f"{admin}/leap/readout", timeout=30).json()
-        store = LogStore(settings.duckdb_path)
+        store = open_store(settings)
         counts, capped = store.counts(), _capped_fraction(store)
     finally:
         if not keep_serving and not was_running:

@@ -54,10 +54,10 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import suppress
-from dataclasses import dataclass, field
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -153,6 +153,12 @@ _RUN_ERRORS: tuple[type[BaseException], ...] = (
     duckdb.InterruptException,
 )
 """Errors of the environment, not of a segment: they end the run instead of quarantining the segment."""
+try:
+    import psycopg
+except ImportError:  # the PostgreSQL store is not installed: its errors cannot occur
+    pass
+else:  # a lost connection, a full disk, a deadlock (retried with the run), an unusable connection
+    _RUN_ERRORS += (psycopg.OperationalError, psycopg.InterfaceError)
 
 
 _TOKEN_COLUMNS = ("prompt_tokens", "output_tokens")
@@ -503,6 +509,57 @@ def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:2000]
 
 
+class StoreWriter(Protocol):
+    """What ingest writes through: the judging above is the same for every store, only these writes differ.
+
+    The DuckDB file is written through `_DuckDBWriter`, on the one connection that holds the file;
+    `flows.store_postgres.PostgresStore.segment_writer` gives a writer whose store other workers may
+    write at the same time (`concurrent`): there each segment first `claim`s its ledger row under a
+    lock that lasts until the transaction ends, and `store_dims` reads the dims stored for the
+    segment's feature spaces inside the transaction instead of the run's snapshot.
+    `insert_requests` returns which rows it inserted: the others are duplicates of ids already stored.
+    """
+
+    concurrent: bool
+
+    def snapshot(self) -> tuple[dict[str, tuple[str, str]], set[tuple[str, str]], dict[SpaceKey, int]]:
+        """(segment -> (checksum, status) of the ledger, (segment, checksum) already quarantined as
+        changed, the dim stored for each feature space) as the run starts."""
+        ...
+
+    def begin(self) -> None: ...
+
+    def commit(self) -> None: ...
+
+    def rollback(self) -> None:
+        """Roll back the open transaction; never raises (it runs while another error propagates)."""
+        ...
+
+    def claim(self, segment: str, checksum: str) -> tuple[tuple[str, str] | None, bool]:
+        """(the segment's ledger row, whether this content is quarantined as changed), now and held."""
+        ...
+
+    def clear_segment_quarantine(self, segment: str) -> None: ...
+
+    def store_dims(self, spaces: Sequence[SpaceKey], dim: int | None,
+                   known: Mapping[SpaceKey, int]) -> Mapping[SpaceKey, int]: ...
+
+    def release_spaces(self, stored: Mapping[SpaceKey, int]) -> None: ...
+
+    def insert_requests(self, rows: pa.Table, segment: str, now: datetime, replica_id: str | None) -> np.ndarray: ...
+
+    def insert_features(self, rows: pa.Table, inserted: np.ndarray, dim: int, recipe: str | None) -> None: ...
+
+    def insert_quarantine(self, table: pa.Table, now: datetime) -> None: ...
+
+    def quarantine_segment(self, segment: str, reason: str, detail_json: str, now: datetime) -> None: ...
+
+    def write_ledger(self, segment: str, checksum: str, counts: Sequence[int], status: str, now: datetime) -> None: ...
+
+    def record_changed(self, segment: str, checksum: str, ingested_checksum: str, size_bytes: int,
+                       now: datetime) -> None: ...
+
+
 def _insert_arrow(con: duckdb.DuckDBPyConnection, view: str, table: pa.Table, sql: str, params: list) -> None:
     con.register(view, table)
     try:
@@ -510,63 +567,6 @@ def _insert_arrow(con: duckdb.DuckDBPyConnection, view: str, table: pa.Table, sq
     finally:
         with suppress(duckdb.Error):  # fails in an aborted transaction, and must not mask why it aborted
             con.unregister(view)
-
-
-def _write_ledger(con: duckdb.DuckDBPyConnection, report: IngestReport, now: datetime) -> None:
-    con.execute(
-        "INSERT OR REPLACE INTO ingest_ledger VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        [report.segment, report.checksum, report.rows_read, report.accepted, report.quarantined,
-         report.duplicates, now, report.status],
-    )
-
-
-def _quarantine_segment(con: duckdb.DuckDBPyConnection, segment: str, reason: str, detail: Mapping[str, Any],
-                        now: datetime) -> None:
-    """One quarantine row (row_index -1) standing for a whole segment."""
-    con.execute("INSERT INTO quarantine VALUES (?, -1, NULL, ?, ?::JSON, ?)", [segment, reason, _to_json(dict(detail)), now])
-
-
-def _ingest_unreadable(con: duckdb.DuckDBPyConnection, read: _ReadSegment, hook: StageHook | None) -> IngestReport:
-    """Record a segment nothing can be read from: no row is known, so none is counted."""
-    now = _now()
-    if read.replaces:
-        con.execute("DELETE FROM quarantine WHERE segment = ? AND row_index = -1", [read.segment])
-    _quarantine_segment(con, read.segment, REASON_UNREADABLE, {"error": _error_text(read.error)}, now)
-    _stage(hook, "quarantine")
-    report = IngestReport(read.segment, read.checksum, 0, 0, 0, 0, status=STATUS_UNREADABLE,
-                          reason=REASON_UNREADABLE, error=_error_text(read.error), replica_id=read.replica_id)
-    _write_ledger(con, report, now)
-    _stage(hook, "ledger")
-    return report
-
-
-def _record_failed(con: duckdb.DuckDBPyConnection, read: _ReadSegment, error: BaseException, stage: str) -> IngestReport:
-    """Record a segment whose processing raised: nothing of it is stored, later runs skip it."""
-    now = _now()
-    if read.replaces:
-        con.execute("DELETE FROM quarantine WHERE segment = ? AND row_index = -1", [read.segment])
-    rows = read.judged.n if read.judged is not None else read.rows
-    _quarantine_segment(con, read.segment, REASON_SEGMENT_ERROR,
-                        {"error": _error_text(error), "stage": stage, "rows": rows, "replica_id": read.replica_id},
-                        now)
-    report = IngestReport(read.segment, read.checksum, 0, 0, 0, 0, status=STATUS_FAILED,
-                          reason=REASON_SEGMENT_ERROR, error=_error_text(error), replica_id=read.replica_id)
-    _write_ledger(con, report, now)
-    return report
-
-
-def _record_changed(con: duckdb.DuckDBPyConnection, read: _ReadSegment) -> IngestReport:
-    """Quarantine new content at the path of a segment already ingested, without ingesting any of it."""
-    now = _now()
-    _quarantine_segment(con, read.segment, REASON_CHECKSUM_CHANGED,
-                        {"checksum": read.checksum, "ingested_checksum": read.changed_from,
-                         "size_bytes": read.size_bytes, "replica_id": read.replica_id}, now)
-    con.execute("INSERT OR IGNORE INTO changed_segments VALUES (?, ?, ?, ?, ?)",
-                [read.segment, read.checksum, read.changed_from, read.size_bytes, now])
-    return IngestReport(read.segment, read.checksum, 0, 0, 0, 0, status=STATUS_CHECKSUM_CHANGED,
-                        reason=REASON_CHECKSUM_CHANGED,
-                        error=f"the segment was ingested with checksum {read.changed_from}; its content changed since",
-                        replica_id=read.replica_id)
 
 
 def _stored_ids(con: duckdb.DuckDBPyConnection, ids: pa.Array) -> pa.Array:
@@ -582,6 +582,149 @@ def _stored_ids(con: duckdb.DuckDBPyConnection, ids: pa.Array) -> pa.Array:
     return stored.combine_chunks()
 
 
+class _DuckDBWriter:
+    """The DuckDB file's writes, on the connection that holds the file's lock for the whole run: no
+    other writer can run meanwhile, so the run's snapshot stays true and nothing needs claiming."""
+
+    concurrent = False
+
+    def __init__(self, con: duckdb.DuckDBPyConnection) -> None:
+        self.con = con
+
+    def snapshot(self) -> tuple[dict[str, tuple[str, str]], set[tuple[str, str]], dict[SpaceKey, int]]:
+        ledger = {segment: (checksum, status) for segment, checksum, status
+                  in self.con.execute("SELECT segment, checksum, status FROM ingest_ledger").fetchall()}
+        changed = {(segment, checksum) for segment, checksum
+                   in self.con.execute("SELECT segment, checksum FROM changed_segments").fetchall()}
+        return ledger, changed, stored_dims(self.con)
+
+    def begin(self) -> None:
+        self.con.execute("BEGIN TRANSACTION")
+
+    def commit(self) -> None:
+        self.con.execute("COMMIT")
+
+    def rollback(self) -> None:
+        with suppress(duckdb.Error):
+            self.con.execute("ROLLBACK")
+
+    def claim(self, segment: str, checksum: str) -> tuple[tuple[str, str] | None, bool]:
+        raise NotImplementedError("the DuckDB file has one writer; its snapshot needs no claim")
+
+    def clear_segment_quarantine(self, segment: str) -> None:
+        self.con.execute("DELETE FROM quarantine WHERE segment = ? AND row_index = -1", [segment])
+
+    def store_dims(self, spaces: Sequence[SpaceKey], dim: int | None,
+                   known: Mapping[SpaceKey, int]) -> Mapping[SpaceKey, int]:
+        return known
+
+    def release_spaces(self, stored: Mapping[SpaceKey, int]) -> None:
+        pass
+
+    def insert_requests(self, rows: pa.Table, segment: str, now: datetime, replica_id: str | None) -> np.ndarray:
+        ids = rows.column("request_id")
+        stored = _stored_ids(self.con, ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids)
+        inserted = ~_mask(pc.is_in(ids, value_set=stored)) if len(stored) else np.ones(rows.num_rows, dtype=bool)
+        fresh = rows if inserted.all() else rows.filter(pa.array(inserted))
+        columns = ", ".join(SCALAR_COLUMNS)
+        _insert_arrow(self.con, "_incoming_requests", fresh.select(list(SCALAR_COLUMNS)),
+                      f"INSERT INTO requests ({columns}, segment, ingested_at, replica_id) "
+                      f"SELECT {columns}, ?, ?, ? FROM _incoming_requests", [segment, now, replica_id])
+        return inserted
+
+    def insert_features(self, rows: pa.Table, inserted: np.ndarray, dim: int, recipe: str | None) -> None:
+        fresh = rows if inserted.all() else rows.filter(pa.array(inserted))
+        features = fresh.select(["request_id", "layer", "model_fingerprint"]).append_column(
+            "feature", feature_bytes(fresh.column("feature"), dim or 0))  # a view of the float32 buffer
+        _insert_arrow(self.con, "_incoming_features", features,
+                      "INSERT INTO features (request_id, dim, layer, model_fingerprint, feature, recipe) "
+                      "SELECT request_id, ?, layer, model_fingerprint, feature, ? FROM _incoming_features",
+                      [dim, recipe])
+
+    def insert_quarantine(self, table: pa.Table, now: datetime) -> None:
+        _insert_arrow(self.con, "_incoming_quarantine", table,
+                      "INSERT INTO quarantine SELECT segment, row_index, request_id, reason, raw::JSON, ? "
+                      "FROM _incoming_quarantine", [now])
+
+    def quarantine_segment(self, segment: str, reason: str, detail_json: str, now: datetime) -> None:
+        self.con.execute("INSERT INTO quarantine VALUES (?, -1, NULL, ?, ?::JSON, ?)", [segment, reason, detail_json, now])
+
+    def write_ledger(self, segment: str, checksum: str, counts: Sequence[int], status: str, now: datetime) -> None:
+        self.con.execute("INSERT OR REPLACE INTO ingest_ledger VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                         [segment, checksum, *(int(count) for count in counts), now, status])
+
+    def record_changed(self, segment: str, checksum: str, ingested_checksum: str, size_bytes: int,
+                       now: datetime) -> None:
+        self.con.execute("INSERT OR IGNORE INTO changed_segments VALUES (?, ?, ?, ?, ?)",
+                         [segment, checksum, ingested_checksum, size_bytes, now])
+
+
+@contextmanager
+def store_writer(store: Any) -> Iterator[StoreWriter]:
+    """The writer of `store`: its own (`segment_writer`, e.g. PostgreSQL's) where it has one, else
+    the DuckDB file's, on one connection for the whole run."""
+    own = getattr(store, "segment_writer", None)
+    if own is not None:
+        with own() as writer:
+            yield writer
+        return
+    with store.connect() as con:
+        yield _DuckDBWriter(con)
+
+
+def _write_ledger(writer: StoreWriter, report: IngestReport, now: datetime) -> None:
+    writer.write_ledger(report.segment, report.checksum,
+                        (report.rows_read, report.accepted, report.quarantined, report.duplicates), report.status, now)
+
+
+def _quarantine_segment(writer: StoreWriter, segment: str, reason: str, detail: Mapping[str, Any],
+                        now: datetime) -> None:
+    """One quarantine row (row_index -1) standing for a whole segment."""
+    writer.quarantine_segment(segment, reason, _to_json(dict(detail)), now)
+
+
+def _ingest_unreadable(writer: StoreWriter, read: _ReadSegment, hook: StageHook | None) -> IngestReport:
+    """Record a segment nothing can be read from: no row is known, so none is counted."""
+    now = _now()
+    if read.replaces:
+        writer.clear_segment_quarantine(read.segment)
+    _quarantine_segment(writer, read.segment, REASON_UNREADABLE, {"error": _error_text(read.error)}, now)
+    _stage(hook, "quarantine")
+    report = IngestReport(read.segment, read.checksum, 0, 0, 0, 0, status=STATUS_UNREADABLE,
+                          reason=REASON_UNREADABLE, error=_error_text(read.error), replica_id=read.replica_id)
+    _write_ledger(writer, report, now)
+    _stage(hook, "ledger")
+    return report
+
+
+def _record_failed(writer: StoreWriter, read: _ReadSegment, error: BaseException, stage: str) -> IngestReport:
+    """Record a segment whose processing raised: nothing of it is stored, later runs skip it."""
+    now = _now()
+    if read.replaces:
+        writer.clear_segment_quarantine(read.segment)
+    rows = read.judged.n if read.judged is not None else read.rows
+    _quarantine_segment(writer, read.segment, REASON_SEGMENT_ERROR,
+                        {"error": _error_text(error), "stage": stage, "rows": rows, "replica_id": read.replica_id},
+                        now)
+    report = IngestReport(read.segment, read.checksum, 0, 0, 0, 0, status=STATUS_FAILED,
+                          reason=REASON_SEGMENT_ERROR, error=_error_text(error), replica_id=read.replica_id)
+    _write_ledger(writer, report, now)
+    return report
+
+
+def _record_changed(writer: StoreWriter, read: _ReadSegment) -> IngestReport:
+    """Quarantine new content at the path of a segment already ingested, without ingesting any of it."""
+    now = _now()
+    _quarantine_segment(writer, read.segment, REASON_CHECKSUM_CHANGED,
+                        {"checksum": read.checksum, "ingested_checksum": read.changed_from,
+                         "size_bytes": read.size_bytes, "replica_id": read.replica_id}, now)
+    writer.record_changed(read.segment, read.checksum, read.changed_from, read.size_bytes, now)
+    return IngestReport(read.segment, read.checksum, 0, 0, 0, 0, status=STATUS_CHECKSUM_CHANGED,
+                        reason=REASON_CHECKSUM_CHANGED,
+                        error=f"the segment was ingested with checksum {read.changed_from}; its content changed since",
+                        replica_id=read.replica_id)
+
+
 def _not_trainable(rows: pa.Table) -> dict[str, int]:
     """Accepted rows of each finish reason that is not a training label."""
     if not rows.num_rows:
@@ -590,47 +733,41 @@ def _not_trainable(rows: pa.Table) -> dict[str, int]:
     return {item["values"]: int(item["counts"]) for item in counts if item["values"] in NOT_TRAINING_FINISH_REASONS}
 
 
-def _ingest_table(con: duckdb.DuckDBPyConnection, read: _ReadSegment, known_dims: Mapping[SpaceKey, int],
+def _ingest_table(writer: StoreWriter, read: _ReadSegment, known_dims: Mapping[SpaceKey, int],
                   hook: StageHook | None) -> tuple[IngestReport, dict[SpaceKey, int]]:
     """Write one judged segment; also returns the dims it stored for each feature space."""
     segment, judged = read.segment, read.judged
     now = _now()
     if read.replaces:  # a repaired file replaces what its earlier version left in quarantine
-        con.execute("DELETE FROM quarantine WHERE segment = ? AND row_index = -1", [segment])
-    judged.judge_against_store(known_dims)
+        writer.clear_segment_quarantine(segment)
+    codes, spaces = judged.feature_spaces()
+    candidates = [spaces[code] for code in np.unique(codes[judged.verdicts.passing])]
+    judged.judge_against_store(writer.store_dims(
+        [space for space in candidates if space[0] is not None and space[1] is not None], judged.dim, known_dims))
     firsts = judged.first_occurrences()
-    ids = judged.columns["request_id"]
-    stored = _stored_ids(con, ids.filter(pa.array(firsts)))
-    accepted = firsts & ~_mask(pc.is_in(ids, value_set=stored)) if len(stored) else firsts
-
-    rows = judged.accepted_rows(accepted)
-    columns = ", ".join(SCALAR_COLUMNS)
-    _insert_arrow(con, "_incoming_requests", rows.select(list(SCALAR_COLUMNS)),
-                  f"INSERT INTO requests ({columns}, segment, ingested_at, replica_id) "
-                  f"SELECT {columns}, ?, ?, ? FROM _incoming_requests", [segment, now, read.replica_id])
+    rows = judged.accepted_rows(firsts)
+    inserted = writer.insert_requests(rows, segment, now, read.replica_id)  # the others: ids already stored
     _stage(hook, "requests")
-    features = rows.select(["request_id", "layer", "model_fingerprint"]).append_column(
-        "feature", feature_bytes(rows.column("feature"), judged.dim or 0))  # a view of the float32 buffer
-    _insert_arrow(con, "_incoming_features", features,
-                  "INSERT INTO features (request_id, dim, layer, model_fingerprint, feature, recipe) "
-                  "SELECT request_id, ?, layer, model_fingerprint, feature, ? FROM _incoming_features",
-                  [judged.dim, judged.recipe])
+    writer.insert_features(rows, inserted, judged.dim or 0, judged.recipe)
     _stage(hook, "features")
     quarantine = judged.quarantine_rows(segment)
     if quarantine.num_rows:
-        _insert_arrow(con, "_incoming_quarantine", quarantine,
-                      "INSERT INTO quarantine SELECT segment, row_index, request_id, reason, raw::JSON, ? "
-                      "FROM _incoming_quarantine", [now])
+        writer.insert_quarantine(quarantine, now)
     _stage(hook, "quarantine")
 
+    accepted = np.zeros(judged.n, dtype=bool)
+    accepted[np.flatnonzero(firsts)[inserted]] = True
+    dims = judged.dims_by_space(accepted)
+    writer.release_spaces(dims)
     n_accepted = int(accepted.sum())
     n_quarantined = quarantine.num_rows
+    stored = rows if inserted.all() else rows.filter(pa.array(inserted))
     report = IngestReport(segment, read.checksum, judged.n, n_accepted, n_quarantined,
-                          judged.n - n_accepted - n_quarantined, not_trainable=_not_trainable(rows),
+                          judged.n - n_accepted - n_quarantined, not_trainable=_not_trainable(stored),
                           replica_id=read.replica_id)
-    _write_ledger(con, report, now)
+    _write_ledger(writer, report, now)
     _stage(hook, "ledger")
-    return report, judged.dims_by_space(accepted)
+    return report, dims
 
 
 class SegmentSource(Protocol):
@@ -743,47 +880,70 @@ def _replica_of(name: str, metadata: Mapping[bytes, bytes]) -> str | None:
     return match.group("replica") if match else None
 
 
-def _write_segment(con: duckdb.DuckDBPyConnection, read: _ReadSegment, known_dims: Mapping[SpaceKey, int],
-                   hook: StageHook | None) -> tuple[IngestReport, dict[SpaceKey, int]]:
+def _skipped(read: _ReadSegment) -> IngestReport:
+    return IngestReport(read.segment, read.checksum, 0, 0, 0, 0, skipped=True, status=read.skip_status,
+                        replica_id=read.replica_id)
+
+
+def _as_claimed(read: _ReadSegment, seen: tuple[str, str] | None, changed: bool, retry_failed: bool) -> _ReadSegment:
+    """`read` decided again against its ledger row as it is now, under the segment's lock: another
+    writer may have ingested it (or quarantined its content as changed) since this run's snapshot."""
+    if changed:
+        return replace(read, skip_status=STATUS_CHECKSUM_CHANGED)
+    if seen is None:
+        return read
+    if seen[0] == read.checksum and not (retry_failed and seen[1] == STATUS_FAILED):
+        return replace(read, skip_status=seen[1])
+    if seen[1] == STATUS_OK:
+        return replace(read, replaces=False, changed_from=seen[0])
+    return replace(read, replaces=True)
+
+
+def _write_segment(writer: StoreWriter, read: _ReadSegment, known_dims: Mapping[SpaceKey, int],
+                   hook: StageHook | None, retry_failed: bool = False) -> tuple[IngestReport, dict[SpaceKey, int]]:
     """Write one read segment inside the open transaction (raises if writing it fails)."""
+    if writer.concurrent:
+        read = _as_claimed(read, *writer.claim(read.segment, read.checksum), retry_failed)
+        if read.skip_status is not None:
+            return _skipped(read), {}
     if read.changed_from is not None:
-        return _record_changed(con, read), {}
+        return _record_changed(writer, read), {}
     if read.failure is not None:
-        return _record_failed(con, read, read.failure, "judge"), {}
+        return _record_failed(writer, read, read.failure, "judge"), {}
     if read.judged is None:
-        return _ingest_unreadable(con, read, hook), {}
-    return _ingest_table(con, read, known_dims, hook)
+        return _ingest_unreadable(writer, read, hook), {}
+    return _ingest_table(writer, read, known_dims, hook)
 
 
-def _rollback(con: duckdb.DuckDBPyConnection) -> None:
-    with suppress(duckdb.Error):
-        con.execute("ROLLBACK")
-
-
-def _write_alone(con: duckdb.DuckDBPyConnection, read: _ReadSegment, known_dims: dict[SpaceKey, int],
-                 hook: StageHook | None) -> IngestReport:
+def _write_alone(writer: StoreWriter, read: _ReadSegment, known_dims: dict[SpaceKey, int],
+                 hook: StageHook | None, retry_failed: bool = False) -> IngestReport:
     """Write one segment in a transaction of its own; if writing it raises, record it failed instead."""
-    con.execute("BEGIN TRANSACTION")
+    writer.begin()
     try:
-        report, dims = _write_segment(con, read, known_dims, hook)
-        con.execute("COMMIT")
+        report, dims = _write_segment(writer, read, known_dims, hook, retry_failed)
+        writer.commit()
     except (_Crash, *_RUN_ERRORS):
-        _rollback(con)
+        writer.rollback()
         raise
     except Exception as error:  # noqa: BLE001  (isolation: this segment fails, the run goes on)
-        _rollback(con)
-        con.execute("BEGIN TRANSACTION")
+        writer.rollback()
+        writer.begin()
         try:
-            report, dims = _record_failed(con, read, error, "write"), {}
-            con.execute("COMMIT")
+            if writer.concurrent:  # hold the segment while recording it, as a write would
+                read = _as_claimed(read, *writer.claim(read.segment, read.checksum), retry_failed)
+            if read.skip_status is not None:
+                report, dims = _skipped(read), {}
+            else:
+                report, dims = _record_failed(writer, read, error, "write"), {}
+            writer.commit()
         except BaseException:
-            _rollback(con)
+            writer.rollback()
             raise
     known_dims.update(dims)
     return report
 
 
-def _ingest_paths(con: duckdb.DuckDBPyConnection, sources: Sequence[SegmentSource], hook: StageHook | None,
+def _ingest_paths(writer: StoreWriter, sources: Sequence[SegmentSource], hook: StageHook | None,
                   transaction_rows: int = 0, retry_failed: bool = False) -> list[IngestReport]:
     """Ingest `sources` in order, reading the next segment while writing this one.
 
@@ -793,11 +953,7 @@ def _ingest_paths(con: duckdb.DuckDBPyConnection, sources: Sequence[SegmentSourc
     the group's other segments are then written again one by one and the failing one is recorded
     `failed`, so one bad segment costs the run nothing else.
     """
-    ledger = {segment: (checksum, status) for segment, checksum, status
-              in con.execute("SELECT segment, checksum, status FROM ingest_ledger").fetchall()}
-    changed = {(segment, checksum) for segment, checksum
-               in con.execute("SELECT segment, checksum FROM changed_segments").fetchall()}
-    known_dims = stored_dims(con)
+    ledger, changed, known_dims = writer.snapshot()
     pending_dims: dict[SpaceKey, int] = {}  # written by the open transaction
     reports: list[IngestReport] = []
     group: list[tuple[_ReadSegment, int]] = []  # segments written in the open transaction, with their report's index
@@ -816,39 +972,38 @@ def _ingest_paths(con: duckdb.DuckDBPyConnection, sources: Sequence[SegmentSourc
                 ahead = read_ahead(index + 1)
                 if read.skip_status is not None:
                     if read.skip_status != STATUS_VANISHED:
-                        reports.append(IngestReport(read.segment, read.checksum, 0, 0, 0, 0, skipped=True,
-                                                    status=read.skip_status, replica_id=read.replica_id))
+                        reports.append(_skipped(read))
                     continue
                 if not group:
-                    con.execute("BEGIN TRANSACTION")
+                    writer.begin()
                 group.append((read, len(reports)))
                 try:
-                    report, dims = _write_segment(con, read, {**known_dims, **pending_dims}, hook)
+                    report, dims = _write_segment(writer, read, {**known_dims, **pending_dims}, hook, retry_failed)
                 except (_Crash, *_RUN_ERRORS):
                     raise
                 except Exception:  # noqa: BLE001  (isolation: redo the group without this segment)
-                    _rollback(con)
+                    writer.rollback()
                     earlier, group = group[:-1], []
                     pending_dims.clear()
                     rows_in_transaction = 0
                     for segment, position in earlier:  # rolled back with the group: written again, alone
-                        reports[position] = _write_alone(con, segment, known_dims, hook)
-                    reports.append(_write_alone(con, read, known_dims, hook))  # fails again, or not
+                        reports[position] = _write_alone(writer, segment, known_dims, hook, retry_failed)
+                    reports.append(_write_alone(writer, read, known_dims, hook, retry_failed))  # fails again, or not
                     continue
                 reports.append(report)
                 pending_dims.update(dims)
                 rows_in_transaction += report.rows_read
                 if rows_in_transaction >= transaction_rows:
-                    con.execute("COMMIT")
+                    writer.commit()
                     group, rows_in_transaction = [], 0
                     known_dims.update(pending_dims)
                     pending_dims.clear()
             if group:
-                con.execute("COMMIT")
+                writer.commit()
                 group = []
         except BaseException as error:
             if group:
-                _rollback(con)
+                writer.rollback()
             if ahead is not None:
                 ahead.cancel()
             if isinstance(error, _Crash):
@@ -860,8 +1015,16 @@ def _ingest_paths(con: duckdb.DuckDBPyConnection, sources: Sequence[SegmentSourc
 def ingest_segment(store: LogStore, path: str | Path, *, replica_id: str | None = None,
                    _after_stage: StageHook | None = None) -> IngestReport:
     """Ingest one complete segment in one transaction; a crash part-way leaves nothing of it."""
-    with store.connect() as con:
-        return _ingest_paths(con, [SegmentFile(Path(path), replica_id)], _after_stage)[0]
+    return ingest_segments(store, [SegmentFile(Path(path), replica_id)], _after_stage=_after_stage)[0]
+
+
+def ingest_segments(store: Any, sources: Sequence[SegmentSource], *, transaction_rows: int = 0,
+                    retry_failed: bool = False, _after_stage: StageHook | None = None) -> list[IngestReport]:
+    """Ingest listed segments (`complete_segments`) into `store`, a `LogStore` or a `PostgresStore`,
+    in order; `ingest_folder` explains `transaction_rows` and `retry_failed`. Several calls may run at
+    once on a PostgreSQL store, over the same segments or not: see `flows.store_postgres`."""
+    with store_writer(store) as writer:
+        return _ingest_paths(writer, sources, _after_stage, transaction_rows, retry_failed)
 
 
 def _is_segment(path: Path) -> bool:
@@ -916,8 +1079,8 @@ def ingest_folder(store: LogStore, folder: str | Path | None = None, *, transact
 
         folder = sub_dir("feedback")
     segments = complete_segments(folder, endpoint_url=endpoint_url)
-    with store.connect() as con:
-        return _ingest_paths(con, segments, _after_stage, transaction_rows, retry_failed)
+    return ingest_segments(store, segments, transaction_rows=transaction_rows, retry_failed=retry_failed,
+                           _after_stage=_after_stage)
 
 
 def totals(reports: Iterable[IngestReport]) -> dict[str, Any]:

@@ -14,13 +14,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, unmapped
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.settings import PipelineSettings
-from flows.store import LogStore
+from flows.ingest import complete_segments, totals
+from flows.stores import is_postgres, open_store, shown_location, store_location
 from flows.tasks import (
     fit_and_register,
     ingest_feedback,
+    ingest_segment_batch,
     largest_max_tokens,
     latest_feature_space,
     plain,
@@ -31,6 +34,7 @@ from flows.tasks import (
     rollback_champion,
     run_gate,
     select_training_window,
+    store_summary,
 )
 from flows.training import NotEnoughRowsError
 from registry.client import CHALLENGER, CHAMPION, ReadoutRegistry
@@ -40,20 +44,52 @@ def _model_name(settings: PipelineSettings, name: str | None) -> str:
     """The registered model of the latest feedback's feature space, unless named."""
     if name:
         return name
-    space = latest_feature_space(LogStore(settings.duckdb_path), settings.model_fingerprint, settings.layer)
+    space = latest_feature_space(open_store(settings), settings.model_fingerprint, settings.layer)
     if space is None:
-        raise LookupError(f"no feedback in {settings.duckdb_path} to tell which model to use; run the ingest "
+        raise LookupError(f"no feedback in {shown_location(settings)} to tell which model to use; run the ingest "
                           "flow first or pass the registered model name")
     return ReadoutRegistry.model_name(space.model_id, space.layer)
 
 
-@flow(name="leap-ingest")
-def ingest_flow(feedback_dir: str | None = None, retry_failed: bool = False) -> dict[str, Any]:
-    """Ingest the complete feedback segments into the DuckDB log store (`retry_failed`: try segments
-    quarantined as failed again)."""
+INGEST_TASK_THREADS = 16
+"""Threads of the ingest flow's task runner; `ingest_workers` (at most this many) of them ingest at once."""
+
+
+def segment_batches(sources: list, workers: int) -> list[list]:
+    """`sources` dealt round-robin into at most `workers` non-empty batches, so that each batch holds
+    segments of every replica folder and the batches finish together."""
+    workers = max(1, min(int(workers), len(sources)))
+    return [sources[index::workers] for index in range(workers)] if sources else []
+
+
+@flow(name="leap-ingest", task_runner=ThreadPoolTaskRunner(max_workers=INGEST_TASK_THREADS))
+def ingest_flow(feedback_dir: str | None = None, retry_failed: bool = False,
+                workers: int | None = None) -> dict[str, Any]:
+    """Ingest the complete feedback segments into the log store (`retry_failed`: try segments
+    quarantined as failed again).
+
+    On PostgreSQL the listed segments are dealt into `workers` (default `LEAP_INGEST_WORKERS`) batches,
+    ingested by mapped tasks at once, each on its own connection. The DuckDB file stays one sequential
+    task: it admits one writing connection at a time, so mapped tasks would only queue for its lock,
+    and each would lose the read-ahead that overlaps reading one segment with writing the last.
+    `rows_per_s` is the rows read over the ingest's wall time.
+    """
     settings = PipelineSettings()
     location = feedback_dir or settings.feedback_url or settings.feedback_dir  # the bucket, when the replicas ship
-    summary = ingest_feedback(str(settings.duckdb_path), str(location), retry_failed, settings.s3_endpoint_url)
+    store = store_location(settings)
+    workers = min(int(settings.ingest_workers if workers is None else workers), INGEST_TASK_THREADS)
+    started = time.perf_counter()
+    if is_postgres(store) and workers > 1:
+        sources = complete_segments(str(location), endpoint_url=settings.s3_endpoint_url)
+        batches = segment_batches(sources, workers)
+        futures = ingest_segment_batch.map(unmapped(store), batches, unmapped(retry_failed))
+        reports = [report for future in futures for report in future.result()]
+        summary = {**totals(reports), **store_summary(store)}
+    else:
+        workers = 1
+        summary = ingest_feedback(store, str(location), retry_failed, settings.s3_endpoint_url)
+    seconds = time.perf_counter() - started
+    summary.update(workers=workers, seconds=seconds, rows_per_s=summary["rows_read"] / seconds if seconds > 0 else 0.0)
     get_run_logger().info("ingest: %s", summary)
     return {"status": "ingested", **plain(summary)}
 
@@ -67,14 +103,14 @@ def fit_flow(since: float | None = None, until: float | None = None, alpha: str 
     The window is the latest feature space's: one model fingerprint, layer and capture recipe.
     `recipes` (default `LEAP_RECIPES`): candidate recipes the fit chooses among by validation."""
     settings = PipelineSettings()
-    store = LogStore(settings.duckdb_path)
+    store = open_store(settings)
     space = latest_feature_space(store, settings.model_fingerprint, settings.layer)
     if space is None:
-        return {"status": "no-data", "reason": f"no feedback in {settings.duckdb_path}"}
+        return {"status": "no-data", "reason": f"no feedback in {shown_location(settings)}"}
     if since is None and settings.train_window_hours is not None:
         since = time.time() - 3600.0 * settings.train_window_hours
     try:
-        frame = select_training_window(str(settings.duckdb_path), space, since, until, settings.domains,
+        frame = select_training_window(store_location(settings), space, since, until, settings.domains,
                                        settings.min_rows)
         result = fit_and_register(frame, settings.mlflow_tracking_uri, space, alpha or settings.alpha,
                                   settings.target, settings.max_tokens, settings.test_fraction,
@@ -105,13 +141,13 @@ def gate_flow(version: str | None = None, name: str | None = None, force: bool =
         return {"status": "no-challenger", **base}
     if challenger == champion:
         return {"status": "already-champion", **base}
-    store = LogStore(settings.duckdb_path)
+    store = open_store(settings)
     if not force:
         recorded = recorded_gate(store, name, challenger, champion)
         if recorded is not None:
             return {"status": "recorded", **base, **recorded}
     gate = run_gate(settings, name, challenger, champion)
-    logged = record_gate(str(settings.duckdb_path), settings.mlflow_tracking_uri, name, challenger, champion,
+    logged = record_gate(store_location(settings), settings.mlflow_tracking_uri, name, challenger, champion,
                          gate["results"], gate["verdict"])
     get_run_logger().info("gate: %s v%s vs %s: %s", name, challenger, champion or "fcfs", gate["verdict"]["reason"])
     summaries = {policy: {k: v for k, v in figures.items() if k not in ("ptl", "output_tokens")}
@@ -138,7 +174,7 @@ def push_flow(version: str | None = None, name: str | None = None, promote: bool
     champion = registry.get_alias(name, CHAMPION)
     if candidate is None:
         return {"status": "no-challenger", "name": name, "champion": champion}
-    recorded = recorded_gate(LogStore(settings.duckdb_path), name, candidate, champion)
+    recorded = recorded_gate(open_store(settings), name, candidate, champion)
     if recorded is None or not recorded["verdict"].get("passed"):
         reason = "no gate recorded against the current champion" if recorded is None else recorded["verdict"]["reason"]
         return {"status": "not-promoted", "name": name, "challenger": candidate, "champion": champion,

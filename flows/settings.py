@@ -33,6 +33,9 @@ class PipelineSettings(BaseSettings):
     store_url: str | None = Field(
         None, description="the log store: None keeps the DuckDB file (duckdb_path, one writer at a time); "
                           "a postgresql+psycopg:// URL is a store several ingest workers write at once")
+    ingest_workers: int = Field(
+        2, ge=1, description="segments ingested at once by the ingest flow's mapped tasks on a PostgreSQL "
+                             "store (the DuckDB file takes one writer: its ingest stays sequential)")
     feedback_url: str | None = Field(
         None, description="feedback in object storage, s3://bucket/prefix (each replica writes under "
                           "<prefix>/<replica id>/); None: the local feedback_dir")

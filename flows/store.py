@@ -42,9 +42,11 @@ when their dims agree.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
+from datetime import datetime
 from pathlib import Path
 from typing import NamedTuple
 
@@ -147,6 +149,19 @@ SCHEMA_DDL = (
   value VARCHAR NOT NULL
 )""",
 )
+
+GATES_DDL = """CREATE TABLE IF NOT EXISTS gates (
+  gate_key VARCHAR PRIMARY KEY,
+  time TIMESTAMP NOT NULL,
+  name VARCHAR NOT NULL,
+  challenger VARCHAR NOT NULL,
+  champion VARCHAR,
+  passed BOOLEAN NOT NULL,
+  verdict JSON NOT NULL,
+  results JSON NOT NULL,
+  mlflow_run_id VARCHAR
+)"""
+"""The gate verdicts the pipeline records (`flows.tasks.record_gate`), created on first use."""
 
 
 def _columns(con: duckdb.DuckDBPyConnection, table: str) -> set[str]:
@@ -298,6 +313,7 @@ class LogStore:
         self.force_compression = force_compression
         self.row_group_rows = row_group_rows
         self._schema_ready = False
+        self._gates_ready = False
 
     def __repr__(self) -> str:
         return f"LogStore({str(self.path)!r})"
@@ -477,6 +493,89 @@ class LogStore:
             con.execute("SET arrow_large_buffer_size = true")
             table = con.sql(query, params=params).to_arrow_table()
         return _frame_from_arrow(table)
+
+    # ------------------------------------------------------------------ what the pipeline's tasks ask
+
+    def latest_feature_space(self, model_fingerprint: str | None = None, layer: int | None = None,
+                             recipe: str | None = None) -> tuple[str | None, str, int, str] | None:
+        """(model id, fingerprint, layer, recipe) of the most recent feedback, optionally narrowed."""
+        where, params = [], []
+        if model_fingerprint is not None:
+            where.append("f.model_fingerprint = ?")
+            params.append(model_fingerprint)
+        if layer is not None:
+            where.append("f.layer = ?")
+            params.append(int(layer))
+        if recipe is not None:
+            where.append(f"{RECIPE_SQL} = ?")
+            params.append(canonical_recipe(recipe))
+        query = (f"SELECT any_value(r.model_id), f.model_fingerprint, f.layer, {RECIPE_SQL} AS recipe "
+                 "FROM requests r JOIN features f USING (request_id)"
+                 + (" WHERE " + " AND ".join(where) if where else "")
+                 + " GROUP BY ALL ORDER BY max(r.arrival_time) DESC LIMIT 1")
+        with self.connect(read_only=True) as con:
+            row = con.execute(query, params).fetchone()
+        if row is None:
+            return None
+        model_id, fingerprint, found_layer, found_recipe = row
+        return model_id, fingerprint, int(found_layer), found_recipe
+
+    def largest_max_tokens(self, model_fingerprint: str, layer: int, recipe: str) -> int | None:
+        """The largest output budget among the stored requests of one feature space."""
+        with self.connect(read_only=True) as con:
+            row = con.execute("SELECT max(r.max_tokens) FROM requests r JOIN features f USING (request_id) "
+                              f"WHERE f.model_fingerprint = ? AND f.layer = ? AND {RECIPE_SQL} = ?",
+                              [model_fingerprint, int(layer), recipe]).fetchone()
+        return None if row is None or row[0] is None else int(row[0])
+
+    def recorded_lengths(self, request_ids: Sequence[str],
+                         model_fingerprint: str | None = None) -> dict[str, tuple[int, float]]:
+        """(output_tokens, arrival_time) of those request ids finished by a training-label reason."""
+        query = ("SELECT r.request_id, r.output_tokens, r.arrival_time FROM requests r "
+                 "SEMI JOIN _wanted w USING (request_id) WHERE list_contains(?::VARCHAR[], r.finish_reason)")
+        params: list = [list(TRAINING_FINISH_REASONS)]
+        if model_fingerprint:
+            query += " AND r.model_fingerprint = ?"
+            params.append(model_fingerprint)
+        with self.connect(read_only=True) as con:
+            con.register("_wanted", pa.table({"request_id": pa.array(list(request_ids), pa.string())}))
+            rows = con.execute(query, params).fetchall()
+        return {rid: (int(tokens), float(arrival)) for rid, tokens, arrival in rows}
+
+    def _ensure_gates(self) -> None:
+        """The gates table, created on first use (it is not part of the ingest schema's versions)."""
+        if self._gates_ready:
+            return
+        with self.connect() as con:
+            con.execute(GATES_DDL)
+        self._gates_ready = True
+
+    def recorded_gate(self, name: str, challenger: str, champion: str | None) -> dict | None:
+        """The latest gate recorded for this challenger against this champion, or None."""
+        self._ensure_gates()
+        with self.connect(read_only=True) as con:
+            row = con.execute(
+                "SELECT gate_key, verdict, mlflow_run_id FROM gates WHERE name = ? AND challenger = ? "
+                "AND champion IS NOT DISTINCT FROM ? ORDER BY time DESC LIMIT 1",
+                [name, challenger, champion]).fetchone()
+        if row is None:
+            return None
+        return {"gate_key": row[0], "verdict": json.loads(row[1]), "gate_run_id": row[2]}
+
+    def gate_run(self, gate_key: str) -> tuple[bool, str | None]:
+        """(whether a gate with this key is recorded, its MLflow run id)."""
+        self._ensure_gates()
+        with self.connect(read_only=True) as con:
+            row = con.execute("SELECT mlflow_run_id FROM gates WHERE gate_key = ?", [gate_key]).fetchone()
+        return (True, row[0]) if row is not None else (False, None)
+
+    def record_gate(self, gate_key: str, time: datetime, name: str, challenger: str, champion: str | None,
+                    passed: bool, verdict_json: str, results_json: str, run_id: str | None) -> None:
+        """Record a gate once (a second record of the same key is ignored)."""
+        self._ensure_gates()
+        with self.connect() as con:
+            con.execute("INSERT OR IGNORE INTO gates VALUES (?, ?, ?, ?, ?, ?, ?::JSON, ?::JSON, ?)",
+                        [gate_key, time, name, challenger, champion, passed, verdict_json, results_json, run_id])
 
 
 def feature_bytes(feature: pa.Array | pa.ChunkedArray, dim: int) -> pa.Array:

@@ -12,7 +12,6 @@ hashing (NO_CACHE), which would otherwise hash megabytes per call.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -25,13 +24,14 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from flows.gate import gate_verdict, replay_gate
-from flows.ingest import ingest_folder, totals
+from flows.ingest import IngestReport, SegmentSource, ingest_folder, ingest_segments, totals
 from flows.promotion import PushOptions, readout_bundle
 from flows.promotion import promote as promote_everywhere
 from flows.promotion import rollback as rollback_everywhere
 from flows.push import PushFailed, push_readout
 from flows.settings import PipelineSettings
-from flows.store import RECIPE_SQL, TRAINING_FINISH_REASONS, LogStore, TrainingFrame, canonical_recipe
+from flows.store import TrainingFrame, canonical_recipe
+from flows.stores import Store, open_store, store_at
 from flows.training import fit_readout, select_window, time_split
 from leap_core.recipes import Recipe
 from leap_core.rls import RLS
@@ -43,19 +43,6 @@ from registry.client import (
     READOUT_EXPERIMENT,
     ReadoutRegistry,
 )
-
-GATES_DDL = """CREATE TABLE IF NOT EXISTS gates (
-  gate_key VARCHAR PRIMARY KEY,
-  time TIMESTAMP NOT NULL,
-  name VARCHAR NOT NULL,
-  challenger VARCHAR NOT NULL,
-  champion VARCHAR,
-  passed BOOLEAN NOT NULL,
-  verdict JSON NOT NULL,
-  results JSON NOT NULL,
-  mlflow_run_id VARCHAR
-)"""
-
 
 @dataclass(frozen=True)
 class FeatureSpace:
@@ -83,26 +70,11 @@ def _key(payload: Any) -> str:
 
 # ---------------------------------------------------------------------------- the log store
 
-def latest_feature_space(store: LogStore, model_fingerprint: str | None = None, layer: int | None = None,
+def latest_feature_space(store: Store, model_fingerprint: str | None = None, layer: int | None = None,
                          recipe: str | None = None) -> FeatureSpace | None:
     """The feature space (fingerprint, layer, capture recipe) of the most recent feedback, optionally
     narrowed; None for an empty store."""
-    where, params = [], []
-    if model_fingerprint is not None:
-        where.append("f.model_fingerprint = ?")
-        params.append(model_fingerprint)
-    if layer is not None:
-        where.append("f.layer = ?")
-        params.append(int(layer))
-    if recipe is not None:
-        where.append(f"{RECIPE_SQL} = ?")
-        params.append(canonical_recipe(recipe))
-    query = (f"SELECT any_value(r.model_id), f.model_fingerprint, f.layer, {RECIPE_SQL} AS recipe "
-             "FROM requests r JOIN features f USING (request_id)"
-             + (" WHERE " + " AND ".join(where) if where else "")
-             + " GROUP BY ALL ORDER BY max(r.arrival_time) DESC LIMIT 1")
-    with store.connect(read_only=True) as con:
-        row = con.execute(query, params).fetchone()
+    row = store.latest_feature_space(model_fingerprint, layer, recipe)
     if row is None:
         return None
     model_id, fingerprint, found_layer, found_recipe = row
@@ -110,12 +82,8 @@ def latest_feature_space(store: LogStore, model_fingerprint: str | None = None, 
                         recipe=found_recipe)
 
 
-def largest_max_tokens(store: LogStore, space: FeatureSpace) -> int | None:
-    with store.connect(read_only=True) as con:
-        row = con.execute("SELECT max(r.max_tokens) FROM requests r JOIN features f USING (request_id) "
-                          f"WHERE f.model_fingerprint = ? AND f.layer = ? AND {RECIPE_SQL} = ?",
-                          [space.model_fingerprint, space.layer, space.recipe]).fetchone()
-    return None if row is None or row[0] is None else int(row[0])
+def largest_max_tokens(store: Store, space: FeatureSpace) -> int | None:
+    return store.largest_max_tokens(space.model_fingerprint, space.layer, space.recipe)
 
 
 def covered_recipes(candidates: Sequence[str] | None, capture: str, dim: int) -> tuple[list[str], list[str]]:
@@ -131,28 +99,17 @@ def covered_recipes(candidates: Sequence[str] | None, capture: str, dim: int) ->
     return covered, missing
 
 
-def recorded_lengths(store: LogStore, request_ids: Sequence[str],
+def recorded_lengths(store: Store, request_ids: Sequence[str],
                      model_fingerprint: str | None = None) -> dict[str, tuple[int, float]]:
     """(output_tokens, arrival_time) the store recorded for those request ids (of one model when given).
 
     Only rows finished by a training-label reason (stop, length) count: an aborted, errored or
     repetition-cut request's length is where it was cut off, which no replay should take as its length.
     """
-    import pyarrow as pa
-
-    query = ("SELECT r.request_id, r.output_tokens, r.arrival_time FROM requests r "
-             "SEMI JOIN _wanted w USING (request_id) WHERE list_contains(?::VARCHAR[], r.finish_reason)")
-    params: list[Any] = [list(TRAINING_FINISH_REASONS)]
-    if model_fingerprint:
-        query += " AND r.model_fingerprint = ?"
-        params.append(model_fingerprint)
-    with store.connect(read_only=True) as con:
-        con.register("_wanted", pa.table({"request_id": pa.array(list(request_ids), pa.string())}))
-        rows = con.execute(query, params).fetchall()
-    return {rid: (int(tokens), float(arrival)) for rid, tokens, arrival in rows}
+    return store.recorded_lengths(request_ids, model_fingerprint)
 
 
-def gate_slice(store: LogStore, prompts: Sequence[Mapping[str, Any]], size: int, seed: int,
+def gate_slice(store: Store, prompts: Sequence[Mapping[str, Any]], size: int, seed: int,
                model_fingerprint: str | None = None,
                held_out_fraction: float = 0.2) -> tuple[list[dict], dict[str, int]]:
     """A reproducible sample of `size` served prompts, and their recorded lengths, from the held-out part.
@@ -175,22 +132,9 @@ def gate_slice(store: LogStore, prompts: Sequence[Mapping[str, Any]], size: int,
     return chosen, {p["id"]: lengths[p["id"]] for p in chosen}
 
 
-def ensure_gates_table(store: LogStore) -> None:
-    with store.connect() as con:
-        con.execute(GATES_DDL)
-
-
-def recorded_gate(store: LogStore, name: str, challenger: str, champion: str | None) -> dict | None:
+def recorded_gate(store: Store, name: str, challenger: str, champion: str | None) -> dict | None:
     """The latest gate recorded for this challenger against this champion, or None."""
-    ensure_gates_table(store)
-    with store.connect(read_only=True) as con:
-        row = con.execute(
-            "SELECT gate_key, verdict, mlflow_run_id FROM gates WHERE name = ? AND challenger = ? "
-            "AND champion IS NOT DISTINCT FROM ? ORDER BY time DESC LIMIT 1",
-            [name, str(challenger), None if champion is None else str(champion)]).fetchone()
-    if row is None:
-        return None
-    return {"gate_key": row[0], "verdict": json.loads(row[1]), "gate_run_id": row[2]}
+    return store.recorded_gate(name, str(challenger), None if champion is None else str(champion))
 
 
 # ---------------------------------------------------------------------------- tasks
@@ -201,24 +145,39 @@ def registry_at(tracking_uri: str, lock_path: str | None = None) -> ReadoutRegis
 
 
 @task(name="ingest-feedback", retries=2, retry_delay_seconds=5)
-def ingest_feedback(duckdb_path: str, feedback_dir: str, retry_failed: bool = False,
+def ingest_feedback(store_location: str, feedback_dir: str, retry_failed: bool = False,
                     s3_endpoint_url: str | None = None) -> dict[str, Any]:
-    """Ingest every complete feedback segment; segments already in the ledger are skipped, and a
-    segment that fails is quarantined (counted in `failed`) without stopping the others.
-    `feedback_dir` may be an s3://bucket/prefix URL (read at `s3_endpoint_url`)."""
-    store = LogStore(duckdb_path)
+    """Ingest every complete feedback segment into the store at `store_location` (`flows.stores`);
+    segments already in the ledger are skipped, and a segment that fails is quarantined (counted in
+    `failed`) without stopping the others. `feedback_dir` may be an s3://bucket/prefix URL (read at
+    `s3_endpoint_url`)."""
+    store = store_at(store_location)
     if not is_object_url(feedback_dir):
         Path(feedback_dir).mkdir(parents=True, exist_ok=True)
     summary = totals(ingest_folder(store, feedback_dir, retry_failed=retry_failed, endpoint_url=s3_endpoint_url))
     return {**summary, "store": store.counts(), "finish_reasons": store.finish_reasons()}
 
 
+@task(name="ingest-segments", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE)
+def ingest_segment_batch(store_location: str, sources: Sequence[SegmentSource],
+                         retry_failed: bool = False) -> list[IngestReport]:
+    """Ingest one batch of listed segments, one of the ingest flow's mapped tasks; one report per
+    segment. A retry skips what the first try committed."""
+    return ingest_segments(store_at(store_location), sources, retry_failed=retry_failed)
+
+
+def store_summary(store_location: str) -> dict[str, Any]:
+    """What the ingest summary reports about the store after a run."""
+    store = store_at(store_location)
+    return {"store": store.counts(), "finish_reasons": store.finish_reasons()}
+
+
 @task(name="select-training-window", cache_policy=NO_CACHE)
-def select_training_window(duckdb_path: str, space: FeatureSpace, since: float | None, until: float | None,
+def select_training_window(store_location: str, space: FeatureSpace, since: float | None, until: float | None,
                            domains: list[str] | None, min_rows: int) -> TrainingFrame:
     """The finished requests of one feature space (fingerprint, layer and capture recipe) arriving in
     [since, until)."""
-    return select_window(LogStore(duckdb_path), since=since, until=until, domains=domains,
+    return select_window(store_at(store_location), since=since, until=until, domains=domains,
                          model_fingerprint=space.model_fingerprint, layer=space.layer, recipe=space.recipe,
                          min_rows=min_rows)
 
@@ -378,7 +337,7 @@ def run_gate(settings: PipelineSettings, name: str, challenger: str, champion: s
         from harness.datasets import available_prompts
 
         prompts = available_prompts()
-    chosen, lengths = gate_slice(LogStore(settings.duckdb_path), prompts, settings.replay_slice,
+    chosen, lengths = gate_slice(open_store(settings), prompts, settings.replay_slice,
                                  settings.replay_seed, fingerprint, held_out_fraction=settings.test_fraction)
     engine = EngineSettings(model=str(settings.resolved_model_path()), max_model_len=settings.max_model_len,
                             seed=settings.replay_seed)
@@ -388,34 +347,30 @@ def run_gate(settings: PipelineSettings, name: str, challenger: str, champion: s
 
 
 @task(name="record-gate", cache_policy=NO_CACHE)
-def record_gate(duckdb_path: str, tracking_uri: str, name: str, challenger: str, champion: str | None,
+def record_gate(store_location: str, tracking_uri: str, name: str, challenger: str, champion: str | None,
                 results: Mapping[str, Any], verdict: Mapping[str, Any]) -> dict[str, Any]:
     """Log the gate to MLflow (run + tags on the challenger version) and to the `gates` table, once."""
     results, verdict = plain(results), plain(verdict)
     gate_key = _key({"name": name, "challenger": challenger, "champion": champion, "results": results,
                      "verdict": verdict})
-    store = LogStore(duckdb_path)
-    ensure_gates_table(store)
-    with store.connect(read_only=True) as con:
-        row = con.execute("SELECT mlflow_run_id FROM gates WHERE gate_key = ?", [gate_key]).fetchone()
-    if row is not None:
-        return {"gate_key": gate_key, "gate_run_id": row[0], "recorded": False}
+    store = store_at(store_location)
+    found, recorded_run = store.gate_run(gate_key)
+    if found:
+        return {"gate_key": gate_key, "gate_run_id": recorded_run, "recorded": False}
 
     registry = ReadoutRegistry(tracking_uri)
     run_id = None
     experiment = registry.client.get_experiment_by_name(GATE_EXPERIMENT)
-    if experiment is not None:  # logged before a crash that kept the DuckDB row from being written
+    if experiment is not None:  # logged before a crash that kept the store's row from being written
         runs = registry.client.search_runs([experiment.experiment_id],
                                            filter_string=f"tags.gate_key = '{gate_key}'", max_results=1)
         run_id = runs[0].info.run_id if runs else None
     if run_id is None:
         run_id = registry.log_gate(name, challenger, champion, results, verdict)
         registry.client.set_tag(run_id, "gate_key", gate_key)
-    with store.connect() as con:
-        con.execute("INSERT OR IGNORE INTO gates VALUES (?, ?, ?, ?, ?, ?, ?::JSON, ?::JSON, ?)",
-                    [gate_key, datetime.now(UTC).replace(tzinfo=None), name, str(challenger),
-                     None if champion is None else str(champion), bool(verdict["passed"]),
-                     dumps(verdict, nonfinite="keep"), dumps(results, nonfinite="keep"), run_id])
+    store.record_gate(gate_key, datetime.now(UTC).replace(tzinfo=None), name, str(challenger),
+                      None if champion is None else str(champion), bool(verdict["passed"]),
+                      dumps(verdict, nonfinite="keep"), dumps(results, nonfinite="keep"), run_id)
     return {"gate_key": gate_key, "gate_run_id": run_id, "recorded": True}
 
 
