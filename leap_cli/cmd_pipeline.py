@@ -1,4 +1,5 @@
-"""Pipeline commands: `leap ingest|fit|gate|push|rollback|retrain`, `leap stack up|down|status`, `leap deploy`.
+"""Pipeline commands: `leap ingest|fit|gate|push|rollback|retrain|merge|reconcile`, `leap stack up|down|status`,
+`leap deploy`.
 
 Each flow command runs one Prefect flow and prints its summary; a failure (MLflow down after its
 retries, a refused push, a promotion that had to be undone) prints {"status": "failed", "error"}
@@ -166,6 +167,35 @@ def retrain_command(
 ) -> None:
     """Ingest, fit, gate, and push and promote the challenger when it passes."""
     _run(_flow("retrain_flow", force_gate=force_gate), as_json, "retrain")
+
+
+def _fleet_flow(flow_name: str, /, **kwargs: Any) -> Callable[[], dict[str, Any]]:
+    def run() -> dict[str, Any]:
+        from flows import fleet
+
+        with _prefect_api(_settings()):
+            return getattr(fleet, flow_name)(**kwargs)
+
+    return run
+
+
+@app.command("merge")
+def merge_command(
+    name: Optional[str] = typer.Option(None, help="registered model (default: the replicas' readout's)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Merge every replica's RLS state into one exact anchored solve over their common anchor, register
+    it, make it the champion on every replica that answers, and bring the others to the champion."""
+    _run(_fleet_flow("merge_flow", name=name), as_json, "merge")
+
+
+@app.command("reconcile")
+def reconcile_command(
+    name: Optional[str] = typer.Option(None, help="registered model (default: the latest feedback's)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Push the champion to every replica ($LEAP_ENDPOINTS) that does not serve it, each push verified."""
+    _run(_fleet_flow("reconcile_flow", name=name), as_json, "reconcile")
 
 
 def _service_names(services: Optional[str]) -> Optional[list[str]]:

@@ -160,10 +160,21 @@ def test_rls_state_needs_the_token_and_says_when_there_is_none(fleet, build, tmp
         assert response.status_code == 404 and "RLS" in response.json()["error"]
 
 
-def test_reconcile_pushes_the_champion_to_replicas_behind_it(fleet):
+def test_leap_merge_then_a_new_replica_takes_the_champion_and_reconcile_moves_one_behind(fleet, build):
+    from typer.testing import CliRunner
+
+    import leap_cli.cmd_pipeline  # noqa: F401  (registers the commands)
+    from leap_cli.apps import app
+
     registry, name, urls = fleet["registry"], fleet["name"], fleet["urls"]
     _learn(fleet, 1, 8, 0.0)
-    merged = merge_flow()
+    answer = CliRunner().invoke(app, ["merge", "--json"])
+    assert answer.exit_code == 0, answer.output
+    merged = json.loads([line for line in answer.stdout.splitlines() if line.startswith("{")][-1])
+    assert merged["status"] == "merged" and merged["rows_merged"] == 8 and merged["versions_equal"]
+
+    newcomer, _ = replica(build, fleet["home"] / "new-state", champion_url=str(fleet["home"] / "champion"))
+    assert (newcomer.describe()["source"], newcomer.version) == ("champion", merged["readout_version"])
     other, _, _, _ = champion_readout("20250103T000000-behind01", np.random.default_rng(5))
     fleet["runtimes"][1].push_readout(make_bundle(to_bytes(other), None, force=True))  # around the flows
 

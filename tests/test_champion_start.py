@@ -1,0 +1,112 @@
+"""A replica that starts or restarts takes the published champion when it is newer than its own saved push:
+real runtimes (no engine), a real publication folder; damaged or foreign publications never keep a
+replica down."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+
+from leap_core.readout_format import to_bytes  # noqa: E402
+from leap_io.champion import ChampionPublication, PublicationDamaged, default_location  # noqa: E402
+from leap_io.model_identity import registered_model_name  # noqa: E402
+from leap_io.push_bundle import make_bundle  # noqa: E402
+from tests.fleet_fixtures import champion_readout  # noqa: E402
+from tests.runtime_fixtures import LAYER, MODEL, build  # noqa: E402,F401 - `build` is a fixture
+
+NAME = registered_model_name(MODEL, LAYER)
+
+
+def _bundle(version: str, seed: int = 0, **metadata) -> bytes:
+    readout, rls, _, _ = champion_readout(version, np.random.default_rng(seed))
+    readout.metadata.update(metadata)
+    return make_bundle(to_bytes(readout), rls.state_arrays())
+
+
+def _start(build, tmp_path, state: str = "state", **leap):
+    return build(policy="leap", rls=True, state_dir=str(tmp_path / state), champion_url=str(tmp_path / "champion"),
+                 **leap)
+
+
+def test_a_publication_reads_back_and_a_torn_one_is_refused(tmp_path):
+    publication = ChampionPublication(tmp_path / "champion")
+    assert publication.load(NAME) is None
+    written = publication.publish(NAME, b"bundle bytes", "v7", 3)
+    loaded = publication.load(NAME)
+    assert (loaded.bundle, loaded.version, loaded.registry_version) == (b"bundle bytes", "v7", "3")
+    assert loaded.published_at == written["published_at"]
+    (tmp_path / "champion" / f"{NAME}.bundle").write_bytes(b"another publication's bundle")
+    with pytest.raises(PublicationDamaged, match="not the one"):
+        publication.load(NAME)
+    with pytest.raises(ValueError, match="publication name"):
+        publication.load("../escape")
+
+
+def test_the_default_location_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("LEAP_CHAMPION_URL", raising=False)
+    monkeypatch.setenv("LEAP_HOME", str(tmp_path))
+    assert default_location() == str(tmp_path.resolve() / "champion")
+    monkeypatch.setenv("LEAP_CHAMPION_URL", "s3://leap-champions/fleet")
+    assert default_location() == "s3://leap-champions/fleet"
+
+
+def test_a_new_replica_serves_the_published_champion_and_keeps_it(build, tmp_path):
+    ChampionPublication(tmp_path / "champion").publish(NAME, _bundle("20250105T000000-champ001"), "20250105T000000-champ001", 4)
+
+    runtime = _start(build, tmp_path)
+
+    described = runtime.describe()
+    assert (described["source"], described["version"]) == ("champion", "20250105T000000-champ001")
+    assert described["champion"]["state"] == "loaded" and described["rls"]["active"] is True
+    assert runtime.readouts.state.saved()[0] == "20250105T000000-champ001"  # a restart restores it
+
+
+def test_a_restarted_replica_takes_a_champion_published_after_its_last_push(build, tmp_path):
+    first = _start(build, tmp_path)
+    first.push_readout(_bundle("20250101T000000-old00001"))
+    first.close()
+    time.sleep(0.01)
+    ChampionPublication(tmp_path / "champion").publish(NAME, _bundle("20250106T000000-new00001", 1),
+                                                       "20250106T000000-new00001", 5)
+
+    restarted = _start(build, tmp_path)
+
+    assert (restarted.describe()["source"], restarted.version) == ("champion", "20250106T000000-new00001")
+
+
+def test_a_push_saved_after_the_publication_wins(build, tmp_path):
+    ChampionPublication(tmp_path / "champion").publish(NAME, _bundle("20250105T000000-champ001"),
+                                                       "20250105T000000-champ001", 4)
+    first = _start(build, tmp_path)
+    first.push_readout(_bundle("20250107T000000-pushed01", 2))
+    first.close()
+
+    restarted = _start(build, tmp_path)
+
+    assert (restarted.describe()["source"], restarted.version) == ("state", "20250107T000000-pushed01")
+    assert restarted.describe()["champion"]["state"] == "older-than-state"
+
+
+@pytest.mark.parametrize("damage", ["torn", "foreign"])
+def test_an_unusable_publication_is_counted_and_never_keeps_the_replica_down(build, tmp_path, damage):
+    first = _start(build, tmp_path)
+    first.push_readout(_bundle("20250101T000000-old00001"))
+    first.close()
+    publication = ChampionPublication(tmp_path / "champion")
+    if damage == "torn":
+        publication.publish(NAME, _bundle("20250106T000000-new00001"), "20250106T000000-new00001", 5)
+        (tmp_path / "champion" / f"{NAME}.bundle").write_bytes(b"PK\x03\x04 half a bundle")
+    else:  # a readout of a layer this replica does not capture: refused exactly as a push would be
+        bundle = _bundle("20250106T000000-new00001", layer=LAYER + 1)
+        publication.publish(NAME, bundle, "20250106T000000-new00001", 5)
+
+    restarted = _start(build, tmp_path)
+
+    described = restarted.describe()
+    assert (described["source"], described["version"]) == ("state", "20250101T000000-old00001")
+    assert described["champion"]["state"] == "failed" and restarted.health()["healthy"]
+    assert restarted.telemetry.dropped("champion", "unusable") == 1
