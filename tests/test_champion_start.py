@@ -16,6 +16,7 @@ from leap_io.champion import ChampionPublication, PublicationDamaged, default_lo
 from leap_io.model_identity import registered_model_name  # noqa: E402
 from leap_io.push_bundle import make_bundle  # noqa: E402
 from tests.fleet_fixtures import champion_readout  # noqa: E402
+from tests.object_feedback_fixtures import bucket, s3_endpoint, s3_env  # noqa: E402,F401 - fixtures
 from tests.runtime_fixtures import LAYER, MODEL, build  # noqa: E402,F401 - `build` is a fixture
 
 NAME = registered_model_name(MODEL, LAYER)
@@ -110,3 +111,14 @@ def test_an_unusable_publication_is_counted_and_never_keeps_the_replica_down(bui
     assert (described["source"], described["version"]) == ("state", "20250101T000000-old00001")
     assert described["champion"]["state"] == "failed" and restarted.health()["healthy"]
     assert restarted.telemetry.dropped("champion", "unusable") == 1
+
+
+def test_a_publication_in_a_bucket_serves_a_new_replica(build, tmp_path, bucket):
+    """The same publication in object storage (a real S3 endpoint: moto's server)."""
+    location = f"s3://{bucket}/champion"
+    ChampionPublication(location).publish(NAME, _bundle("20250108T000000-bucket01"), "20250108T000000-bucket01", 6)
+    assert ChampionPublication(location).load(NAME).version == "20250108T000000-bucket01"
+
+    runtime = build(policy="leap", rls=True, state_dir=str(tmp_path / "state"), champion_url=location)
+
+    assert (runtime.describe()["source"], runtime.version) == ("champion", "20250108T000000-bucket01")
