@@ -6,12 +6,9 @@ through the same admin API the serving tests exercise."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import psycopg
 import pytest
@@ -23,7 +20,7 @@ pytest.importorskip("moto")
 
 from flows import stack_fleet as fleet  # noqa: E402
 from flows.settings import PipelineSettings  # noqa: E402
-from tests.stack_fleet_fixtures import REPO_ROOT, fleet_stack, hold_flow, leap  # noqa: E402,F401
+from tests.stack_fleet_fixtures import fleet_stack, hold_flow, leap  # noqa: E402,F401
 
 pytestmark = pytest.mark.pipeline
 
@@ -48,7 +45,9 @@ def _tables(port: int, database: str) -> set[str]:
         return {row[0] for row in rows}
 
 
-def test_fleet_up_runs_mlflow_and_prefect_on_postgres_and_exports_the_fleet(fleet_stack):
+def test_fleet_up_runs_mlflow_and_prefect_on_postgres_and_exports_the_fleet(fleet_stack, monkeypatch):
+    from flows import stack
+
     up = fleet_stack["up"]
     assert sorted(up["started"]) == sorted(FLEET_SERVICES)
     assert up["healthy"] is True and up["replicas"] == []
@@ -58,21 +57,26 @@ def test_fleet_up_runs_mlflow_and_prefect_on_postgres_and_exports_the_fleet(flee
     assert {"flow_run", "deployment", "work_pool"} <= _tables(layout.postgres_port, "prefect")
     assert not (fleet_stack["home"] / "mlflow" / "mlflow.db").exists()
 
-    # a second `up --fleet` finds everything running and starts nothing
-    code, again = leap(fleet_stack["env"], "stack", "up", "--fleet", "--replicas", "0", "--json")
-    assert code == 0 and again["started"] == [] and again["healthy"] is True
+    # a second `up --fleet` finds everything running and starts nothing; another replica count is refused
+    settings = _settings(fleet_stack)
+    again = stack.up(settings, fleet=0)
+    assert again["started"] == [] and again["healthy"] is True
+    with pytest.raises(stack.StackError, match="stack down"):
+        stack.up(settings, fleet=2)
     code, status = leap(fleet_stack["env"], "stack", "status", "--json")
     assert code == 0 and set(status["services"]) == set(FLEET_SERVICES)
     assert status["fleet"]["pool"] == "leap" and status["fleet"]["replicas"] == 0
 
-    # every `leap` command (and what it starts) sees the fleet's store, bucket and servers
-    probe = ("import json, leap_cli.main; from flows.settings import PipelineSettings; s = PipelineSettings(); "
-             "print(json.dumps({'store': s.store_url, 'feedback': s.feedback_url, 's3': s.s3_endpoint_url, "
-             "'tracking': s.mlflow_tracking_uri, 'endpoints': s.endpoints}))")
-    done = subprocess.run([sys.executable, "-c", probe], env=fleet_stack["env"], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=60)
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
-    settings = _settings(fleet_stack)
+    # every `leap` command sees the fleet's store, bucket and servers (leap_cli.main applies fleet.env)
+    preset = {"LEAP_HOME": str(fleet_stack["home"]), "LEAP_FEEDBACK_URL": "s3://mine/set-before"}
+    assert "LEAP_FEEDBACK_URL" not in fleet.apply_environment(preset)  # a variable already set wins
+    assert preset["LEAP_FEEDBACK_URL"] == "s3://mine/set-before"
+    for key, value in fleet.apply_environment({"LEAP_HOME": str(fleet_stack["home"])}).items():
+        monkeypatch.setenv(key, value)
+    seen_settings = PipelineSettings(home=fleet_stack["home"])
+    seen = {"store": seen_settings.store_url, "feedback": seen_settings.feedback_url,
+            "s3": seen_settings.s3_endpoint_url, "tracking": seen_settings.mlflow_tracking_uri,
+            "endpoints": seen_settings.endpoints}
     assert seen == {"store": f"postgresql+psycopg://postgres@127.0.0.1:{layout.postgres_port}/leap",
                     "feedback": "s3://leap/feedback", "s3": f"http://127.0.0.1:{layout.s3_port}",
                     "tracking": settings.mlflow_server_url, "endpoints": []}
@@ -125,16 +129,16 @@ def _finished(client, run_ids: list, timeout_s: float) -> list:
         time.sleep(1.0)
 
 
-def _intervals(log_path: Path) -> dict[str, tuple[float, float]]:
-    events: dict[str, dict[str, float]] = {}
+def _runs(log_path: Path) -> dict[str, dict]:
+    runs: dict[str, dict] = {}
     for line in log_path.read_text().splitlines():
         record = json.loads(line)
-        events.setdefault(record["tag"], {})[record["event"]] = record["t"]
-    return {tag: (times["start"], times["end"]) for tag, times in events.items()}
+        runs.setdefault(record["tag"], {})[record["event"]] = record
+    return runs
 
 
-def _overlap(first: tuple[float, float], second: tuple[float, float]) -> bool:
-    return first[0] < second[1] and second[0] < first[1]
+def _overlap(first: dict, second: dict) -> bool:
+    return first["start"]["t"] < second["end"]["t"] and second["start"]["t"] < first["end"]["t"]
 
 
 def test_two_workers_never_run_two_runs_of_a_limited_deployment_at_once(fleet_stack, tmp_path):
@@ -152,36 +156,44 @@ def test_two_workers_never_run_two_runs_of_a_limited_deployment_at_once(fleet_st
         assert retrain.work_pool_name == "leap" and retrain.global_concurrency_limit.limit == 1
         assert retrain.entrypoint == "flows.pipeline.retrain_flow"
 
-        # the retrain deployment's mechanism, on a flow that needs no data; the unlimited twin shows
-        # that two runs do overlap on these workers when nothing holds them apart
+        # the retrain deployment's mechanism, on a flow that needs no data: each run waits for its
+        # partner to be running too; the unlimited twin shows the two workers do run two at once
         fleet.register_deployment(api, hold_flow, "limited", concurrency_limit=1)
         fleet.register_deployment(api, hold_flow, "unlimited", concurrency_limit=None)
         log = tmp_path / "runs.jsonl"
-        run_ids = [run_deployment(f"leap-hold/{name}", parameters={"log_path": str(log), "seconds": 5.0,
-                                                                    "tag": f"{name}-{index}"}, timeout=0).id
+        run_ids = [run_deployment(f"leap-hold/{name}", timeout=0, parameters={
+                       "log_path": str(log), "tag": f"{name}-{index}", "partner": f"{name}-{1 - index}",
+                       "wait_s": 8.0}).id
                    for index in range(2) for name in ("limited", "unlimited")]
         runs = _finished(client, run_ids, timeout_s=150)
         assert [run.state.name for run in runs] == ["Completed"] * 4
         assert fleet.pool_workers(api) == workers  # both workers stayed up throughout
         histories = {str(run.id): [state.name for state in client.read_flow_run_states(run.id)] for run in runs}
 
-    intervals = _intervals(log)
-    assert set(intervals) == {"limited-0", "limited-1", "unlimited-0", "unlimited-1"}
-    assert not _overlap(intervals["limited-0"], intervals["limited-1"]), intervals
-    assert _overlap(intervals["unlimited-0"], intervals["unlimited-1"]), intervals
+    records = _runs(log)
+    assert set(records) == {"limited-0", "limited-1", "unlimited-0", "unlimited-1"}
+    assert records["unlimited-0"]["end"]["met"] and records["unlimited-1"]["end"]["met"], records
+    assert not records["limited-0"]["end"]["met"] and not records["limited-1"]["end"]["met"], records
+    assert not _overlap(records["limited-0"], records["limited-1"]), records
     waited = [run_id for run_id in map(str, run_ids[0::2]) if "AwaitingConcurrencySlot" in histories[run_id]]
-    assert waited, histories  # the second limited run was held for the slot, not merely late
+    assert waited, histories  # a limited run was held for the slot, not merely late
 
 
 class _Replica:
-    """An admin target as a serving runtime exposes it: a readout version and the runtime's own telemetry."""
+    """An admin target as a serving runtime exposes it: a readout version, the runtime's own telemetry and
+    the per-domain gauges under the names the drift watch reads (flows.drift.GAUGES)."""
 
     def __init__(self, version: str) -> None:
+        from prometheus_client import Gauge
+
+        from flows.drift import GAUGES
         from serving.telemetry import Telemetry
 
         self.version = version
         self.telemetry = Telemetry()
         self.metrics_registry = self.telemetry.registry
+        self.domain = {field: Gauge(name, field, ["domain"], registry=self.metrics_registry)
+                       for name, field in GAUGES.items()}
 
     def describe(self) -> dict:
         return {"version": self.version, "source": "push"}
@@ -213,10 +225,9 @@ def test_status_reports_each_replica_version_and_live_figures(tmp_path):
     first.finished.inc(300)
     first.spearman.set(0.61)
     first.mae.set(41.5)
-    for gauge, value in ((first.domain_spearman, 0.6), (first.domain_mae, 40.0), (first.domain_anchor_mae, 44.0),
-                         (first.domain_rows, 120)):
-        gauge.labels(domain="chat").set(value)
-    first.domain_mae.labels(domain="code").set(12.0)  # its other figures not computed yet: left out
+    for field, value in (("spearman", 0.6), ("mae", 40.0), ("anchor_mae", 44.0), ("rows", 120)):
+        targets[0].domain[field].labels(domain="chat").set(value)
+    targets[0].domain["mae"].labels(domain="code").set(12.0)  # its other figures not computed yet: left out
     servers = _admin_pair(targets)
     try:
         settings = PipelineSettings(home=tmp_path, admin_port=servers[0].port, serving_port=servers[0].port + 100)
