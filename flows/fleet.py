@@ -119,13 +119,13 @@ def choose_base(replicas: Sequence[Mapping[str, Any]], champion_readout_version:
 
 def registered_version_of(registry: ReadoutRegistry, name: str, readout_version: str) -> str | None:
     """The registry version whose readout is `readout_version` (the champion's first), or None."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        versions = registry.list_versions(name)
+    except MlflowException:  # no such registered model: nothing to anchor at
+        return None
     champion = registry.get_alias(name, CHAMPION)
-    versions = registry.list_versions(name) if registry.aliases(name) or champion else []
-    if not versions:
-        try:
-            versions = registry.list_versions(name)
-        except Exception:  # noqa: BLE001 - no such model: nothing registered
-            return None
     ordered = sorted(versions, key=lambda v: v.version != champion)
     return next((v.version for v in ordered if v.tags.get("readout_version") == readout_version), None)
 
