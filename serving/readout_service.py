@@ -441,11 +441,12 @@ class ReadoutService:
             return
         self._tracker.add_predictions(request_ids, values.reshape(-1), str(readout.metadata.get("version", "")))
 
-    def anchor_prediction(self, feature: np.ndarray) -> tuple[float | None, int]:
+    def anchor_prediction(self, feature: np.ndarray | None) -> tuple[float | None, int]:
         """The anchor readout's prediction of one captured vector (None while no anchor serves: no
-        readout, or a predictor without RLS, which is then its own anchor) and the anchor's generation."""
+        readout, or a predictor without RLS, which is then its own anchor; and for `feature` None)
+        and the anchor's generation, which a push, restore or reset moves on."""
         anchor = self._anchor
-        if anchor.readout is None:
+        if feature is None or anchor.readout is None:
             return None, anchor.generation
         value = np.asarray(anchor.readout.predict(anchor.select(np.asarray(feature))[None, :]), dtype=np.float64)
         return float(value.reshape(-1)[0]), anchor.generation

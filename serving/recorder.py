@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -39,79 +40,104 @@ logger = logging.getLogger(__name__)
 DECODING_KEYS = ("temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty",
                  "repetition_penalty", "ignore_eos", "seed")
 QUALITY_WINDOW = 256
-QUALITY_EVERY = 16
-"""The quality gauges are recomputed every this many finished requests of a window (and once it holds as many)."""
 MAX_DOMAINS = 32
 ALL = "all"
 
-Anchor = Callable[[np.ndarray], "tuple[float | None, int]"]
-"""anchor(feature) -> (the anchor readout's prediction or None when no anchor serves, anchor generation)."""
+Anchor = Callable[[np.ndarray | None], "tuple[float | None, int]"]
+"""anchor(feature) -> (the anchor readout's prediction, None when no anchor serves or `feature` is None;
+the current anchor generation)."""
 
 
 class DomainQuality:
-    """Rolling prediction quality by domain since the current anchor, exported as labelled gauges.
+    """Rolling prediction quality by domain since the current anchor, a Prometheus collector.
 
     Each window holds the last `window` (predicted, anchor-predicted, true length) triples of its
-    domain. A new anchor generation empties every window and clears the gauges. At most `max_domains`
+    domain; the engine thread only appends, and the figures are computed when /metrics is scraped
+    (`leap_domain_rolling_spearman`, `leap_domain_rolling_mae`, `leap_domain_anchor_mae`,
+    `leap_domain_rolling_rows`, by `domain`, and `leap_anchor_generation`). When the anchor generation
+    (`generation()`, read at every scrape and row) moves on, every window is emptied at once, so a
+    scrape just after a push never reports the previous readout's figures. At most `max_domains`
     domains besides "all" are kept; a row of another domain is counted in "all" and dropped from its
     own (`leap_dropped_total{what="quality_row", reason="domain_cap"}`).
     """
 
-    def __init__(self, telemetry: Telemetry, window: int = QUALITY_WINDOW, every: int = QUALITY_EVERY,
-                 max_domains: int = MAX_DOMAINS) -> None:
+    def __init__(self, telemetry: Telemetry, generation: Callable[[], int] | None = None,
+                 window: int = QUALITY_WINDOW, max_domains: int = MAX_DOMAINS) -> None:
         self._telemetry = telemetry
-        self.window, self.every, self.max_domains = window, every, max_domains
-        self.generation: int | None = None
+        self._generation_now = generation
+        self.window, self.max_domains = window, max_domains
+        self.generation = 0
         self._rows: dict[str, deque[tuple[float, float, float]]] = {}
-        self._added: dict[str, int] = {}
+        self._lock = threading.Lock()
+        telemetry.registry.register(self)
 
     def add(self, predicted: float, anchor: float, output_tokens: int, domain: str | None, generation: int) -> None:
-        if generation != self.generation:
-            self.reset(generation)
-        self._add(ALL, predicted, anchor, output_tokens)
-        if domain is None or domain == ALL:
-            return
-        if domain not in self._rows and len(self._rows) > self.max_domains:  # "all" is one of them
-            self._telemetry.drop("quality_row", "domain_cap")
-            return
-        self._add(domain, predicted, anchor, output_tokens)
-
-    def reset(self, generation: int | None) -> None:
-        """Forget every window (a new anchor serves)."""
-        self.generation = generation
-        self._telemetry.anchor_generation.set(generation or 0)
-        self._rows.clear()
-        self._added.clear()
-        t = self._telemetry
-        for gauge in (t.domain_spearman, t.domain_mae, t.domain_anchor_mae, t.domain_rows):
-            gauge.clear()
+        row = (float(predicted), float(anchor), float(output_tokens))
+        with self._lock:
+            if generation != self.generation:
+                self._reset(generation)
+            self._append(ALL, row)
+            if domain is None or domain == ALL:
+                return
+            if domain not in self._rows and len(self._rows) > self.max_domains:  # "all" is one of them
+                self._telemetry.drop("quality_row", "domain_cap")
+                return
+            self._append(domain, row)
 
     def figures(self, domain: str = ALL) -> dict | None:
         """The domain's spearman, mae, anchor_mae and rows now (None when it has no rows)."""
-        rows = self._rows.get(domain)
-        if not rows:
-            return None
-        values = np.asarray(rows, dtype=np.float64)
-        true = values[:, 2]
-        return {"spearman": spearman(true, values[:, 0]) if len(values) > 1 else float("nan"),
-                "mae": mae(true, values[:, 0]), "anchor_mae": mae(true, values[:, 1]), "rows": len(values)}
+        return self._snapshot()[1].get(domain)
 
     def domains(self) -> list[str]:
-        return list(self._rows)
+        return list(self._snapshot()[1])
 
-    def _add(self, domain: str, predicted: float, anchor: float, output_tokens: int) -> None:
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        generation, figures = self._snapshot()
+        families = {
+            "spearman": GaugeMetricFamily("leap_domain_rolling_spearman", "Spearman of prediction vs length by "
+                                          "domain, last 256 since the anchor", labels=["domain"]),
+            "mae": GaugeMetricFamily("leap_domain_rolling_mae", "MAE in tokens of the serving (online-corrected) "
+                                     "readout by domain, last 256 since the anchor", labels=["domain"]),
+            "anchor_mae": GaugeMetricFamily("leap_domain_anchor_mae", "MAE in tokens of the anchor readout (as "
+                                            "pushed, before online correction) on the same requests",
+                                            labels=["domain"]),
+            "rows": GaugeMetricFamily("leap_domain_rolling_rows", "Finished requests the domain's figures are "
+                                      "over", labels=["domain"]),
+        }
+        for domain, values in sorted(figures.items()):
+            for key, family in families.items():
+                family.add_metric([domain], values[key])
+        yield from families.values()
+        yield GaugeMetricFamily("leap_anchor_generation", "Pushes, restores and resets served so far (the "
+                                "per-domain figures start afresh at each)", value=generation)
+
+    def _snapshot(self) -> tuple[int, dict[str, dict]]:
+        with self._lock:
+            if self._generation_now is not None:
+                current = self._generation_now()
+                if current != self.generation:
+                    self._reset(current)
+            generation = self.generation
+            copies = {domain: np.asarray(rows, dtype=np.float64) for domain, rows in self._rows.items()}
+        figures = {}
+        for domain, values in copies.items():
+            true = values[:, 2]
+            figures[domain] = {"spearman": spearman(true, values[:, 0]) if len(values) > 1 else float("nan"),
+                               "mae": mae(true, values[:, 0]), "anchor_mae": mae(true, values[:, 1]),
+                               "rows": len(values)}
+        return generation, figures
+
+    def _reset(self, generation: int) -> None:
+        self.generation = generation
+        self._rows.clear()
+
+    def _append(self, domain: str, row: tuple[float, float, float]) -> None:
         rows = self._rows.get(domain)
         if rows is None:
             rows = self._rows[domain] = deque(maxlen=self.window)
-        rows.append((float(predicted), float(anchor), float(output_tokens)))
-        added = self._added[domain] = self._added.get(domain, 0) + 1
-        if added < self.every or added % self.every == 0:  # every row while the window is small
-            figures = self.figures(domain)
-            t = self._telemetry
-            t.domain_spearman.labels(domain=domain).set(figures["spearman"])
-            t.domain_mae.labels(domain=domain).set(figures["mae"])
-            t.domain_anchor_mae.labels(domain=domain).set(figures["anchor_mae"])
-            t.domain_rows.labels(domain=domain).set(figures["rows"])
+        rows.append(row)
 
 
 class FeedbackRecorder:
@@ -133,7 +159,7 @@ class FeedbackRecorder:
         self.finished = 0
         self.recent: deque[tuple[float, int]] = deque(maxlen=QUALITY_WINDOW)
         self.anchor = anchor
-        self.quality = DomainQuality(telemetry)
+        self.quality = DomainQuality(telemetry, None if anchor is None else lambda: anchor(None)[1])
 
     def record(self, request: Any, entry: Tracked | None, feature: np.ndarray | None, predicted: float | None,
                version: str, policy: str) -> dict | None:
@@ -184,7 +210,7 @@ class FeedbackRecorder:
 
     def _domain_quality(self, predicted: float, output_tokens: int, feature: np.ndarray | None,
                         domain: str | None) -> None:
-        anchored, generation = None, self.quality.generation or 0
+        anchored, generation = None, self.quality.generation
         if self.anchor is not None:
             if feature is None:  # the anchor's prediction is unknown: the comparison needs both
                 self._telemetry.drop("quality_row", "no_feature")

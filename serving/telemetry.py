@@ -35,18 +35,6 @@ class Telemetry:
         self.rls_updates = Gauge("leap_rls_updates", "RLS batch updates since the last anchor", registry=r)
         self.spearman = Gauge("leap_rolling_spearman", "Spearman of prediction vs length, last 256", registry=r)
         self.mae = Gauge("leap_rolling_mae", "MAE in tokens, last 256 finished requests", registry=r)
-        # per domain ("all": every request), over the finished requests since the current anchor (push)
-        self.domain_spearman = Gauge("leap_domain_rolling_spearman", "Spearman of prediction vs length by "
-                                     "domain, last 256 since the anchor", ["domain"], registry=r)
-        self.domain_mae = Gauge("leap_domain_rolling_mae", "MAE in tokens of the serving (online-corrected) "
-                                "readout by domain, last 256 since the anchor", ["domain"], registry=r)
-        self.domain_anchor_mae = Gauge("leap_domain_anchor_mae", "MAE in tokens of the anchor readout (as "
-                                       "pushed, before online correction) on the same requests", ["domain"],
-                                       registry=r)
-        self.anchor_generation = Gauge("leap_anchor_generation", "Pushes, restores and resets served so far "
-                                       "(the per-domain figures start afresh at each)", registry=r)
-        self.domain_rows = Gauge("leap_domain_rolling_rows", "Finished requests the domain's figures are over",
-                                 ["domain"], registry=r)
         self.resident = Gauge("leap_resident_requests", "Resident (running) requests", registry=r)
         self.decoding = Gauge("leap_decode_candidates", "Resident requests past prefill", registry=r)
         self.held = Gauge("leap_held_out_requests", "Requests held out this step", registry=r)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from flows.drift import (
@@ -180,3 +181,33 @@ def test_the_state_survives_runs_keeps_a_bounded_history_and_sets_a_broken_file_
     aside = notes["state_set_aside"]["path"]
     assert open(aside).read() == "{not json" and "JSONDecodeError" in notes["state_set_aside"]["reason"]
     assert json.loads(path.read_text())["observations"] == {}
+
+
+def test_the_replica_keeps_figures_per_domain_since_its_anchor_and_caps_the_domains():
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client import generate_latest
+
+    from serving.recorder import DomainQuality
+    from serving.telemetry import Telemetry
+
+    telemetry = Telemetry()
+    generation = [1]
+    quality = DomainQuality(telemetry, lambda: generation[0], window=4, max_domains=2)
+    for i, (predicted, anchored, true) in enumerate([(10, 20, 12), (30, 20, 33), (50, 60, 40), (70, 70, 90),
+                                                      (90, 80, 100)]):
+        quality.add(predicted, anchored, true, "math", 1)
+    quality.add(5, 5, 5, "code", 1)
+    quality.add(5, 5, 5, "chat", 1)  # a third domain: counted in "all" only
+    math_rows = [(30, 20, 33), (50, 60, 40), (70, 70, 90), (90, 80, 100)]  # the window keeps the last 4
+    assert quality.figures("math") == {"spearman": 1.0, "rows": 4,
+                                       "mae": float(np.mean([abs(t - p) for p, _, t in math_rows])),
+                                       "anchor_mae": float(np.mean([abs(t - a) for _, a, t in math_rows]))}
+    assert quality.figures("all")["rows"] == 4 and quality.figures("chat") is None
+    assert telemetry.dropped("quality_row", "domain_cap") == 1
+    scraped = {(s.name, s.labels.get("domain")): s.value
+               for f in text_string_to_metric_families(generate_latest(telemetry.registry).decode())
+               for s in f.samples}
+    assert scraped[("leap_domain_rolling_rows", "math")] == 4 and scraped[("leap_anchor_generation", None)] == 1
+    assert scraped[("leap_domain_anchor_mae", "math")] == quality.figures("math")["anchor_mae"]
+    generation[0] = 2  # a push: the next scrape reports nothing of the previous readout
+    assert quality.domains() == [] and quality.generation == 2

@@ -1,0 +1,132 @@
+"""The drift watch against a serving replica that meets another domain than its readout was fitted on.
+
+Real parts throughout: the replica is a `LeapRuntime` with its admin server (no engine, see
+tests/drift_fixtures.py), its traffic the committed snapshot's features and true output lengths of two
+prompt sets (SmolLM2-135M-Instruct, layer 22), the champion a readout fitted on one set and registered
+in a sqlite MLflow registry with its validation MAE, and the watch the Prefect flow `leap watch` runs,
+scraping the replica's /metrics over HTTP and acting through the registry and the admin API.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("prefect")
+
+from flows.drift import RESET, RETRAIN, drift_flow  # noqa: E402
+from leap_core.metrics import mae  # noqa: E402
+from leap_core.rls import fit_readout_with_anchor  # noqa: E402
+from registry.client import CHAMPION, ReadoutRegistry  # noqa: E402
+from tests.drift_fixtures import MAX_TOKENS, TOKEN, Traffic, readout_metadata, replica_config, snapshot_domains  # noqa: E402
+from tests.flow_fixtures import pipeline_home  # noqa: E402
+
+pytestmark = pytest.mark.pipeline
+FITTED_ON, SHIFTED_TO = "alpaca", "alpaca_zh"  # median output 88 tokens against 342
+
+
+@pytest.fixture(scope="module")
+def domains():
+    found = snapshot_domains(FITTED_ON, SHIFTED_TO)
+    assert {name: len(d.ids) for name, d in found.items()} == {FITTED_ON: 300, SHIFTED_TO: 300}
+    return found
+
+
+@pytest.fixture
+def replica(tmp_path, domains):
+    """A champion fitted on the first 200 rows of FITTED_ON (validated on the next 50), registered and
+    serving on a replica whose watch settings are in the environment; yields what the tests need."""
+    from leap_core.readout_format import to_bytes
+    from leap_io.push_bundle import make_bundle
+    from serving.runtime import LeapRuntime
+
+    home = tmp_path / "home"
+    fitted = domains[FITTED_ON]
+    train, valid = fitted.part(0, 200), fitted.part(200, 250)
+    readout, rls = fit_readout_with_anchor(train.features, train.lengths, alpha=30.0, max_tokens=MAX_TOKENS,
+                                           metadata=readout_metadata("20260101T000000-drift001"))
+    validation_mae = mae(valid.lengths, readout.predict(valid.features))
+    registry = ReadoutRegistry(f"sqlite:///{home}/mlflow/mlflow.db")
+    logged = registry.log_readout(readout, rls=rls, params={"data_hash": FITTED_ON},
+                                  metrics={"mae": validation_mae})
+    registry.set_alias(logged.name, CHAMPION, logged.version)
+    made = []
+
+    def start(**leap) -> dict:
+        runtime = LeapRuntime(replica_config(admin_port=0, admin_token=TOKEN, **leap))
+        made.append(runtime)
+        runtime.push_readout(make_bundle(to_bytes(readout), rls.state_arrays()))
+        return {"runtime": runtime, "traffic": Traffic(runtime), "url": f"http://127.0.0.1:{runtime.admin.port}",
+                "version": readout.metadata["version"], "validation_mae": validation_mae,
+                "held_out": fitted.part(250, 300), "shifted": domains[SHIFTED_TO], "name": logged.name}
+
+    yield home, start
+    for runtime in made:
+        runtime.close()
+
+
+def watch_env(home, url: str, **settings) -> dict:
+    token = home / "replica.token"
+    token.write_text(TOKEN)
+    env = {"LEAP_ENDPOINTS": url, "LEAP_ADMIN_TOKEN_FILE": str(token), "LEAP_DRIFT_WINDOW": "2",
+           "LEAP_DRIFT_MIN_ROWS": "32", "LEAP_MIN_ROWS": "100000", "LEAP_PUSH_RETRIES": "0"}
+    return {**env, **{f"LEAP_DRIFT_{k.upper()}": str(v) for k, v in settings.items()}}
+
+
+def test_traffic_of_another_domain_raises_live_error_and_starts_one_retrain(replica):
+    home, start = replica
+    r = start(rls=False)
+    traffic = r["traffic"]
+    with pipeline_home(home, **watch_env(home, r["url"])):
+        # the domain it was fitted on: held-out rows keep live error near the validation error
+        traffic.serve(r["held_out"].part(0, 32))
+        first = drift_flow()
+        traffic.serve(r["held_out"].part(32, 48))
+        second = drift_flow()
+        assert first["drift_events"] == second["drift_events"] == 0, second["decisions"]
+        calm = {o["domain"]: o for o in second["observations"]}
+        assert calm[FITTED_ON]["rows"] == 48
+        assert calm[FITTED_ON]["mae"] < r["validation_mae"] * 1.25
+
+        # the other domain: two observations over enough of its requests, and the watch retrains
+        traffic.serve(r["shifted"].part(0, 48))
+        third = drift_flow()
+        traffic.serve(r["shifted"].part(48, 96))
+        fourth = drift_flow()
+        fifth = drift_flow()  # the same figures again: the cooldown holds a second retrain back
+    assert third["retrains"] == 0  # one observation is not a window
+    shifted = {o["domain"]: o for o in fourth["observations"]}[SHIFTED_TO]
+    assert shifted["rows"] == 96 and shifted["mae"] > 1.25 * r["validation_mae"]
+    retrains = [d for d in fourth["decisions"] if d["action"] == RETRAIN]
+    assert [d["acted"] for d in retrains][0] and fourth["retrains"] == 1, fourth["decisions"]
+    assert retrains[0]["domain"] in (SHIFTED_TO, "all") and retrains[0]["outcome"]["started"] == "flow"
+    assert retrains[0]["outcome"]["status"] in ("no-data", "not-enough-data")  # the retrain ran, found no fit
+    assert fifth["retrains"] == 0 and fifth["drift_events"] >= 1
+    assert {d["held_back"] for d in fifth["decisions"]} == {"retrain cooldown"}
+    assert fourth["baseline"]["validation_mae"] == pytest.approx(r["validation_mae"])
+
+
+def test_an_online_correction_worse_than_its_anchor_is_reset_to_the_champion(replica):
+    home, start = replica
+    r = start(rls=True, rls_every=8, rls_forgetting=0.98)
+    runtime, traffic = r["runtime"], r["traffic"]
+    # RLS, forgetting fast, follows a burst of the long domain; then the traffic goes back to the one
+    # the anchor was fitted on, where the correction overshoots
+    traffic.serve(r["shifted"])
+    assert runtime.learner.wait_idle()
+    before = runtime.readouts.anchor_prediction(r["held_out"].features[0])[1]
+    with pipeline_home(home, **watch_env(home, r["url"], margin=100)):
+        traffic.serve(r["held_out"].part(0, 32))
+        drift_flow()
+        traffic.serve(r["held_out"].part(32, 48))
+        result = drift_flow()
+    figures = {o["domain"]: o for o in result["observations"]}[FITTED_ON]
+    assert figures["mae"] > 1.1 * figures["anchor_mae"], figures  # the correction hurts on this domain
+    resets = [d for d in result["decisions"] if d["action"] == RESET]
+    assert resets and resets[0]["acted"] and resets[0]["done"], result["decisions"]
+    assert result["rollbacks"] == 1 and result["retrains"] == 0
+    # the replica serves the champion's anchor again: RLS starts over, the figures afresh
+    assert runtime.version == r["version"] and runtime.learner.stats()["updates"] == 0
+    assert runtime.readouts.anchor_prediction(r["held_out"].features[0])[1] == before + 1
+    assert runtime.recorder.quality.figures(FITTED_ON) is None
