@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from flows.ingest import ingest_folder, totals
+from flows.ingest import complete_segments, deal_segments, ingest_folder, ingest_segments, totals
 from flows.store import LogStore
 from leap_io.feedback_schema import feedback_schema, segment_metadata
 
@@ -99,12 +100,23 @@ def write_synthetic_feedback(folder: str | Path, rows: int, dim: int, *, segment
 
 
 def timed_ingest(store: LogStore, folder: str | Path, expected_rows: int, *,
-                 transaction_rows: int = 0) -> dict[str, float | int]:
-    """Ingest `folder` into `store` (schema created beforehand, outside the clock) and time it."""
+                 transaction_rows: int = 0, workers: int = 1) -> dict[str, float | int]:
+    """Ingest `folder` into `store` (schema created beforehand, outside the clock) and time it.
+
+    `workers` > 1 deals the segments into that many batches ingested by threads at once, as the
+    ingest flow's mapped tasks do (`flows.pipeline.ingest_flow`); `store` may be a `PostgresStore`.
+    """
     with store.connect():
         pass
     start, start_cpu = time.perf_counter(), time.process_time()
-    reports = ingest_folder(store, folder, transaction_rows=transaction_rows)
+    if workers > 1:
+        batches = deal_segments(complete_segments(folder), workers)
+        with ThreadPoolExecutor(max_workers=len(batches) or 1, thread_name_prefix="leap-bench-ingest") as pool:
+            reports = [report for batch in pool.map(
+                lambda sources: ingest_segments(store, sources, transaction_rows=transaction_rows), batches)
+                for report in batch]
+    else:
+        reports = ingest_folder(store, folder, transaction_rows=transaction_rows)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
     summary = totals(reports)
     if summary["rows_read"] != expected_rows or summary["quarantined"] or summary["duplicates"]:

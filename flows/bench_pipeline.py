@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -32,19 +33,28 @@ def bench_pipeline(
     seed: int = 0,
     test_fraction: float = 0.2,
     abort_fraction: float = 0.01,
+    store_url: str | None = None,
+    workers: int = 1,
 ) -> dict[str, float | int | str]:
     """Ingest `rows` synthetic rows of dim `dim`, then fit a readout on all of them.
 
-    `fit_s` covers select_window + time_split + fit_readout (reading the rows back from DuckDB
+    `fit_s` covers select_window + time_split + fit_readout (reading the rows back from the store
     included); writing the segments is not timed. `spearman` on the newest rows shows that the fit
-    found the planted rule, so a fast but broken fit cannot pass for a fast one.
+    found the planted rule, so a fast but broken fit cannot pass for a fast one. `store_url`: a
+    PostgreSQL server (`postgresql+psycopg://`) on which a fresh database is created for the run and
+    dropped after, instead of a fresh DuckDB file; `workers`: segments ingested at once.
     """
-    with tempfile.TemporaryDirectory(dir=tmp_dir) as scratch:
+    with tempfile.TemporaryDirectory(dir=tmp_dir) as scratch, ExitStack() as stack:
         folder = Path(scratch) / "feedback"
         write_synthetic_feedback(folder, rows, dim, segment_rows=segment_rows, seed=seed,
                                  abort_fraction=abort_fraction)
-        store = LogStore(Path(scratch) / "bench.duckdb")
-        ingest = timed_ingest(store, folder, rows)
+        if store_url is None:
+            store = LogStore(Path(scratch) / "bench.duckdb")
+        else:
+            from flows.store_postgres import PostgresStore, scratch_database
+
+            store = PostgresStore(stack.enter_context(scratch_database(store_url)))
+        ingest = timed_ingest(store, folder, rows, workers=workers)
 
         start = time.perf_counter()
         frame = select_window(store, model_fingerprint=BENCH_FINGERPRINT, layer=BENCH_LAYER)
@@ -60,6 +70,8 @@ def bench_pipeline(
         "dim": dim,
         "ingest_s": ingest["ingest_s"],
         "ingest_cpu_s": ingest["ingest_cpu_s"],
+        "store": "duckdb" if store_url is None else "postgresql",
+        "workers": workers,
         "segments": ingest["segments"],
         "select_s": selected - start,
         "fit_only_s": fitted - selected,

@@ -1027,6 +1027,13 @@ def ingest_segments(store: Any, sources: Sequence[SegmentSource], *, transaction
         return _ingest_paths(writer, sources, _after_stage, transaction_rows, retry_failed)
 
 
+def deal_segments(sources: Sequence[SegmentSource], workers: int) -> list[list[SegmentSource]]:
+    """`sources` dealt round-robin into at most `workers` non-empty batches for `ingest_segments` calls
+    at once: each batch holds segments of every replica folder, so the batches finish together."""
+    workers = max(1, min(int(workers), len(sources)))
+    return [list(sources[index::workers]) for index in range(workers)] if sources else []
+
+
 def _is_segment(path: Path) -> bool:
     return path.suffix == ".parquet" and not path.name.startswith(".") and path.is_file()
 

@@ -9,12 +9,15 @@ managed, reached through SQLAlchemy (the engine from a `postgresql+psycopg://` U
 whose COPY carries the bulk rows.
 
 Bulk rows by COPY, never a value at a time. A segment's accepted scalar columns go to a temporary
-table as CSV written by Arrow's C++ writer; its features go as binary COPY records assembled with
-numpy around the segment's float32 buffer (`flows.store.feature_bytes`), one `bytea` of `dim`
-little-endian float32 values per row, the DuckDB store's encoding. Measured here (100k rows x 576
-floats, COPY into a temporary table, then INSERT .. SELECT): `bytea` 13.5k rows/s against 5.2k for
-`real[]`, whose binary form spends 8 bytes per float and reads back 3-5x slower; the column is
-`STORAGE EXTERNAL` because hidden states do not compress and trying costs time on every row.
+table as CSV written by Arrow's C++ writer, and from there into `requests` (see below); the features
+of the rows inserted then go straight into `features` by binary COPY, each row's fields joined by
+Arrow around the segment's float32 buffer (`flows.store.feature_bytes`, `binary_copy`): one `bytea`
+of `dim` little-endian float32 values per row, the DuckDB store's encoding. Measured here (100k rows
+x 576 floats, through a temporary table): `bytea` 13.5k rows/s against 5.2k for `real[]`, whose
+binary form spends 8 bytes per float and read back 3-5x slower; COPYing the features straight into
+`features` instead of through a temporary table and a join then gained 1.2x (50k rows, three
+alternating runs). The column is `STORAGE EXTERNAL`: hidden states do not compress, and trying
+costs time on every row.
 Training frames come back the same way: the scalars as CSV parsed by Arrow, the features as binary
 COPY viewed as one (n, dim) array, both read in one repeatable-read transaction.
 
@@ -146,12 +149,11 @@ SCHEMA_DDL = (
 )
 
 _INCOMING_DDL = (
-    "CREATE TEMPORARY TABLE IF NOT EXISTS _incoming (ord INTEGER NOT NULL, "
+    "CREATE TEMPORARY TABLE IF NOT EXISTS _incoming ("
     + ", ".join(_scalar_columns_sql(False)) + ") ON COMMIT DELETE ROWS",
-    "CREATE TEMPORARY TABLE IF NOT EXISTS _incoming_features (ord INTEGER NOT NULL, feature BYTEA NOT NULL) "
-    "ON COMMIT DELETE ROWS",
 )
-"""Per-connection staging tables COPY fills; they empty themselves at every commit and rollback."""
+"""The per-connection staging table the requests are COPYed into (and inserted from, skipping ids
+already stored); it empties itself at every commit and rollback."""
 
 # ---------------------------------------------------------------------------- COPY encodings
 
@@ -168,28 +170,36 @@ def _csv(table: pa.Table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def feature_records(blobs: pa.Array, width: int) -> bytes:
-    """Binary COPY data of rows (ord INTEGER, feature BYTEA): ord 0..n-1 and each blob of `width` bytes.
+def _big_endian(values: np.ndarray, dtype: str) -> pa.Array:
+    raw = np.ascontiguousarray(values, dtype=dtype)
+    width = raw.dtype.itemsize
+    return pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(raw), [None, pa.py_buffer(raw.view(np.uint8))])
 
-    Every row has the same size, so the rows are one (n, record) numpy array filled column block by
-    column block around the blobs' buffer: no per-row step.
+
+def int4_field(values: np.ndarray) -> pa.Array:
+    """Integers as the bytes of binary COPY `integer` fields (4 bytes, big-endian), one value per row."""
+    return _big_endian(values, ">i4")
+
+
+def binary_copy(fields: Sequence[pa.Array]) -> bytes:
+    """Binary COPY data of rows whose fields are given column by column as the bytes each field holds
+    (`text` and `bytea` as they are, `integer` from `int4_field`; NULL stays NULL).
+
+    Each row is its field count (2 bytes), then per field a 4-byte length (-1: NULL) and the bytes;
+    Arrow's element-wise binary join assembles every row from those pieces in C++, so no row is
+    built in Python.
     """
-    n = len(blobs)
-    record = np.empty((n, _COPY_PREFIX + 4 + 4 + width), dtype=np.uint8)
-    record[:, 0:2] = np.frombuffer(struct.pack(">h", 2), np.uint8)
-    record[:, 2:6] = np.frombuffer(struct.pack(">i", 4), np.uint8)
-    record[:, 6:10] = np.arange(n, dtype=">i4").view(np.uint8).reshape(n, 4)
-    record[:, 10:14] = np.frombuffer(struct.pack(">i", width), np.uint8)
-    if n and width:
-        if pa.types.is_fixed_size_binary(blobs.type):
-            values = np.frombuffer(blobs.buffers()[1], np.uint8, count=n * width, offset=blobs.offset * width)
-        else:
-            values = np.frombuffer(blobs.buffers()[2], np.uint8)
-            offsets = np.frombuffer(blobs.buffers()[1], np.int64 if pa.types.is_large_binary(blobs.type) else np.int32)
-            offsets = offsets[blobs.offset:blobs.offset + n + 1]
-            values = values[int(offsets[0]):int(offsets[0]) + n * width]
-        record[:, 14:] = values.reshape(n, width)
-    return _COPY_HEADER + record.tobytes() + _COPY_TRAILER
+    n = len(fields[0])
+    empty = pa.scalar(b"", pa.large_binary())
+    pieces = [_big_endian(np.full(n, len(fields)), ">i2").cast(pa.large_binary())]
+    for field in fields:
+        values = field.cast(pa.large_binary())
+        lengths = pc.fill_null(pc.binary_length(values), -1).to_numpy(zero_copy_only=False)
+        pieces += [int4_field(lengths).cast(pa.large_binary()), pc.fill_null(values, empty)]
+    rows = pc.binary_join_element_wise(*pieces, empty)
+    offsets = np.frombuffer(rows.buffers()[1], np.int64)[rows.offset:rows.offset + n + 1]
+    body = memoryview(rows.buffers()[2])[int(offsets[0]):int(offsets[-1])] if n else b""
+    return b"".join((_COPY_HEADER, body, _COPY_TRAILER))
 
 
 def _feature_blobs(data: bytes, n: int, dim: int) -> pa.Array:
@@ -465,6 +475,32 @@ class PostgresStore:
             yield PostgresWriter(con)
 
 
+@contextmanager
+def scratch_database(url: str) -> Iterator[str]:
+    """A new, empty database on the server of `url` for the block (dropped after); yields its URL.
+
+    For benches and checks that need a store of their own on a shared server; needs the right to
+    create databases.
+    """
+    import uuid
+
+    import psycopg
+    from psycopg import sql
+    from sqlalchemy.engine import make_url
+
+    server = make_url(_check_url(url))
+    name = f"leap_scratch_{uuid.uuid4().hex[:12]}"
+    params = {"host": server.host, "port": server.port, "user": server.username, "password": server.password,
+              "dbname": server.database or "postgres"}
+    with psycopg.connect(**{key: value for key, value in params.items() if value is not None},
+                         autocommit=True) as con:
+        con.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        try:
+            yield server.set(database=name).render_as_string(hide_password=False)
+        finally:
+            con.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
 def _copy_out(cursor: Any, statement: str, params: Sequence[Any]) -> bytes:
     chunks = []
     with cursor.copy(statement, list(params) or None) as copy:
@@ -576,11 +612,10 @@ class PostgresWriter:
         n = rows.num_rows
         if not n:
             return np.zeros(0, dtype=bool)
-        staged = pa.table({"ord": pa.array(np.arange(n, dtype=np.int32)),
-                           **{name: rows.column(name) for name in SCALAR_COLUMNS}})
+        staged = rows.select(list(SCALAR_COLUMNS))
         columns = ", ".join(SCALAR_COLUMNS)
         with self.con.cursor() as cursor:
-            with cursor.copy(f"COPY _incoming (ord, {columns}) FROM STDIN (FORMAT csv)") as copy:
+            with cursor.copy(f"COPY _incoming ({columns}) FROM STDIN (FORMAT csv)") as copy:
                 copy.write(_csv(staged))
             cursor.execute(
                 f"INSERT INTO requests ({columns}, segment, ingested_at, replica_id) "
@@ -594,19 +629,24 @@ class PostgresWriter:
             zero_copy_only=False).astype(bool)
 
     def insert_features(self, rows: pa.Table, inserted: np.ndarray, dim: int, recipe: str | None) -> None:
-        """Insert the features of the rows `insert_requests` inserted, one binary COPY of their float32 bytes."""
+        """COPY the features of the rows `insert_requests` inserted straight into `features`: this
+        transaction holds their request ids, so no other writer can store a feature for them."""
         if not inserted.any():
             return
-        blobs = feature_bytes(rows.column("feature"), dim)
+        fresh = rows if inserted.all() else rows.filter(pa.array(inserted))
+        n = fresh.num_rows
+        fields = [
+            fresh.column("request_id").combine_chunks(),
+            int4_field(np.full(n, int(dim))),
+            int4_field(fresh.column("layer").to_numpy()),
+            fresh.column("model_fingerprint").combine_chunks(),
+            feature_bytes(fresh.column("feature"), dim),  # a view of the segment's float32 buffer
+            pa.nulls(n, pa.string()) if recipe is None else pa.repeat(pa.scalar(recipe), n),
+        ]
         with self.con.cursor() as cursor:
-            with cursor.copy("COPY _incoming_features (ord, feature) FROM STDIN (FORMAT binary)") as copy:
-                copy.write(feature_records(blobs, dim * FEATURE_DTYPE.itemsize))
-            skip = [] if inserted.all() else np.flatnonzero(~inserted).astype(np.int32).tolist()
-            cursor.execute(
-                "INSERT INTO features (request_id, dim, layer, model_fingerprint, feature, recipe) "
-                "SELECT i.request_id, %s, i.layer, i.model_fingerprint, f.feature, %s "
-                "FROM _incoming i JOIN _incoming_features f USING (ord) WHERE NOT (i.ord = ANY(%s))",
-                [int(dim), recipe, skip])
+            with cursor.copy("COPY features (request_id, dim, layer, model_fingerprint, feature, recipe) "
+                             "FROM STDIN (FORMAT binary)") as copy:
+                copy.write(binary_copy(fields))
 
     def insert_quarantine(self, table: pa.Table, now: datetime) -> None:
         staged = table.select(["segment", "row_index", "request_id", "reason", "raw"]).append_column(
