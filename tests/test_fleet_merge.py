@@ -184,3 +184,35 @@ def test_leap_merge_then_a_new_replica_takes_the_champion_and_reconcile_moves_on
     assert [p["endpoint"] for p in report["pushed"]] == [urls[1]]
     assert report["in_step"] == [urls[0], urls[2]] and list(report["unreachable"]) == ["http://127.0.0.1:9"]
     assert {runtime.version for runtime in fleet["runtimes"]} == {merged["readout_version"]}
+
+
+class _StateTarget(faults.ReplicaTarget):
+    """An admin target answering GET /leap/rls with whatever body and info it is given."""
+
+    def __init__(self, body: bytes, info: dict) -> None:
+        super().__init__()
+        self.body, self.info = body, info
+
+    def rls_state(self):
+        return self.body, self.info
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    (b"not a bundle", "refused"),
+    (make_bundle(b"PK\x03\x04 torn readout", None), "refused"),
+    ("readout only", "refused"),  # a readout without its RLS state
+])
+def test_a_state_that_does_not_validate_is_refused_not_merged(body, expected):
+    from flows.fleet import fetch_replica_state
+    from serving.admin import AdminServer
+
+    if body == "readout only":
+        readout, _, _, _ = champion_readout(V1, np.random.default_rng(1))
+        body = make_bundle(to_bytes(readout), None)
+    server = AdminServer(_StateTarget(body, {"rows": 3}), "127.0.0.1", 0, TOKEN)
+    try:
+        fetched = fetch_replica_state(f"http://127.0.0.1:{server.port}", TOKEN)
+    finally:
+        server.close()
+    assert fetched["status"] == expected and "does not validate" in fetched["error"]
+    assert fetch_replica_state("http://127.0.0.1:9", TOKEN, timeout=2)["status"] == "unreachable"
