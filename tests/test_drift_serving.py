@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("prefect")
 
-from flows.drift import RESET, RETRAIN, drift_flow  # noqa: E402
+from flows.drift import RESET, RETRAIN, ROLLBACK, drift_flow  # noqa: E402
 from leap_core.metrics import mae  # noqa: E402
 from leap_core.rls import fit_readout_with_anchor  # noqa: E402
 from registry.client import CHAMPION, ReadoutRegistry  # noqa: E402
@@ -24,6 +24,16 @@ from tests.flow_fixtures import pipeline_home  # noqa: E402
 
 pytestmark = pytest.mark.pipeline
 FITTED_ON, SHIFTED_TO = "alpaca", "alpaca_zh"  # median output 88 tokens against 342
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prefect_server():
+    """One temporary Prefect server for the module's watch runs (this machine may be slow to start one)."""
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120), temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +140,36 @@ def test_an_online_correction_worse_than_its_anchor_is_reset_to_the_champion(rep
     assert runtime.version == r["version"] and runtime.learner.stats()["updates"] == 0
     assert runtime.readouts.anchor_prediction(r["held_out"].features[0])[1] == before + 1
     assert runtime.recorder.quality.figures(FITTED_ON) is None
+
+
+def test_a_champion_worse_than_its_predecessor_on_the_same_traffic_is_rolled_back(replica, domains):
+    from flows.promotion import PushOptions, promote
+    from registry.client import PREVIOUS_CHAMPION
+
+    home, start = replica
+    r = start(rls=False)
+    registry = ReadoutRegistry(f"sqlite:///{home}/mlflow/mlflow.db")
+    shifted = domains[SHIFTED_TO]
+    readout, rls = fit_readout_with_anchor(shifted.features[:200], shifted.lengths[:200], alpha=30.0,
+                                           max_tokens=MAX_TOKENS, metadata=readout_metadata("20260102T000000-drift002"))
+    logged = registry.log_readout(readout, rls=rls, params={"data_hash": SHIFTED_TO},
+                                  metrics={"mae": mae(shifted.lengths[200:250], readout.predict(shifted.features[200:250]))})
+    traffic, held_out = r["traffic"], r["held_out"]
+    with pipeline_home(home, **watch_env(home, r["url"])):
+        for part in (held_out.part(0, 32), held_out.part(32, 48)):  # the first champion on its own domain
+            traffic.serve(part)
+            assert drift_flow()["drift_events"] == 0
+        # a champion fitted on the other domain is promoted; the traffic stays on the first one
+        promote(registry, r["name"], logged.version, [r["url"]], PushOptions(TOKEN, retries=0),
+                home / "promotions")
+        traffic.serve(held_out.part(0, 32))
+        third = drift_flow()
+        traffic.serve(held_out.part(32, 48))
+        fourth = drift_flow()
+    assert third["drift_events"] == 0  # one observation of the new champion is not a window
+    rollbacks = [d for d in fourth["decisions"] if d["action"] == ROLLBACK]
+    assert rollbacks and rollbacks[0]["acted"] and rollbacks[0]["done"], fourth["decisions"]
+    assert rollbacks[0]["previous_anchor_mae"] < min(rollbacks[0]["anchor_mae"]) / 1.25
+    assert fourth["rollbacks"] == 1 and fourth["retrains"] == 0
+    assert registry.get_alias(r["name"], CHAMPION) == "1" and registry.get_alias(r["name"], PREVIOUS_CHAMPION) == "2"
+    assert r["runtime"].version == r["version"]
