@@ -362,7 +362,7 @@ def fleet_specs(settings: PipelineSettings, layout: FleetLayout) -> dict[str, Se
             f"worker-{index}",
             [program("prefect"), "worker", "start", "--pool", layout.pool, "--type", "process", "--name", name],
             url=f"{settings.prefect_api_url}/work_pools/{layout.pool}", health_url=f"prefect-worker:{name}",
-            ports=(), start_timeout_s=120.0, after=("prefect", "mlflow"), env=worker_env, cwd=REPO_ROOT,
+            ports=(), start_timeout_s=120.0, after=("prefect",), env=worker_env, cwd=REPO_ROOT,
             check=lambda name=name: pool_workers(settings.prefect_api_url, layout.pool).get(name) == "ONLINE",
             prepare=both(databases, token, pool))
     for index in range(layout.replicas):

@@ -170,6 +170,13 @@ def test_two_workers_never_run_two_runs_of_a_limited_deployment_at_once(fleet_st
         assert fleet.pool_workers(api) == workers  # both workers stayed up throughout
         histories = {str(run.id): [state.name for state in client.read_flow_run_states(run.id)] for run in runs}
 
+    # `leap deploy --pool` registers the retrain flow the same way, for a pool whose workers run it
+    code, deployed = leap(fleet_stack["env"], "deploy", "--pool", "leap", "--name", "pooled", "--json")
+    assert code == 0 and deployed["pool"] == "leap" and deployed["concurrency_limit"] == 1, deployed
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+        pooled = client.read_deployment_by_name("leap-retrain/pooled")
+    assert pooled.work_pool_name == "leap" and pooled.global_concurrency_limit.limit == 1
+
     records = _runs(log)
     assert set(records) == {"limited-0", "limited-1", "unlimited-0", "unlimited-1"}
     assert records["unlimited-0"]["end"]["met"] and records["unlimited-1"]["end"]["met"], records
