@@ -51,6 +51,15 @@ def feedback_schema(dim: int) -> pa.Schema:
 COLUMNS = tuple(feedback_schema(1).names)
 
 
+def parquet_options() -> dict:
+    """How a segment is written to Parquet: zstd for the scalar columns, the feature column uncompressed
+    and without a dictionary. Hidden states are near-random float32: zstd saved 9% of a 10,000 x 576
+    segment's bytes, while decompressing them took about 40% of the CPU time reading the segment back."""
+    scalars = [name for name in COLUMNS if name != "feature"]
+    return {"compression": {**{name: "zstd" for name in scalars}, "feature.list.element": "none"},
+            "use_dictionary": scalars}
+
+
 def segment_metadata(dim: int, layer: int, model_id: str, fingerprint: str,
                      replica_id: str | None = None, recipe: str | None = None) -> dict[bytes, bytes]:
     metadata = {META_SCHEMA_VERSION: SCHEMA_VERSION.encode(), META_DIM: str(dim).encode(),
