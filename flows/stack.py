@@ -86,6 +86,7 @@ def _single_specs(settings: PipelineSettings) -> dict[str, Service]:
              "--max-model-len", str(settings.max_model_len)]
     if settings.model_path is not None:
         serve += ["--model", str(settings.model_path)]
+
     def prepare_mlflow() -> None:
         from registry.client import ensure_db
 

@@ -211,8 +211,8 @@ def stack_up(
     timeout: Optional[float] = typer.Option(None, help="seconds to wait per service"),
     fleet: bool = typer.Option(False, "--fleet", help="the fleet: PostgreSQL, S3 (moto), MLflow and Prefect on "
                                                       "them, two Prefect process workers, --replicas replicas"),
-    replicas: Optional[int] = typer.Option(None, min=0, help="serving replicas of the fleet (default "
-                                                               "$LEAP_REPLICAS, 1)"),
+    replicas: Optional[int] = typer.Option(None, min=0, help="serving replicas of the fleet (default: the "
+                                                               "recorded fleet's, else $LEAP_REPLICAS, 1)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Start MLflow, Prefect and the serving process on loopback (running ones are left alone); with
@@ -220,9 +220,13 @@ def stack_up(
     from flows import stack
 
     def run() -> dict[str, Any]:
+        from flows.stack_fleet import read_layout
+
         settings = _settings()
-        count = None if not fleet else (settings.replicas if replicas is None else replicas)
-        return stack.up(settings, _service_names(services), wait=wait, timeout_s=timeout, fleet=count)
+        recorded = read_layout(settings)
+        count = replicas if replicas is not None else recorded.replicas if recorded else settings.replicas
+        return stack.up(settings, _service_names(services), wait=wait, timeout_s=timeout,
+                        fleet=count if fleet else None)
 
     _run(run, as_json, "stack", fail_unhealthy=wait)
 
