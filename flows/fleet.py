@@ -8,12 +8,15 @@ up over that common anchor (`leap_core.fleet_rls`). The flow
 1. reads every replica's state (`GET /leap/rls`: the anchor readout, the state, rows folded);
 2. takes the anchor most replicas share (the champion's on a tie) as the base; replicas on another
    base, without RLS, or whose state does not extend the base, are reported and skipped, with their
-   rows counted; replicas that do not answer are reported and left out of the push;
+   rows counted; replicas that do not answer are reported and left out of the push. A base that is not
+   the champion is not merged (promoting it would undo the champion): status "base-not-champion",
+   and the reconcile step brings the replicas to the champion;
 3. loads the base's RLS state from the registry (the version whose `readout_version` tag is the base),
    merges, and registers the merged readout and state as a new version (tags `merged_from`,
    `merge_rows`, `merge_replicas`, `merge_key`);
 4. promotes it with `flows.promotion.promote` to every replica that answered (all or nothing, each push
-   verified by the version the replica reports) and publishes it as the champion;
+   verified by the version the replica reports) and publishes it as the champion, unless another
+   version became the champion meanwhile (checked under the alias lock: status "superseded");
 5. reconciles: every replica that does not report the champion gets it (`reconcile_replicas`).
 
 Nothing is counted twice: after the push every replica is anchored at the merged state, so the next
@@ -153,7 +156,7 @@ def merge_and_register(tracking_uri: str, lock_path: str | None, name: str | Non
                        replicas: list[dict[str, Any]]) -> dict[str, Any]:
     """Choose the base, check every replica on it, merge, and register the merged version (or find the
     one registered before from the same states). Returns the merge's figures; `status` "merged",
-    "nothing-to-merge", "no-base" or "base-not-registered"."""
+    "nothing-to-merge", "no-base", "base-not-registered" or "base-not-champion"."""
     registry = ReadoutRegistry(tracking_uri, lock_path=lock_path)
     usable = [r for r in replicas if r["status"] == "ok"]
     if not usable:
@@ -172,6 +175,11 @@ def merge_and_register(tracking_uri: str, lock_path: str | None, name: str | Non
     if base_registry is None:
         return {"status": "base-not-registered", "name": name, "base_version": base_version,
                 "reason": f"no version of {name} has readout_version {base_version}; its RLS anchor is unknown"}
+    if champion is not None and base_registry != champion:  # promoting it would undo the champion
+        return {"status": "base-not-champion", "name": name, "base_version": base_version,
+                "base_registry_version": base_registry, "champion": champion,
+                "reason": f"the replicas learn around v{base_registry}, but v{champion} is the champion: "
+                          "they are brought to the champion instead (their rows stay in the log store)"}
     base_readout = registry.load_readout(name, base_registry)
     base_rls = registry.load_rls_state(name, base_registry, readout=base_readout)
     if base_rls is None:
@@ -188,7 +196,8 @@ def merge_and_register(tracking_uri: str, lock_path: str | None, name: str | Non
         except ValueError as exc:  # e.g. restarted on a state of the same version but another history
             r["status"], r["error"] = "not-mergeable", str(exc)
     figures = {"name": name, "base_version": base_version, "base_registry_version": base_registry,
-               "rows_merged": sum(r["rows"] for r in merged_in), "replicas_merged": len(merged_in)}
+               "champion": champion, "rows_merged": sum(r["rows"] for r in merged_in),
+               "replicas_merged": len(merged_in)}
     if figures["rows_merged"] == 0:
         return {"status": "nothing-to-merge", **figures}
     merged = merge_anchored(base_readout, base_state, [r["state"] for r in merged_in])
@@ -308,9 +317,16 @@ def merge_flow(name: str | None = None) -> dict[str, Any]:
     if merged["status"] == "merged" and answering:
         options = PushOptions(token, retries=settings.push_retries, timeout=settings.push_timeout_s)
         registry = ReadoutRegistry(settings.mlflow_tracking_uri, lock_path=lock)
-        promoted = promote(registry, name, merged["version"], answering, options,
-                           settings.promotion_journal_dir, settings.champion_url)
-        result["promotion"] = {key: promoted[key] for key in ("champion", "replaced", "aliases", "published")}
+        with registry.alias_lock.held():  # the champion checked and replaced in one step
+            now = registry.get_alias(name, CHAMPION)
+            if now != merged["champion"] and now != merged["version"]:
+                result.update(status="superseded", reason=f"v{now} became the champion while the merge ran; "
+                                                          f"the merge v{merged['version']} is not promoted")
+            else:
+                promoted = promote(registry, name, merged["version"], answering, options,
+                                   settings.promotion_journal_dir, settings.champion_url)
+                result["promotion"] = {key: promoted[key]
+                                       for key in ("champion", "replaced", "aliases", "published")}
     if name:
         result["reconcile"] = reconcile_replicas(settings.mlflow_tracking_uri, name, settings.endpoints, token, lock,
                                                  settings.push_retries, settings.push_timeout_s)

@@ -216,3 +216,18 @@ def test_a_state_that_does_not_validate_is_refused_not_merged(body, expected):
         server.close()
     assert fetched["status"] == expected and "does not validate" in fetched["error"]
     assert fetch_replica_state("http://127.0.0.1:9", TOKEN, timeout=2)["status"] == "unreachable"
+
+
+def test_replicas_learning_around_a_version_that_is_no_longer_champion_are_brought_to_the_champion(fleet):
+    registry, name, urls = fleet["registry"], fleet["name"], fleet["urls"]
+    readout, rls, _, _ = champion_readout("20250104T000000-newchamp", np.random.default_rng(11))
+    newer = registry.log_readout(readout, rls=rls, params={"data_hash": "t2"}, metrics={"spearman": 0.6})
+    registry.promote(name, newer.version)  # the aliases moved, the replicas were not told
+    _learn(fleet, 0, 8, 0.0)
+
+    result = merge_flow()
+
+    assert result["status"] == "base-not-champion" and result["champion"] == newer.version
+    assert registry.get_alias(name, CHAMPION) == newer.version  # nothing merged over the champion
+    assert sorted(p["endpoint"] for p in result["reconcile"]["pushed"]) == sorted(urls)
+    assert result["versions_equal"] and set(result["versions"].values()) == {"20250104T000000-newchamp"}
