@@ -164,6 +164,14 @@ class DriftState:
         series.append(observation)
         del series[:-self.keep]
 
+    def keep_replicas(self, replicas: Sequence[str]) -> list[str]:
+        """Forget the replicas no longer watched (their figures judge nothing now); the ones dropped."""
+        dropped = sorted(set(self.observations) - set(replicas))
+        for replica in dropped:
+            del self.observations[replica]
+            self.last_reset_at.pop(replica, None)
+        return dropped
+
     def series(self) -> Iterator[tuple[str, str, list[Observation]]]:
         for replica, domains in sorted(self.observations.items()):
             for domain, series in sorted(domains.items()):
@@ -439,6 +447,9 @@ def drift_flow(name: str | None = None, act: bool = True) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - observations are still recorded; nothing is decided
             registry_error = f"{type(exc).__name__}: {exc}"
     with state_file(settings.drift_state_path, settings.drift_history) as (state, notes):
+        forgotten = state.keep_replicas(settings.endpoints)
+        if forgotten:
+            notes["replicas_forgotten"] = forgotten
         observed = []
         for scrape in scrapes:
             for data in scrape.get("observations", []):

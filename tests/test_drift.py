@@ -175,6 +175,10 @@ def test_the_state_survives_runs_keeps_a_bounded_history_and_sets_a_broken_file_
     with state_file(path, keep=4) as (state, notes):
         series = state.observations["http://a"]["all"]
         assert [o.mae for o in series] == [106, 107, 108, 109] and state.last_retrain_at == 1234.0
+        state.last_reset_at = {"http://a": 1.0, "http://gone": 2.0}
+        state.add(recorded([1], replica="http://gone")[0])
+        assert state.keep_replicas(["http://a"]) == ["http://gone"]
+        assert list(state.observations) == ["http://a"] and state.last_reset_at == {"http://a": 1.0}
     path.write_text("{not json")
     with state_file(path, keep=4) as (state, notes):
         assert state.observations == {}
