@@ -273,8 +273,12 @@ class ReadoutService:
                 return False
             saved = self.state.saved() if self.state is not None else None
             if saved is not None and (saved[0] == published.version or saved[1] >= published.published_at):
-                self.champion_status = {"state": "older-than-state", "version": published.version}
-                return False
+                try:
+                    self.state.load()  # the saved push serves, unless it is damaged
+                    self.champion_status = {"state": "older-than-state", "version": published.version}
+                    return False
+                except StateDamaged:
+                    pass
             readout, rls = validate_push(published.bundle, self._expect, None, self.capture)
         except Exception as exc:  # noqa: BLE001 - an unusable publication must never keep a replica down
             self._telemetry.drop("champion", "unusable")

@@ -122,3 +122,16 @@ def test_a_publication_in_a_bucket_serves_a_new_replica(build, tmp_path, bucket)
     runtime = build(policy="leap", rls=True, state_dir=str(tmp_path / "state"), champion_url=location)
 
     assert (runtime.describe()["source"], runtime.version) == ("champion", "20250108T000000-bucket01")
+
+
+def test_a_damaged_saved_push_gives_way_to_an_older_publication(build, tmp_path):
+    ChampionPublication(tmp_path / "champion").publish(NAME, _bundle("20250105T000000-champ001"),
+                                                       "20250105T000000-champ001", 4)
+    first = _start(build, tmp_path)
+    first.push_readout(_bundle("20250107T000000-pushed01", 2))
+    first.close()
+    (tmp_path / "state" / "readout.bin").write_bytes(b"edited")
+
+    restarted = _start(build, tmp_path)
+
+    assert (restarted.describe()["source"], restarted.version) == ("champion", "20250105T000000-champ001")
