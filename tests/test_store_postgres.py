@@ -5,6 +5,7 @@ fan-out over segments as mapped tasks."""
 from __future__ import annotations
 
 import multiprocessing
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,7 @@ from flows.tasks import largest_max_tokens, latest_feature_space, recorded_gate,
 from tests.postgres_fixtures import postgres_port, postgres_url  # noqa: E402,F401  (fixtures)
 from tests.segment_fuzz import assert_reconciles, truncate, write_segment  # noqa: E402
 
+GATE_TIME = datetime(2026, 1, 1, 12, 0, 0)
 CORRUPT = {"null_id": 2, "nan_feature": 2, "wrong_dim_feature": 2, "zero_output_tokens": 2,
            "unknown_finish_reason": 2, "null_arrival_time": 2, "duplicate_id": 3}
 
@@ -93,8 +95,8 @@ def test_the_same_segments_give_the_same_store_in_duckdb_and_postgresql(tmp_path
     assert recorded_lengths(pg, wanted, "fp-fuzz") == recorded_lengths(duck, wanted, "fp-fuzz")
     for store in (duck, pg):
         assert recorded_gate(store, "m", "2", "1") is None
-        store.record_gate("key", frame_time(), "m", "2", "1", True, '{"passed": true}', "{}", "run")
-        store.record_gate("key", frame_time(), "m", "2", "1", False, '{"passed": false}', "{}", "other")
+        store.record_gate("key", GATE_TIME, "m", "2", "1", True, '{"passed": true}', "{}", "run")
+        store.record_gate("key", GATE_TIME, "m", "2", "1", False, '{"passed": false}', "{}", "other")
         assert recorded_gate(store, "m", "2", "1") == {"gate_key": "key", "verdict": {"passed": True},
                                                       "gate_run_id": "run"}
         assert store.gate_run("key") == (True, "run") and store.gate_run("nope") == (False, None)
@@ -109,12 +111,6 @@ def test_the_same_segments_give_the_same_store_in_duckdb_and_postgresql(tmp_path
         r.status for r in ingest_folder(duck, feedback) if not r.skipped]
     assert pg.counts() == duck.counts() and pg.counts()["segments_changed"] == 1
     assert_reconciles(pg)
-
-
-def frame_time():
-    from datetime import datetime
-
-    return datetime(2026, 1, 1, 12, 0, 0)
 
 
 def _worker(url: str, paths: list[str], start, results) -> None:
