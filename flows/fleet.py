@@ -153,7 +153,7 @@ def _registered_merge(registry: ReadoutRegistry, name: str, merge_key: str) -> t
 
 @task(name="merge-and-register", cache_policy=NO_CACHE)
 def merge_and_register(tracking_uri: str, lock_path: str | None, name: str | None,
-                       replicas: list[dict[str, Any]]) -> dict[str, Any]:
+                       replicas: list[dict[str, Any]], snapshot_at: float | None = None) -> dict[str, Any]:
     """Choose the base, check every replica on it, merge, and register the merged version (or find the
     one registered before from the same states). Returns the merge's figures; `status` "merged",
     "nothing-to-merge", "no-base", "base-not-registered" or "base-not-champion"."""
@@ -211,7 +211,10 @@ def merge_and_register(tracking_uri: str, lock_path: str | None, name: str | Non
     readout.metadata.update(version=readout_version, merged_from=base_version)
     rows = {r["endpoint"]: r["rows"] for r in merged_in}
     tags = {"merged_from": str(base_registry), "merged_from_readout": base_version, "merge_key": merge_key,
-            "merge_rows": json.dumps(rows), "merge_replicas": json.dumps(sorted(rows))}
+            "merge_rows": json.dumps(rows), "merge_replicas": json.dumps(sorted(rows)),
+            # every row the merge holds finished before this time: a fit anchored at this version must
+            # only add rows that arrived after it, or it counts the replicas' rows a second time
+            **({"merge_rows_until": f"{snapshot_at:.3f}"} if snapshot_at is not None else {})}
     logged = registry.log_readout(readout, rls=merged, params={"merged_from": base_registry, "merge_key": merge_key,
                                                                "merge_replicas": len(rows)},
                                   metrics={"rows_merged": float(figures["rows_merged"])},
@@ -302,8 +305,9 @@ def merge_flow(name: str | None = None) -> dict[str, Any]:
     token = settings.token()
     lock = str(settings.alias_lock_path)
     started = time.monotonic()
+    snapshot_at = time.time()
     replicas = fetch_replica_states(settings.endpoints, token, settings.push_timeout_s)
-    merged = merge_and_register(settings.mlflow_tracking_uri, lock, name, replicas)
+    merged = merge_and_register(settings.mlflow_tracking_uri, lock, name, replicas, snapshot_at)
     reports = [_replica_report(r) for r in replicas]
     skipped = [r for r in reports if r["status"] not in ("ok", "unreachable")]
     result: dict[str, Any] = {

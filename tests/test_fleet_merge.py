@@ -6,6 +6,7 @@ and a second merge counts only the rows learned since."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import numpy as np
@@ -96,6 +97,7 @@ def test_the_merged_champion_is_the_refit_on_all_feedback_and_serves_everywhere_
     assert result["promotion"]["published"]["version"] == result["readout_version"]
     tags = registry.client.get_model_version(name, merged_version).tags
     assert json.loads(tags["merge_rows"]) == dict(zip(fleet["urls"], [24, 40, 12]))
+    assert tags["merged_from"] == "1" and float(tags["merge_rows_until"]) <= time.time()
 
     X_fb = np.concatenate([x for x, _ in learned])
     lengths_fb = np.concatenate([y for _, y in learned])
