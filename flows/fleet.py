@@ -52,9 +52,7 @@ from flows.settings import PipelineSettings
 from leap_core.fleet_rls import check_mergeable, merge_anchored, refit_max_abs_diff
 from leap_io.jsonable import to_jsonable
 from registry.client import CHAMPION, ReadoutRegistry
-
-RLS_PATH = "/leap/rls"
-RLS_INFO_HEADER = "X-Leap-Rls"
+from serving.admin import RLS_INFO_HEADER, RLS_PATH
 
 
 def _plain(value: Any) -> Any:
