@@ -116,6 +116,7 @@ REASON_FINISH_BEFORE_ARRIVAL = "finish_before_arrival"
 REASON_UNKNOWN_FINISH_REASON = "unknown_finish_reason"
 REASON_UNPARSABLE_RECIPE = "unparsable_recipe"
 REASON_RECIPE_WRONG_DIM = "recipe_does_not_fit_dim"
+REASON_NUL_IN_TEXT = "nul_in_text"
 
 
 def null_field_reason(column: str) -> str:
@@ -389,6 +390,11 @@ class _Segment:
         flag(_mask(pc.less(columns["finish_time"], columns["arrival_time"])), REASON_FINISH_BEFORE_ARRIVAL)
         known = pc.is_in(columns["finish_reason"], value_set=pa.array(FINISH_REASONS))
         flag(~_mask(known), REASON_UNKNOWN_FINISH_REASON)
+        # PostgreSQL text cannot hold NUL, which would fail the whole segment's COPY there: one store
+        # rule for both, the row is quarantined with its reason
+        for name in SCALAR_COLUMNS:
+            if pa.types.is_string(columns[name].type):
+                flag(_mask(pc.match_substring(columns[name], "\x00")), REASON_NUL_IN_TEXT)
 
     def _judge_features(self) -> None:
         flag = self.verdicts.flag
@@ -466,7 +472,9 @@ class _Segment:
             {
                 "segment": pa.array([segment] * len(rows), pa.string()),
                 "row_index": pa.array(rows, pa.int64()),
-                "request_id": pc.if_else(pc.equal(ids, ""), pa.scalar(None, pa.string()), ids),
+                # an id with NUL cannot be text in PostgreSQL; `raw` keeps it, escaped
+                "request_id": pc.replace_substring(
+                    pc.if_else(pc.equal(ids, ""), pa.scalar(None, pa.string()), ids), "\x00", "\ufffd"),
                 "reason": pa.array(self.verdicts.reason_of(rows), pa.string()),
                 # Only failing rows get here, kept whole (features too) for whoever looks into them.
                 "raw": pa.array([_to_json(row) for row in self.raw.take(rows).to_pylist()], pa.string()),

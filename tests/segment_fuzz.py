@@ -38,8 +38,17 @@ ROW_CORRUPTIONS = (
     "unknown_finish_reason",
     "null_arrival_time",
     "duplicate_id",  # reuses the id of an earlier clean row
+    "nul_in_id",  # a NUL inside the request id (PostgreSQL text cannot hold one)
+    "nul_in_domain",  # a NUL inside the domain
 )
 """Corruptions that take a number of rows."""
+
+
+def _with_nul(values: np.ndarray, rows) -> np.ndarray:
+    values = values.copy()
+    for row in rows:
+        values[row] = f"{values[row]}\x00"
+    return values
 
 
 @dataclass
@@ -114,6 +123,8 @@ def write_segment(
     sources = np.setdiff1d(clean, duplicates)
     for row in duplicates:
         ids[row] = ids[rng.choice(sources[sources < row])]
+    for row in broken.get("nul_in_id", []):
+        ids[row] = ids[row] + "\x00x"
 
     arrival = start_time + np.sort(rng.uniform(0, 3600, n))
     first_token = arrival + rng.uniform(0.01, 0.5, n)
@@ -150,7 +161,8 @@ def write_segment(
         "prompt_tokens": pa.array(prompt_tokens.astype(np.int32)),
         "max_tokens": pa.array(np.full(n, 4096, dtype=np.int32)),
         "decoding": pa.array(['{"temperature": 0.0}'] * n, pa.string()),
-        "domain": pa.array(rng.choice(np.array(domains, dtype=object), n), pa.string()),
+        "domain": pa.array(_with_nul(rng.choice(np.array(domains, dtype=object), n), broken.get("nul_in_domain", [])),
+                           pa.string()),
         "tenant": pa.array(rng.choice(np.array(["a", "b"], dtype=object), n), pa.string()),
         "predicted_at_admission": pa.array(rng.uniform(1, 500, n).astype(np.float32)),
         "predicted_latest": pa.array(rng.uniform(1, 500, n).astype(np.float32)),

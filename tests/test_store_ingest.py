@@ -21,6 +21,7 @@ from flows.ingest import (
     REASON_INVALID_PROMPT_TOKENS,
     REASON_MISSING_ID,
     REASON_UNKNOWN_FINISH_REASON,
+    REASON_NUL_IN_TEXT,
     REASON_UNREADABLE,
     REASON_ZERO_OUTPUT_TOKENS,
     STATUS_OK,
@@ -50,6 +51,8 @@ EXPECTED_REASON = {
     "finish_before_arrival": REASON_FINISH_BEFORE_ARRIVAL,
     "unknown_finish_reason": REASON_UNKNOWN_FINISH_REASON,
     "null_arrival_time": null_field_reason("arrival_time"),
+    "nul_in_id": REASON_NUL_IN_TEXT,
+    "nul_in_domain": REASON_NUL_IN_TEXT,
 }
 assert set(EXPECTED_REASON) | {"duplicate_id"} == set(ROW_CORRUPTIONS)
 

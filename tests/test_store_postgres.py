@@ -32,7 +32,7 @@ from tests.segment_fuzz import assert_reconciles, truncate, write_segment  # noq
 
 GATE_TIME = datetime(2026, 1, 1, 12, 0, 0)
 CORRUPT = {"null_id": 2, "nan_feature": 2, "wrong_dim_feature": 2, "zero_output_tokens": 2,
-           "unknown_finish_reason": 2, "null_arrival_time": 2, "duplicate_id": 3}
+           "unknown_finish_reason": 2, "null_arrival_time": 2, "duplicate_id": 3, "nul_in_id": 1, "nul_in_domain": 2}
 
 
 def _feedback(folder: Path) -> list:
