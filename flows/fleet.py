@@ -22,9 +22,11 @@ up over that common anchor (`leap_core.fleet_rls`). The flow
 Nothing is counted twice: after the push every replica is anchored at the merged state, so the next
 merge's base is the merged version and only rows folded since count. The same snapshots merged again
 (a rerun after a failure) find the version registered then by `merge_key` instead of registering a
-second one. Rows a replica folds between the snapshot and the push, rows still buffered for its next
-RLS batch, and rows of skipped replicas are not in the merge and are dropped by the push's re-anchor;
-they stay in the log store for the next fit. The result reports them.
+second one. A replica learns the rows waiting for its next RLS batch before it answers, so its state
+holds every row it observed until then (`rows_buffered` counts those a replica could not learn in
+time). Rows a replica takes between the snapshot and the push, and rows of skipped replicas, are not
+in the merge and are dropped by the push's re-anchor; they stay in the log store for the next fit.
+The result reports the skipped ones.
 
 How exact it is: `merge_refit_diff` re-solves the anchored ridge problem from the base's registered
 information and the feedback rows the replicas folded (X, lengths, e.g. from the log store) and

@@ -9,8 +9,9 @@ so a push takes effect at the next step without touching the OpenAI front end. W
   POST /leap/readout           body: a leap_core readout file, or a bundle (readout + RLS anchor);
                                `?force=1` lets an older version replace a newer one (a rollback)
   POST /leap/feedback/flush    close the open feedback segment so ingest sees every finished request
-  GET  /leap/rls               (token) the RLS state learned since the last push, as a push bundle; the
-                               header X-Leap-Rls holds its base version and rows folded (JSON); 409
+  GET  /leap/rls               (token) the RLS state learned since the last push (rows waiting for a batch
+                               learned first), as a push bundle; the header X-Leap-Rls holds its base
+                               version and rows folded (JSON); 409
                                when the replica learns nothing, 404 when the target keeps no RLS
   GET  /metrics                Prometheus text format
 

@@ -118,6 +118,17 @@ class OnlineLearner:
             self._generation += 1
             return self._generation
 
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Learn every row observed so far, the partial batch included, before returning (the learner
+        thread does it after the rows queued before this call); False when it did not happen within
+        `timeout` (queue full, thread down)."""
+        done = threading.Event()
+        try:
+            self._queue.put(done, timeout=timeout)
+        except queue.Full:
+            return False
+        return done.wait(timeout)
+
     def snapshot(self) -> dict | None:
         """The RLS state learned under the current anchor, taken between two updates (None while nothing
         learns): `state` (its state arrays), `readout` (the anchor readout the state extends),
@@ -177,6 +188,14 @@ class OnlineLearner:
                 continue
             if item is None:
                 return
+            if isinstance(item, threading.Event):  # `flush`: learn the partial batch, then say so
+                try:
+                    self._learn_buffered()
+                except Exception:  # noqa: BLE001 - counted by _learn; the flush is answered either way
+                    self._warn.warning("flush", "LEAP RLS: the waiting rows could not be learned", exc_info=True)
+                finally:
+                    item.set()
+                continue
             try:
                 self._take(*item)
             except Exception:  # noqa: BLE001 - one row must not end online learning
@@ -186,6 +205,20 @@ class OnlineLearner:
                 with self._idle:
                     self.observed += 1
                     self._idle.notify_all()
+
+    def _learn_buffered(self) -> None:
+        """Learn the rows waiting for a full batch now, as one smaller update (RLS is exact whatever the
+        batch sizes), unless they belong to an earlier anchor."""
+        if not self._features or self._buffered_generation != self._generation:
+            return
+        X, y = self._features, np.asarray(self._lengths, dtype=np.float64)
+        self._features, self._lengths = [], []
+        try:
+            X = np.stack(X)
+        except ValueError:
+            self._drop("bad_batch", len(y))
+            raise
+        self._learn(X, y, self._buffered_generation)
 
     def _take(self, feature: np.ndarray, output_tokens: int, generation: int) -> None:
         if generation != self._generation:  # a row of an earlier anchor: never learned, never a reason

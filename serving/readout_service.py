@@ -477,15 +477,19 @@ class ReadoutService:
     def rls_bundle(self) -> tuple[bytes, dict]:
         """What RLS learned here since the last anchor, as a push bundle (the anchor readout and the
         state arrays), with `base_version` (the anchor's readout version), `rows` folded since it,
-        `updates`, `generation`, `buffered` (rows not in the state yet) and `serving` (the version
-        serving now). The fleet merge reads it (`flows.fleet`). LookupError when nothing learns."""
+        `updates`, `generation`, `buffered` (rows not in the state yet), `flushed` and `serving` (the
+        version serving now). Rows waiting for a full RLS batch are learned first (`flushed`), so the
+        state holds every row observed before the call. The fleet merge reads it (`flows.fleet`).
+        LookupError when nothing learns."""
+        flushed = self.learner.flush() if self.learner.active else False  # the partial batch joins the state
         snapshot = self.learner.snapshot()
         if snapshot is None:
             reason = ("no readout serves" if self.readout is None
                       else "online learning is off, or the serving readout came without RLS state")
             raise LookupError(f"this replica holds no RLS state: {reason}")
         info = {key: snapshot[key] for key in ("base_version", "rows", "updates", "generation", "buffered")}
-        return make_bundle(to_bytes(snapshot["readout"]), snapshot["state"]), {**info, "serving": self.version}
+        return (make_bundle(to_bytes(snapshot["readout"]), snapshot["state"]),
+                {**info, "flushed": flushed, "serving": self.version})
 
     def describe(self) -> dict:
         return {"version": self.version, "source": self.source, "generation": self._generation,
