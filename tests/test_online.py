@@ -116,3 +116,22 @@ def test_the_queue_is_bounded_and_counts_what_it_drops():
     release.set()
     assert learner.wait_idle(5) and learner.updates == 5
     learner.close()
+
+
+def test_flush_learns_the_partial_batch_and_the_snapshot_holds_every_observed_row():
+    rls, X, lengths = _rls()
+    reference, _, _ = _rls()
+    published = Published()
+    learner = OnlineLearner(rls, "v1", published, every=8)
+    for row, length in zip(X[:13], lengths[:13]):
+        learner.observe(row, int(length))
+    assert learner.wait_idle(5) and learner.snapshot()["buffered"] == 5 and learner.snapshot()["rows"] == 8
+
+    assert learner.flush()
+
+    snapshot = learner.snapshot()
+    assert (snapshot["rows"], snapshot["buffered"], learner.updates, learner.observed) == (13, 0, 2, 13)
+    reference.partial_fit(X[:13], lengths[:13])  # one batch: RLS is exact whatever the batching
+    np.testing.assert_allclose(snapshot["state"]["theta"], reference.theta_, rtol=0, atol=1e-9)
+    assert learner.flush() and learner.updates == 2  # nothing waits: no empty update
+    learner.close()
