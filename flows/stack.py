@@ -245,7 +245,7 @@ def status(settings: PipelineSettings, names: Iterable[str] | None = None) -> di
             replicas.append({"name": name, "url": spec.url, "up": up_now,
                              **fleet.replica_report(spec.admin_url, name)})
     layout = fleet.read_layout(settings)
-    versions = sorted({str(r["version"]) for r in replicas if r.get("version") is not None})
+    versions = sorted({str(r["version"]) for r in replicas if r.get("version")})  # "": no readout served
     return {"services": services, "replicas": replicas, "versions": versions,
             "fleet": None if layout is None else {**layout.__dict__, "env_file": str(fleet.env_path(settings))},
             "healthy": all(s["healthy"] for s in services.values())}

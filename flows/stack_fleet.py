@@ -47,7 +47,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 REPLICA_KV_CACHE_GIB = "1"
 """KV cache of each CPU replica (GiB): several vLLM CPU engines share this machine's memory."""
 _ROLLING_GAUGES = {"leap_rolling_spearman": "spearman", "leap_rolling_mae": "mae"}
-_FINISHED = "leap_finished_requests_total"
+_COUNTS = {"leap_finished_requests_total": "finished", "leap_predictions_total": "predictions"}
 
 
 @dataclass(frozen=True)
@@ -398,19 +398,20 @@ def parse_gauges(text: str, replica: str = "", version: str = "") -> dict[str, A
 
     figures: dict[str, Any] = {"spearman": None, "mae": None}
     rolling: dict[str, float] = {}
-    finished = None
+    counts: dict[str, int] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name in _ROLLING_GAUGES and not sample.labels:
                     rolling[_ROLLING_GAUGES[sample.name]] = float(sample.value)
-                elif sample.name == _FINISHED:
-                    finished = float(sample.value)
+                elif sample.name in _COUNTS and math.isfinite(sample.value):
+                    counts[_COUNTS[sample.name]] = int(sample.value)
         observations = parse_quality(text, replica, version, now=0.0)
     except (MetricsError, ValueError, TypeError) as error:
         return {**figures, "metrics_error": f"{type(error).__name__}: {error}"}
-    figures["finished"] = None if finished is None else int(finished)
-    if finished:  # the gauges read 0 until a request finishes: that is no figure, not a perfect MAE
+    figures.update({key: counts.get(key) for key in _COUNTS.values()})
+    # the gauges read 0 until a predicted request finishes: that is no figure, not a perfect MAE
+    if counts.get("finished") and counts.get("predictions"):
         figures.update({key: _finite(value) for key, value in rolling.items()})
     if observations:
         figures["by_domain"] = {o.domain: {"spearman": _finite(o.spearman), "mae": _finite(o.mae),

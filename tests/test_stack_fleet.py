@@ -230,6 +230,8 @@ def test_status_reports_each_replica_version_and_live_figures(tmp_path):
     targets = [_Replica("7"), _Replica("7+rls3")]
     first = targets[0].telemetry
     first.finished.inc(300)
+    first.predictions.inc(300)
+    targets[1].telemetry.finished.inc(5)  # finished, but none predicted (no readout yet): no figures
     first.spearman.set(0.61)
     first.mae.set(41.5)
     for field, value in (("spearman", 0.6), ("mae", 40.0), ("anchor_mae", 44.0), ("rows", 120)):
@@ -251,8 +253,8 @@ def test_status_reports_each_replica_version_and_live_figures(tmp_path):
     assert (one["version"], one["spearman"], one["mae"]) == ("7", pytest.approx(0.61), pytest.approx(41.5))
     assert one["by_domain"] == {"chat": {"spearman": pytest.approx(0.6), "mae": 40.0, "anchor_mae": 44.0,
                                          "rows": 120}}
-    assert one["finished"] == 300
-    assert (two["version"], two["spearman"], two["mae"], two["finished"]) == ("7+rls3", None, None, 0)
+    assert (one["finished"], one["predictions"]) == (300, 300)
+    assert (two["version"], two["spearman"], two["mae"], two["finished"]) == ("7+rls3", None, None, 5)
     assert "by_domain" not in two
 
     gone = fleet.replica_report(one["admin_url"])  # the server is closed now
