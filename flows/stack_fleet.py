@@ -109,7 +109,7 @@ def write_layout(settings: PipelineSettings, layout: FleetLayout) -> None:
     settings.stack_dir.mkdir(parents=True, exist_ok=True)
     _write_atomic(layout_path(settings), json.dumps(asdict(layout), indent=2) + "\n")
     lines = [f"{key}={value}" for key, value in fleet_environment(settings, layout).items()]
-    _write_atomic(env_path(settings), "\n".join(lines) + "\n")
+    _write_atomic(env_path(settings), "\n".join(lines) + "\n", mode=0o600)  # it carries the AWS_* credentials
 
 
 def forget_layout(settings: PipelineSettings) -> None:
@@ -117,9 +117,11 @@ def forget_layout(settings: PipelineSettings) -> None:
     env_path(settings).unlink(missing_ok=True)
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(text)
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as handle:
+        handle.write(text)
+    os.chmod(tmp, mode)
     os.replace(tmp, path)
 
 

@@ -67,7 +67,9 @@ def test_fleet_up_runs_mlflow_and_prefect_on_postgres_and_exports_the_fleet(flee
     assert code == 0 and set(status["services"]) == set(FLEET_SERVICES)
     assert status["fleet"]["pool"] == "leap" and status["fleet"]["replicas"] == 0
 
-    # every `leap` command sees the fleet's store, bucket and servers (leap_cli.main applies fleet.env)
+    # every `leap` command sees the fleet's store, bucket and servers (leap_cli.main applies fleet.env),
+    # whose credentials only this user reads
+    assert fleet.env_path(settings).stat().st_mode & 0o777 == 0o600
     preset = {"LEAP_HOME": str(fleet_stack["home"]), "LEAP_FEEDBACK_URL": "s3://mine/set-before"}
     assert "LEAP_FEEDBACK_URL" not in fleet.apply_environment(preset)  # a variable already set wins
     assert preset["LEAP_FEEDBACK_URL"] == "s3://mine/set-before"
