@@ -240,6 +240,14 @@ class Baseline:
     champion_readout: str | None  # its readout version, as replicas report it
     validation_mae: float | None
     previous_readout: str | None = None  # the previous champion's readout version
+    validation_mae_by_domain: Mapping[str, float] | None = None  # where the fit had enough rows of one
+
+    def bar(self, domain: str) -> float | None:
+        """The validation MAE a domain's live MAE is judged against: the domain's own, else the overall."""
+        from flows.training import domain_mae_metric
+
+        own = (self.validation_mae_by_domain or {}).get(domain_mae_metric(domain))
+        return own if own is not None and math.isfinite(own) else self.validation_mae
 
 
 def _window(series: Sequence[Observation], policy: DriftPolicy, now: float) -> list[Observation] | None:
@@ -291,10 +299,11 @@ def decide(state: DriftState, baseline: Baseline, policy: DriftPolicy, now: floa
                     f"({before:.1f} on this replica and domain) by more than {policy.margin:.0%} in each of the "
                     f"last {policy.window} observations")})
                 continue
-        bar = baseline.validation_mae
+        bar = baseline.bar(domain)
         if bar is not None and math.isfinite(bar) and all(o.mae > bar * (1 + policy.margin) for o in last):
             findings.append({"action": RETRAIN, **where, "validation_mae": _round(bar), "reason": (
-                f"live MAE exceeds champion v{baseline.champion}'s validation MAE ({bar:.1f}) by more than "
+                f"live MAE exceeds champion v{baseline.champion}'s validation MAE"
+                f"{' on this domain' if bar != baseline.validation_mae else ''} ({bar:.1f}) by more than "
                 f"{policy.margin:.0%} in each of the last {policy.window} observations")})
     rollback_due = (any(f["action"] == ROLLBACK for f in findings)
                     and not _cooling(state.last_rollback_at, now, policy))
@@ -364,7 +373,9 @@ def champion_baseline(tracking_uri: str, name: str) -> dict[str, Any]:
     previous_readout = (str(registry.load_readout(name, previous).metadata.get("version", ""))
                         if previous is not None else None)
     mae = metrics.get("mae")
-    return asdict(Baseline(str(champion), readout, float(mae) if mae is not None else None, previous_readout))
+    by_domain = {key: float(value) for key, value in metrics.items() if key.startswith("mae_domain_")}
+    return asdict(Baseline(str(champion), readout, float(mae) if mae is not None else None, previous_readout,
+                           by_domain or None))
 
 
 @task(name="start-retrain", cache_policy=NO_CACHE)

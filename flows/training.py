@@ -175,8 +175,14 @@ def _data_hash(request_ids: NDArray[Any]) -> str:
     return digest.hexdigest()
 
 
-def _metric_name(domain: str) -> str:
-    return "spearman_" + re.sub(r"[^0-9A-Za-z_.-]", "_", domain)
+def _metric_name(domain: str, prefix: str = "spearman_") -> str:
+    return prefix + re.sub(r"[^0-9A-Za-z_.-]", "_", domain)
+
+
+def domain_mae_metric(domain: str) -> str:
+    """The name a fit logs one domain's held-out MAE under (the drift watch judges that domain's live
+    MAE against it)."""
+    return _metric_name(domain, "mae_domain_")
 
 
 def _test_metrics(test: TrainingFrame, true: np.ndarray, pred: np.ndarray, max_tokens: int) -> dict[str, float]:
@@ -195,6 +201,7 @@ def _test_metrics(test: TrainingFrame, true: np.ndarray, pred: np.ndarray, max_t
         if domain and count >= MIN_DOMAIN_TEST_ROWS:
             rows = domains == domain
             figures[_metric_name(domain)] = metrics.spearman(true[rows], pred[rows])
+            figures[domain_mae_metric(domain)] = metrics.mae(true[rows], pred[rows])
     return figures
 
 

@@ -57,6 +57,16 @@ def test_live_error_above_the_champions_validation_error_over_the_window_retrain
     assert decision["mae"] == [130, 140, 150] and "validation MAE (100.0)" in decision["reason"]
 
 
+def test_a_domain_is_judged_against_its_own_validation_error_where_the_fit_logged_one():
+    state = state_of(recorded([130, 140, 150], domain="code"), recorded([130, 140, 150], domain="chat"))
+    baseline = Baseline("2", "r2", 100.0, None, {"mae_domain_code": 140.0})
+    decision = only(decide(state, baseline, POLICY, now_of(state)))
+    assert decision["domain"] == "chat" and decision["validation_mae"] == 100.0
+    state = state_of(recorded([180, 190, 200], domain="code"))
+    decision = only(decide(state, baseline, POLICY, now_of(state)))
+    assert decision["validation_mae"] == 140.0 and "on this domain (140.0)" in decision["reason"]
+
+
 @pytest.mark.parametrize("maes, rows, why", [
     ([130, 120, 140], 256, "one observation within the margin"),
     ([130, 140], 256, "fewer observations than the window"),

@@ -126,7 +126,8 @@ def test_rls_state_resumes_at_the_fitted_weights(fitted) -> None:
 def test_metrics_are_present_finite_and_show_the_planted_signal(fitted) -> None:
     _, _, result = fitted
     expected = {"spearman", "kendall", "mae", "mae_short", "mae_medium", "mae_long", "n_train", "n_test",
-                "spearman_chat", "spearman_code", "spearman_math"}
+                "spearman_chat", "spearman_code", "spearman_math", "mae_domain_chat", "mae_domain_code",
+                "mae_domain_math"}
     assert expected <= set(result.metrics)
     assert all(math.isfinite(value) for value in result.metrics.values())
     assert result.metrics["spearman"] > 0.6  # lengths follow the features; an unfitted readout scores ~0
