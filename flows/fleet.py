@@ -51,6 +51,7 @@ from prefect.cache_policies import NO_CACHE
 from flows.promotion import PushOptions, promote, readout_bundle, serves
 from flows.push import PushFailed, push_readout
 from flows.settings import PipelineSettings
+from flows.tasks import MERGE_ROWS_UNTIL_TAG
 from leap_core.fleet_rls import check_mergeable, merge_anchored, refit_max_abs_diff
 from leap_io.jsonable import to_jsonable
 from registry.client import CHAMPION, ReadoutRegistry
@@ -214,7 +215,7 @@ def merge_and_register(tracking_uri: str, lock_path: str | None, name: str | Non
             "merge_rows": json.dumps(rows), "merge_replicas": json.dumps(sorted(rows)),
             # every row the merge holds finished before this time: a fit anchored at this version must
             # only add rows that arrived after it, or it counts the replicas' rows a second time
-            **({"merge_rows_until": f"{snapshot_at:.3f}"} if snapshot_at is not None else {})}
+            **({MERGE_ROWS_UNTIL_TAG: f"{snapshot_at:.3f}"} if snapshot_at is not None else {})}
     logged = registry.log_readout(readout, rls=merged, params={"merged_from": base_registry, "merge_key": merge_key,
                                                                "merge_replicas": len(rows)},
                                   metrics={"rows_merged": float(figures["rows_merged"])},

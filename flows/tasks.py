@@ -32,7 +32,7 @@ from flows.push import PushFailed, push_readout
 from flows.settings import PipelineSettings
 from flows.store import TrainingFrame, canonical_recipe
 from flows.stores import Store, open_store, store_at
-from flows.training import fit_readout, select_window, time_split
+from flows.training import NotEnoughRowsError, fit_readout, select_window, time_split
 from leap_core.recipes import Recipe
 from leap_core.rls import RLS
 from leap_io.jsonable import dumps, to_jsonable
@@ -256,6 +256,13 @@ def fit_and_register(frame: TrainingFrame, tracking_uri: str, space: FeatureSpac
         raise ValueError(f"anchor must be 'none' or 'champion', got {anchor!r}")
     champion = registry.get_alias(name, CHAMPION)
     anchored = anchor == "champion" and champion is not None
+    if anchored:  # the champion's RLS state already holds the rows up to its cut: add only later ones
+        cut = information_until(registry, name, champion)
+        if cut is not None:
+            frame = frame.take(np.asarray(frame.arrival_time) > cut)
+            if len(frame.request_ids) < 2:
+                raise NotEnoughRowsError(f"the champion v{champion} already holds every row of the window that "
+                                         f"arrived up to {cut:.3f}; {len(frame.request_ids)} arrived after")
     rows_hash = window_hash(frame)
     candidates, not_covered = covered_recipes(recipes, space.recipe, np.asarray(frame.features).shape[1])
     if anchored:
@@ -303,15 +310,40 @@ def fit_and_register(frame: TrainingFrame, tracking_uri: str, space: FeatureSpac
         chosen = next((row for row in validation if row["recipe"] == params["recipe"]), None)
         if chosen is not None:
             metrics["validation_spearman"] = float(chosen["spearman"])
+    # the newest arrival whose row this version's RLS state holds (its training split's rows)
+    rows_until = f"{float(np.max(train.arrival_time)):.3f}" if len(train.arrival_time) else None
+    tags = {"fit_key": fit_key, **({ROWS_UNTIL_TAG: rows_until} if rows_until else {})}
     logged = registry.log_readout(fit.readout, rls=rls, params=params, metrics=metrics,
                                   eval_arrays=fit.eval_arrays, run_name=f"fit-{readout_version}",
-                                  tags={"fit_key": fit_key}, validation=validation)
+                                  tags=tags, validation=validation)
+    if rows_until:
+        registry.client.set_model_version_tag(name, logged.version, ROWS_UNTIL_TAG, rows_until)
     registry.set_challenger(name, logged.version)
     return {"name": name, "version": logged.version, "run_id": logged.run_id, "reused": False,
             "fit_key": fit_key, "window_hash": rows_hash, "rows": len(frame.request_ids),
             "readout_version": readout_version, "champion": champion, "recipe": params["recipe"],
             "validation": plain(validation),
             "metrics": plain({k: v for k, v in metrics.items() if isinstance(v, (int, float, np.number))})}
+
+
+ROWS_UNTIL_TAG = "rows_until"
+"""Version tag: the newest arrival time (unix s) of the log-store rows a fitted version's RLS state holds."""
+MERGE_ROWS_UNTIL_TAG = "merge_rows_until"
+"""Version tag of a fleet merge: every row it holds finished before this time (`flows.fleet`)."""
+
+
+def information_until(registry: ReadoutRegistry, name: str, version: str | int) -> float | None:
+    """The time up to which a version's RLS state holds log-store rows (its own fit's or, through its anchor,
+    an earlier one's; a merge's snapshot), or None for a version that holds none of them (fitted elsewhere,
+    e.g. on the corpus snapshot). An anchored fit adds only rows that arrived after it, so no row counts twice."""
+    tags = registry.client.get_model_version(name, str(version)).tags
+    cuts = []
+    for key in (ROWS_UNTIL_TAG, MERGE_ROWS_UNTIL_TAG):
+        try:
+            cuts.append(float(tags[key]))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return max(cuts) if cuts else None
 
 
 def _readout_pair(registry: ReadoutRegistry, name: str, version: str):
