@@ -256,6 +256,27 @@ RECIPE_SQL = recipe_sql()
 """`recipe_sql()` for the `features` table under the alias `f`."""
 
 
+def selection(paramstyle: str, *, since: float | None = None, until: float | None = None,
+              domains: Sequence[str] | None = None, model_fingerprint: str | None = None, layer: int | None = None,
+              recipe: str | None = None) -> tuple[str, list]:
+    """(" WHERE ..." or "", parameters) selecting rows of `requests r JOIN features f`: arrival_time in
+    [since, until), some domains, one feature space. `paramstyle` is DuckDB's "qmark" (`?`) or psycopg's
+    "format" (`%s`); both stores select with this one definition."""
+    if paramstyle not in ("qmark", "format"):
+        raise ValueError(f"paramstyle is 'qmark' or 'format', not {paramstyle!r}")
+    mark = "?" if paramstyle == "qmark" else "%s"
+    in_domains = f"list_contains({mark}::VARCHAR[], r.domain)" if paramstyle == "qmark" else f"r.domain = ANY({mark})"
+    clauses = (("r.arrival_time >= {}", since, float), ("r.arrival_time < {}", until, float),
+               (in_domains.replace(mark, "{}"), domains, list), ("f.model_fingerprint = {}", model_fingerprint, str),
+               ("f.layer = {}", layer, int), (f"{RECIPE_SQL} = {{}}", recipe, canonical_recipe))
+    where, params = [], []
+    for clause, value, convert in clauses:
+        if value is not None:
+            where.append(clause.format(mark))
+            params.append(convert(value))
+    return (" WHERE " + " AND ".join(where) if where else ""), params
+
+
 def canonical_recipe(name: str) -> str:
     """A recipe's canonical name (`leap_core.recipes.Recipe.parse`); RecipeError if it does not parse."""
     from leap_core.recipes import Recipe
@@ -463,30 +484,12 @@ class LogStore:
         Raises ValueError when the selection mixes feature dims or capture recipes (filter by
         fingerprint, layer and recipe): a frame's columns mean one thing.
         """
-        where, params = [], []
-        if since is not None:
-            where.append("r.arrival_time >= ?")
-            params.append(float(since))
-        if until is not None:
-            where.append("r.arrival_time < ?")
-            params.append(float(until))
-        if domains is not None:
-            where.append("list_contains(?::VARCHAR[], r.domain)")
-            params.append(list(domains))
-        if model_fingerprint is not None:
-            where.append("f.model_fingerprint = ?")
-            params.append(model_fingerprint)
-        if layer is not None:
-            where.append("f.layer = ?")
-            params.append(int(layer))
-        if recipe is not None:
-            where.append(f"{RECIPE_SQL} = ?")
-            params.append(canonical_recipe(recipe))
+        where, params = selection("qmark", since=since, until=until, domains=domains,
+                                  model_fingerprint=model_fingerprint, layer=layer, recipe=recipe)
         query = (
             "SELECT r.request_id, f.dim, f.feature, r.output_tokens, r.finish_reason, r.domain, "
             f"r.arrival_time, r.max_tokens, {RECIPE_SQL} AS recipe FROM requests r JOIN features f USING (request_id)"
-            + (" WHERE " + " AND ".join(where) if where else "")
-            + " ORDER BY r.arrival_time, r.request_id"
+            + where + " ORDER BY r.arrival_time, r.request_id"
         )
         with self.connect(read_only=True) as con:
             # 64-bit offsets: a frame's feature bytes may pass the 2 GiB a 32-bit binary column can index
@@ -499,20 +502,10 @@ class LogStore:
     def latest_feature_space(self, model_fingerprint: str | None = None, layer: int | None = None,
                              recipe: str | None = None) -> tuple[str | None, str, int, str] | None:
         """(model id, fingerprint, layer, recipe) of the most recent feedback, optionally narrowed."""
-        where, params = [], []
-        if model_fingerprint is not None:
-            where.append("f.model_fingerprint = ?")
-            params.append(model_fingerprint)
-        if layer is not None:
-            where.append("f.layer = ?")
-            params.append(int(layer))
-        if recipe is not None:
-            where.append(f"{RECIPE_SQL} = ?")
-            params.append(canonical_recipe(recipe))
-        query = (f"SELECT any_value(r.model_id), f.model_fingerprint, f.layer, {RECIPE_SQL} AS recipe "
+        where, params = selection("qmark", model_fingerprint=model_fingerprint, layer=layer, recipe=recipe)
+        query = (f"SELECT min(r.model_id), f.model_fingerprint, f.layer, {RECIPE_SQL} AS recipe "
                  "FROM requests r JOIN features f USING (request_id)"
-                 + (" WHERE " + " AND ".join(where) if where else "")
-                 + " GROUP BY ALL ORDER BY max(r.arrival_time) DESC LIMIT 1")
+                 + where + " GROUP BY ALL ORDER BY max(r.arrival_time) DESC LIMIT 1")
         with self.connect(read_only=True) as con:
             row = con.execute(query, params).fetchone()
         if row is None:

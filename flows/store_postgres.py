@@ -59,8 +59,8 @@ from flows.store import (
     TRAINING_FINISH_REASONS,
     TrainingFrame,
     _frame_from_arrow,
-    canonical_recipe,
     feature_bytes,
+    selection,
 )
 from leap_io.feedback_schema import feedback_schema
 
@@ -355,28 +355,10 @@ class PostgresStore:
         recipe: str | None = None,
     ) -> TrainingFrame:
         """Requests with arrival_time in [since, until), as `flows.store.LogStore.training_frame` selects them."""
-        where, params = [], []
-        if since is not None:
-            where.append("r.arrival_time >= %s")
-            params.append(float(since))
-        if until is not None:
-            where.append("r.arrival_time < %s")
-            params.append(float(until))
-        if domains is not None:
-            where.append("r.domain = ANY(%s)")
-            params.append(list(domains))
-        if model_fingerprint is not None:
-            where.append("f.model_fingerprint = %s")
-            params.append(model_fingerprint)
-        if layer is not None:
-            where.append("f.layer = %s")
-            params.append(int(layer))
-        if recipe is not None:
-            where.append(f"{RECIPE_SQL} = %s")
-            params.append(canonical_recipe(recipe))
-        rest = (" FROM requests r JOIN features f USING (request_id)"
-                + (" WHERE " + " AND ".join(where) if where else "")
-                + ' ORDER BY r.arrival_time, r.request_id COLLATE "C"')
+        where, params = selection("format", since=since, until=until, domains=domains,
+                                  model_fingerprint=model_fingerprint, layer=layer, recipe=recipe)
+        rest = " FROM requests r JOIN features f USING (request_id)" + where + \
+            ' ORDER BY r.arrival_time, r.request_id COLLATE "C"'
         scalars = ("r.request_id, f.dim, r.output_tokens, r.finish_reason, r.domain, r.arrival_time, r.max_tokens, "
                    f"{RECIPE_SQL} AS recipe")
         with self.connect() as con:
@@ -398,21 +380,11 @@ class PostgresStore:
     def latest_feature_space(self, model_fingerprint: str | None = None, layer: int | None = None,
                              recipe: str | None = None) -> tuple[str | None, str, int, str] | None:
         """(model id, fingerprint, layer, recipe) of the most recent feedback, optionally narrowed."""
-        where, params = [], []
-        if model_fingerprint is not None:
-            where.append("f.model_fingerprint = %s")
-            params.append(model_fingerprint)
-        if layer is not None:
-            where.append("f.layer = %s")
-            params.append(int(layer))
-        if recipe is not None:
-            where.append(f"{RECIPE_SQL} = %s")
-            params.append(canonical_recipe(recipe))
+        where, params = selection("format", model_fingerprint=model_fingerprint, layer=layer, recipe=recipe)
         rows = self._rows(
             f"SELECT min(r.model_id), f.model_fingerprint, f.layer, {RECIPE_SQL} AS recipe "
             "FROM requests r JOIN features f USING (request_id)"
-            + (" WHERE " + " AND ".join(where) if where else "")
-            + " GROUP BY 2, 3, 4 ORDER BY max(r.arrival_time) DESC LIMIT 1", params)
+            + where + " GROUP BY 2, 3, 4 ORDER BY max(r.arrival_time) DESC LIMIT 1", params)
         if not rows:
             return None
         model_id, fingerprint, found_layer, found_recipe = rows[0]
