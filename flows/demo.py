@@ -150,29 +150,41 @@ def bootstrap_champion(tracking_uri: str, model: Any, max_tokens: int, exclude: 
             "recipe_candidates": list(recipes) if wide is not None else None, "validation": validation}
 
 
+def demo_prompts(n: int, max_prompt_chars: int = 600) -> list[dict]:
+    """The first `n` ShareGPT prompts of at most `max_prompt_chars` characters: short prompts keep prefill,
+    which dominates on two CPU cores, small; the selection is by text only."""
+    from harness.datasets import available_prompts
+
+    return [p for p in available_prompts(None, sets=["sharegpt"])
+            if p["prompt"].strip() and len(p["prompt"]) <= max_prompt_chars][:n]
+
+
+def demo_environment(prompts: list[dict], max_tokens: int) -> None:
+    """The pipeline settings of a demo, as defaults under any LEAP_* already set: the gate replays the
+    demo's prompts, the budget is the snapshot's, and the challenger refines the snapshot's champion."""
+    from leap_io.paths import state_dir
+
+    gate_file = state_dir() / "demo-prompts.jsonl"
+    gate_file.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    os.environ.setdefault("LEAP_GATE_PROMPTS", str(gate_file))
+    os.environ.setdefault("LEAP_MAX_TOKENS", str(max_tokens))
+    os.environ.setdefault("LEAP_MIN_ROWS", str(max(50, len(prompts) // 2)))
+    os.environ.setdefault("LEAP_REPLAY_SLICE", str(max(8, len(prompts) // 5)))
+    os.environ.setdefault("LEAP_FIT_ANCHOR", "champion")
+
+
 def run_demo(n_prompts: int = 240, max_tokens: int = 1024, concurrency: int = 256, keep_serving: bool = False,
              max_prompt_chars: int = 600,
              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the whole loop once and return the summary the README promises."""
     started = time.time()
     say = progress or (lambda message: None)
-    from harness.datasets import available_prompts
     from harness.model_prep import prepare_model
-    from leap_io.paths import state_dir
 
-    home = state_dir()
     say("preparing the model")
     model = prepare_model()
-    # Short prompts keep prefill, which dominates on two CPU cores, small; the selection is by text only.
-    prompts = [p for p in available_prompts(None, sets=["sharegpt"])
-               if p["prompt"].strip() and len(p["prompt"]) <= max_prompt_chars][:n_prompts]
-    gate_file = home / "demo-prompts.jsonl"
-    gate_file.write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    os.environ.setdefault("LEAP_GATE_PROMPTS", str(gate_file))
-    os.environ.setdefault("LEAP_MAX_TOKENS", str(max_tokens))
-    os.environ.setdefault("LEAP_MIN_ROWS", str(max(50, n_prompts // 2)))
-    os.environ.setdefault("LEAP_REPLAY_SLICE", str(max(8, n_prompts // 5)))
-    os.environ.setdefault("LEAP_FIT_ANCHOR", "champion")  # the challenger refines the snapshot's champion
+    prompts = demo_prompts(n_prompts, max_prompt_chars)
+    demo_environment(prompts, max_tokens)
 
     from flows import stack
     from flows.pipeline import fit_flow, gate_flow, ingest_flow, push_flow

@@ -317,12 +317,23 @@ def demo_command(
     max_tokens: int = typer.Option(1024, help="output budget M of the demo traffic (the snapshot's: about one "
                                               "chat output in ten reaches it)"),
     keep_serving: bool = typer.Option(False, help="leave the serving process running afterwards"),
+    replicas: int = typer.Option(1, min=1, help="serving replicas; 2 or more run the fleet loop (flows/demo_fleet.py): "
+                                                "feedback through S3, a PostgreSQL store, MLflow on PostgreSQL, the "
+                                                "exact merge of the replicas' RLS, a replica killed and restarted, "
+                                                "the drift watch"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON summary"),
 ) -> None:
     """The main job: serve, replay real prompts, ingest, fit, register, gate by live replay, promote, push."""
+    say = (lambda message: None) if as_json else (lambda message: console.print(f"[bold]demo[/]: {message}"))
+    if replicas > 1:
+        from flows.demo_fleet import run_fleet_demo
+
+        summary = run_fleet_demo(replicas=replicas, n_prompts=prompts, max_tokens=max_tokens,
+                                 keep_serving=keep_serving, progress=say)
+        emit(summary, as_json, "LEAP fleet demo")
+        return
     from flows.demo import run_demo
 
-    say = (lambda message: None) if as_json else (lambda message: console.print(f"[bold]demo[/]: {message}"))
     summary = run_demo(n_prompts=prompts, max_tokens=max_tokens, keep_serving=keep_serving, progress=say)
     emit(summary, as_json, "LEAP demo")
     if not as_json:
