@@ -102,7 +102,8 @@ def _timestamp(text: Optional[str], option: str) -> Optional[float]:
 
 @app.command("ingest")
 def ingest_command(
-    feedback_dir: Optional[Path] = typer.Option(None, help="segments folder (default $LEAP_HOME/feedback)"),
+    feedback_dir: Optional[str] = typer.Option(None, help="segments folder or s3://bucket/prefix (default "
+                                                         "$LEAP_FEEDBACK_URL, else $LEAP_HOME/feedback)"),
     retry_failed: bool = typer.Option(False, help="try segments quarantined as failed again (after a fix)"),
     workers: Optional[int] = typer.Option(None, min=1, help="segments ingested at once into a PostgreSQL store "
                                                              "(default $LEAP_INGEST_WORKERS; DuckDB: one)"),
@@ -110,7 +111,7 @@ def ingest_command(
 ) -> None:
     """Ingest complete feedback segments into the log store (segments seen before are skipped; a
     segment that fails is quarantined with its reason, and the others are ingested); `rows_per_s`."""
-    _run(_flow("ingest_flow", feedback_dir=str(feedback_dir) if feedback_dir else None, retry_failed=retry_failed,
+    _run(_flow("ingest_flow", feedback_dir=feedback_dir or None, retry_failed=retry_failed,
                workers=workers), as_json, "ingest")
 
 
