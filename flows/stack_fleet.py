@@ -383,7 +383,7 @@ def fleet_specs(settings: PipelineSettings, layout: FleetLayout) -> dict[str, Se
                  "LEAP_REPLICA_ID": rid, "LEAP_STATE_DIR": str(settings.stack_dir / rid),
                  "LEAP_FEEDBACK_URL": flows_env["LEAP_FEEDBACK_URL"], **s3_env,
                  # a replica that starts with no push kept takes the registry's champion
-                 "LEAP_MLFLOW_TRACKING_URI": settings.mlflow_server_url,
+                 "LEAP_REGISTRY_URI": settings.mlflow_server_url,
                  "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", REPLICA_KV_CACHE_GIB)},
             prepare=both(bucket, token))
     return specs
