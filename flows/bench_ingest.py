@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from flows.ingest import complete_segments, deal_segments, ingest_folder, ingest_segments, totals
 from flows.store import LogStore
-from leap_io.feedback_schema import feedback_schema, parquet_options, segment_metadata
+from leap_io.feedback_schema import feedback_schema, parquet_options, segment_metadata, segment_table
 
 BENCH_MODEL_ID = "bench-model"
 BENCH_FINGERPRINT = "bench-fingerprint"
@@ -78,7 +78,7 @@ def write_synthetic_segment(path: str | Path, first_row: int, n: int, weights: n
         "feature": pa.FixedSizeListArray.from_arrays(pa.array(features.reshape(-1)), dim),
     }
     temporary = path.with_name(f".{path.name}.tmp")
-    pq.write_table(pa.table(columns, schema=schema), temporary, **parquet_options())
+    pq.write_table(segment_table(pa.table(columns, schema=schema)), temporary, **parquet_options())
     temporary.replace(path)
 
 

@@ -88,6 +88,7 @@ from leap_io.feedback_schema import (
     META_MODEL_ID,
     META_RECIPE,
     META_REPLICA_ID,
+    feature_lists,
     feedback_schema,
 )
 
@@ -343,6 +344,12 @@ class _Segment:
             problems.append(missing_column_reason("feature"))
             return pa.nulls(self.n, list_type)
         feature = self.raw.column("feature").combine_chunks()
+        if pa.types.is_fixed_size_binary(feature.type):  # a version 2 file: the floats' bytes (`segment_table`)
+            try:
+                return feature_lists(feature)
+            except ValueError:
+                problems.append(bad_column_type_reason("feature"))
+                return pa.nulls(self.n, list_type)
         if pa.types.is_fixed_size_list(feature.type):
             target = pa.list_(pa.float32(), feature.type.list_size)
         elif pa.types.is_list(feature.type) or pa.types.is_large_list(feature.type):

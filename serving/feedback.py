@@ -47,7 +47,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pyarrow import ipc
 
-from leap_io.feedback_schema import feedback_schema, parquet_options, segment_metadata
+from leap_io.feedback_schema import feedback_schema, parquet_options, segment_metadata, segment_table
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def _write_parquet(table: pa.Table, final: Path) -> None:
     tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(tmp, "wb") as handle:
-            pq.write_table(table, handle, **parquet_options())
+            pq.write_table(segment_table(table), handle, **parquet_options())
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, final)

@@ -6,11 +6,11 @@ import glob
 
 import httpx
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 
 from leap_core.readout_format import to_bytes
 from leap_core.rls import RLS
+from leap_io.feedback_schema import read_segment_file
 from leap_io.push_bundle import make_bundle
 from tests.engine_fixtures import LAYER, PROMPTS, chat_ids, spread_readout
 
@@ -219,7 +219,7 @@ def test_every_finished_request_is_in_the_feedback_exactly_once(live):
     runtime.feedback.flush()
     ids = []
     for segment in sorted(glob.glob(str(live["feedback"] / "*.parquet"))):
-        table = pq.read_table(segment)
+        table = read_segment_file(segment)
         ids.extend(table.column("request_id").to_pylist())
         assert table.schema.field("feature").type.list_size == runtime.dim
     assert len(ids) == len(set(ids))

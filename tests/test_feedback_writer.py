@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from leap_io.feedback_schema import read_segment_file
 from serving.feedback import (
     LOCK_NAME,
     PARTIAL_SUFFIX,
@@ -375,7 +376,7 @@ def test_segments_rotate_by_rows_into_the_shared_folder(tmp_path):
     writer.flush()
     segments = sorted(tmp_path.glob("*.parquet"))
     assert [pq.read_metadata(p).num_rows for p in segments] == [10, 10, 5]
-    table = pq.read_table(segments[0])
+    table = read_segment_file(segments[0])
     assert table.schema.metadata[b"leap.dim"] == str(DIM).encode()
     assert table.schema.metadata[b"leap.replica_id"] == b"r0"  # ingest attributes the rows by it
     np.testing.assert_array_equal(np.stack(table.column("feature").to_numpy(zero_copy_only=False))[3],

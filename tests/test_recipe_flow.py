@@ -33,7 +33,7 @@ from flows.pipeline import fit_flow  # noqa: E402
 from flows.settings import PipelineSettings  # noqa: E402
 from flows.store import SCHEMA_VERSION, LogStore  # noqa: E402
 from flows.tasks import FeatureSpace, covered_recipes, latest_feature_space  # noqa: E402
-from leap_io.feedback_schema import META_RECIPE  # noqa: E402
+from leap_io.feedback_schema import META_RECIPE, read_segment_file  # noqa: E402
 from registry.client import CHALLENGER, READOUT_EXPERIMENT, RECIPE_VALIDATION_FILE, ReadoutRegistry  # noqa: E402
 from serving.feedback import FeedbackWriter  # noqa: E402
 from tests.segment_fuzz import write_segment  # noqa: E402
@@ -87,7 +87,7 @@ def _rows(rng: np.random.Generator, prefix: str, first: int, n: int, dim: int, *
 def _stamp(path: Path, recipe: str | bytes) -> None:
     """Record a capture recipe in a closed segment's metadata as the serving writer does (rewritten
     under a temporary name and renamed, like the writer's own segments)."""
-    table = pq.read_table(path)
+    table = read_segment_file(path)
     value = recipe if isinstance(recipe, bytes) else recipe.encode()
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), META_RECIPE: value})
     temporary = path.with_name(f".{path.name}.tmp")

@@ -10,7 +10,6 @@ import time
 
 import httpx
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 
 from leap_core import targets
@@ -18,6 +17,7 @@ from leap_core.readout import LinearReadout
 from leap_core.readout_format import to_bytes
 from leap_core.recipes import DOMAIN_VALUE, Recipe, request_columns
 from leap_core.rls import fit_readout_with_anchor
+from leap_io.feedback_schema import read_segment_file
 from leap_io.push_bundle import make_bundle
 from serving.admin import PushRefused
 from serving.config import LeapConfig
@@ -227,7 +227,7 @@ def test_feedback_rows_keep_the_whole_captured_vector_and_segments_record_the_ca
     runtime.on_finished(live)
     runtime.flush_feedback()
     (segment,) = list((tmp_path / "feedback").glob("*.parquet"))
-    table = pq.read_table(segment)
+    table = read_segment_file(segment)
     assert table.schema.metadata[b"leap.recipe"] == CAPTURE.encode()
     assert table.schema.metadata[b"leap.layer"] == str(runtime.layer).encode()  # kept for older readers
     assert table.schema.field("feature").type.list_size == WIDTH

@@ -167,3 +167,42 @@ def test_a_migrated_version_3_store_takes_new_segments_beside_its_old_rows(tmp_p
     new = written.table.to_pydict()
     expected = dict(zip(new["request_id"], np.asarray(new["feature"], dtype=np.float32)))
     np.testing.assert_array_equal(frame.features[~old], np.stack([expected[i] for i in frame.request_ids[~old]]))
+
+
+def test_segment_files_hold_features_as_binary_and_ingest_reads_them_back_exactly(tmp_path: Path) -> None:
+    """A version 2 segment file keeps each feature as its float32 bytes (`segment_table`); reading it gives
+    the same lists (a slice too), ingest stores the same vectors, and a width that is no whole number of
+    floats quarantines every row instead of failing the run."""
+    import pyarrow.parquet as pq
+
+    from leap_io.feedback_schema import feature_lists, read_segment_file, segment_table
+
+    (tmp_path / "feedback").mkdir()
+    written = write_segment(tmp_path / "feedback" / "seg-0.parquet", 40, 6, seed=3)
+    table = segment_table(written.table)
+    assert table.schema.field("feature").type == pa.binary(24)
+    sliced = feature_lists(table.column("feature").combine_chunks().slice(5, 10))
+    assert sliced.to_pylist() == written.table.column("feature").combine_chunks().slice(5, 10).to_pylist()
+    pq.write_table(table, written.path)
+    assert read_segment_file(written.path).column("feature").to_pylist() == \
+        written.table.column("feature").to_pylist()
+
+    store = LogStore(tmp_path / "log.duckdb")
+    [report] = ingest_folder(store, tmp_path / "feedback")
+    assert report.quarantined == 0 and report.accepted == 40
+    frame = store.training_frame()
+    expected = dict(zip(written.table.column("request_id").to_pylist(), _stack(written.table)))
+    for request_id, row in zip(frame.request_ids, frame.features):
+        assert np.array_equal(row, expected[request_id])
+
+    odd = table.set_column(table.schema.get_field_index("feature"), "feature",
+                           pa.array([b"\x00" * 7] * 40, pa.binary(7)))
+    pq.write_table(odd, tmp_path / "feedback" / "seg-1.parquet")
+    reports = [r for r in ingest_folder(store, tmp_path / "feedback") if not r.skipped]
+    assert [(r.accepted, r.quarantined) for r in reports] == [(0, 40)]
+    assert store.quarantine_reasons()["bad_column_type:feature"] == 40
+
+
+def _stack(table: pa.Table) -> np.ndarray:
+    feature = table.column("feature").combine_chunks()
+    return feature.values.to_numpy().reshape(len(feature), feature.type.list_size)
