@@ -24,7 +24,7 @@ import os
 import tempfile
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 POLICIES = ("fcfs", "leap", "oracle", "client")
@@ -155,14 +155,6 @@ class LeapConfig(BaseSettings):
         from leap_io.object_store import check_endpoint
 
         return check_endpoint(value)
-
-    @model_validator(mode="after")
-    def _spool_for_shipping(self) -> LeapConfig:
-        """Segments are written locally first (the crash-safe spool), then shipped: a URL needs the folder."""
-        if self.feedback_url and not self.feedback_dir:
-            raise ValueError(f"feedback_url {self.feedback_url} needs feedback_dir (LEAP_FEEDBACK_DIR), the local "
-                             "folder segments are written to before they are shipped")
-        return self
 
     @field_validator("policy")
     @classmethod

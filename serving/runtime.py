@@ -149,6 +149,12 @@ class LeapRuntime:
     def _feedback_writer(self) -> Any:
         self.shipper = None  # serving.shipper.FeedbackShipper when feedback_url is set
         if not self.config.feedback_dir:
+            # segments are written locally first (the crash-safe spool), then shipped: no folder, no feedback.
+            # Not an error: engines that write none (the gate's, a replay's) read the fleet's LEAP_FEEDBACK_URL too
+            if self.config.feedback_url:
+                logger.warning("LEAP writes no feedback: feedback_url %s is set but feedback_dir "
+                               "(LEAP_FEEDBACK_DIR) is not, and segments are spooled there before shipping",
+                               self.config.feedback_url)
             return None
         from serving import feedback
 

@@ -98,8 +98,8 @@ def test_locations_and_endpoints_are_validated_with_a_reason():
     assert config.feedback_url == "s3://leap-feedback/fleet"
     with pytest.raises(ValidationError, match="prefix segment"):
         LeapConfig(feedback_dir="/tmp/spool", feedback_url="s3://leap-feedback/a//b")
-    with pytest.raises(ValidationError, match="needs feedback_dir"):
-        LeapConfig(feedback_dir=None, feedback_url="s3://leap-feedback/fleet")
+    # an engine that writes no feedback (the gate's, a replay's) may see the fleet's URL: it ships nothing
+    assert LeapConfig(feedback_dir=None, feedback_url="s3://leap-feedback/fleet").feedback_dir is None
     with pytest.raises(ValidationError, match="http:// or https://"):
         LeapConfig(feedback_dir="/tmp/spool", feedback_url="s3://leap-feedback", s3_endpoint_url="minio:9000")
 
@@ -312,3 +312,15 @@ def test_the_runtime_ships_its_writers_segments_and_reports_them(tmp_path, s3_en
     assert "leap_feedback_segments_shipped_total 1.0" in generate_latest(runtime.metrics_registry).decode()
     assert 'leap_thread_alive{thread="feedback_shipper"} 1.0' in generate_latest(runtime.metrics_registry).decode()
     assert len(_keys(s3_env, bucket, f"fleet/{runtime.feedback.replica_id}/")) == 1
+
+
+def test_an_engine_without_a_spool_folder_ships_nothing_and_says_why(tmp_path, s3_env, bucket, build, caplog):
+    """The fleet's LEAP_FEEDBACK_URL reaches every engine of the machine, the gate's in-process engine too;
+    one that writes no feedback starts, warns, and ships nothing."""
+    with caplog.at_level("WARNING", logger="serving.runtime"):
+        runtime = build(feedback_dir=None, feedback_url=f"s3://{bucket}/fleet", s3_endpoint_url=s3_env,
+                        admin_port=None)
+    assert runtime.feedback is None and runtime.shipper is None
+    assert any("writes no feedback" in record.getMessage() for record in caplog.records)
+    assert runtime.health()["healthy"]
+    assert _keys(s3_env, bucket, "fleet/") == []
