@@ -11,10 +11,11 @@
 5. the fleet merge: the replicas' RLS states merged into one exact anchored solve, registered and pushed
    to every replica; its distance to the one-shot anchored ridge refit on the rows the replicas folded
    (read back from the store) is `merged_rls_max_abs_diff`;
-6. a replica killed with SIGKILL after a second wave of traffic, and started again: it takes the
-   champion, and every request that finished has its row in the store (`rows_lost`);
-7. fit, gate by live replay and promotion to every replica (the single-machine loop's flows);
-8. one pass of the drift watch over every replica.
+6. a second wave of traffic and one pass of the drift watch over every replica (`drift_events`,
+   `rollbacks`: findings on the replicas' live error per domain, and readouts put back);
+7. a replica killed with SIGKILL, and started again: it takes the champion, and every request that
+   finished has its row in the store (`rows_lost`);
+8. fit, gate by live replay and promotion to every replica (the single-machine loop's flows).
 
 Every step is the production code path; only the sizes are small. The flows run in this process (Prefect's
 ephemeral API), so the fleet's Prefect server and workers are not started here.
@@ -134,6 +135,8 @@ def run_fleet_demo(replicas: int = 2, n_prompts: int = 160, max_tokens: int = 10
     pool = demo_prompts(n_prompts + max(8, n_prompts // 4), max_prompt_chars)
     prompts, second_wave = pool[:n_prompts], pool[n_prompts:]
     demo_environment(prompts, max_tokens)
+    # the watch judges windows of this many finished requests per replica; the demo's waves are small
+    os.environ.setdefault("LEAP_DRIFT_MIN_ROWS", str(max(8, len(second_wave) // (2 * replicas))))
 
     from flows import stack
     from flows import stack_fleet as fleet
@@ -182,6 +185,8 @@ def run_fleet_demo(replicas: int = 2, n_prompts: int = 160, max_tokens: int = 10
         victim = rids[-1]
         say(f"a second wave of {len(second_wave)} prompts, then SIGKILL {victim} and start it again")
         wave2 = _traffic(settings, replicas, model_name, second_wave, max_tokens, concurrency)
+        say("one pass of the drift watch over every replica")
+        drift = drift_flow()
         time.sleep(3.0)  # the writer fsyncs its open segment within a second of a request finishing
         restart = _kill_and_restart(settings, victim)
         restart["versions"] = _wait_versions(endpoints, merge.get("readout_version"))
@@ -201,8 +206,6 @@ def run_fleet_demo(replicas: int = 2, n_prompts: int = 160, max_tokens: int = 10
             if (gate.get("verdict") or {}).get("passed"):
                 say("promoting the challenger to every replica")
                 push = push_flow(version=fit["version"], name=fit["name"], promote=True)
-        say("one pass of the drift watch over every replica")
-        drift = drift_flow()
         versions = replica_versions(endpoints)
         capped = _capped_fraction(store)
     finally:
@@ -220,6 +223,7 @@ def run_fleet_demo(replicas: int = 2, n_prompts: int = 160, max_tokens: int = 10
         ingest_rows_per_s=ingest.get("rows_per_s"), ingest={"first": _ingest_brief(ingest),
                                                             "after_restart": _ingest_brief(ingest2)},
         drift_events=int(drift.get("drift_events", 0)), rollbacks=int(drift.get("rollbacks", 0)),
+        drift_observations=len(drift.get("observations") or []),
         drift_decisions=drift.get("decisions"),
         model_version=str(fit.get("version")), registered_model=fit.get("name"),
         gate_verdict=(gate.get("verdict") or {}).get("reason"), promoted=push.get("status") == "promoted",

@@ -21,7 +21,7 @@ import typer
 
 from leap_cli import cmd_pipeline_bench  # noqa: F401  (registers `leap bench pipeline`)
 from leap_cli.apps import app, stack_app
-from leap_cli.output import console, emit
+from leap_cli.output import console, emit, json_stdout
 
 _SERVICES_HELP = ("comma-separated subset of mlflow,prefect,serving (a fleet: postgres,s3,mlflow,prefect,"
                   "worker-0,worker-1,serving-0,...)")
@@ -61,7 +61,8 @@ def _run(run: Callable[[], dict[str, Any]], as_json: bool, title: str, fail_unhe
     from registry.client import AliasLockTimeout, RegistryUnavailable
 
     try:
-        result = run()
+        with json_stdout(as_json):
+            result = run()
     except PromotionFailed as exc:
         emit({"status": "failed", "error": str(exc), "restored": exc.restored}, as_json, title)
         raise typer.Exit(1) from exc
@@ -329,13 +330,15 @@ def demo_command(
     if replicas > 1:
         from flows.demo_fleet import run_fleet_demo
 
-        summary = run_fleet_demo(replicas=replicas, n_prompts=prompts, max_tokens=max_tokens,
-                                 keep_serving=keep_serving, progress=say)
+        with json_stdout(as_json):
+            summary = run_fleet_demo(replicas=replicas, n_prompts=prompts, max_tokens=max_tokens,
+                                     keep_serving=keep_serving, progress=say)
         emit(summary, as_json, "LEAP fleet demo")
         return
     from flows.demo import run_demo
 
-    summary = run_demo(n_prompts=prompts, max_tokens=max_tokens, keep_serving=keep_serving, progress=say)
+    with json_stdout(as_json):
+        summary = run_demo(n_prompts=prompts, max_tokens=max_tokens, keep_serving=keep_serving, progress=say)
     emit(summary, as_json, "LEAP demo")
     if not as_json:
         console.print(f"Compare readouts in the MLflow UI: [bold]{summary['mlflow_ui']}[/]")
