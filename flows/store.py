@@ -579,8 +579,8 @@ def feature_bytes(feature: pa.Array | pa.ChunkedArray, dim: int) -> pa.Array:
     little-endian host), so DuckDB receives each vector as one value. ValueError when a row does
     not hold exactly `dim` floats.
     """
-    if isinstance(feature, pa.ChunkedArray):
-        feature = feature.combine_chunks()
+    if isinstance(feature, pa.ChunkedArray):  # one chunk is used as it is: combining copies it
+        feature = feature.chunk(0) if feature.num_chunks == 1 else feature.combine_chunks()
     n = len(feature)
     if n == 0:  # e.g. a segment whose rows all failed: their list type need not match `dim`
         return pa.array([], pa.binary())
