@@ -129,7 +129,7 @@ def test_two_processes_ingesting_overlapping_segments_lose_and_duplicate_nothing
                               corrupt={"nan_feature": 5, "zero_output_tokens": 5}) for k in range(8)]
     paths = [str(segment.path) for segment in segments]
     PostgresStore(postgres_url).counts()  # the schema, before both workers start
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("spawn")  # fresh interpreters: a fork would inherit the exit hooks of whatever the test process loaded
     start, results = context.Barrier(2), context.Queue()
     workers = [context.Process(target=_worker, args=(postgres_url, order, start, results))
                for order in (paths[:6], paths[2:][::-1])]  # six segments each, four of them in common
