@@ -211,6 +211,10 @@ class OnlineLearner:
         batch sizes), unless they belong to an earlier anchor."""
         if not self._features or self._buffered_generation != self._generation:
             return
+        self._learn_batch(self._buffered_generation)
+
+    def _learn_batch(self, generation: int) -> None:
+        """Learn the buffered rows as one update and empty the buffer."""
         X, y = self._features, np.asarray(self._lengths, dtype=np.float64)
         self._features, self._lengths = [], []
         try:
@@ -218,7 +222,7 @@ class OnlineLearner:
         except ValueError:
             self._drop("bad_batch", len(y))
             raise
-        self._learn(X, y, self._buffered_generation)
+        self._learn(X, y, generation)
 
     def _take(self, feature: np.ndarray, output_tokens: int, generation: int) -> None:
         if generation != self._generation:  # a row of an earlier anchor: never learned, never a reason
@@ -236,14 +240,7 @@ class OnlineLearner:
         self._features.append(feature)
         self._lengths.append(int(output_tokens))
         if len(self._features) >= self._every:
-            X, y = self._features, np.asarray(self._lengths, dtype=np.float64)
-            self._features, self._lengths = [], []
-            try:
-                X = np.stack(X)
-            except ValueError:
-                self._drop("bad_batch", len(y))
-                raise
-            self._learn(X, y, generation)
+            self._learn_batch(generation)
 
     def _learn(self, X: np.ndarray, y: np.ndarray, generation: int) -> None:
         with self._lock:
