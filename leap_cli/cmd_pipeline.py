@@ -51,6 +51,22 @@ def _prefect_api(settings) -> Iterator[None]:
         os.environ.pop("PREFECT_API_URL", None)
 
 
+def _deployment_api_url() -> str:
+    """The Prefect server a deployment registers on: PREFECT_API_URL, else the stack's; exported, since the
+    runner's flow-run processes read it from the environment."""
+    api_url = os.environ.get("PREFECT_API_URL") or _settings().prefect_api_url
+    os.environ["PREFECT_API_URL"] = api_url
+    return api_url
+
+
+def _require_prefect(api_url: str) -> None:
+    """LookupError unless a Prefect server answers at `api_url`."""
+    from flows.stack import answers
+
+    if not answers(f"{api_url}/health"):
+        raise LookupError(f"no Prefect server answers at {api_url}; run `leap stack up` first")
+
+
 def _run(run: Callable[[], dict[str, Any]], as_json: bool, title: str, fail_unhealthy: bool = True) -> None:
     """Run a flow or stack action; a failure prints {"status": "failed", "error"} and exits 1, and so
     does an unhealthy stack when `fail_unhealthy`."""
@@ -275,18 +291,14 @@ def deploy_command(
 ) -> None:
     """Register the retrain flow with a cron schedule on the stack's Prefect server (PREFECT_API_URL);
     with --pool, on a work pool whose workers execute it, at most one run at a time."""
-    settings = _settings()
-    api_url = os.environ.get("PREFECT_API_URL") or settings.prefect_api_url
-    os.environ["PREFECT_API_URL"] = api_url  # the runner's flow-run processes read it from the environment
+    api_url = _deployment_api_url()
 
     def register() -> dict[str, Any]:
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         from flows.pipeline import retrain_flow
-        from flows.stack import answers
 
-        if not answers(f"{api_url}/health"):
-            raise LookupError(f"no Prefect server answers at {api_url}; run `leap stack up` first")
+        _require_prefect(api_url)
         if pool is not None:
             from flows.stack_fleet import ensure_pool, register_deployment
 

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import typer
 
 from leap_cli.apps import app
-from leap_cli.cmd_pipeline import _prefect_api, _run, _settings
+from leap_cli.cmd_pipeline import _deployment_api_url, _prefect_api, _require_prefect, _run, _settings
 from leap_cli.output import console
 
 
@@ -32,18 +32,14 @@ def _watch(name: Optional[str], act: bool):
 
 
 def _deploy(every: float, deployment: str, serve: bool, as_json: bool) -> None:
-    settings = _settings()
-    api_url = os.environ.get("PREFECT_API_URL") or settings.prefect_api_url
-    os.environ["PREFECT_API_URL"] = api_url  # the runner's flow-run processes read it from the environment
+    api_url = _deployment_api_url()
 
     def register() -> dict[str, Any]:
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         from flows.drift import drift_flow
-        from flows.stack import answers
 
-        if not answers(f"{api_url}/health"):
-            raise LookupError(f"no Prefect server answers at {api_url}; run `leap stack up` first")
+        _require_prefect(api_url)
         os.chdir(Path(__file__).resolve().parents[1])  # the deployment's entrypoint is relative to here
         with temporary_settings({PREFECT_API_URL: api_url}):
             deployment_id = drift_flow.to_deployment(name=deployment, interval=every).apply()
