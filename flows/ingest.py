@@ -75,9 +75,10 @@ from flows.store import (
     SCALAR_COLUMNS,
     LogStore,
     StoreBusyError,
-    feature_bytes,
     stored_dims,
 )
+from flows.feature_encoding import feature_bytes
+from flows.feature_files import file_name, write_feature_file
 from leap_core.recipes import Recipe, RecipeError
 from leap_io.jsonable import dumps
 from leap_io.object_store import is_object_url
@@ -532,7 +533,10 @@ class StoreWriter(Protocol):
     write at the same time (`concurrent`): there each segment first `claim`s its ledger row under a
     lock that lasts until the transaction ends, and `store_dims` reads the dims stored for the
     segment's feature spaces inside the transaction instead of the run's snapshot.
-    `insert_requests` returns which rows it inserted: the others are duplicates of ids already stored.
+    `prepare_features` hands over a segment's accepted rows before `insert_requests`, so that a store
+    that writes their features elsewhere (the DuckDB store's feature files) starts while the requests
+    go in; `insert_requests` returns which rows it inserted: the others are duplicates of ids already
+    stored, and `insert_features` stores the features of the inserted ones.
     """
 
     concurrent: bool
@@ -562,6 +566,8 @@ class StoreWriter(Protocol):
     def release_spaces(self, stored: Mapping[SpaceKey, int]) -> None: ...
 
     def insert_requests(self, rows: pa.Table, segment: str, now: datetime, replica_id: str | None) -> np.ndarray: ...
+
+    def prepare_features(self, rows: pa.Table, dim: int, segment: str, checksum: str) -> None: ...
 
     def insert_features(self, rows: pa.Table, inserted: np.ndarray, dim: int, recipe: str | None) -> None: ...
 
@@ -599,12 +605,28 @@ def _stored_ids(con: duckdb.DuckDBPyConnection, ids: pa.Array) -> pa.Array:
 
 class _DuckDBWriter:
     """The DuckDB file's writes, on the connection that holds the file's lock for the whole run: no
-    other writer can run meanwhile, so the run's snapshot stays true and nothing needs claiming."""
+    other writer can run meanwhile, so the run's snapshot stays true and nothing needs claiming.
+
+    A segment's feature file (`flows.feature_files`) is written by `files`, a thread of its own,
+    while the segment's requests go into the database; `insert_features` waits for it, so the file
+    is on disk before the transaction that references it commits.
+    """
 
     concurrent = False
 
-    def __init__(self, con: duckdb.DuckDBPyConnection) -> None:
+    def __init__(self, con: duckdb.DuckDBPyConnection, features_folder: Path, files: ThreadPoolExecutor) -> None:
         self.con = con
+        self.features_folder = features_folder
+        self.files = files
+        self._pending: tuple[str, Future] | None = None  # (file name, its write) of the segment being written
+
+    def _wait_file(self) -> str | None:
+        """The pending file's name once written (re-raising its error), or None when none is pending."""
+        if self._pending is None:
+            return None
+        (name, write), self._pending = self._pending, None
+        write.result()
+        return name
 
     def snapshot(self) -> tuple[dict[str, tuple[str, str]], set[tuple[str, str]], dict[SpaceKey, int]]:
         ledger = {segment: (checksum, status) for segment, checksum, status
@@ -620,6 +642,8 @@ class _DuckDBWriter:
         self.con.execute("COMMIT")
 
     def rollback(self) -> None:
+        with suppress(Exception):  # a file left by the rolled-back segment is referenced by nothing
+            self._wait_file()
         with suppress(duckdb.Error):
             self.con.execute("ROLLBACK")
 
@@ -647,14 +671,32 @@ class _DuckDBWriter:
                       f"SELECT {columns}, ?, ?, ? FROM _incoming_requests", [segment, now, replica_id])
         return inserted
 
+    def prepare_features(self, rows: pa.Table, dim: int, segment: str, checksum: str) -> None:
+        """Start writing the vectors of `rows` (those `insert_requests` will find already stored too)
+        as the segment's feature file; each row's file row is its index in `rows`."""
+        self._wait_file()  # none is pending unless the last segment's writing failed part-way
+        if not rows.num_rows:
+            return
+        blobs = feature_bytes(rows.column("feature"), dim or 0)  # a view of the float32 buffer
+        name = file_name(segment, checksum)
+        self._pending = (name, self.files.submit(write_feature_file, self.features_folder, name, blobs))
+
     def insert_features(self, rows: pa.Table, inserted: np.ndarray, dim: int, recipe: str | None) -> None:
+        """Reference the inserted rows' vectors from `features` once their file is on disk (a file whose
+        rows were all found stored already is removed: nothing will reference it)."""
+        name = self._wait_file()
+        if name is None:
+            return
+        if not inserted.any():
+            (self.features_folder / name).unlink(missing_ok=True)
+            return
         fresh = rows if inserted.all() else rows.filter(pa.array(inserted))
-        features = fresh.select(["request_id", "layer", "model_fingerprint"]).append_column(
-            "feature", feature_bytes(fresh.column("feature"), dim or 0))  # a view of the float32 buffer
-        _insert_arrow(self.con, "_incoming_features", features,
-                      "INSERT INTO features (request_id, dim, layer, model_fingerprint, feature, recipe) "
-                      "SELECT request_id, ?, layer, model_fingerprint, feature, ? FROM _incoming_features",
-                      [dim, recipe])
+        references = fresh.select(["request_id", "layer", "model_fingerprint"]).append_column(
+            "file_row", pa.array(np.flatnonzero(inserted).astype(np.int32)))
+        _insert_arrow(self.con, "_incoming_features", references,
+                      "INSERT INTO features (request_id, dim, layer, model_fingerprint, file, file_row, recipe) "
+                      "SELECT request_id, ?, layer, model_fingerprint, ?, file_row, ? FROM _incoming_features",
+                      [dim, name, recipe])
 
     def insert_quarantine(self, table: pa.Table, now: datetime) -> None:
         _insert_arrow(self.con, "_incoming_quarantine", table,
@@ -683,8 +725,8 @@ def store_writer(store: Any) -> Iterator[StoreWriter]:
         with own() as writer:
             yield writer
         return
-    with store.connect() as con:
-        yield _DuckDBWriter(con)
+    with store.connect() as con, ThreadPoolExecutor(max_workers=1, thread_name_prefix="leap-ingest-files") as files:
+        yield _DuckDBWriter(con, store.features_folder, files)
 
 
 def _write_ledger(writer: StoreWriter, report: IngestReport, now: datetime) -> None:
@@ -761,6 +803,7 @@ def _ingest_table(writer: StoreWriter, read: _ReadSegment, known_dims: Mapping[S
         [space for space in candidates if space[0] is not None and space[1] is not None], judged.dim, known_dims))
     firsts = judged.first_occurrences()
     rows = judged.accepted_rows(firsts)
+    writer.prepare_features(rows, judged.dim or 0, segment, read.checksum)
     inserted = writer.insert_requests(rows, segment, now, read.replica_id)  # the others: ids already stored
     _stage(hook, "requests")
     writer.insert_features(rows, inserted, judged.dim or 0, judged.recipe)
@@ -866,8 +909,9 @@ def _read_segment(source: SegmentSource, ledger: Mapping[str, tuple[str, str]], 
         return read
     try:
         # One thread: the feature column is nearly all the bytes and decodes on one thread anyway,
-        # while Arrow's pool would take cores from the writing thread and DuckDB.
-        raw = pq.read_table(pa.BufferReader(data), use_threads=False)
+        # while Arrow's pool would take cores from the writing thread and DuckDB. `ParquetFile`, not
+        # `read_table`: one file needs no dataset layer, whose first use costs a process 0.3 s.
+        raw = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)
     except _RUN_ERRORS:
         raise
     except Exception as error:  # noqa: BLE001  (anything the reader raises means the bytes are not a segment)

@@ -4,17 +4,19 @@ DuckDB lets one process at a time open a file read-write (no other process can o
 meanwhile), so connections are short-lived and opening one retries with backoff before giving up
 with `StoreBusyError`.
 
-Feature encoding. Each feature vector is stored as a BLOB of its `dim` little-endian float32 values
-(`feature_bytes`), next to its `dim`: one table holds several feature spaces whose dims differ, which
-a fixed-size `FLOAT[dim]` column cannot, and a BLOB is copied into the table as one value, where a
-`FLOAT[]` list is appended float by float (that append was half of DuckDB's ingest time). Ingest
-views a segment's float32 buffer as fixed-size binary values without copying it, and
-`features_from_bytes` views the blobs a query returns as one (n, dim) array, so features never
-travel row by row in either direction.
+Feature encoding. Each feature vector is `dim` little-endian float32 values (`flows.feature_encoding`).
+The vectors are kept in Parquet files beside the database file (`flows.feature_files`): the
+`features` table holds each stored request's feature space and the file and row of its vector, so
+one table holds several feature spaces whose dims differ, and ingest writes a segment's vectors as
+one column instead of copying them into DuckDB's blocks (a third of the cost). Ingest views a
+segment's float32 buffer as fixed-size binary values without copying it, and reading a frame views
+each file's column as one (n, dim) array, so features never travel row by row in either direction.
+A request's row in `features` exists only where its `requests` row does (ingest writes both for
+the rows it inserts, in one transaction), so `request_id` is unique there without an index.
 
 Writers attach the file with small row groups: DuckDB writes each complete row group a transaction
-appends straight into the database file, so a feedback segment's features are written once instead
-of into the write-ahead log and again at the next checkpoint.
+appends straight into the database file, so a feedback segment's rows are written once instead of
+into the write-ahead log and again at the next checkpoint.
 
 Finish reasons. A row is stored whatever way its request finished, as long as the reason is one the
 serving side writes (`FINISH_REASONS`); only `stop` and `length` rows are training labels
@@ -30,7 +32,8 @@ migrates it once under the write lock: version 2 added `requests.replica_id` (th
 whose feedback sub-folder held the row; NULL for rows ingested before, or from top-level segments)
 and the `changed_segments` table; version 3 added `features.recipe`; version 4 stores
 `features.feature` as little-endian float32 bytes (BLOB) instead of `FLOAT[]`, converted in place
-chunk by chunk through Arrow.
+chunk by chunk through Arrow; version 5 moves the vectors out to feature files (`features.file`,
+`features.file_row`), keyset page by keyset page, and drops the index on `features.request_id`.
 
 Feature recipes. Each feature row records the capture recipe (`leap_core.recipes`) its vector was
 captured with, from the segment's metadata: which blocks the vector holds, in order. NULL (rows ingested
@@ -44,7 +47,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from datetime import datetime
 from pathlib import Path
@@ -55,16 +58,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from flows.feature_encoding import FEATURE_DTYPE, feature_bytes, features_from_bytes
+from flows.feature_files import feature_folder, file_name, read_features, write_feature_file
 from leap_io.feedback_schema import NOT_TRAINING_FINISH_REASONS, TRAINING_FINISH_REASONS, feedback_schema
 
 FINISH_REASONS = TRAINING_FINISH_REASONS + NOT_TRAINING_FINISH_REASONS
 """Every finish reason a row may carry; any other is quarantined."""
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Version of the store's tables; see the module docstring for what each version added."""
-
-FEATURE_DTYPE = np.dtype("<f4")
-"""How the store encodes one feature value: little-endian float32, whatever the host's byte order."""
 
 SCALAR_COLUMNS = tuple(name for name in feedback_schema(1).names if name != "feature")
 """Every column of a feedback segment except the feature vector, in schema order."""
@@ -105,16 +107,20 @@ def _requests_ddl() -> str:
     return "CREATE TABLE IF NOT EXISTS requests (\n  " + ",\n  ".join(columns) + "\n)"
 
 
-SCHEMA_DDL = (
-    _requests_ddl(),
-    """CREATE TABLE IF NOT EXISTS features (
-  request_id VARCHAR PRIMARY KEY,
+FEATURES_DDL = """CREATE TABLE IF NOT EXISTS {table} (
+  request_id VARCHAR NOT NULL,
   dim INTEGER NOT NULL,
   layer INTEGER NOT NULL,
   model_fingerprint VARCHAR NOT NULL,
-  feature BLOB NOT NULL,
+  file VARCHAR NOT NULL,
+  file_row INTEGER NOT NULL,
   recipe VARCHAR
-)""",
+)"""
+"""Where each stored request's feature vector lies (`flows.feature_files`), and its feature space."""
+
+SCHEMA_DDL = (
+    _requests_ddl(),
+    FEATURES_DDL.format(table="features"),
     """CREATE TABLE IF NOT EXISTS quarantine (
   segment VARCHAR NOT NULL,
   row_index BIGINT NOT NULL,
@@ -204,8 +210,48 @@ def _list_to_bytes(lists: pa.Array | pa.ChunkedArray) -> pa.Array:
     return pa.Array.from_buffers(pa.large_binary(), len(lists), [None, pa.py_buffer(offsets), pa.py_buffer(values)])
 
 
-def _migrate(con: duckdb.DuckDBPyConnection) -> None:
-    """Create missing tables and bring an older store to SCHEMA_VERSION, in one transaction."""
+MIGRATION_PAGE_ROWS = 65_536
+"""Feature vectors the move to feature files (version 4 -> 5) reads and writes at a time: one file each."""
+
+
+def _move_features_to_files(con: duckdb.DuckDBPyConnection, folder: Path) -> None:
+    """Version 4 -> 5: every stored vector to a feature file, `features` rebuilt to reference them.
+
+    Runs inside the migration's transaction; each dim's rows are paged by request id (the old
+    table's key), so memory holds one page of vectors whatever the store's size. The files are
+    written before the transaction commits: a failed migration leaves files nothing references.
+    """
+    con.execute(FEATURES_DDL.format(table="features_v5"))
+    dims = [int(dim) for (dim,) in con.execute("SELECT DISTINCT dim FROM features ORDER BY dim").fetchall()]
+    for dim in dims:
+        after, page = "", 0
+        while True:
+            batch = con.sql(
+                "SELECT request_id, feature FROM features WHERE dim = ? AND request_id > ? "
+                "ORDER BY request_id LIMIT ?", params=[dim, after, MIGRATION_PAGE_ROWS]).to_arrow_table()
+            if not batch.num_rows:
+                break
+            vectors = features_from_bytes(batch.column("feature"), dim)
+            name = file_name(f"store schema 4, dim {dim}", str(page))
+            write_feature_file(folder, name, feature_bytes(
+                pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), dim) if dim
+                else pa.array([[]] * len(vectors), pa.list_(pa.float32())), dim))
+            con.register("_moved", pa.table({
+                "request_id": batch.column("request_id"),
+                "file_row": pa.array(np.arange(batch.num_rows, dtype=np.int32))}))
+            try:
+                con.execute("INSERT INTO features_v5 SELECT f.request_id, f.dim, f.layer, f.model_fingerprint, ?, "
+                            "m.file_row, f.recipe FROM _moved m JOIN features f USING (request_id)", [name])
+            finally:
+                con.unregister("_moved")
+            after, page = batch.column("request_id")[-1].as_py(), page + 1
+    con.execute("DROP TABLE features")
+    con.execute("ALTER TABLE features_v5 RENAME TO features")
+
+
+def _migrate(con: duckdb.DuckDBPyConnection, folder: Path) -> None:
+    """Create missing tables and bring an older store to SCHEMA_VERSION, in one transaction;
+    `folder` receives the feature files (version 5)."""
     with suppress(duckdb.Error):  # registered by an earlier migration on this connection
         con.remove_function(_LIST_TO_BYTES)
     con.create_function(_LIST_TO_BYTES, _list_to_bytes, ["FLOAT[]"], "BLOB", type="arrow")
@@ -217,8 +263,10 @@ def _migrate(con: duckdb.DuckDBPyConnection) -> None:
             con.execute("ALTER TABLE requests ADD COLUMN replica_id VARCHAR")
         if "recipe" not in _columns(con, "features"):  # version 2 -> 3: NULL is last@<layer>
             con.execute("ALTER TABLE features ADD COLUMN recipe VARCHAR")
-        if _column_type(con, "features", "feature") != "BLOB":  # version 3 -> 4: FLOAT[] to float32 bytes
-            con.execute(f"ALTER TABLE features ALTER COLUMN feature TYPE BLOB USING {_LIST_TO_BYTES}(feature)")
+        if "feature" in _columns(con, "features"):
+            if _column_type(con, "features", "feature") != "BLOB":  # version 3 -> 4: FLOAT[] to float32 bytes
+                con.execute(f"ALTER TABLE features ALTER COLUMN feature TYPE BLOB USING {_LIST_TO_BYTES}(feature)")
+            _move_features_to_files(con, folder)  # version 4 -> 5
         con.execute("INSERT OR REPLACE INTO store_meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
         con.execute("COMMIT")
     except BaseException:
@@ -329,6 +377,7 @@ class LogStore:
         row_group_rows: int | None = 2048,
     ) -> None:
         self.path = Path(path)
+        self.features_folder = feature_folder(self.path)
         self.busy_timeout_s = busy_timeout_s
         self.checkpoint_threshold = checkpoint_threshold
         self.force_compression = force_compression
@@ -383,7 +432,7 @@ class LogStore:
         con = self._open(read_only=False)
         try:
             if _schema_version(con) != SCHEMA_VERSION:
-                _migrate(con)
+                _migrate(con, self.features_folder)
         finally:
             con.close()
         self._schema_ready = True
@@ -487,15 +536,15 @@ class LogStore:
         where, params = selection("qmark", since=since, until=until, domains=domains,
                                   model_fingerprint=model_fingerprint, layer=layer, recipe=recipe)
         query = (
-            "SELECT r.request_id, f.dim, f.feature, r.output_tokens, r.finish_reason, r.domain, "
+            "SELECT r.request_id, f.dim, f.file, f.file_row, r.output_tokens, r.finish_reason, r.domain, "
             f"r.arrival_time, r.max_tokens, {RECIPE_SQL} AS recipe FROM requests r JOIN features f USING (request_id)"
             + where + " ORDER BY r.arrival_time, r.request_id"
         )
         with self.connect(read_only=True) as con:
-            # 64-bit offsets: a frame's feature bytes may pass the 2 GiB a 32-bit binary column can index
-            con.execute("SET arrow_large_buffer_size = true")
             table = con.sql(query, params=params).to_arrow_table()
-        return _frame_from_arrow(table)
+        return _frame_from_arrow(table, lambda dim: read_features(
+            self.features_folder, table.column("file").to_numpy(zero_copy_only=False),
+            table.column("file_row").to_numpy(zero_copy_only=False), dim))
 
     # ------------------------------------------------------------------ what the pipeline's tasks ask
 
@@ -571,73 +620,6 @@ class LogStore:
                         [gate_key, time, name, challenger, champion, passed, verdict_json, results_json, run_id])
 
 
-def feature_bytes(feature: pa.Array | pa.ChunkedArray, dim: int) -> pa.Array:
-    """Feature vectors of `dim` floats each (a list or fixed-size list of float32, without NULL rows
-    or elements) as the values the store keeps: `dim * 4` little-endian bytes per row.
-
-    A fixed-size list's float buffer becomes fixed-size binary values without a copy (on a
-    little-endian host), so DuckDB receives each vector as one value. ValueError when a row does
-    not hold exactly `dim` floats.
-    """
-    if isinstance(feature, pa.ChunkedArray):  # one chunk is used as it is: combining copies it
-        feature = feature.chunk(0) if feature.num_chunks == 1 else feature.combine_chunks()
-    n = len(feature)
-    if n == 0:  # e.g. a segment whose rows all failed: their list type need not match `dim`
-        return pa.array([], pa.binary())
-    if feature.null_count:
-        raise ValueError(f"{feature.null_count} feature rows are NULL; the store keeps no NULL feature")
-    if pa.types.is_fixed_size_list(feature.type):
-        if feature.type.list_size != dim:
-            raise ValueError(f"the features hold {feature.type.list_size} floats per row, not {dim}")
-        values = feature.values.slice(feature.offset * dim, n * dim)
-    else:
-        lengths = pc.list_value_length(feature).to_numpy(zero_copy_only=False)
-        if n and not (lengths == dim).all():
-            raise ValueError(f"feature rows hold {sorted(set(lengths.tolist()) - {dim})} floats, not {dim}")
-        values = pc.list_flatten(feature)
-    if values.type != pa.float32() or values.null_count:
-        raise ValueError(f"features must be float32 values without NULL elements, not {values.type} "
-                         f"with {values.null_count} NULL")
-    floats = values.to_numpy(zero_copy_only=True).astype(FEATURE_DTYPE, copy=False)
-    width = dim * FEATURE_DTYPE.itemsize
-    if width == 0:  # no fixed-size binary of width 0 to view: every row is the empty blob
-        return pa.array([b""] * n, pa.binary())
-    return pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), n, [None, pa.py_buffer(floats)])
-
-
-def features_from_bytes(blobs: pa.Array | pa.ChunkedArray, dim: int) -> np.ndarray:
-    """The (n, dim) float32 matrix of feature blobs as `feature_bytes` wrote them, read from the
-    blobs' buffers without a per-row step (a view of them when the query returned one chunk)."""
-    chunks = blobs.chunks if isinstance(blobs, pa.ChunkedArray) else [blobs]
-    width = dim * FEATURE_DTYPE.itemsize
-    parts = []
-    for chunk in chunks:
-        if not len(chunk):
-            continue
-        if chunk.null_count:
-            raise ValueError(f"{chunk.null_count} stored feature rows are NULL")
-        if pa.types.is_fixed_size_binary(chunk.type):
-            if chunk.type.byte_width != width:
-                raise ValueError(f"stored feature rows hold {chunk.type.byte_width} bytes, not {dim} float32 values")
-            values = np.frombuffer(chunk.buffers()[1], dtype=FEATURE_DTYPE, count=len(chunk) * dim,
-                                   offset=chunk.offset * width)
-            parts.append(values.reshape(len(chunk), dim))
-            continue
-        if not (pa.types.is_binary(chunk.type) or pa.types.is_large_binary(chunk.type)):
-            raise TypeError(f"feature blobs must be binary, not {chunk.type}")
-        offset_type = np.int64 if pa.types.is_large_binary(chunk.type) else np.int32
-        offsets = np.frombuffer(chunk.buffers()[1], dtype=offset_type)[chunk.offset:chunk.offset + len(chunk) + 1]
-        if not (np.diff(offsets) == width).all():
-            raise ValueError(f"stored feature rows do not all hold {dim} float32 values ({width} bytes)")
-        values = np.frombuffer(chunk.buffers()[2], dtype=FEATURE_DTYPE, count=len(chunk) * dim,
-                               offset=int(offsets[0]))
-        parts.append(values.reshape(len(chunk), dim))
-    if not parts:
-        return np.zeros((0, dim), dtype=np.float32)
-    matrix = parts[0] if len(parts) == 1 else np.concatenate(parts)
-    return matrix.astype(np.float32, copy=False)
-
-
 def stored_dims(con: duckdb.DuckDBPyConnection) -> dict[tuple[str, int, str], int]:
     """The feature dim already stored for each feature space (model fingerprint, layer, capture recipe)."""
     rows = con.execute(
@@ -646,7 +628,8 @@ def stored_dims(con: duckdb.DuckDBPyConnection) -> dict[tuple[str, int, str], in
     return {(fingerprint, int(layer), recipe): int(dim) for fingerprint, layer, recipe, dim in rows}
 
 
-def _frame_from_arrow(table: pa.Table) -> TrainingFrame:
+def _frame_from_arrow(table: pa.Table, features: Callable[[int], np.ndarray] | None = None) -> TrainingFrame:
+    """The frame of a query's rows; `features(dim)` reads their vectors, else the `feature` column holds them."""
     dims = pc.unique(table.column("dim")).to_pylist()
     if len(dims) > 1:
         raise ValueError(
@@ -660,7 +643,7 @@ def _frame_from_arrow(table: pa.Table) -> TrainingFrame:
     dim = dims[0] if dims else 0
     return TrainingFrame(
         request_ids=table.column("request_id").to_numpy(zero_copy_only=False),
-        features=features_from_bytes(table.column("feature"), dim),
+        features=features(dim) if features is not None else features_from_bytes(table.column("feature"), dim),
         output_tokens=table.column("output_tokens").to_numpy(zero_copy_only=False).astype(np.int64),
         finish_reason=table.column("finish_reason").to_numpy(zero_copy_only=False),
         domain=table.column("domain").to_numpy(zero_copy_only=False),

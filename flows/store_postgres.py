@@ -51,15 +51,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
+from flows.feature_encoding import FEATURE_DTYPE, feature_bytes
 from flows.store import (
-    FEATURE_DTYPE,
     RECIPE_SQL,
     REQUIRED_COLUMNS,
     SCALAR_COLUMNS,
     TRAINING_FINISH_REASONS,
     TrainingFrame,
     _frame_from_arrow,
-    feature_bytes,
     selection,
 )
 from leap_io.feedback_schema import feedback_schema
@@ -599,6 +598,9 @@ class PostgresWriter:
             return np.ones(n, dtype=bool)
         return pc.fill_null(pc.is_in(rows.column("request_id"), value_set=inserted), False).to_numpy(
             zero_copy_only=False).astype(bool)
+
+    def prepare_features(self, rows: pa.Table, dim: int, segment: str, checksum: str) -> None:
+        pass  # the features go in with the rows, by `insert_features`
 
     def insert_features(self, rows: pa.Table, inserted: np.ndarray, dim: int, recipe: str | None) -> None:
         """COPY the features of the rows `insert_requests` inserted straight into `features`: this

@@ -1,4 +1,4 @@
-"""How the log store encodes feature vectors (little-endian float32 bytes), and the version 3 -> 4 migration."""
+"""How the log store encodes feature vectors (little-endian float32 bytes in feature files), and its migrations."""
 
 from __future__ import annotations
 
@@ -7,18 +7,12 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from flows.ingest import ingest_folder
-from flows.store import (
-    FEATURE_DTYPE,
-    SCHEMA_DDL,
-    SCHEMA_VERSION,
-    LogStore,
-    feature_bytes,
-    features_from_bytes,
-    stored_dims,
-)
+from flows.feature_encoding import FEATURE_DTYPE, feature_bytes, features_from_bytes
+from flows.store import SCHEMA_DDL, SCHEMA_VERSION, LogStore, stored_dims
 from tests.segment_fuzz import write_segment
 
 
@@ -90,37 +84,43 @@ def test_feature_dtype_is_little_endian_float32() -> None:
 
 # --------------------------------------------------------------------- a version 3 file, as it was
 
-_V3_FEATURES_DDL = """CREATE TABLE IF NOT EXISTS features (
+_OLD_FEATURES_DDL = """CREATE TABLE IF NOT EXISTS features (
   request_id VARCHAR PRIMARY KEY,
   dim INTEGER NOT NULL,
   layer INTEGER NOT NULL,
   model_fingerprint VARCHAR NOT NULL,
-  feature FLOAT[] NOT NULL,
+  feature {type} NOT NULL,
   recipe VARCHAR
 )"""
 
 
-def _version_3_store(path: Path) -> dict[str, np.ndarray]:
-    """A store as version 3 created it (features in `FLOAT[]`), holding two feature spaces of
-    different dims; returns each request's vector."""
-    ddl = [_V3_FEATURES_DDL if "TABLE IF NOT EXISTS features" in text else text for text in SCHEMA_DDL]
+def _old_store(path: Path, version: int, vectors: dict[str, np.ndarray]) -> None:
+    """A store as version 3 (features in `FLOAT[]`) or 4 (float32 bytes in a BLOB) created it."""
+    features_ddl = _OLD_FEATURES_DDL.format(type={3: "FLOAT[]", 4: "BLOB"}[version])
+    ddl = [features_ddl if "TABLE IF NOT EXISTS features" in text else text for text in SCHEMA_DDL]
     assert ddl != list(SCHEMA_DDL)
-    vectors = {f"a-{i}": row for i, row in enumerate(_matrix(40, 6, seed=1))}
-    vectors |= {f"b-{i}": row for i, row in enumerate(_matrix(25, 3, seed=2))}
     con = duckdb.connect(str(path))
     for text in ddl:
         con.execute(text)
-    con.execute("INSERT INTO store_meta VALUES ('schema_version', '3')")
+    con.execute("INSERT INTO store_meta VALUES ('schema_version', ?)", [str(version)])
     for i, (request_id, vector) in enumerate(vectors.items()):
-        wide = request_id.startswith("a-")
+        wide = len(vector) == 6
         con.execute("INSERT INTO requests (request_id, model_fingerprint, layer, arrival_time, finish_time, "
                     "prompt_tokens, output_tokens, finish_reason, segment, ingested_at) "
-                    "VALUES (?, ?, 20, ?, ?, 3, ?, 'stop', '/v3.parquet', now())",
+                    "VALUES (?, ?, 20, ?, ?, 3, ?, 'stop', '/old.parquet', now())",
                     [request_id, "fp-wide" if wide else "fp-narrow", float(i), float(i) + 1.0, 5 + i])
         con.execute("INSERT INTO features VALUES (?, ?, 20, ?, ?, ?)",
-                    [request_id, len(vector), "fp-wide" if wide else "fp-narrow", vector.tolist(),
+                    [request_id, len(vector), "fp-wide" if wide else "fp-narrow",
+                     vector.tolist() if version == 3 else vector.astype("<f4").tobytes(),
                      "mean@20" if wide else None])
     con.close()
+
+
+def _version_3_store(path: Path) -> dict[str, np.ndarray]:
+    """A version 3 store holding two feature spaces of different dims; returns each request's vector."""
+    vectors = {f"a-{i}": row for i, row in enumerate(_matrix(40, 6, seed=1))}
+    vectors |= {f"b-{i}": row for i, row in enumerate(_matrix(25, 3, seed=2))}
+    _old_store(path, 3, vectors)
     return vectors
 
 
@@ -132,20 +132,65 @@ def test_a_version_3_store_converts_its_features_once_and_reads_back_every_float
     wide = store.training_frame(model_fingerprint="fp-wide")  # a reader migrates once, then reads
     narrow = store.training_frame(model_fingerprint="fp-narrow", recipe="last@20")
 
-    assert store.schema_version() == SCHEMA_VERSION == 4
+    assert store.schema_version() == SCHEMA_VERSION == 5
     np.testing.assert_array_equal(wide.features, np.stack([vectors[i] for i in wide.request_ids]))
     np.testing.assert_array_equal(narrow.features, np.stack([vectors[i] for i in narrow.request_ids]))
     assert (wide.features.shape, narrow.features.shape) == ((40, 6), (25, 3))
     with store.connect(read_only=True) as con:
-        types = dict(con.execute("SELECT column_name, data_type FROM information_schema.columns "
-                                 "WHERE table_name = 'features'").fetchall())
-        lengths = con.execute("SELECT DISTINCT dim, octet_length(feature) FROM features ORDER BY dim").fetchall()
-        first = con.execute("SELECT feature FROM features WHERE request_id = 'a-0'").fetchone()[0]
+        columns = {name for (name,) in con.execute("SELECT column_name FROM information_schema.columns "
+                                                   "WHERE table_name = 'features'").fetchall()}
+        file, row = con.execute("SELECT file, file_row FROM features WHERE request_id = 'a-0'").fetchone()
         dims = stored_dims(con)
-    assert types["feature"] == "BLOB"
-    assert lengths == [(3, 12), (6, 24)]
-    assert first == vectors["a-0"].astype("<f4").tobytes()
+    assert "feature" not in columns and {"file", "file_row"} <= columns
+    stored = pq.read_table(store.features_folder / file).column("feature")
+    assert stored.type == pa.binary(24)  # 6 little-endian float32 values
+    assert stored[row].as_py() == vectors["a-0"].astype("<f4").tobytes()
     assert dims == {("fp-wide", 20, "mean@20"): 6, ("fp-narrow", 20, "last@20"): 3}
+
+
+def _version_4_store(path: Path, n: int) -> dict[str, np.ndarray]:
+    """A version 4 store: `n` vectors of dim 6 and 25 of dim 3."""
+    vectors = {f"a-{i:03d}": row for i, row in enumerate(_matrix(n, 6, seed=5))}
+    vectors |= {f"b-{i:03d}": row for i, row in enumerate(_matrix(25, 3, seed=6))}
+    _old_store(path, 4, vectors)
+    return vectors
+
+
+def test_a_version_4_store_moves_its_vectors_to_feature_files_page_by_page(tmp_path: Path, monkeypatch) -> None:
+    """Paged by request id (pages of 16 here): every vector lands in a file once, and the store reads
+    each back exactly; the database keeps only where each lies."""
+    import flows.store as store_module
+
+    monkeypatch.setattr(store_module, "MIGRATION_PAGE_ROWS", 16)
+    path = tmp_path / "v4.duckdb"
+    vectors = _version_4_store(path, n=90)
+    store = LogStore(path, busy_timeout_s=5.0)
+
+    wide = store.training_frame(model_fingerprint="fp-wide")
+    narrow = store.training_frame(model_fingerprint="fp-narrow")
+
+    assert store.schema_version() == SCHEMA_VERSION
+    assert len(wide.request_ids) == 90 and len(narrow.request_ids) == 25
+    for frame in (wide, narrow):
+        np.testing.assert_array_equal(frame.features, np.stack([vectors[i] for i in frame.request_ids]))
+    with store.connect(read_only=True) as con:
+        files = dict(con.execute("SELECT dim, count(DISTINCT file) FROM features GROUP BY dim").fetchall())
+        assert con.execute("SELECT count(*), count(DISTINCT request_id) FROM features").fetchone() == (115, 115)
+    assert files == {6: 6, 3: 2}  # ceil(90 / 16) and ceil(25 / 16) pages
+    assert sorted(path.name for path in store.features_folder.iterdir()) == sorted(
+        {path.name for path in store.features_folder.glob("*.parquet")})  # no temporary file left
+
+
+def test_a_missing_feature_file_is_named_when_a_frame_is_read(tmp_path: Path) -> None:
+    (tmp_path / "feedback").mkdir()
+    write_segment(tmp_path / "feedback" / "seg-0.parquet", 10, 4, seed=3)
+    store = LogStore(tmp_path / "log.duckdb")
+    ingest_folder(store, tmp_path / "feedback")
+    [file] = list(store.features_folder.glob("*.parquet"))
+    file.unlink()
+
+    with pytest.raises(FileNotFoundError, match=file.name):
+        store.training_frame()
 
 
 def test_a_migrated_version_3_store_takes_new_segments_beside_its_old_rows(tmp_path: Path) -> None:
@@ -206,3 +251,57 @@ def test_segment_files_hold_features_as_binary_and_ingest_reads_them_back_exactl
 def _stack(table: pa.Table) -> np.ndarray:
     feature = table.column("feature").combine_chunks()
     return feature.values.to_numpy().reshape(len(feature), feature.type.list_size)
+
+
+def test_a_feature_file_that_cannot_be_written_fails_its_segment_alone_and_a_retry_stores_it(
+        tmp_path: Path, monkeypatch) -> None:
+    """The file is written on its own thread while the requests go in; its error still lands on its
+    segment (recorded `failed`, nothing of it stored, no file left), the other segments are stored,
+    and `retry_failed` stores the segment once the file can be written."""
+    import flows.ingest as ingest_module
+    from flows.ingest import STATUS_FAILED, STATUS_OK
+
+    feedback = tmp_path / "feedback"
+    feedback.mkdir()
+    for index in range(3):
+        write_segment(feedback / f"seg-{index}.parquet", 20, 4, seed=index, id_prefix=f"s{index}")
+    broken = str((feedback / "seg-1.parquet").resolve())
+    real_write = ingest_module.write_feature_file
+
+    def failing_write(folder: Path, name: str, blobs: pa.Array) -> None:
+        if name == ingest_module.file_name(broken, ingest_module._checksum((feedback / "seg-1.parquet").read_bytes())):
+            raise OSError(28, "No space left on device")
+        real_write(folder, name, blobs)
+
+    monkeypatch.setattr(ingest_module, "write_feature_file", failing_write)
+    store = LogStore(tmp_path / "log.duckdb")
+    reports = ingest_folder(store, feedback)
+
+    assert [report.status for report in reports] == [STATUS_OK, STATUS_FAILED, STATUS_OK]
+    assert "No space left on device" in reports[1].error
+    frame = store.training_frame()
+    assert not any(request_id.startswith("s1") for request_id in frame.request_ids)
+    assert len(list(store.features_folder.glob("*.parquet"))) == 2
+    assert not list(store.features_folder.glob(".*.tmp"))
+
+    monkeypatch.setattr(ingest_module, "write_feature_file", real_write)
+    [retried] = [report for report in ingest_folder(store, feedback, retry_failed=True) if not report.skipped]
+    assert retried.status == STATUS_OK and retried.accepted == reports[0].accepted
+    assert store.counts()["features"] == store.counts()["requests"] == 3 * reports[0].accepted
+
+
+def test_a_segment_whose_rows_are_all_stored_already_leaves_no_feature_file(tmp_path: Path) -> None:
+    feedback = tmp_path / "feedback"
+    feedback.mkdir()
+    first = write_segment(feedback / "seg-0.parquet", 15, 4, seed=1, id_prefix="same")
+    store = LogStore(tmp_path / "log.duckdb")
+    ingest_folder(store, feedback)
+    copy = feedback / "replica-b"
+    copy.mkdir()
+    (copy / "seg-0.parquet").write_bytes(first.path.read_bytes())  # the same rows under another name
+
+    [_, again] = ingest_folder(store, feedback)
+
+    assert again.accepted == 0 and again.duplicates == 15
+    assert len(list(store.features_folder.glob("*.parquet"))) == 1
+    assert store.counts()["features"] == 15
