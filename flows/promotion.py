@@ -239,15 +239,16 @@ def _recover(registry: ReadoutRegistry, name: str, journal: _Journal, options: P
 
 
 def publish_champion(champion_url: str | Path | None, name: str, bundle: bytes, readout_version: str,
-                     version: str | int) -> dict[str, Any] | None:
-    """Publish `bundle` as the champion of `name` (`leap_io.champion`); None without a location, and the
-    error instead of raising: the champion already serves and is named by the registry."""
+                     version: str | int, registry_uri: str | None = None) -> dict[str, Any] | None:
+    """Publish `bundle` as the champion of `name` in the registry at `registry_uri` (`leap_io.champion`);
+    None without a location, and the error instead of raising: the champion already serves and is named
+    by the registry."""
     if not champion_url:
         return None
     from leap_io.champion import ChampionPublication
 
     try:
-        return ChampionPublication(champion_url).publish(name, bundle, readout_version, version)
+        return ChampionPublication(champion_url).publish(name, bundle, readout_version, version, registry_uri)
     except Exception as error:  # noqa: BLE001 - reported; replicas then restore their own last push
         return {"location": str(champion_url), "error": f"{type(error).__name__}: {error}"}
 
@@ -301,7 +302,7 @@ def _change(registry: ReadoutRegistry, name: str, kind: str,
                 message += f". Journal {journal.path}: the next promotion or rollback restores the rest first"
             raise PromotionFailed(message, restored=restored, state={**journal.state, **outcome}) from error
         journal.remove()
-        published = publish_champion(champion_url, name, bundle, expected, version)
+        published = publish_champion(champion_url, name, bundle, expected, version, registry.tracking_uri)
     return {"name": name, "version": version, "readout_version": expected, "champion": version,
             "replaced": previous if previous != version else None, "aliases": target, "aliases_changed": changed,
             "pushed": pushed, "recovered": recovered, "published": published}

@@ -9,13 +9,21 @@ A publication of registered model `name` is two objects under the location (a lo
 `s3://bucket/prefix` through `leap_io.object_store`):
 
   <name>.bundle   the push bundle (readout file and RLS state; `leap_io.push_bundle`)
-  <name>.json     {"version": readout version, "registry_version", "published_at" (unix s), "sha256"}
+  <name>.json     {"version": readout version, "registry_version", "registry" (tracking URI),
+                   "published_at" (unix s), "sha256"}
 
 The bundle is written first and the JSON last, each atomically (a local rename; an S3 put is atomic),
 and the JSON names the bundle's digest: a reader that meets a bundle of another publication (written
 between its two reads) sees the digest differ and treats the publication as absent this time, never
 serving a mix. `published_at` is compared with a replica's own `saved_at`: both clocks must agree
 (one host, or NTP), as every timestamp the stack compares.
+
+A publication names the registry whose champion it is. A replica that knows its own registry
+(`LEAP_REGISTRY_URI`) leaves a publication of another registry alone (two registries may share one
+`$LEAP_HOME`, say a fleet's and a single machine's), and then takes its champion from its registry.
+URIs are compared as `registry_key` writes them; two spellings of one server (a host name and its
+address) read as two registries, which costs that replica the registry's answer time, never a wrong
+champion.
 
 No MLflow and no vLLM imports: the serving plugin reads it.
 """
@@ -29,6 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from leap_io.object_store import is_object_url
 
@@ -45,6 +54,21 @@ class Publication:
     version: str
     registry_version: str
     published_at: float
+    registry: str | None = None  # `registry_key` of the publishing registry; None in older publications
+
+
+def registry_key(uri: str) -> str:
+    """`uri` spelled one way: an sqlite database or a folder by its absolute path, a server URL with its
+    scheme and host in lower case and no trailing slash."""
+    uri = uri.strip()
+    if uri.startswith("sqlite:///"):
+        return "sqlite:///" + str(Path(uri[len("sqlite:///"):]).resolve())
+    if "://" not in uri:
+        return str(Path(uri).resolve())
+    if uri.startswith("file://"):
+        return str(Path(urlsplit(uri).path).resolve())
+    parts = urlsplit(uri)
+    return urlunsplit((parts.scheme.lower(), parts.netloc.lower(), parts.path.rstrip("/"), parts.query, ""))
 
 
 def default_location(home: str | Path | None = None) -> str | None:
@@ -112,10 +136,13 @@ class ChampionPublication:
             return None
 
     # -- publications ----------------------------------------------------------------------------
-    def publish(self, name: str, bundle: bytes, version: str, registry_version: str | int) -> dict[str, Any]:
-        """Write `bundle` as the champion of `name` (bundle first, JSON last); what was written."""
+    def publish(self, name: str, bundle: bytes, version: str, registry_version: str | int,
+                registry: str | None = None) -> dict[str, Any]:
+        """Write `bundle` as the champion of `name` in the registry at tracking URI `registry` (bundle
+        first, JSON last); what was written."""
         name = _check_name(name)
-        meta = {"version": str(version), "registry_version": str(registry_version), "published_at": time.time(),
+        meta = {"version": str(version), "registry_version": str(registry_version),
+                "registry": None if registry is None else registry_key(registry), "published_at": time.time(),
                 "sha256": _digest(bundle), "bytes": len(bundle)}
         self._write(f"{name}.bundle", bundle)
         self._write(f"{name}.json", json.dumps(meta, indent=1).encode())
@@ -132,10 +159,13 @@ class ChampionPublication:
             expected, version = str(meta["sha256"]), str(meta["version"])
             published_at = float(meta["published_at"])
             registry_version = str(meta.get("registry_version", ""))
+            registry = meta.get("registry")
+            if registry is not None and not isinstance(registry, str):
+                raise TypeError(f"registry is {type(registry).__name__}, not a string")
         except (ValueError, KeyError, TypeError) as exc:
             raise PublicationDamaged(f"{self.location}/{name}.json is not a publication: {exc}") from exc
         bundle = self._read(f"{name}.bundle")
         if bundle is None or _digest(bundle) != expected:
             raise PublicationDamaged(f"{self.location}/{name}.bundle is missing or is not the one {name}.json "
                                      "names (a publication in progress, or an edited file)")
-        return Publication(bundle, version, registry_version, published_at)
+        return Publication(bundle, version, registry_version, published_at, registry)

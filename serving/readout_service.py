@@ -263,13 +263,21 @@ class ReadoutService:
         if not location:
             return False
         try:
-            from leap_io.champion import ChampionPublication
+            from leap_io.champion import ChampionPublication, registry_key
             from leap_io.model_identity import registered_model_name
 
             name = self.config.registry_model or registered_model_name(self._model_id, int(self._layer))
             published = ChampionPublication(location).load(name)
             if published is None:
                 self.champion_status = {"state": "none", "location": str(location), "model": name}
+                return False
+            if published.registry is not None and self.config.registry_uri \
+                    and registry_key(self.config.registry_uri) != published.registry:
+                self.champion_status = {"state": "other-registry", "version": published.version,
+                                        "registry": published.registry,
+                                        "own_registry": registry_key(self.config.registry_uri)}
+                logger.info("LEAP leaves the champion published at %s alone: it is %s's, this replica's registry "
+                            "is %s", location, published.registry, self.config.registry_uri)
                 return False
             saved = self.state.saved() if self.state is not None else None
             if saved is not None and (saved[0] == published.version or saved[1] >= published.published_at):

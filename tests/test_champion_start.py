@@ -135,3 +135,38 @@ def test_a_damaged_saved_push_gives_way_to_an_older_publication(build, tmp_path)
     restarted = _start(build, tmp_path)
 
     assert (restarted.describe()["source"], restarted.version) == ("champion", "20250105T000000-champ001")
+
+
+def test_a_publication_names_its_registry_in_one_spelling(tmp_path, monkeypatch):
+    from leap_io.champion import registry_key
+
+    monkeypatch.chdir(tmp_path)
+    assert registry_key("sqlite:///mlflow/mlflow.db") == f"sqlite:///{tmp_path.resolve()}/mlflow/mlflow.db"
+    assert registry_key("HTTP://MLflow.example:5000/") == registry_key("http://mlflow.example:5000")
+    assert registry_key("http://a:5000") != registry_key("http://b:5000")
+    publication = ChampionPublication(tmp_path / "champion")
+    written = publication.publish(NAME, b"bundle bytes", "v7", 3, "http://MLflow.example:5000/")
+    assert written["registry"] == publication.load(NAME).registry == "http://mlflow.example:5000"
+    publication.publish(NAME, b"bundle bytes", "v8", 4)  # a promoter that names no registry
+    assert publication.load(NAME).registry is None
+
+
+def test_a_replica_leaves_another_registrys_champion_alone(build, tmp_path):
+    """Two registries share one home: a replica of registry B keeps its own saved push when A publishes,
+    and one of A (spelled with a trailing slash) takes A's publication."""
+    first = _start(build, tmp_path)
+    first.push_readout(_bundle("20250101T000000-old00001"))
+    first.close()
+    time.sleep(0.01)
+    ChampionPublication(tmp_path / "champion").publish(NAME, _bundle("20250106T000000-new00001", 1),
+                                                       "20250106T000000-new00001", 5, "http://registry-a:5000")
+
+    other = _start(build, tmp_path, registry_uri="http://registry-b:5000")
+    described = other.describe()
+    assert (described["source"], described["version"]) == ("state", "20250101T000000-old00001")
+    assert described["champion"]["state"] == "other-registry"
+    assert described["champion"]["registry"] == "http://registry-a:5000"
+    other.close()
+
+    same = _start(build, tmp_path, registry_uri="http://registry-a:5000/")
+    assert (same.describe()["source"], same.version) == ("champion", "20250106T000000-new00001")
