@@ -153,6 +153,7 @@ class FeedbackShipper:
                     self._failed(str(error))
                     return shipped, True
                 self._bucket_ready = True
+                self._recovered()
                 try:
                     path.unlink()
                     _fsync_dir(self.folder)
@@ -164,11 +165,16 @@ class FeedbackShipper:
                 self.segments_shipped += 1
                 self.bytes_shipped += len(data)
                 self.last_shipped_at = time.time()
-            if self.consecutive_failures:
-                logger.warning("feedback shipper: shipping to %s works again after %d failures",
-                               self.destination, self.consecutive_failures)
-            self.consecutive_failures, self._retry_at = 0, 0.0
+            self._recovered()
             return shipped, False
+
+    def _recovered(self) -> None:
+        """An upload went through: the bucket no longer counts as failing (as of this upload, so that
+        `stats()` never shows a shipped backlog still failing)."""
+        if self.consecutive_failures:
+            logger.warning("feedback shipper: shipping to %s works again after %d failures",
+                           self.destination, self.consecutive_failures)
+        self.consecutive_failures, self._retry_at = 0, 0.0
 
     def _failed(self, error: str) -> None:
         self.failures += 1
