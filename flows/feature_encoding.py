@@ -41,7 +41,14 @@ def feature_bytes(feature: pa.Array | pa.ChunkedArray, dim: int) -> pa.Array:
     if values.type != pa.float32() or values.null_count:
         raise ValueError(f"features must be float32 values without NULL elements, not {values.type} "
                          f"with {values.null_count} NULL")
-    floats = values.to_numpy(zero_copy_only=True).astype(FEATURE_DTYPE, copy=False)
+    return matrix_bytes(values.to_numpy(zero_copy_only=True).reshape(n, dim))
+
+
+def matrix_bytes(matrix: np.ndarray) -> pa.Array:
+    """An (n, dim) matrix of float32 values as one binary value per row, a view of its buffer where it
+    is little-endian and contiguous already."""
+    n, dim = matrix.shape
+    floats = np.ascontiguousarray(matrix, dtype=FEATURE_DTYPE)
     width = dim * FEATURE_DTYPE.itemsize
     if width == 0:  # no fixed-size binary of width 0 to view: every row is the empty blob
         return pa.array([b""] * n, pa.binary())

@@ -19,8 +19,6 @@ again, which nothing committed references yet.
 from __future__ import annotations
 
 import hashlib
-import os
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flows.feature_encoding import features_from_bytes
+from leap_io.durable import write_durably
 
 FOLDER_SUFFIX = ".features"
 """The folder of a store's feature files is the database file's path with this suffix appended."""
@@ -46,29 +45,12 @@ def file_name(segment: str, checksum: str) -> str:
     return f"{digest}.parquet"
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_feature_file(folder: Path, name: str, blobs: pa.Array) -> None:
     """Write `blobs` (one feature vector's bytes per row) as `folder/name`, durably, replacing any file
     of that name (a rerun's: see the module docstring)."""
     folder.mkdir(parents=True, exist_ok=True)
-    target = folder / name
-    temporary = folder / f".{name}.{uuid.uuid4().hex[:12]}.tmp"
-    try:
-        pq.write_table(pa.table({"feature": blobs}), temporary, compression="none", use_dictionary=False,
-                       write_statistics=False)
-        _fsync(temporary)
-        os.replace(temporary, target)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    _fsync(folder)
+    write_durably(folder / name, lambda handle: pq.write_table(
+        pa.table({"feature": blobs}), handle, compression="none", use_dictionary=False, write_statistics=False))
 
 
 def read_features(folder: Path, files: Sequence[str], rows: np.ndarray, dim: int) -> np.ndarray:

@@ -674,7 +674,8 @@ class _DuckDBWriter:
     def prepare_features(self, rows: pa.Table, dim: int, segment: str, checksum: str) -> None:
         """Start writing the vectors of `rows` (those `insert_requests` will find already stored too)
         as the segment's feature file; each row's file row is its index in `rows`."""
-        self._wait_file()  # none is pending unless the last segment's writing failed part-way
+        with suppress(Exception):  # a rolled-back segment's write (rollback waits for it): not this one's error
+            self._wait_file()
         if not rows.num_rows:
             return
         blobs = feature_bytes(rows.column("feature"), dim or 0)  # a view of the float32 buffer

@@ -58,7 +58,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from flows.feature_encoding import FEATURE_DTYPE, feature_bytes, features_from_bytes
+from flows.feature_encoding import FEATURE_DTYPE, features_from_bytes, matrix_bytes
 from flows.feature_files import feature_folder, file_name, read_features, write_feature_file
 from leap_io.feedback_schema import NOT_TRAINING_FINISH_REASONS, TRAINING_FINISH_REASONS, feedback_schema
 
@@ -233,9 +233,7 @@ def _move_features_to_files(con: duckdb.DuckDBPyConnection, folder: Path) -> Non
                 break
             vectors = features_from_bytes(batch.column("feature"), dim)
             name = file_name(f"store schema 4, dim {dim}", str(page))
-            write_feature_file(folder, name, feature_bytes(
-                pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), dim) if dim
-                else pa.array([[]] * len(vectors), pa.list_(pa.float32())), dim))
+            write_feature_file(folder, name, matrix_bytes(vectors))
             con.register("_moved", pa.table({
                 "request_id": batch.column("request_id"),
                 "file_row": pa.array(np.arange(batch.num_rows, dtype=np.int32))}))

@@ -27,9 +27,7 @@ def engine_environment() -> None:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries `--json` results
-    import torch
-
-    if not torch.cuda.is_available():
+    if is_cpu_platform():  # vLLM's platform check, after the logging settings it reads at import
         # vLLM's CPU backend compiles without Inductor, and its AOT cache then fails to load at every
         # start ("'function' object has no attribute 'finalize_loading'") and compiles again: warm
         # starts took 68-74 s with it and 24-28 s with vLLM's earlier compile cache (SmolLM2-135M).

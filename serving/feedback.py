@@ -47,6 +47,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pyarrow import ipc
 
+from leap_io.durable import fsync_dir, write_durably
 from leap_io.feedback_schema import feedback_schema, parquet_options, segment_metadata, segment_table
 
 logger = logging.getLogger(__name__)
@@ -84,28 +85,9 @@ class _BadRow(ValueError):
 
 # ---------------------------------------------------------------------------------------- files
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_parquet(table: pa.Table, final: Path) -> None:
-    """Write `table` to `final` durably: temporary name, fsync, atomic rename, fsync of the folder."""
-    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "wb") as handle:
-            pq.write_table(segment_table(table), handle, **parquet_options())
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_dir(final.parent)
+    """Write `table` to `final` durably (`leap_io.durable`)."""
+    write_durably(final, lambda handle: pq.write_table(segment_table(table), handle, **parquet_options()))
 
 
 def _read_stream(source: Any) -> tuple[list[pa.RecordBatch], pa.Schema | None, bool]:
@@ -149,7 +131,7 @@ def recover_partial(partial: Path, dest: Path | None = None) -> tuple[int, bool]
         _write_parquet(pa.Table.from_batches(batches, schema=schema), _final_name(partial, dest))
     partial.unlink(missing_ok=True)
     with contextlib.suppress(OSError):
-        _fsync_dir(partial.parent)
+        fsync_dir(partial.parent)
     return rows, torn
 
 
@@ -619,7 +601,7 @@ class FeedbackWriter:
             stream = ipc.new_stream(handle, self.schema)
             handle.flush()
             os.fsync(handle.fileno())
-            _fsync_dir(self.replica_dir)
+            fsync_dir(self.replica_dir)
         except BaseException:
             with contextlib.suppress(Exception):
                 handle.close()
@@ -738,7 +720,7 @@ class FeedbackWriter:
             handle.close()
         partial.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
-            _fsync_dir(self.replica_dir)
+            fsync_dir(self.replica_dir)
         self.segments_closed += 1
 
     def _finish_stranded(self) -> None:

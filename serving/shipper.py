@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from leap_io.durable import fsync_dir
 from leap_io.object_store import ObjectStore, ObjectStoreError, check_key_part, parse_s3_url
 from serving.supervise import SupervisedThread
 
@@ -50,14 +51,6 @@ def segment_name_pattern(replica_id: str) -> re.Pattern[str]:
     match `r0-1234`'s segments.
     """
     return re.compile(rf"^feedback-\d{{8}}T\d{{6}}-{re.escape(replica_id)}-\d{{6}}-[0-9a-f]+\.parquet$")
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class FeedbackShipper:
@@ -156,7 +149,7 @@ class FeedbackShipper:
                 self._recovered()
                 try:
                     path.unlink()
-                    _fsync_dir(self.folder)
+                    fsync_dir(self.folder)
                 except FileNotFoundError:
                     pass
                 except OSError as error:  # shipped, so nothing is lost; the next pass uploads it again

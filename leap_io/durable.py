@@ -1,0 +1,35 @@
+"""Files that survive a crash whole or not at all: temporary name, flush to disk, atomic rename,
+flush of the folder (so the rename itself is on disk)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+
+def fsync_dir(folder: Path) -> None:
+    """Flush `folder`'s entries (a rename or a delete in it) to disk."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(final: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Have `write` fill a temporary file beside `final`, then make it `final`: a reader, or a crash,
+    sees the old file or the whole new one, never a part; the temporary file goes if `write` raises."""
+    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        with open(tmp, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(final.parent)
