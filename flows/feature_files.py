@@ -49,8 +49,8 @@ def write_feature_file(folder: Path, name: str, blobs: pa.Array) -> None:
     """Write `blobs` (one feature vector's bytes per row) as `folder/name`, durably, replacing any file
     of that name (a rerun's: see the module docstring)."""
     folder.mkdir(parents=True, exist_ok=True)
-    write_durably(folder / name, lambda handle: pq.write_table(
-        pa.table({"feature": blobs}), handle, compression="none", use_dictionary=False, write_statistics=False))
+    write_durably(folder / name, lambda path: pq.write_table(
+        pa.table({"feature": blobs}), path, compression="none", use_dictionary=False, write_statistics=False))
 
 
 def read_features(folder: Path, files: Sequence[str], rows: np.ndarray, dim: int) -> np.ndarray:

@@ -7,7 +7,6 @@ import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
 
 
 def fsync_dir(folder: Path) -> None:
@@ -19,15 +18,18 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def write_durably(final: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Have `write` fill a temporary file beside `final`, then make it `final`: a reader, or a crash,
-    sees the old file or the whole new one, never a part; the temporary file goes if `write` raises."""
+def write_durably(final: Path, write: Callable[[Path], None]) -> None:
+    """Have `write` fill a temporary file (given by its path, so that a native writer keeps its own
+    I/O) beside `final`, then make it `final`: a reader, or a crash, sees the old file or the whole
+    new one, never a part; the temporary file goes if `write` raises."""
     tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
-        with open(tmp, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)

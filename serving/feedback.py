@@ -87,7 +87,7 @@ class _BadRow(ValueError):
 
 def _write_parquet(table: pa.Table, final: Path) -> None:
     """Write `table` to `final` durably (`leap_io.durable`)."""
-    write_durably(final, lambda handle: pq.write_table(segment_table(table), handle, **parquet_options()))
+    write_durably(final, lambda path: pq.write_table(segment_table(table), path, **parquet_options()))
 
 
 def _read_stream(source: Any) -> tuple[list[pa.RecordBatch], pa.Schema | None, bool]:
