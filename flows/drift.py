@@ -244,7 +244,7 @@ class Baseline:
 
     def bar(self, domain: str) -> float | None:
         """The validation MAE a domain's live MAE is judged against: the domain's own, else the overall."""
-        from flows.training import domain_mae_metric
+        from training.fit import domain_mae_metric
 
         own = (self.validation_mae_by_domain or {}).get(domain_mae_metric(domain))
         return own if own is not None and math.isfinite(own) else self.validation_mae

@@ -48,7 +48,8 @@ import numpy as np
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.promotion import PushOptions, promote, readout_bundle, serves
+from flows.promotion import PushOptions, promote, readout_bundle
+from leap_io.model_identity import serves
 from flows.push import PushFailed, push_readout
 from flows.settings import PipelineSettings
 from flows.tasks import MERGE_ROWS_UNTIL_TAG

@@ -18,8 +18,8 @@ from prefect import flow, get_run_logger, unmapped
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.settings import PipelineSettings
-from flows.ingest import complete_segments, deal_segments, totals
-from flows.stores import is_postgres, open_store, shown_location, store_location
+from store.ingest import complete_segments, deal_segments, totals
+from store.stores import is_postgres, open_store, shown_location, store_location
 from flows.tasks import (
     fit_and_register,
     ingest_feedback,
@@ -36,7 +36,7 @@ from flows.tasks import (
     select_training_window,
     store_summary,
 )
-from flows.training import NotEnoughRowsError
+from training.fit import NotEnoughRowsError
 from registry.client import CHALLENGER, CHAMPION, ReadoutRegistry
 
 

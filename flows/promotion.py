@@ -43,6 +43,7 @@ from typing import Any
 import httpx
 
 from flows.push import PushFailed, push_readout, serving_version
+from leap_io.model_identity import serves
 from registry.client import ALIASES, CHAMPION, ReadoutRegistry
 
 PROMOTE = "promote"
@@ -82,12 +83,6 @@ def readout_bundle(registry: ReadoutRegistry, name: str, version: str, force: bo
     rls = registry.load_rls_state(name, version, readout=readout)
     bundle = make_bundle(to_bytes(readout), rls.state_arrays() if rls is not None else None, force=force)
     return bundle, str(readout.metadata.get("version", ""))
-
-
-def serves(reported: str, expected: str) -> bool:
-    """Whether a replica reporting `reported` serves the readout pushed as `expected`: the same, or
-    the same corrected online by RLS since (the replica publishes `<version>+rls<n>`)."""
-    return bool(expected) and (reported == expected or reported.startswith(expected + "+rls"))
 
 
 def _reported(endpoint: str, options: PushOptions) -> str | None:

@@ -186,7 +186,7 @@ class PipelineSettings(BaseSettings):
         return self.home / "stack"
 
     def _default_tracking_uri(self) -> str:
-        from flows.stack import service_pid  # the stack module reads these settings too
+        from ops.stack import service_pid  # the stack module reads these settings too
 
         if service_pid(self.stack_dir, "mlflow") is not None:
             return self.mlflow_server_url

@@ -24,15 +24,15 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from flows.gate import gate_verdict, replay_gate
-from flows.ingest import IngestReport, SegmentSource, ingest_folder, ingest_segments, totals
+from store.ingest import IngestReport, SegmentSource, ingest_folder, ingest_segments, totals
 from flows.promotion import PushOptions, readout_bundle
 from flows.promotion import promote as promote_everywhere
 from flows.promotion import rollback as rollback_everywhere
 from flows.push import PushFailed, push_readout
 from flows.settings import PipelineSettings
-from flows.store import TrainingFrame, canonical_recipe
-from flows.stores import Store, open_store, store_at
-from flows.training import NotEnoughRowsError, fit_readout, select_window, time_split
+from store.duckdb import TrainingFrame, canonical_recipe
+from store.stores import Store, open_store, store_at
+from training.fit import NotEnoughRowsError, fit_readout, select_window, time_split
 from leap_core.recipes import Recipe
 from leap_core.rls import RLS
 from leap_io.jsonable import dumps, to_jsonable
@@ -147,7 +147,7 @@ def registry_at(tracking_uri: str, lock_path: str | None = None) -> ReadoutRegis
 @task(name="ingest-feedback", retries=2, retry_delay_seconds=5)
 def ingest_feedback(store_location: str, feedback_dir: str, retry_failed: bool = False,
                     s3_endpoint_url: str | None = None) -> dict[str, Any]:
-    """Ingest every complete feedback segment into the store at `store_location` (`flows.stores`);
+    """Ingest every complete feedback segment into the store at `store_location` (`store.stores`);
     segments already in the ledger are skipped, and a segment that fails is quarantined (counted in
     `failed`) without stopping the others. `feedback_dir` may be an s3://bucket/prefix URL (read at
     `s3_endpoint_url`)."""

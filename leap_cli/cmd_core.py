@@ -16,6 +16,6 @@ def bench_predictor(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Predictor service end to end (queue, batching, product, callback) on one core."""
-    from harness.predictor_bench import bench_predictor as run
+    from experiments.bench.predictor import bench_predictor as run
 
     emit(run(dim=dim, n_saturation=n, rate=rate, duration_s=duration), as_json, "predictor service")

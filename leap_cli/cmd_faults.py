@@ -1,7 +1,7 @@
 """`leap bench faults`: the fault suite against real `leap serve` processes and the pipeline's own faults.
 
 Figures, not pass/fail: one JSON object (`--json`) or a table with one line per scenario. See
-harness/fault_suite.py for what each scenario does and what it counts.
+experiments/faults/suite.py for what each scenario does and what it counts.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def bench_faults(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ) -> None:
     """Hostile clients, hostile pushes, aborts, SIGKILL, a full disk, MLflow down: what survives and what is lost."""
-    from harness.fault_suite import run_suite
+    from experiments.faults.suite import run_suite
 
     if aborts is not None and aborts < 0:
         raise typer.BadParameter("--aborts must be >= 0")

@@ -36,7 +36,7 @@ def _settings():
 @contextlib.contextmanager
 def _prefect_api(settings) -> Iterator[None]:
     """Point Prefect at the stack's server while it runs, unless PREFECT_API_URL says otherwise."""
-    from flows.stack import service_pid
+    from ops.stack import service_pid
 
     if os.environ.get("PREFECT_API_URL") or service_pid(settings.stack_dir, "prefect") is None:
         yield
@@ -61,7 +61,7 @@ def _deployment_api_url() -> str:
 
 def _require_prefect(api_url: str) -> None:
     """LookupError unless a Prefect server answers at `api_url`."""
-    from flows.stack import answers
+    from ops.stack import answers
 
     if not answers(f"{api_url}/health"):
         raise LookupError(f"no Prefect server answers at {api_url}; run `leap stack up` first")
@@ -72,8 +72,8 @@ def _run(run: Callable[[], dict[str, Any]], as_json: bool, title: str, fail_unhe
     does an unhealthy stack when `fail_unhealthy`."""
     from flows.promotion import PromotionFailed
     from flows.push import PushFailed
-    from flows.stack import StackError
-    from flows.store import StoreBusyError
+    from ops.stack import StackError
+    from store.duckdb import StoreBusyError
     from registry.client import AliasLockTimeout, RegistryUnavailable
 
     try:
@@ -237,10 +237,10 @@ def stack_up(
 ) -> None:
     """Start MLflow, Prefect and the serving process on loopback (running ones are left alone); with
     --fleet, the fleet, whose variables (`$LEAP_HOME/stack/fleet.env`) every `leap` command then uses."""
-    from flows import stack
+    from ops import stack
 
     def run() -> dict[str, Any]:
-        from flows.stack_fleet import read_layout
+        from ops.stack_fleet import read_layout
 
         settings = _settings()
         recorded = read_layout(settings)
@@ -258,7 +258,7 @@ def stack_status(
 ) -> None:
     """Health, URL and pid of each service, and each replica's readout version and live rolling Spearman and
     MAE; exits 1 unless all of them are healthy."""
-    from flows import stack
+    from ops import stack
 
     _run(lambda: stack.status(_settings(), _service_names(services)), as_json, "stack")
 
@@ -270,7 +270,7 @@ def stack_down(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Stop the services the stack started and remove their pid files."""
-    from flows import stack
+    from ops import stack
 
     def run() -> dict[str, Any]:
         result = stack.down(_settings(), _service_names(services), grace_s=grace)
@@ -300,7 +300,7 @@ def deploy_command(
 
         _require_prefect(api_url)
         if pool is not None:
-            from flows.stack_fleet import ensure_pool, register_deployment
+            from ops.stack_fleet import ensure_pool, register_deployment
 
             ensure_pool(api_url, pool)
             deployment_id = register_deployment(api_url, retrain_flow, name, pool, cron=cron, concurrency_limit=1)
@@ -331,7 +331,7 @@ def demo_command(
     max_tokens: int = typer.Option(1024, help="output budget M of the demo traffic (the snapshot's: about one "
                                               "chat output in ten reaches it)"),
     keep_serving: bool = typer.Option(False, help="leave the serving process running afterwards"),
-    replicas: int = typer.Option(1, min=1, help="serving replicas; 2 or more run the fleet loop (flows/demo_fleet.py): "
+    replicas: int = typer.Option(1, min=1, help="serving replicas; 2 or more run the fleet loop (experiments/demo_fleet.py): "
                                                 "feedback through S3, a PostgreSQL store, MLflow on PostgreSQL, the "
                                                 "exact merge of the replicas' RLS, a replica killed and restarted, "
                                                 "the drift watch"),
@@ -340,14 +340,14 @@ def demo_command(
     """The main job: serve, replay real prompts, ingest, fit, register, gate by live replay, promote, push."""
     say = (lambda message: None) if as_json else (lambda message: console.print(f"[bold]demo[/]: {message}"))
     if replicas > 1:
-        from flows.demo_fleet import run_fleet_demo
+        from experiments.demo_fleet import run_fleet_demo
 
         with json_stdout(as_json):
             summary = run_fleet_demo(replicas=replicas, n_prompts=prompts, max_tokens=max_tokens,
                                      keep_serving=keep_serving, progress=say)
         emit(summary, as_json, "LEAP fleet demo")
         return
-    from flows.demo import run_demo
+    from experiments.demo import run_demo
 
     with json_stdout(as_json):
         summary = run_demo(n_prompts=prompts, max_tokens=max_tokens, keep_serving=keep_serving, progress=say)

@@ -31,11 +31,11 @@ def bench_pipeline(
     if rows < 10 or dim < 1 or segment_rows < 1 or workers < 1:
         raise typer.BadParameter("--rows must be at least 10, --dim, --segment-rows and --workers positive")
     if store_url is not None:
-        from flows.stores import is_postgres
+        from store.stores import is_postgres
 
         if not is_postgres(store_url):
             raise typer.BadParameter(f"--store-url must be a postgresql+psycopg:// URL, not {store_url!r}")
-    from flows.bench_pipeline import bench_pipeline as run
+    from experiments.bench.pipeline import bench_pipeline as run
 
     if not as_json:
         console.print(f"writing {rows} rows of dim {dim}, ingesting them, fitting a readout ...")

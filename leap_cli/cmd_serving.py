@@ -202,7 +202,7 @@ def bench_overhead_command(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Step-time overhead of hook + predictor + scheduler against stock vLLM FCFS (same replay)."""
-    from harness.overhead_bench import bench_overhead
+    from experiments.bench.overhead import bench_overhead
 
     say = (lambda m: None) if as_json else (lambda m: console.print(f"[bold]overhead[/]: {m}"))
     result = bench_overhead(_prompts(None, n), tokens=tokens, slots=slots, repeats=repeats, model=model, say=say)
@@ -229,7 +229,7 @@ def bench_serving_command(
     """Stock vLLM with its defaults against LEAP with its defaults: tok/s and mean latency on one trace."""
     if via not in ("engine", "http"):
         raise typer.BadParameter("--via is engine or http")
-    from harness.serving_bench import bench_serving
+    from experiments.bench.serving import bench_serving
 
     result = bench_serving(_prompts(None, requests + train, seed=0), n_requests=requests, n_train=train,
                            repeats=repeats, load=load, rate=rate, model=model, max_tokens=max_tokens, seed=seed,

@@ -1,6 +1,6 @@
 """The columns of a feedback segment: one row per finished request, written once by the serving process.
 
-The schema is shared by the writer (serving) and the ingest flow (flows/store.py), so it lives in one
+The schema is shared by the writer (serving) and the ingest flow (store/duckdb.py), so it lives in one
 place. The feature column is a fixed-size list of float32: the whole vector the serving engine
 captured, its capture recipe (`leap_core.recipes`), so a readout may be fitted on any recipe that recipe
 covers. A segment's Parquet metadata records that dim, the recipe (`leap.recipe`; segments from before

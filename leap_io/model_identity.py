@@ -78,3 +78,9 @@ def describe_model(folder: str | Path, model_id: str | None = None) -> ModelInfo
     except OSError:  # a read-only model folder: the fingerprint is recomputed next time
         pass
     return info
+
+
+def serves(reported: str, expected: str) -> bool:
+    """Whether a replica reporting `reported` serves the readout pushed as `expected`: the same, or
+    the same corrected online by RLS since (the replica publishes `<version>+rls<n>`)."""
+    return bool(expected) and (reported == expected or reported.startswith(expected + "+rls"))

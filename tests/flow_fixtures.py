@@ -29,7 +29,7 @@ def pipeline_home(folder: Path, **env: str) -> Iterator[Path]:
 def ingest_and_fit(home: Path) -> dict:
     """Run the ingest and fit flows once; their results, the registry URI and the store."""
     from flows.pipeline import fit_flow, ingest_flow
-    from flows.store import LogStore
+    from store.duckdb import LogStore
 
     ingested = ingest_flow()
     fit = fit_flow()

@@ -1,4 +1,4 @@
-"""A real S3 endpoint for the object-storage feedback tests (moto's server, flows/servers.py), a bucket of
+"""A real S3 endpoint for the object-storage feedback tests (moto's server, ops/servers.py), a bucket of
 their own per test, feedback rows that ingest accepts, and a poll."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import uuid
 import numpy as np
 import pytest
 
-from flows.servers import running_s3, s3_environment
+from ops.servers import running_s3, s3_environment
 from leap_io.object_store import ObjectStore
 
 DIM, LAYER = 8, 3  # last@3 with a hidden size of 8

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from prefect import flow
 
-from flows.servers import free_port
+from ops.servers import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,7 +80,7 @@ def fleet_stack():
         assert code == 0, up
         yield {"env": env, "home": home, "up": up, "up_s": time.monotonic() - started}
     finally:
-        from flows import stack
+        from ops import stack
         from flows.settings import PipelineSettings
 
         stack.down(PipelineSettings(home=home, mlflow_port=int(env["LEAP_MLFLOW_PORT"]),

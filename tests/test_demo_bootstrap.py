@@ -11,7 +11,7 @@ def test_the_first_champion_is_the_validated_recipe_registered_under_the_replica
     manifest = snapshot.read_manifest() or {}
     if not any(entry.get("kind") == "recipes" for entry in manifest.get("corpora", {}).values()):
         pytest.skip("no recipe corpus in the committed snapshot")
-    from flows.demo import DEMO_RECIPES, bootstrap_champion
+    from experiments.demo import DEMO_RECIPES, bootstrap_champion
     from harness.model_prep import prepare_model
     from leap_core.recipes import union
     from registry.client import ReadoutRegistry

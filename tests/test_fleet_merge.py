@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
-from flows import faults  # noqa: E402
+from experiments.faults import pipeline as faults  # noqa: E402
 from flows.fleet import merge_flow, merge_refit_diff, reconcile_replicas  # noqa: E402
 from flows.promotion import PushOptions, promote  # noqa: E402
 from leap_core import targets  # noqa: E402

@@ -20,7 +20,7 @@ from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
 from flows.gate import gate_verdict  # noqa: E402
 from flows.pipeline import fit_flow, gate_flow, ingest_flow, push_flow, retrain_flow  # noqa: E402
-from flows.store import LogStore  # noqa: E402
+from store.duckdb import LogStore  # noqa: E402
 from flows.tasks import gate_slice, information_until, promote_if_passed, record_gate, recorded_gate  # noqa: E402
 from registry.client import CHALLENGER, CHAMPION, PREVIOUS_CHAMPION, ReadoutRegistry  # noqa: E402
 from serving.feedback import FeedbackWriter  # noqa: E402
@@ -262,7 +262,7 @@ def test_cli_promotes_rolls_back_and_fails_loudly_with_the_earlier_state_restore
     from typer.testing import CliRunner
 
     import leap_cli.cmd_pipeline  # noqa: F401  (registers the commands)
-    from flows import faults
+    from experiments.faults import pipeline as faults
     from flows.promotion import PushOptions, promote
     from leap_cli.apps import app
 

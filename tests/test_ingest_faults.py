@@ -13,7 +13,7 @@ import duckdb
 import numpy as np
 import pytest
 
-from flows.ingest import (
+from store.ingest import (
     REASON_CHECKSUM_CHANGED,
     REASON_SEGMENT_ERROR,
     STATUS_CHECKSUM_CHANGED,
@@ -23,9 +23,9 @@ from flows.ingest import (
     ingest_folder,
     totals,
 )
-from flows.store import SCHEMA_VERSION, TRAINING_FINISH_REASONS, LogStore
+from store.duckdb import SCHEMA_VERSION, TRAINING_FINISH_REASONS, LogStore
 from flows.tasks import recorded_lengths
-from flows.training import NotEnoughRowsError, fit_readout, select_window, time_split
+from training.fit import NotEnoughRowsError, fit_readout, select_window, time_split
 from tests.segment_fuzz import assert_reconciles, write_segment
 
 ALL_REASONS = ("stop", "length", "abort", "error", "repetition")
@@ -352,7 +352,7 @@ def test_a_version_1_store_is_migrated_on_first_read_and_keeps_its_rows(tmp_path
 
 
 def test_fault_scenario_ingest_killed_with_sigkill_loses_and_duplicates_nothing(tmp_path: Path) -> None:
-    from flows.faults import ingest_kill9
+    from experiments.faults.pipeline import ingest_kill9
 
     result = ingest_kill9(tmp_path, segments=12, rows_per_segment=800, dim=16)
 
@@ -364,7 +364,7 @@ def test_fault_scenario_ingest_killed_with_sigkill_loses_and_duplicates_nothing(
 
 
 def test_fault_scenario_corrupt_segments_are_quarantined_and_good_ones_ingested(tmp_path: Path) -> None:
-    from flows.faults import corrupt_segments
+    from experiments.faults.pipeline import corrupt_segments
 
     result = corrupt_segments(tmp_path)
 

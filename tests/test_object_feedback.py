@@ -1,4 +1,4 @@
-"""Feedback in object storage against a real S3 server (moto's, from flows/servers.py): locations are
+"""Feedback in object storage against a real S3 server (moto's, from ops/servers.py): locations are
 validated, segments are uploaded, verified and only then deleted, an unreachable bucket keeps them on disk
 until it answers, a replica SIGKILLed mid-stream loses no durable row when it restarts, and ingest reads
 each replica's prefix with its replica id.
@@ -21,9 +21,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
-from flows.ingest import complete_segments, ingest_folder, totals
-from flows.servers import free_port, running_s3
-from flows.store import LogStore
+from store.ingest import complete_segments, ingest_folder, totals
+from ops.servers import free_port, running_s3
+from store.duckdb import LogStore
 from leap_io.object_store import ObjectStore, ObjectURLError, check_endpoint, parse_s3_url
 from serving.config import LeapConfig
 from serving.feedback import PARTIAL_SUFFIX, FeedbackWriter

@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("mlflow")
 pytest.importorskip("prefect")
 
-from flows import faults  # noqa: E402
+from experiments.faults import pipeline as faults  # noqa: E402
 from flows.promotion import PromotionFailed, PushOptions, promote, recover, rollback  # noqa: E402
 from registry.client import (  # noqa: E402
     CHALLENGER,

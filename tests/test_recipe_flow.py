@@ -23,7 +23,7 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settin
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 
-from flows.ingest import (  # noqa: E402
+from store.ingest import (  # noqa: E402
     REASON_FEATURE_DIM_CONFLICT,
     REASON_RECIPE_WRONG_DIM,
     REASON_UNPARSABLE_RECIPE,
@@ -31,7 +31,7 @@ from flows.ingest import (  # noqa: E402
 )
 from flows.pipeline import fit_flow  # noqa: E402
 from flows.settings import PipelineSettings  # noqa: E402
-from flows.store import SCHEMA_VERSION, LogStore  # noqa: E402
+from store.duckdb import SCHEMA_VERSION, LogStore  # noqa: E402
 from flows.tasks import FeatureSpace, covered_recipes, latest_feature_space  # noqa: E402
 from leap_io.feedback_schema import META_RECIPE, read_segment_file  # noqa: E402
 from registry.client import CHALLENGER, READOUT_EXPERIMENT, RECIPE_VALIDATION_FILE, ReadoutRegistry  # noqa: E402

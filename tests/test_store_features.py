@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flows.ingest import ingest_folder
-from flows.feature_encoding import FEATURE_DTYPE, feature_bytes, features_from_bytes
-from flows.store import SCHEMA_DDL, SCHEMA_VERSION, LogStore, stored_dims
+from store.ingest import ingest_folder
+from store.feature_encoding import FEATURE_DTYPE, feature_bytes, features_from_bytes
+from store.duckdb import SCHEMA_DDL, SCHEMA_VERSION, LogStore, stored_dims
 from tests.segment_fuzz import write_segment
 
 
@@ -159,7 +159,7 @@ def _version_4_store(path: Path, n: int) -> dict[str, np.ndarray]:
 def test_a_version_4_store_moves_its_vectors_to_feature_files_page_by_page(tmp_path: Path, monkeypatch) -> None:
     """Paged by request id (pages of 16 here): every vector lands in a file once, and the store reads
     each back exactly; the database keeps only where each lies."""
-    import flows.store as store_module
+    import store.duckdb as store_module
 
     monkeypatch.setattr(store_module, "MIGRATION_PAGE_ROWS", 16)
     path = tmp_path / "v4.duckdb"
@@ -258,8 +258,8 @@ def test_a_feature_file_that_cannot_be_written_fails_its_segment_alone_and_a_ret
     """The file is written on its own thread while the requests go in; its error still lands on its
     segment (recorded `failed`, nothing of it stored, no file left), the other segments are stored,
     and `retry_failed` stores the segment once the file can be written."""
-    import flows.ingest as ingest_module
-    from flows.ingest import STATUS_FAILED, STATUS_OK
+    import store.ingest as ingest_module
+    from store.ingest import STATUS_FAILED, STATUS_OK
 
     feedback = tmp_path / "feedback"
     feedback.mkdir()

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flows.ingest import (
+from store.ingest import (
     REASON_FEATURE_DIM_CONFLICT,
     REASON_FEATURE_NOT_FINITE,
     REASON_FEATURE_WRONG_DIM,
@@ -32,7 +32,7 @@ from flows.ingest import (
     null_field_reason,
     totals,
 )
-from flows.store import LogStore, StoreBusyError
+from store.duckdb import LogStore, StoreBusyError
 from tests.segment_fuzz import ROW_CORRUPTIONS, truncate, write_segment
 from tests.segment_fuzz import assert_reconciles as _assert_reconciles
 
@@ -208,8 +208,8 @@ def test_crash_inside_a_segment_leaves_nothing_and_rerun_ingests_it_fully(
 
 _HARD_CRASH = """
 import os, sys
-from flows.ingest import ingest_folder
-from flows.store import LogStore
+from store.ingest import ingest_folder
+from store.duckdb import LogStore
 seen = []
 def die(stage):
     seen.append(stage)

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("psycopg")
 
-from flows.ingest import (  # noqa: E402
+from store.ingest import (  # noqa: E402
     STATUS_CHECKSUM_CHANGED,
     STATUS_OK,
     STATUS_UNREADABLE,
@@ -23,9 +23,9 @@ from flows.ingest import (  # noqa: E402
     ingest_segments,
     totals,
 )
-from flows.store import LogStore  # noqa: E402
-from flows.store_postgres import PostgresStore  # noqa: E402
-from flows.stores import store_at  # noqa: E402
+from store.duckdb import LogStore  # noqa: E402
+from store.postgres import PostgresStore  # noqa: E402
+from store.stores import store_at  # noqa: E402
 from flows.tasks import largest_max_tokens, latest_feature_space, recorded_gate, recorded_lengths  # noqa: E402
 from tests.postgres_fixtures import postgres_port, postgres_url  # noqa: E402,F401  (fixtures)
 from tests.segment_fuzz import assert_reconciles, truncate, write_segment  # noqa: E402

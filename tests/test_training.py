@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from flows.bench_ingest import BENCH_FINGERPRINT, BENCH_LAYER, write_synthetic_feedback
-from flows.ingest import ingest_folder
-from flows.store import LogStore, TrainingFrame
-from flows.training import (
+from experiments.bench.ingest import BENCH_FINGERPRINT, BENCH_LAYER, write_synthetic_feedback
+from store.ingest import ingest_folder
+from store.duckdb import LogStore, TrainingFrame
+from training.fit import (
     ALPHA_GRID,
     DEFAULT_MAX_TOKENS,
     NotEnoughRowsError,

@@ -38,14 +38,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from flows.bench_ingest import (
+from experiments.bench.ingest import (
     BENCH_FINGERPRINT,
     BENCH_LAYER,
     BENCH_MODEL_ID,
     write_synthetic_segment,
 )
-from flows.ingest import ingest_folder, totals
-from flows.store import LogStore
+from store.ingest import ingest_folder, totals
+from store.duckdb import LogStore
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "fault-token"
@@ -89,8 +89,8 @@ def _kill_group(process: subprocess.Popen) -> None:
 
 _INGEST_CHILD = """
 import sys
-from flows.ingest import ingest_folder
-from flows.store import LogStore
+from store.ingest import ingest_folder
+from store.duckdb import LogStore
 
 def progress(stage):
     if stage == "ledger":
@@ -371,7 +371,7 @@ def fitted_readout(version: str, seed: int, dim: int = DIM):
 
 def training_frame(n: int = 300, dim: int = DIM, seed: int = 3):
     """A learnable training frame of the bench feature space, all rows `stop`."""
-    from flows.store import TrainingFrame
+    from store.duckdb import TrainingFrame
 
     rng = np.random.default_rng(seed)
     features = rng.normal(size=(n, dim)).astype(np.float32)

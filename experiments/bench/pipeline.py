@@ -13,15 +13,15 @@ from pathlib import Path
 
 import numpy as np
 
-from flows.bench_ingest import (
+from experiments.bench.ingest import (
     BENCH_FINGERPRINT,
     BENCH_LAYER,
     BENCH_MODEL_ID,
     timed_ingest,
     write_synthetic_feedback,
 )
-from flows.store import LogStore
-from flows.training import fit_readout, select_window, time_split
+from store.duckdb import LogStore
+from training.fit import fit_readout, select_window, time_split
 
 
 def bench_pipeline(
@@ -51,7 +51,7 @@ def bench_pipeline(
         if store_url is None:
             store = LogStore(Path(scratch) / "bench.duckdb")
         else:
-            from flows.store_postgres import PostgresStore, scratch_database
+            from store.postgres import PostgresStore, scratch_database
 
             store = PostgresStore(stack.enter_context(scratch_database(store_url)))
         ingest = timed_ingest(store, folder, rows, workers=workers)

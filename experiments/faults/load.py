@@ -16,8 +16,8 @@ from typing import Any
 
 import httpx
 
-from harness.faults_clients import Replica, result
-from harness.faults_serve import (
+from experiments.faults.clients import Replica, result
+from experiments.faults.serve import (
     LOOPBACK,
     base_version,
     bundle_of,

@@ -1,8 +1,8 @@
-"""Feedback segments in a bucket, as sources `flows.ingest` reads like local files.
+"""Feedback segments in a bucket, as sources `store.ingest` reads like local files.
 
 The replicas' shippers (serving/shipper.py) upload each complete segment to
 `<prefix>/<replica id>/<segment name>`; `object_segments` lists them with the same rules
-`flows.ingest.complete_segments` applies to a local folder: `*.parquet` objects at the prefix's top level
+`store.ingest.complete_segments` applies to a local folder: `*.parquet` objects at the prefix's top level
 and one folder down, never hidden names, deeper keys or `quarantine/`; top-level objects first by name,
 then each replica folder's by name. Listing is paginated (`ObjectStore.list`), and an object is read
 only when ingest reaches it (on its read-ahead thread), so a long listing never holds every segment in
@@ -40,7 +40,7 @@ def store_at(endpoint_url: str | None) -> ObjectStore:
 
 @dataclass(frozen=True)
 class ObjectSegment:
-    """One segment object; `flows.ingest.SegmentSource` for a bucket. Plain values only, so it pickles
+    """One segment object; `store.ingest.SegmentSource` for a bucket. Plain values only, so it pickles
     (a task in another process can read it); the client comes from `store_at(endpoint_url)`."""
 
     bucket: str

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from flows import servers
+from ops import servers
 
 if TYPE_CHECKING:
     from flows.settings import PipelineSettings
-    from flows.stack import Service
+    from ops.stack import Service
 
 LAYOUT_FILE = "fleet.json"
 ENV_FILE = "fleet.env"
@@ -176,7 +176,7 @@ def apply_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
     """While the fleet of `$LEAP_HOME` runs, set its variables where `environ` (default os.environ) has
     none; returns what was set. A stopped or absent fleet changes nothing."""
     from flows.settings import PipelineSettings
-    from flows.stack import service_pid
+    from ops.stack import service_pid
 
     environ = os.environ if environ is None else environ
     home = Path(environ.get("LEAP_HOME", ".leap")).resolve()
@@ -289,7 +289,7 @@ def worker_name(index: int) -> str:
 
 def fleet_specs(settings: PipelineSettings, layout: FleetLayout) -> dict[str, Service]:
     """Every service of the fleet, in start order; `after` names what must answer before one starts."""
-    from flows.stack import Service, program
+    from ops.stack import Service, program
 
     host = settings.stack_host
     pgdata = settings.stack_dir / "pgdata"

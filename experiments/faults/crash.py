@@ -20,9 +20,9 @@ from typing import Any
 
 import httpx
 
-from harness.faults_clients import Replica, result
-from harness.faults_load import Traffic
-from harness.faults_serve import (
+from experiments.faults.clients import Replica, result
+from experiments.faults.load import Traffic
+from experiments.faults.serve import (
     ServeFailed,
     base_version,
     bundle_of,

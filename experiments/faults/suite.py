@@ -5,22 +5,22 @@ API and feedback writer) is started on free loopback ports and a readout of its 
 Against it, in this order:
 
 1. `bad_vllm_xargs`: every kind of bad `vllm_xargs` on /v1/chat/completions and /v1/completions is a 400
-   from the middleware, and the replica serves a good request afterwards (harness/faults_clients.py);
+   from the middleware, and the replica serves a good request afterwards (experiments/faults/clients.py);
 2. `malformed_admin`: requests without or with a wrong token, without, with a non-numeric, negative or
    oversized Content-Length, truncated, garbage and wrong-JSON bodies, a stalled body, a flood: each a
    4xx (or 503 for the flood), the readout unchanged;
 3. `hostile_pushes`: compressed bombs (one inflating to 1 GiB), NaN and float32-overflowing weights,
    broken RLS state, foreign and older readouts: each refused, the readout unchanged;
 4. `push_during_rls`: pushes while traffic makes RLS publish; the pushed version always wins
-   (harness/faults_load.py);
+   (experiments/faults/load.py);
 5. `abort_storm`: 10,000 streaming requests dropped by the client; LEAP's per-request state is back at
    its baseline;
 6. `kill9_mid_replay`: the replica is SIGKILLed mid-replay and restarted on the same folders; it serves
    the last push (source "state") and every finished request has exactly one feedback row
-   (harness/faults_crash.py);
+   (experiments/faults/crash.py);
 7. `disk_full`: a fresh replica writes feedback to a 512 KiB tmpfs that fills; it serves on, counts or
    keeps every row, and writes them once the disk has room;
-8. the pipeline's own fault scenarios from `flows.faults` (ingest killed with SIGKILL and rerun, MLflow
+8. the pipeline's own fault scenarios from `experiments.faults.pipeline` (ingest killed with SIGKILL and rerun, MLflow
    down during fit, gate, push and promote, corrupt segments), folded in as they report.
 
 Every scenario is bounded in time and loops; one that cannot run is reported as not survived with the
@@ -41,8 +41,8 @@ from typing import Any
 
 import httpx
 
-from harness.faults_clients import Replica, bad_vllm_xargs, hostile_pushes, malformed_admin, not_run, result
-from harness.faults_serve import Admin, ServeFailed, ServeProcess, bundle_of, fault_readout, served_model
+from experiments.faults.clients import Replica, bad_vllm_xargs, hostile_pushes, malformed_admin, not_run, result
+from experiments.faults.serve import Admin, ServeFailed, ServeProcess, bundle_of, fault_readout, served_model
 
 SERVING_SCENARIOS = ("bad_vllm_xargs", "malformed_admin", "hostile_pushes", "push_during_rls", "abort_storm",
                      "kill9_mid_replay", "disk_full")
@@ -54,8 +54,8 @@ SUMMARY_KEYS = ("scenarios", "survived", "requests_lost", "feedback_rows_lost", 
 
 
 def flows_scenarios() -> dict[str, Callable[..., dict[str, Any]]]:
-    """The pipeline's fault scenarios (flows/faults.py), by name; {} when that module cannot load."""
-    from flows.faults import SCENARIOS
+    """The pipeline's fault scenarios (experiments/faults/pipeline.py), by name; {} when that module cannot load."""
+    from experiments.faults.pipeline import SCENARIOS
 
     return dict(SCENARIOS)
 
@@ -175,7 +175,7 @@ class Suite:
                 self.replica = None
             del replica
         if "disk_full" in selected:
-            from harness.faults_crash import disk_full
+            from experiments.faults.crash import disk_full
 
             self.say("scenario disk_full (starts a second replica on a tmpfs)")
             outcome = _guarded("disk_full", lambda: disk_full(
@@ -189,20 +189,20 @@ class Suite:
             try:
                 available = flows_scenarios()
             except Exception as exc:  # noqa: BLE001 - reported per scenario below
-                available, reason = {}, f"flows.faults did not load: {type(exc).__name__}: {exc}"
+                available, reason = {}, f"experiments.faults.pipeline did not load: {type(exc).__name__}: {exc}"
             else:
-                reason = "not in flows.faults.SCENARIOS"
+                reason = "not in experiments.faults.pipeline.SCENARIOS"
             for name in flows:
                 key = name[len(FLOWS_PREFIX):]
                 scenario = available.get(key)
                 if scenario is None:
                     results.append(not_run(key, reason))
                     continue
-                self.say(f"scenario {key} (flows/faults.py)")
+                self.say(f"scenario {key} (experiments/faults/pipeline.py)")
                 folder = self.workdir / "flows" / key
                 outcome = _guarded(key, lambda scenario=scenario, folder=folder: scenario(workdir=folder))
                 outcome.setdefault("detail", _flows_detail(outcome))
-                outcome["source"] = "flows/faults.py"
+                outcome["source"] = "experiments/faults/pipeline.py"
                 results.append(outcome)
                 self.say(f"  {'survived' if outcome['survived'] else 'FAILED'} in {outcome.get('seconds')}s")
         return results
@@ -217,16 +217,16 @@ class Suite:
         if name == "hostile_pushes":
             return hostile_pushes(replica)
         if name == "push_during_rls":
-            from harness.faults_load import push_during_rls
+            from experiments.faults.load import push_during_rls
 
             return push_during_rls(replica, pushes=2 if self.quick else 3)
         if name == "abort_storm":
-            from harness.faults_load import abort_storm
+            from experiments.faults.load import abort_storm
 
             return abort_storm(replica, total=self.aborts, concurrency=self.abort_concurrency,
                                time_budget_s=self.abort_budget_s)
         if name == "kill9_mid_replay":
-            from harness.faults_crash import kill9_mid_replay
+            from experiments.faults.crash import kill9_mid_replay
 
             outcome, restarted = kill9_mid_replay(replica, self.restart_replica, n=96 if self.quick else 160)
             if restarted is None:

@@ -4,8 +4,8 @@ DuckDB lets one process at a time open a file read-write (no other process can o
 meanwhile), so connections are short-lived and opening one retries with backoff before giving up
 with `StoreBusyError`.
 
-Feature encoding. Each feature vector is `dim` little-endian float32 values (`flows.feature_encoding`).
-The vectors are kept in Parquet files beside the database file (`flows.feature_files`): the
+Feature encoding. Each feature vector is `dim` little-endian float32 values (`store.feature_encoding`).
+The vectors are kept in Parquet files beside the database file (`store.feature_files`): the
 `features` table holds each stored request's feature space and the file and row of its vector, so
 one table holds several feature spaces whose dims differ, and ingest writes a segment's vectors as
 one column instead of copying them into DuckDB's blocks (a third of the cost). Ingest views a
@@ -58,8 +58,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from flows.feature_encoding import FEATURE_DTYPE, features_from_bytes, matrix_bytes
-from flows.feature_files import feature_folder, file_name, read_features, write_feature_file
+from store.feature_encoding import FEATURE_DTYPE, features_from_bytes, matrix_bytes
+from store.feature_files import feature_folder, file_name, read_features, write_feature_file
 from leap_io.feedback_schema import NOT_TRAINING_FINISH_REASONS, TRAINING_FINISH_REASONS, feedback_schema
 
 FINISH_REASONS = TRAINING_FINISH_REASONS + NOT_TRAINING_FINISH_REASONS
@@ -116,7 +116,7 @@ FEATURES_DDL = """CREATE TABLE IF NOT EXISTS {table} (
   file_row INTEGER NOT NULL,
   recipe VARCHAR
 )"""
-"""Where each stored request's feature vector lies (`flows.feature_files`), and its feature space."""
+"""Where each stored request's feature vector lies (`store.feature_files`), and its feature space."""
 
 SCHEMA_DDL = (
     _requests_ddl(),
@@ -496,7 +496,7 @@ class LogStore:
         return {reason: int(count) for reason, count in rows}
 
     def changed_segments(self) -> list[dict]:
-        """Contents found at an already-ingested segment's path and left out (see `flows.ingest`)."""
+        """Contents found at an already-ingested segment's path and left out (see `store.ingest`)."""
         with self.connect(read_only=True) as con:
             table = con.sql("SELECT * FROM changed_segments ORDER BY segment, seen_at").to_arrow_table()
         return table.to_pylist()

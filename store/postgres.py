@@ -1,7 +1,7 @@
 """The log store on PostgreSQL: the same tables and API as the DuckDB store, written by several workers.
 
 Why PostgreSQL. A DuckDB file takes one writing process at a time, which is right on one machine and
-stays the default (`flows.store.LogStore`). A fleet's ingest workers on several machines need a store
+stays the default (`store.duckdb.LogStore`). A fleet's ingest workers on several machines need a store
 they can all write at once. DuckLake (a catalog in PostgreSQL, Parquet data files in the bucket)
 would keep DuckDB's engine, but no DuckLake extension is built for the DuckDB release the project
 pins (2.0.1), so the shared store is PostgreSQL itself: the engine platform teams already run
@@ -11,7 +11,7 @@ whose COPY carries the bulk rows.
 Bulk rows by COPY, never a value at a time. A segment's accepted scalar columns go to a temporary
 table as CSV written by Arrow's C++ writer, and from there into `requests` (see below); the features
 of the rows inserted then go straight into `features` by binary COPY, each row's fields joined by
-Arrow around the segment's float32 buffer (`flows.store.feature_bytes`, `binary_copy`): one `bytea`
+Arrow around the segment's float32 buffer (`store.duckdb.feature_bytes`, `binary_copy`): one `bytea`
 of `dim` little-endian float32 values per row, the DuckDB store's encoding. Measured here (100k rows
 x 576 floats, through a temporary table): `bytea` 13.5k rows/s against 5.2k for `real[]`, whose
 binary form spends 8 bytes per float and read back 3-5x slower; COPYing the features straight into
@@ -51,8 +51,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
-from flows.feature_encoding import FEATURE_DTYPE, feature_bytes
-from flows.store import (
+from store.feature_encoding import FEATURE_DTYPE, feature_bytes
+from store.duckdb import (
     RECIPE_SQL,
     REQUIRED_COLUMNS,
     SCALAR_COLUMNS,
@@ -326,7 +326,7 @@ class PostgresStore:
         return rows
 
     def changed_segments(self) -> list[dict]:
-        """Contents found at an already-ingested segment's path and left out (see `flows.ingest`)."""
+        """Contents found at an already-ingested segment's path and left out (see `store.ingest`)."""
         return self._dicts('SELECT * FROM changed_segments ORDER BY segment COLLATE "C", seen_at')
 
     def ledger(self) -> list[dict]:
@@ -353,7 +353,7 @@ class PostgresStore:
         layer: int | None = None,
         recipe: str | None = None,
     ) -> TrainingFrame:
-        """Requests with arrival_time in [since, until), as `flows.store.LogStore.training_frame` selects them."""
+        """Requests with arrival_time in [since, until), as `store.duckdb.LogStore.training_frame` selects them."""
         where, params = selection("format", since=since, until=until, domains=domains,
                                   model_fingerprint=model_fingerprint, layer=layer, recipe=recipe)
         rest = " FROM requests r JOIN features f USING (request_id)" + where + \
@@ -438,7 +438,7 @@ class PostgresStore:
 
     @contextmanager
     def segment_writer(self) -> Iterator[PostgresWriter]:
-        """The writer `flows.ingest` writes segments through, on a connection of its own."""
+        """The writer `store.ingest` writes segments through, on a connection of its own."""
         with self.connect() as con:
             for ddl in _INCOMING_DDL:
                 con.execute(ddl)
@@ -503,7 +503,7 @@ SpaceKey = tuple[str, int, str]
 
 
 class PostgresWriter:
-    """`flows.ingest`'s writes on one PostgreSQL connection (see the module docstring for why they are
+    """`store.ingest`'s writes on one PostgreSQL connection (see the module docstring for why they are
     safe with other writers at once). psycopg opens a transaction at the first statement, so `begin`
     has nothing to do."""
 

@@ -1,9 +1,9 @@
 """One way to open the log store, whichever engine holds it.
 
 A store location is a string a Prefect task can take as a parameter: a `postgresql+psycopg://` (or
-`postgresql://`) URL names the shared PostgreSQL store (`flows.store_postgres`), anything else is the
-path of the embedded DuckDB file (`flows.store`). Both stores answer the same methods (counts,
-ledger, training_frame, the pipeline's lookups and the gates table), and `flows.ingest` writes both
+`postgresql://`) URL names the shared PostgreSQL store (`store.postgres`), anything else is the
+path of the embedded DuckDB file (`store.duckdb`). Both stores answer the same methods (counts,
+ledger, training_frame, the pipeline's lookups and the gates table), and `store.ingest` writes both
 through the same judging code.
 """
 
@@ -12,11 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
-from flows.store import LogStore
+from store.duckdb import LogStore
 
 if TYPE_CHECKING:
     from flows.settings import PipelineSettings
-    from flows.store_postgres import PostgresStore
+    from store.postgres import PostgresStore
 
 Store = Union[LogStore, "PostgresStore"]
 
@@ -38,7 +38,7 @@ def store_at(location: str | Path) -> Store:
     if text.startswith("postgres://"):
         text = "postgresql://" + text[len("postgres://"):]
     if is_postgres(text):
-        from flows.store_postgres import PostgresStore
+        from store.postgres import PostgresStore
 
         return PostgresStore(text)
     if "://" in text:

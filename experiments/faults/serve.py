@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from flows.stack import group_alive
+from ops.stack import group_alive
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_START_TIMEOUT_S = 600.0

@@ -24,7 +24,7 @@ A segment's content never changes once renamed. When it does:
   `checksum_changed` (one quarantine row, and a `changed_segments` row keyed by path and checksum,
   so later runs skip it). The rows ingested from the first content stay, as do their ledger counts.
 
-Capture recipes (see `flows.store`): a segment's metadata may record the recipe its features were
+Capture recipes (see `store.duckdb`): a segment's metadata may record the recipe its features were
 captured with (`leap.recipe`, `leap_io.feedback_schema.META_RECIPE`); each accepted row stores it,
 canonicalized by `leap_core.recipes.Recipe.parse`, and a segment that records none stores NULL, which
 means `last@<layer>`. A recipe that does not parse quarantines every row of its segment
@@ -32,7 +32,7 @@ means `last@<layer>`. A recipe that does not parse quarantines every row of its 
 (`recipe_does_not_fit_dim`: no hidden size gives that dim). The dim check is per feature space
 (fingerprint, layer, recipe), so two recipes of one layer never conflict.
 
-Finish reasons (see `flows.store`): `stop` and `length` rows are training labels; `abort`, `error` and
+Finish reasons (see `store.duckdb`): `stop` and `length` rows are training labels; `abort`, `error` and
 `repetition` rows are stored but never trained on, and each report counts them by reason
 (`not_trainable`); any other reason is quarantined as `unknown_finish_reason`.
 
@@ -68,7 +68,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from flows.store import (
+from store.duckdb import (
     FINISH_REASONS,
     NOT_TRAINING_FINISH_REASONS,
     REQUIRED_COLUMNS,
@@ -77,8 +77,8 @@ from flows.store import (
     StoreBusyError,
     stored_dims,
 )
-from flows.feature_encoding import feature_bytes
-from flows.feature_files import file_name, write_feature_file
+from store.feature_encoding import feature_bytes
+from store.feature_files import file_name, write_feature_file
 from leap_core.recipes import Recipe, RecipeError
 from leap_io.jsonable import dumps
 from leap_io.object_store import is_object_url
@@ -94,7 +94,7 @@ from leap_io.feedback_schema import (
 )
 
 SpaceKey = tuple[str, int, str]
-"""A feature space: (model fingerprint, layer, capture recipe), as `flows.store.stored_dims` keys it."""
+"""A feature space: (model fingerprint, layer, capture recipe), as `store.duckdb.stored_dims` keys it."""
 
 STATUS_OK = "ok"
 STATUS_UNREADABLE = "unreadable"
@@ -434,7 +434,7 @@ class _Segment:
 
     def feature_spaces(self) -> tuple[np.ndarray, list[tuple[str | None, int | None, str | None]]]:
         """Each row's feature space as a code into the list of distinct (fingerprint, layer, recipe)
-        triples; the recipe is the segment's, else `last@<layer>` as `flows.store.RECIPE_SQL` reads it."""
+        triples; the recipe is the segment's, else `last@<layer>` as `store.duckdb.RECIPE_SQL` reads it."""
         fingerprints = pc.dictionary_encode(self.columns["model_fingerprint"])
         layers = pc.dictionary_encode(self.columns["layer"])
         # Codes shifted by one so that null (-1) is a code too, then one integer per pair.
@@ -529,7 +529,7 @@ class StoreWriter(Protocol):
     """What ingest writes through: the judging above is the same for every store, only these writes differ.
 
     The DuckDB file is written through `_DuckDBWriter`, on the one connection that holds the file;
-    `flows.store_postgres.PostgresStore.segment_writer` gives a writer whose store other workers may
+    `store.postgres.PostgresStore.segment_writer` gives a writer whose store other workers may
     write at the same time (`concurrent`): there each segment first `claim`s its ledger row under a
     lock that lasts until the transaction ends, and `store_dims` reads the dims stored for the
     segment's feature spaces inside the transaction instead of the run's snapshot.
@@ -607,7 +607,7 @@ class _DuckDBWriter:
     """The DuckDB file's writes, on the connection that holds the file's lock for the whole run: no
     other writer can run meanwhile, so the run's snapshot stays true and nothing needs claiming.
 
-    A segment's feature file (`flows.feature_files`) is written by `files`, a thread of its own,
+    A segment's feature file (`store.feature_files`) is written by `files`, a thread of its own,
     while the segment's requests go into the database; `insert_features` waits for it, so the file
     is on disk before the transaction that references it commits.
     """
@@ -831,7 +831,7 @@ def _ingest_table(writer: StoreWriter, read: _ReadSegment, known_dims: Mapping[S
 
 class SegmentSource(Protocol):
     """Where one complete segment's bytes come from: a local file (`SegmentFile`) or an object in a bucket
-    (`flows.segment_sources.ObjectSegment`). `segment` is its identity in the ledger (the resolved path, or
+    (`store.segment_sources.ObjectSegment`). `segment` is its identity in the ledger (the resolved path, or
     `s3://bucket/key`), `replica_id` the replica folder it was found in (None at the top level), `name`
     its file name (which may carry the writer's replica id), and `read_bytes()` raises
     FileNotFoundError when it vanished after it was listed."""
@@ -1082,7 +1082,7 @@ def ingest_segments(store: Any, sources: Sequence[SegmentSource], *, transaction
                     retry_failed: bool = False, _after_stage: StageHook | None = None) -> list[IngestReport]:
     """Ingest listed segments (`complete_segments`) into `store`, a `LogStore` or a `PostgresStore`,
     in order; `ingest_folder` explains `transaction_rows` and `retry_failed`. Several calls may run at
-    once on a PostgreSQL store, over the same segments or not: see `flows.store_postgres`."""
+    once on a PostgreSQL store, over the same segments or not: see `store.postgres`."""
     with store_writer(store) as writer:
         return _ingest_paths(writer, sources, _after_stage, transaction_rows, retry_failed)
 
@@ -1104,10 +1104,10 @@ def complete_segments(folder: str | Path, *, endpoint_url: str | None = None) ->
     Top-level segments come first, by name, then each sub-folder's by name, sub-folders by name.
     Temporary and hidden names, open streams (`*.arrows.partial`), deeper folders and the
     `quarantine/` folder never match. An `s3://bucket/prefix` location lists the objects under the
-    prefix the same way (`flows.segment_sources.object_segments`, at `endpoint_url`).
+    prefix the same way (`store.segment_sources.object_segments`, at `endpoint_url`).
     """
     if is_object_url(folder):
-        from flows.segment_sources import object_segments
+        from store.segment_sources import object_segments
 
         return object_segments(str(folder), endpoint_url=endpoint_url)
     def entries(path: Path) -> list[Path]:

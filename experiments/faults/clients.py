@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from harness.faults_serve import (
+from experiments.faults.serve import (
     Admin,
     ServeProcess,
     bundle_of,

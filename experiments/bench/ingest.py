@@ -2,7 +2,7 @@
 
 The segments are synthetic but shaped like the serving process's (same schema, metadata and zstd
 compression), and their lengths follow the features through a planted linear rule in sqrt space,
-so a readout fitted on them (`flows.bench_pipeline`) has something real to find.
+so a readout fitted on them (`experiments.bench.pipeline`) has something real to find.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from flows.ingest import complete_segments, deal_segments, ingest_folder, ingest_segments, totals
-from flows.store import LogStore
+from store.ingest import complete_segments, deal_segments, ingest_folder, ingest_segments, totals
+from store.duckdb import LogStore
 from leap_io.feedback_schema import feedback_schema, parquet_options, segment_metadata, segment_table
 
 BENCH_MODEL_ID = "bench-model"

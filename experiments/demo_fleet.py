@@ -47,8 +47,8 @@ def _flush(admin: str, token: str) -> dict[str, Any]:
 def _traffic(settings: Any, layout_replicas: int, model_name: str, prompts: list[dict], max_tokens: int,
              concurrency: int) -> dict[str, Any]:
     """Send the prompts round-robin to the replicas' OpenAI APIs, all at once."""
-    from flows.demo import _send_traffic
-    from flows.stack_fleet import replica_ports
+    from experiments.demo import _send_traffic
+    from ops.stack_fleet import replica_ports
 
     async def all_replicas() -> list[dict]:
         jobs = []
@@ -91,7 +91,7 @@ def _merge_refit_diff(settings: Any, store: Any, merge: dict[str, Any]) -> float
 
 def _kill_and_restart(settings: Any, rid: str) -> dict[str, Any]:
     """SIGKILL a replica's whole process group (engine core included), then start it again."""
-    from flows import stack
+    from ops import stack
 
     pid = stack.service_pid(settings.stack_dir, rid)
     if pid is None:
@@ -109,7 +109,7 @@ def _kill_and_restart(settings: Any, rid: str) -> dict[str, Any]:
 def _wait_versions(endpoints: list[str], want: str | None, timeout_s: float = 120.0) -> dict[str, str | None]:
     """The versions the replicas report, once all report `want` (or the timeout passes)."""
     from flows.fleet import replica_versions
-    from flows.promotion import serves
+    from leap_io.model_identity import serves
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -127,7 +127,7 @@ def run_fleet_demo(replicas: int = 2, n_prompts: int = 160, max_tokens: int = 10
     """Run the fleet loop once and return its summary (the keys `leap demo --replicas N --json` prints)."""
     started = time.time()
     say = progress or (lambda message: None)
-    from flows.demo import demo_environment, demo_prompts
+    from experiments.demo import demo_environment, demo_prompts
     from harness.model_prep import prepare_model
 
     say("preparing the model")
@@ -138,14 +138,14 @@ def run_fleet_demo(replicas: int = 2, n_prompts: int = 160, max_tokens: int = 10
     # the watch judges windows of this many finished requests per replica; the demo's waves are small
     os.environ.setdefault("LEAP_DRIFT_MIN_ROWS", str(max(8, len(second_wave) // (2 * replicas))))
 
-    from flows import stack
-    from flows import stack_fleet as fleet
-    from flows.demo import _capped_fraction, bootstrap_champion
+    from ops import stack
+    from ops import stack_fleet as fleet
+    from experiments.demo import _capped_fraction, bootstrap_champion
     from flows.drift import base_version, drift_flow
     from flows.fleet import merge_flow, replica_versions
     from flows.pipeline import fit_flow, gate_flow, ingest_flow, push_flow
     from flows.settings import PipelineSettings
-    from flows.stores import open_store
+    from store.stores import open_store
 
     settings = PipelineSettings()
     say(f"starting the fleet's servers: {', '.join(FLEET_SERVICES)}")

@@ -186,10 +186,10 @@ def run_demo(n_prompts: int = 240, max_tokens: int = 1024, concurrency: int = 25
     prompts = demo_prompts(n_prompts, max_prompt_chars)
     demo_environment(prompts, max_tokens)
 
-    from flows import stack
+    from ops import stack
     from flows.pipeline import fit_flow, gate_flow, ingest_flow, push_flow
     from flows.settings import PipelineSettings
-    from flows.stores import open_store
+    from store.stores import open_store
 
     settings = PipelineSettings()
     os.environ.setdefault("LEAP_ENDPOINTS", f"http://{settings.stack_host}:{settings.admin_port}")

@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from flows.feature_encoding import features_from_bytes
+from store.feature_encoding import features_from_bytes
 from leap_io.durable import write_durably
 
 FOLDER_SUFFIX = ".features"

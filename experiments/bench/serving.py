@@ -126,7 +126,7 @@ def bench_serving(prompts: list[dict], n_requests: int = 200, n_train: int = 300
 def _run_in_subprocess(kind: str, spec: Path, out: Path, via: str = "engine") -> dict:
     if via == "http":
         return run_http(kind, json.loads(spec.read_text()))
-    command = [sys.executable, "-m", "harness.serving_bench", kind, str(spec), str(out)]
+    command = [sys.executable, "-m", "experiments.bench.serving", kind, str(spec), str(out)]
     done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"the {kind} engine run failed ({done.returncode}):\n{done.stderr[-4000:]}")

@@ -1,6 +1,6 @@
 """The local stack: MLflow, Prefect and the serving process as detached processes on loopback.
 
-`up(..., fleet=N)` starts the fleet instead (flows/stack_fleet.py): PostgreSQL, an S3 server, MLflow and
+`up(..., fleet=N)` starts the fleet instead (ops/stack_fleet.py): PostgreSQL, an S3 server, MLflow and
 Prefect on them, two Prefect process workers on the work pool `leap` and N serving replicas. A service
 may name others that must answer before it starts (`after`) and work to do first (`prepare`: a
 database, a bucket, the work pool); `up` starts each one as soon as what it waits for answers.
@@ -70,7 +70,7 @@ def program(name: str) -> str:
 
 def service_specs(settings: PipelineSettings) -> dict[str, Service]:
     """The services of this home's stack, in start order: the fleet's while `up --fleet` recorded one."""
-    from flows import stack_fleet as fleet
+    from ops import stack_fleet as fleet
 
     layout = fleet.read_layout(settings)
     if layout is not None:
@@ -231,7 +231,7 @@ def status(settings: PipelineSettings, names: Iterable[str] | None = None) -> di
     /metrics), so a fleet that disagrees on its version shows it here. `fleet` is the recorded layout
     (None for the single-machine stack).
     """
-    from flows import stack_fleet as fleet
+    from ops import stack_fleet as fleet
 
     specs = service_specs(settings)
     services, replicas = {}, []
@@ -266,14 +266,14 @@ def up(settings: PipelineSettings, names: Iterable[str] | None = None, wait: boo
        timeout_s: float | None = None, fleet: int | None = None) -> dict[str, Any]:
     """Start the services that are not running, then wait until all of them answer (when `wait`).
 
-    `fleet=N` records the fleet layout with N serving replicas first (flows/stack_fleet.py); without it a
+    `fleet=N` records the fleet layout with N serving replicas first (ops/stack_fleet.py); without it a
     recorded fleet is started again as recorded, unless none of its services runs, in which case the
     single-machine stack is started instead. A running service is left alone, so `up` twice starts
     nothing the second time. A service waits for those it names in `after` (started too when they do
     not run); `wait=False` returns once every chosen service has been started. Raises StackError when
     a port is held by a process the stack did not start, or a service exits or times out starting.
     """
-    from flows import stack_fleet as fleet_module
+    from ops import stack_fleet as fleet_module
 
     stack_dir = settings.stack_dir
     stack_dir.mkdir(parents=True, exist_ok=True)
@@ -381,7 +381,7 @@ def stop_process(pid: int, grace_s: float = 15.0, sig: int = signal.SIGTERM) -> 
 def down(settings: PipelineSettings, names: Iterable[str] | None = None, grace_s: float = 15.0) -> dict[str, Any]:
     """Stop the services the stack started (in reverse order) and remove their pid files; once none of a
     fleet's services runs, its recorded layout and env file go too (its data folders stay)."""
-    from flows import stack_fleet as fleet
+    from ops import stack_fleet as fleet
 
     specs = service_specs(settings)
     stopped = {}

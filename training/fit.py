@@ -4,7 +4,7 @@ Plain functions (the fit flow wraps them in Prefect tasks). The test set is the 
 window, because a readout is always applied to requests that arrive after it was fitted; the ridge
 penalty is chosen the same way, on the newest part of the training split, so the test set stays
 unseen until the final figures. Only rows whose finish reason is a training label (`stop`,
-`length`: `flows.store.TRAINING_FINISH_REASONS`) are fitted on; `abort`, `error` and `repetition`
+`length`: `store.duckdb.TRAINING_FINISH_REASONS`) are fitted on; `abort`, `error` and `repetition`
 rows are left out, because their length is where they were cut off, not where the model would have
 stopped, and the fit's params count them by reason (`n_excluded_<reason>`).
 """
@@ -22,7 +22,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from threadpoolctl import threadpool_limits
 
-from flows.store import (
+from store.duckdb import (
     NOT_TRAINING_FINISH_REASONS,
     TRAINING_FINISH_REASONS,
     LogStore,
