@@ -35,3 +35,21 @@ def write_durably(final: Path, write: Callable[[Path], None]) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(final.parent)
+
+
+def write_bytes_durably(final: Path, data: bytes, mode: int | None = None) -> None:
+    """`data` as the whole of `final`, durably (`write_durably`); `mode` (for example 0o600 for a
+    secret) is set on the temporary file before a byte is written, so the file never exists readable
+    by others."""
+
+    def write(tmp: Path) -> None:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644 if mode is None else mode)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+
+    write_durably(Path(final), write)
+
+
+def write_text_durably(final: Path, text: str, mode: int | None = None) -> None:
+    """`text` (UTF-8) as the whole of `final`, durably (`write_bytes_durably`)."""
+    write_bytes_durably(final, text.encode("utf-8"), mode)
