@@ -8,6 +8,7 @@ demo: install
 	.venv/bin/leap demo
 
 test: install
+	.venv/bin/lint-imports
 	.venv/bin/python -m pytest -q tests
 
 bench: install
