@@ -64,27 +64,29 @@ def feedback_rows(base: RLS | State, state: RLS | State) -> int:
     return int(rows)
 
 
+_MERGE_KEYS = ("A", "b", "mean", "scale", "counters", "alpha", "forgetting")
+
+
+def _check_complete(state: State, where: str) -> None:
+    """ValueError unless `state` holds every array a merge reads and was learned without forgetting."""
+    missing = [key for key in _MERGE_KEYS if key not in state]
+    if missing:
+        raise ValueError(f"{where}: the state lacks arrays {missing}")
+    if _scalar(state, "forgetting") != 1.0:
+        raise ValueError(f"{where}: forgetting is {_scalar(state, 'forgetting')}; an exact merge needs "
+                         "forgetting 1 (a discounted anchor cannot be separated from the feedback)")
+
+
 def check_mergeable(base: RLS | State, replicas: Sequence[RLS | State]) -> list[int]:
     """The rows each replica folded on top of `base`; ValueError, naming the replica (by position) and
     the reason, when a state cannot enter an exact merge (see the module docstring)."""
     base = _arrays(base)
-    keys = ("A", "b", "mean", "scale", "counters", "alpha", "forgetting")
-    missing = [key for key in keys if key not in base]
-    if missing:
-        raise ValueError(f"the base state lacks arrays {missing}")
-    if _scalar(base, "forgetting") != 1.0:
-        raise ValueError(f"the base state has forgetting {_scalar(base, 'forgetting')}; an exact merge needs "
-                         "forgetting 1 (a discounted anchor cannot be separated from the feedback)")
+    _check_complete(base, "the base")
     rows = []
     for index, replica in enumerate(replicas):
         replica = _arrays(replica)
         where = f"replica {index}"
-        missing = [key for key in keys if key not in replica]
-        if missing:
-            raise ValueError(f"{where}: the state lacks arrays {missing}")
-        if _scalar(replica, "forgetting") != 1.0:
-            raise ValueError(f"{where}: forgetting is {_scalar(replica, 'forgetting')}; an exact merge needs "
-                             "forgetting 1 (a discounted anchor cannot be separated from the feedback)")
+        _check_complete(replica, where)
         if np.shape(replica["A"]) != np.shape(base["A"]) or np.shape(replica["b"]) != np.shape(base["b"]):
             raise ValueError(f"{where}: information of shape {np.shape(replica['A'])} does not match the "
                              f"base's {np.shape(base['A'])}")
