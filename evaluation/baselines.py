@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 
 import hashlib
-import os
 import pickle
 import time
 from collections.abc import Iterator
@@ -44,6 +43,7 @@ from sklearn.preprocessing import StandardScaler
 from leap_core.metrics import spearman
 from leap_core.readout import LinearReadout
 from leap_core.targets import to_lengths, transform
+from leap_io.durable import write_durably
 from leap_io.jsonable import dumps
 
 # evaluation.encoder and transformers are imported inside the encoder predictors: they take seconds to
@@ -659,7 +659,7 @@ def fit_cached(predictor: BaseEstimator, data: LengthData, cache_dir: Path | Non
     """`predictor.fit(data)`, or the fitted predictor pickled by an earlier identical call (`cache_key`).
 
     The fine-tuned encoders take minutes per epoch on CPU; the cache makes reruns of a study cheap.
-    The file is written under a temporary name and renamed, so a crash never leaves a half file.
+    The file is written durably (`leap_io.durable`), so a crash never leaves a half file.
     """
     if cache_dir is None:
         return predictor.fit(data)
@@ -669,8 +669,10 @@ def fit_cached(predictor: BaseEstimator, data: LengthData, cache_dir: Path | Non
             return pickle.load(handle)
     predictor.fit(data)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with partial.open("wb") as handle:
-        pickle.dump(predictor, handle, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(partial, path)
+
+    def dump(partial: Path) -> None:
+        with partial.open("wb") as handle:
+            pickle.dump(predictor, handle, protocol=pickle.HIGHEST_PROTOCOL)
+
+    write_durably(path, dump)
     return predictor

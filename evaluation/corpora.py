@@ -22,7 +22,7 @@ def load_or_build(prompt_lists: Sequence[Sequence[dict]], max_tokens: int, model
                   say: Callable[[str], None] = lambda message: None, build: bool = True) -> list[Corpus]:
     """One corpus per prompt list (rows in prompt order), generating only what the cache lacks
     (`build=False`: use only the rows already recorded)."""
-    from serving.worker import default_layer
+    from leap_core.layers import default_layer
 
     info = model_info(model)
     layer = ALL_LAYERS if all_layers else (default_layer(info.num_layers) if layer is None else layer)
@@ -61,7 +61,7 @@ def load_or_build_decode_states(prompts: Sequence[dict], max_tokens: int, model:
     the prompts the snapshot and the cache lack (`build=False`: only the rows already recorded)."""
     from harness.decode_states import build_decode_states, missing_prompts, split_ids
     from harness.experiment import open_live
-    from serving.worker import default_layer
+    from leap_core.layers import default_layer
 
     info = model_info(model)
     layer = default_layer(info.num_layers)
@@ -177,7 +177,7 @@ def build_snapshot(selection: str, all_layers_selection: str, max_tokens: int = 
     from evaluation.selections import seeded_prompts, select
     from harness import snapshot
     from harness.corpus import noted_skipped
-    from serving.worker import default_layer
+    from leap_core.layers import default_layer
 
     info = model_info(model)
     layer = default_layer(info.num_layers)

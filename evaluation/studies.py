@@ -85,7 +85,7 @@ def targets_study(max_tokens: int = 1024, model: str | None = None, say: Say = _
 def layers_study(n_prompts: int = 400, test_fraction: float = 0.3, max_tokens: int = 1024,
                  model: str | None = None, say: Say = _quiet) -> dict:
     """Every layer's state for ShareGPT prompts, split once into training and test rows."""
-    from serving.worker import default_layer
+    from leap_core.layers import default_layer
 
     prompts = select(f"sharegpt:{n_prompts}")
     corpus = load_or_build([prompts], max_tokens, model, all_layers=True, say=say)[0]

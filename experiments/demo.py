@@ -91,7 +91,7 @@ def bootstrap_champion(tracking_uri: str, model: Any, max_tokens: int, exclude: 
     from leap_core.recipes import RECIPE_VERSION, Recipe, union
     from leap_core.rls import fit_readout_with_anchor
     from registry.client import CHAMPION, ReadoutRegistry
-    from serving.worker import default_layer
+    from leap_core.layers import default_layer
 
     corpus_layer = default_layer(model.num_layers)
     key = corpus_key(model.fingerprint, corpus_layer, max_tokens, DEFAULT_DECODING)
@@ -186,9 +186,10 @@ def run_demo(n_prompts: int = 240, max_tokens: int = 1024, concurrency: int = 25
     prompts = demo_prompts(n_prompts, max_prompt_chars)
     demo_environment(prompts, max_tokens)
 
-    from ops import stack
     from flows.pipeline import fit_flow, gate_flow, ingest_flow, push_flow
     from flows.settings import PipelineSettings
+    from leap_io.pidfiles import service_pid
+    from ops import stack
     from store.stores import open_store
 
     settings = PipelineSettings()
@@ -199,7 +200,7 @@ def run_demo(n_prompts: int = 240, max_tokens: int = 1024, concurrency: int = 25
     if bootstrap.get("recipe_candidates"):  # the replica captures every candidate; serving finds the champion
         os.environ.setdefault("LEAP_RECIPES", ",".join(bootstrap["recipe_candidates"]))  # under their layer
     os.environ.setdefault("LEAP_REGISTRY_URI", settings.mlflow_tracking_uri)  # serving loads the champion
-    was_running = stack.service_pid(settings.stack_dir, "serving") is not None
+    was_running = service_pid(settings.stack_dir, "serving") is not None
     say("starting the serving process (vLLM + LEAP)")
     stack.up(settings, ["serving"])
     summary: dict[str, Any] = {"model": model.model_id, "model_fingerprint": model.fingerprint,

@@ -91,16 +91,17 @@ def _merge_refit_diff(settings: Any, store: Any, merge: dict[str, Any]) -> float
 
 def _kill_and_restart(settings: Any, rid: str) -> dict[str, Any]:
     """SIGKILL a replica's whole process group (engine core included), then start it again."""
+    from leap_io.pidfiles import pid_file, service_pid
     from ops import stack
 
-    pid = stack.service_pid(settings.stack_dir, rid)
+    pid = service_pid(settings.stack_dir, rid)
     if pid is None:
         return {"replica": rid, "killed": False}
     os.killpg(os.getpgid(pid), signal.SIGKILL)
     deadline = time.monotonic() + 60
     while stack.group_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    stack.pid_file(settings.stack_dir, rid).unlink(missing_ok=True)
+    pid_file(settings.stack_dir, rid).unlink(missing_ok=True)
     started = time.monotonic()
     stack.up(settings, [rid])
     return {"replica": rid, "killed": True, "restart_s": round(time.monotonic() - started, 1)}
@@ -140,6 +141,7 @@ def run_fleet_demo(replicas: int = 2, n_prompts: int = 160, max_tokens: int = 10
 
     from ops import stack
     from ops import stack_fleet as fleet
+    from ops.fleet_env import apply_environment
     from experiments.demo import _capped_fraction, bootstrap_champion
     from flows.drift import base_version, drift_flow
     from flows.fleet import merge_flow, replica_versions
@@ -150,7 +152,7 @@ def run_fleet_demo(replicas: int = 2, n_prompts: int = 160, max_tokens: int = 10
     settings = PipelineSettings()
     say(f"starting the fleet's servers: {', '.join(FLEET_SERVICES)}")
     stack.up(settings, list(FLEET_SERVICES), fleet=replicas)
-    fleet.apply_environment()
+    apply_environment()
     os.environ.pop("PREFECT_API_URL", None)  # the flows run in this process; the fleet's Prefect is not started
     settings = PipelineSettings()
     rids = [fleet.replica_id(index) for index in range(replicas)]

@@ -47,6 +47,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from flows.settings import PipelineSettings
+from leap_io.durable import write_text_durably
 from leap_io.jsonable import dumps, to_jsonable
 
 STATE_VERSION = 1
@@ -208,9 +209,7 @@ def state_file(path: Path, keep: int) -> Iterator[tuple[DriftState, dict[str, An
         else:
             state = DriftState(None, keep)
         yield state, notes
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(dumps(to_jsonable(state.to_dict(), nonfinite="keep"), nonfinite="keep"))
-        os.replace(tmp, path)
+        write_text_durably(path, dumps(to_jsonable(state.to_dict(), nonfinite="keep"), nonfinite="keep"))
 
 
 # ---------------------------------------------------------------------------- decisions
@@ -356,18 +355,18 @@ def scrape_replica(endpoint: str, timeout: float, now: float) -> dict[str, Any]:
 
 
 @task(name="champion-baseline", cache_policy=NO_CACHE)
-def champion_baseline(tracking_uri: str, name: str) -> dict[str, Any]:
+def champion_baseline(settings: PipelineSettings, name: str) -> dict[str, Any]:
     """The champion's registered version, readout version and validation MAE; the previous champion's
     readout version (None values where there is none)."""
-    from registry.client import CHAMPION, PREVIOUS_CHAMPION, ReadoutRegistry
+    from flows.tasks import registry_of
+    from registry.aliases import CHAMPION, PREVIOUS_CHAMPION
 
-    registry = ReadoutRegistry(tracking_uri)
+    registry = registry_of(settings)
     aliases = registry.aliases(name)
     champion = aliases.get(CHAMPION)
     if champion is None:
         return asdict(Baseline(None, None, None))
-    run_id = registry.client.get_model_version(name, str(champion)).run_id
-    metrics = dict(registry.client.get_run(run_id).data.metrics) if run_id else {}
+    metrics = registry.version_metrics(name, champion)
     readout = str(registry.load_readout(name, champion).metadata.get("version", ""))
     previous = aliases.get(PREVIOUS_CHAMPION)
     previous_readout = (str(registry.load_readout(name, previous).metadata.get("version", ""))
@@ -411,20 +410,20 @@ def _carry_out(decision: dict[str, Any], settings: PipelineSettings, name: str, 
     """Act on one decision; its outcome (or the error) is written into it. Never raises."""
     action = decision["action"]
     try:
-        from flows.tasks import push_champion, rollback_champion
+        from flows.tasks import push_champion, registry_uri, rollback_champion
 
         if action == RETRAIN:
             state.last_retrain_at = now  # a retrain that fails is not retried before the cooldown either
             decision["outcome"] = start_retrain(settings.drift_retrain_deployment)
         elif action == RESET:
             state.last_reset_at[decision["replica"]] = now
-            decision["outcome"] = push_champion(settings.mlflow_tracking_uri, name, [decision["replica"]],
+            decision["outcome"] = push_champion(registry_uri(settings), name, [decision["replica"]],
                                                 settings.token(), retries=settings.push_retries,
                                                 timeout=settings.push_timeout_s,
                                                 lock_path=str(settings.alias_lock_path))
         elif action == ROLLBACK:
             state.last_rollback_at = now
-            decision["outcome"] = rollback_champion(settings.mlflow_tracking_uri, name, settings.endpoints,
+            decision["outcome"] = rollback_champion(registry_uri(settings), name, settings.endpoints,
                                                     settings.token(), str(settings.promotion_journal_dir),
                                                     str(settings.alias_lock_path), settings.push_retries,
                                                     settings.push_timeout_s)
@@ -454,7 +453,7 @@ def drift_flow(name: str | None = None, act: bool = True) -> dict[str, Any]:
     baseline, registry_error = Baseline(None, None, None), None
     if name is not None:
         try:
-            baseline = Baseline(**champion_baseline(settings.mlflow_tracking_uri, name))
+            baseline = Baseline(**champion_baseline(settings, name))
         except Exception as exc:  # noqa: BLE001 - observations are still recorded; nothing is decided
             registry_error = f"{type(exc).__name__}: {exc}"
     with state_file(settings.drift_state_path, settings.drift_history) as (state, notes):

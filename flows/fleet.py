@@ -48,19 +48,16 @@ import numpy as np
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.promotion import PushOptions, promote, readout_bundle
-from leap_io.model_identity import serves
+from flows.promotion import PushOptions, promote
 from flows.push import PushFailed, push_readout
 from flows.settings import PipelineSettings
-from flows.tasks import MERGE_ROWS_UNTIL_TAG
+from flows.tasks import plain, registry_at, registry_of, registry_uri
 from leap_core.fleet_rls import check_mergeable, merge_anchored, refit_max_abs_diff
-from leap_io.jsonable import to_jsonable
-from registry.client import CHAMPION, ReadoutRegistry
+from leap_io.model_identity import serves
+from registry.aliases import CHAMPION
+from registry.client import ReadoutRegistry
+from registry.lookups import MERGE_ROWS_UNTIL_TAG
 from serving.admin import RLS_INFO_HEADER, RLS_PATH
-
-
-def _plain(value: Any) -> Any:
-    return to_jsonable(value, nonfinite="keep")
 
 
 # ---------------------------------------------------------------------------- reading replicas
@@ -122,33 +119,12 @@ def choose_base(replicas: Sequence[Mapping[str, Any]], champion_readout_version:
     return max(counts, key=lambda v: (counts[v], v == champion_readout_version, rows[v]))
 
 
-def registered_version_of(registry: ReadoutRegistry, name: str, readout_version: str) -> str | None:
-    """The registry version whose readout is `readout_version` (the champion's first), or None."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        versions = registry.list_versions(name)
-    except MlflowException:  # no such registered model: nothing to anchor at
-        return None
-    champion = registry.get_alias(name, CHAMPION)
-    ordered = sorted(versions, key=lambda v: v.version != champion)
-    return next((v.version for v in ordered if v.tags.get("readout_version") == readout_version), None)
-
-
 def _merge_key(base_version: str, states: Sequence[Mapping[str, np.ndarray]]) -> str:
     digest = hashlib.sha256(base_version.encode())
     for part in sorted(hashlib.sha256(np.ascontiguousarray(s["A"]).tobytes()
                                       + np.ascontiguousarray(s["b"]).tobytes()).hexdigest() for s in states):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
-
-
-def _registered_merge(registry: ReadoutRegistry, name: str, merge_key: str) -> tuple[str, str] | None:
-    """(registry version, readout version) of a merge registered before with this key."""
-    for version in registry.list_versions(name):
-        if version.tags.get("merge_key") == merge_key:
-            return version.version, version.tags.get("readout_version", "")
-    return None
 
 
 # ---------------------------------------------------------------------------- merging
@@ -159,7 +135,7 @@ def merge_and_register(tracking_uri: str, lock_path: str | None, name: str | Non
     """Choose the base, check every replica on it, merge, and register the merged version (or find the
     one registered before from the same states). Returns the merge's figures; `status` "merged",
     "nothing-to-merge", "no-base", "base-not-registered" or "base-not-champion"."""
-    registry = ReadoutRegistry(tracking_uri, lock_path=lock_path)
+    registry = registry_at(tracking_uri, lock_path)
     usable = [r for r in replicas if r["status"] == "ok"]
     if not usable:
         return {"status": "no-base", "reason": "no replica answered with RLS state"}
@@ -167,10 +143,9 @@ def merge_and_register(tracking_uri: str, lock_path: str | None, name: str | Non
         meta = usable[0]["readout"].metadata
         name = ReadoutRegistry.model_name(str(meta["model_id"]), int(meta["layer"]))
     champion = registry.get_alias(name, CHAMPION)
-    champion_readout = next((v.tags.get("readout_version") for v in registry.list_versions(name)
-                             if v.version == champion), None) if champion else None
+    champion_readout = registry.version_info(name, champion).tags.get("readout_version") if champion else None
     base_version = choose_base(replicas, champion_readout)
-    base_registry = registered_version_of(registry, name, base_version)
+    base_registry = registry.find_readout(name, base_version)
     for r in replicas:
         if r["status"] == "ok" and r["base_version"] != base_version:
             r["status"], r["error"] = "other-base", f"anchored at {r['base_version']}, not at the base {base_version}"
@@ -204,7 +179,7 @@ def merge_and_register(tracking_uri: str, lock_path: str | None, name: str | Non
         return {"status": "nothing-to-merge", **figures}
     merged = merge_anchored(base_readout, base_state, [r["state"] for r in merged_in])
     merge_key = _merge_key(base_version, [r["state"] for r in merged_in])
-    found = _registered_merge(registry, name, merge_key)
+    found = registry.find_merge(name, merge_key)
     if found is not None:
         return {"status": "merged", "reused": True, "version": found[0], "readout_version": found[1],
                 "merge_key": merge_key, **figures}
@@ -220,9 +195,7 @@ def merge_and_register(tracking_uri: str, lock_path: str | None, name: str | Non
     logged = registry.log_readout(readout, rls=merged, params={"merged_from": base_registry, "merge_key": merge_key,
                                                                "merge_replicas": len(rows)},
                                   metrics={"rows_merged": float(figures["rows_merged"])},
-                                  run_name=f"merge-{readout_version}", tags=tags)
-    for key, value in tags.items():  # on the version too: the registry lists versions with their tags
-        registry.client.set_model_version_tag(name, logged.version, key, value)
+                                  run_name=f"merge-{readout_version}", tags=tags, version_tags=tags)
     return {"status": "merged", "reused": False, "version": logged.version, "readout_version": readout_version,
             "merge_key": merge_key, **figures}
 
@@ -233,7 +206,7 @@ def merge_refit_diff(registry: ReadoutRegistry, name: str, version: str | int, X
     on its base's registered information and the feedback rows (X, lengths) the merged replicas folded."""
     merged_readout = registry.load_readout(name, version)
     merged = registry.load_rls_state(name, version, readout=merged_readout)
-    base_version = registry.client.get_model_version(name, str(version)).tags.get("merged_from")
+    base_version = registry.version_info(name, version).tags.get("merged_from")
     if merged is None or not base_version:
         raise LookupError(f"{name} v{version} is not a merged version with RLS state")
     base_readout = registry.load_readout(name, base_version)
@@ -251,7 +224,7 @@ def reconcile_replicas(tracking_uri: str, name: str, endpoints: Sequence[str], t
     not answer are reported, not failed: they take the published champion when they start."""
     from flows.push import serving_version
 
-    registry = ReadoutRegistry(tracking_uri, lock_path=lock_path)
+    registry = registry_at(tracking_uri, lock_path)
     with registry.alias_lock.held():
         champion = registry.get_alias(name, CHAMPION)
         if champion is None:
@@ -266,7 +239,7 @@ def reconcile_replicas(tracking_uri: str, name: str, endpoints: Sequence[str], t
                 report["unreachable"][endpoint] = f"{type(exc).__name__}: {exc}"
                 continue
             if bundle is None:
-                bundle, expected = readout_bundle(registry, name, champion, force=True)
+                bundle, expected = registry.push_bundle(name, champion, force=True)
             if serves(reported, expected):
                 report["in_step"].append(endpoint)
                 continue
@@ -309,7 +282,7 @@ def merge_flow(name: str | None = None) -> dict[str, Any]:
     started = time.monotonic()
     snapshot_at = time.time()
     replicas = fetch_replica_states(settings.endpoints, token, settings.push_timeout_s)
-    merged = merge_and_register(settings.mlflow_tracking_uri, lock, name, replicas, snapshot_at)
+    merged = merge_and_register(registry_uri(settings), lock, name, replicas, snapshot_at)
     reports = [_replica_report(r) for r in replicas]
     skipped = [r for r in reports if r["status"] not in ("ok", "unreachable")]
     result: dict[str, Any] = {
@@ -322,7 +295,7 @@ def merge_flow(name: str | None = None) -> dict[str, Any]:
     name = merged.get("name") or name
     if merged["status"] == "merged" and answering:
         options = PushOptions(token, retries=settings.push_retries, timeout=settings.push_timeout_s)
-        registry = ReadoutRegistry(settings.mlflow_tracking_uri, lock_path=lock)
+        registry = registry_of(settings)
         with registry.alias_lock.held():  # the champion checked and replaced in one step
             now = registry.get_alias(name, CHAMPION)
             if now != merged["champion"] and now != merged["version"]:
@@ -334,7 +307,7 @@ def merge_flow(name: str | None = None) -> dict[str, Any]:
                 result["promotion"] = {key: promoted[key]
                                        for key in ("champion", "replaced", "aliases", "published")}
     if name:
-        result["reconcile"] = reconcile_replicas(settings.mlflow_tracking_uri, name, settings.endpoints, token, lock,
+        result["reconcile"] = reconcile_replicas(registry_uri(settings), name, settings.endpoints, token, lock,
                                                  settings.push_retries, settings.push_timeout_s)
     versions = replica_versions(settings.endpoints)
     result["versions"] = versions
@@ -343,15 +316,15 @@ def merge_flow(name: str | None = None) -> dict[str, Any]:
     result["seconds"] = round(time.monotonic() - started, 3)
     get_run_logger().info("merge: %s, %s rows from %s replicas, versions %s", merged["status"],
                           merged.get("rows_merged"), merged.get("replicas_merged"), versions)
-    return _plain(result)
+    return plain(result)
 
 
 @flow(name="leap-reconcile")
 def reconcile_flow(name: str | None = None) -> dict[str, Any]:
     """Push the champion to every replica that does not serve it (after replicas start, or any time)."""
-    from flows.pipeline import _model_name
+    from flows.pipeline import model_name_for
 
     settings = PipelineSettings()
-    name = _model_name(settings, name)
-    return _plain(reconcile_replicas(settings.mlflow_tracking_uri, name, settings.endpoints, settings.token(),
+    name = model_name_for(settings, name)
+    return plain(reconcile_replicas(registry_uri(settings), name, settings.endpoints, settings.token(),
                                      str(settings.alias_lock_path), settings.push_retries, settings.push_timeout_s))

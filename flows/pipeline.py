@@ -31,16 +31,19 @@ from flows.tasks import (
     push_champion,
     record_gate,
     recorded_gate,
+    registry_of,
+    registry_uri,
     rollback_champion,
     run_gate,
     select_training_window,
     store_summary,
 )
+from registry.aliases import CHALLENGER, CHAMPION
+from registry.client import ReadoutRegistry
 from training.fit import NotEnoughRowsError
-from registry.client import CHALLENGER, CHAMPION, ReadoutRegistry
 
 
-def _model_name(settings: PipelineSettings, name: str | None) -> str:
+def model_name_for(settings: PipelineSettings, name: str | None) -> str:
     """The registered model of the latest feedback's feature space, unless named."""
     if name:
         return name
@@ -107,7 +110,7 @@ def fit_flow(since: float | None = None, until: float | None = None, alpha: str 
     try:
         frame = select_training_window(store_location(settings), space, since, until, settings.domains,
                                        settings.min_rows)
-        result = fit_and_register(frame, settings.mlflow_tracking_uri, space, alpha or settings.alpha,
+        result = fit_and_register(frame, registry_uri(settings), space, alpha or settings.alpha,
                                   settings.target, settings.max_tokens, settings.test_fraction,
                                   window={"since": since, "until": until, "domains": settings.domains},
                                   fallback_max_tokens=largest_max_tokens(store, space),
@@ -127,8 +130,8 @@ def gate_flow(version: str | None = None, name: str | None = None, force: bool =
     A verdict already recorded for the same challenger and champion is returned unless `force`.
     """
     settings = PipelineSettings()
-    name = _model_name(settings, name)
-    registry = ReadoutRegistry(settings.mlflow_tracking_uri)
+    name = model_name_for(settings, name)
+    registry = registry_of(settings)
     challenger = str(version) if version else registry.get_alias(name, CHALLENGER)
     champion = registry.get_alias(name, CHAMPION)
     base = {"name": name, "challenger": challenger, "champion": champion}
@@ -142,7 +145,7 @@ def gate_flow(version: str | None = None, name: str | None = None, force: bool =
         if recorded is not None:
             return {"status": "recorded", **base, **recorded}
     gate = run_gate(settings, name, challenger, champion)
-    logged = record_gate(store_location(settings), settings.mlflow_tracking_uri, name, challenger, champion,
+    logged = record_gate(store_location(settings), registry_uri(settings), name, challenger, champion,
                          gate["results"], gate["verdict"])
     get_run_logger().info("gate: %s v%s vs %s: %s", name, challenger, champion or "fcfs", gate["verdict"]["reason"])
     summaries = {policy: {k: v for k, v in figures.items() if k not in ("ptl", "output_tokens")}
@@ -157,14 +160,14 @@ def push_flow(version: str | None = None, name: str | None = None, promote: bool
     champion on every replica and in the registry, all or nothing, which needs a passing gate recorded
     against the current champion."""
     settings = PipelineSettings()
-    name = _model_name(settings, name)
+    name = model_name_for(settings, name)
     lock = str(settings.alias_lock_path)
     if not promote:
-        pushed = push_champion(settings.mlflow_tracking_uri, name, settings.endpoints, settings.token(),
+        pushed = push_champion(registry_uri(settings), name, settings.endpoints, settings.token(),
                                version=version, retries=settings.push_retries, timeout=settings.push_timeout_s,
                                lock_path=lock)
         return plain({"status": "pushed", **pushed})
-    registry = ReadoutRegistry(settings.mlflow_tracking_uri, lock_path=lock)
+    registry = registry_of(settings)
     candidate = str(version) if version else registry.get_alias(name, CHALLENGER)
     champion = registry.get_alias(name, CHAMPION)
     if candidate is None:
@@ -174,7 +177,7 @@ def push_flow(version: str | None = None, name: str | None = None, promote: bool
         reason = "no gate recorded against the current champion" if recorded is None else recorded["verdict"]["reason"]
         return {"status": "not-promoted", "name": name, "challenger": candidate, "champion": champion,
                 "reason": reason}
-    promoted = promote_if_passed(settings.mlflow_tracking_uri, name, candidate, recorded["verdict"],
+    promoted = promote_if_passed(registry_uri(settings), name, candidate, recorded["verdict"],
                                  settings.endpoints, settings.token(), str(settings.promotion_journal_dir), lock,
                                  settings.push_retries, settings.push_timeout_s, settings.champion_url)
     get_run_logger().info("push: %s v%s serving on %d replicas, promoted", name, candidate, len(promoted["pushed"]))
@@ -186,8 +189,8 @@ def rollback_flow(name: str | None = None) -> dict[str, Any]:
     """Make previous-champion the champion again: the aliases move and the restored champion is pushed
     to every replica, all or nothing (the demoted version becomes previous-champion)."""
     settings = PipelineSettings()
-    name = _model_name(settings, name)
-    result = rollback_champion(settings.mlflow_tracking_uri, name, settings.endpoints, settings.token(),
+    name = model_name_for(settings, name)
+    result = rollback_champion(registry_uri(settings), name, settings.endpoints, settings.token(),
                                str(settings.promotion_journal_dir), str(settings.alias_lock_path),
                                settings.push_retries, settings.push_timeout_s, settings.champion_url)
     get_run_logger().info("rollback: %s v%s is champion again on %d replicas", name, result["version"],

@@ -11,7 +11,7 @@
 champion is pushed to every replica, so the registry never names one readout while replicas serve
 another.
 
-How. Under the alias lock (`registry.client.AliasLock`, held for the whole operation so no other
+How. Under the alias lock (`registry.locking.AliasLock`, held for the whole operation so no other
 alias writer or champion push interleaves), the aliases are read once, both readouts' push bundles
 are fetched from MLflow before anything moves, and a journal is written to the state folder
 (`<journal_dir>/<model>.json`, with the previous champion's bundle next to it). Then every replica
@@ -21,7 +21,7 @@ earlier state is restored: the previous champion's bundle (already in hand, so t
 is pushed back to every replica that reports V, and, if any alias write was attempted, the aliases
 are written back as they were read. A process killed part-way leaves its journal, and the next
 promotion or rollback of that model restores the earlier state from it first (or refuses to start
-while it cannot). MLflow calls are retried with backoff (`registry.client.call_with_retry`) and then
+while it cannot). Registry calls are retried with backoff (`registry.calls.call_with_retry`) and then
 fail loudly; nothing here ever changes serving except by a verified push.
 
 Once done, and still under the lock, the new champion's bundle is published (`leap_io.champion`, at
@@ -43,8 +43,10 @@ from typing import Any
 import httpx
 
 from flows.push import PushFailed, push_readout, serving_version
+from leap_io.durable import write_bytes_durably, write_text_durably
 from leap_io.model_identity import serves
-from registry.client import ALIASES, CHAMPION, ReadoutRegistry
+from registry.aliases import ALIASES, CHAMPION
+from registry.client import ReadoutRegistry
 
 PROMOTE = "promote"
 ROLLBACK = "rollback"
@@ -68,21 +70,6 @@ class PushOptions:
     retries: int = 3
     timeout: float = 30.0
     backoff_s: float = 0.5
-
-
-def readout_bundle(registry: ReadoutRegistry, name: str, version: str, force: bool = False) -> tuple[bytes, str]:
-    """The push bundle of a registered version (readout and RLS state) and its readout version.
-
-    `force` lets the bundle replace a newer readout on a replica (replicas refuse to go back to an
-    older version otherwise): set for a rollback and for putting the previous champion back.
-    """
-    from leap_core.readout_format import to_bytes
-    from leap_io.push_bundle import make_bundle
-
-    readout = registry.load_readout(name, version)
-    rls = registry.load_rls_state(name, version, readout=readout)
-    bundle = make_bundle(to_bytes(readout), rls.state_arrays() if rls is not None else None, force=force)
-    return bundle, str(readout.metadata.get("version", ""))
 
 
 def _reported(endpoint: str, options: PushOptions) -> str | None:
@@ -120,27 +107,19 @@ class _Journal:
     def start(self, state: Mapping[str, Any], previous_bundle: bytes | None) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         if previous_bundle is not None:
-            self._write(self.bundle_path, previous_bundle)
+            write_bytes_durably(self.bundle_path, previous_bundle)
         else:
             self.bundle_path.unlink(missing_ok=True)
         self.update(**state)
 
     def update(self, **changes: Any) -> None:
         self.state.update(changes)
-        self._write(self.path, json.dumps(self.state, sort_keys=True, indent=1).encode())
+        write_text_durably(self.path, json.dumps(self.state, sort_keys=True, indent=1))
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
         self.bundle_path.unlink(missing_ok=True)
 
-    @staticmethod
-    def _write(path: Path, data: bytes) -> None:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------- restoring
@@ -259,10 +238,10 @@ def _change(registry: ReadoutRegistry, name: str, kind: str,
             target = target_of(before)
             version = str(target[CHAMPION])
             previous = before.get(CHAMPION)
-            bundle, expected = readout_bundle(registry, name, version, force=kind == ROLLBACK)
+            bundle, expected = registry.push_bundle(name, version, force=kind == ROLLBACK)
             previous_bundle = previous_expected = None
             if previous is not None and previous != version:  # fetched now: putting it back needs no MLflow
-                previous_bundle, previous_expected = readout_bundle(registry, name, previous, force=True)
+                previous_bundle, previous_expected = registry.push_bundle(name, previous, force=True)
         except PromotionFailed:
             raise
         except Exception as error:

@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import uuid
 from pathlib import Path
 from typing import Literal, Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from leap_io.paths import state_dir
+from leap_io.durable import fsync_dir, write_text_durably
+from leap_io.paths import STACK_FOLDER, state_dir
+from leap_io.pidfiles import service_pid
 
 
 class PipelineSettings(BaseSettings):
@@ -183,11 +186,9 @@ class PipelineSettings(BaseSettings):
 
     @property
     def stack_dir(self) -> Path:
-        return self.home / "stack"
+        return self.home / STACK_FOLDER
 
     def _default_tracking_uri(self) -> str:
-        from ops.stack import service_pid  # the stack module reads these settings too
-
         if service_pid(self.stack_dir, "mlflow") is not None:
             return self.mlflow_server_url
         return self.mlflow_sqlite_uri
@@ -205,19 +206,27 @@ class PipelineSettings(BaseSettings):
             return self.admin_token
         path = Path(self.admin_token_file)
         if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # written aside and linked in: a reader never sees a half-written token, and two
-            # processes creating it at once agree on the first one's token
-            tmp = path.with_name(f".{path.name}.{os.getpid()}")
-            tmp.write_text(secrets.token_urlsafe(32))
-            tmp.chmod(0o600)
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                pass
-            finally:
-                tmp.unlink()
+            _create_token_file(path)
         token = path.read_text().strip()
         if not token:
             raise ValueError(f"the admin token file {path} is empty")
         return token
+
+
+def _create_token_file(path: Path) -> None:
+    """A random admin token at `path`, readable by its owner alone from the first byte on.
+
+    The token is written whole under another name and linked in: a reader never sees a half-written
+    token, and of two processes creating it at once the first one's token stands (a link, unlike a
+    rename, never replaces a file that exists).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    aside = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}")
+    write_text_durably(aside, secrets.token_urlsafe(32), mode=0o600)
+    try:
+        os.link(aside, path)
+    except FileExistsError:
+        pass
+    finally:
+        aside.unlink()
+    fsync_dir(path.parent)

@@ -4,68 +4,44 @@ Rerunning any step converges instead of duplicating: ingest skips segments alrea
 on the same rows with the same settings returns the version registered before, a recorded gate is
 found by its content key, promotion only happens on a passing verdict and is all or nothing across
 the registry and the replicas (`flows.promotion`), and a push is verified by the version the replica
-reports. MLflow calls are retried with backoff by the registry client and then fail loudly;
-every task that writes an alias or pushes takes the alias lock (`lock_path`). Tasks whose inputs are feature arrays skip Prefect's input
-hashing (NO_CACHE), which would otherwise hash megabytes per call.
+reports. Registry calls are retried with backoff by the registry client and then fail loudly; every
+task that writes an alias or pushes takes the alias lock (`lock_path`). Tasks whose inputs are feature
+arrays skip Prefect's input hashing (NO_CACHE), which would otherwise hash megabytes per call.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from mlflow.exceptions import MlflowException
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from flows.gate import gate_verdict, replay_gate
-from store.ingest import IngestReport, SegmentSource, ingest_folder, ingest_segments, totals
-from flows.promotion import PushOptions, readout_bundle
+from flows.promotion import PushOptions
 from flows.promotion import promote as promote_everywhere
 from flows.promotion import rollback as rollback_everywhere
 from flows.push import PushFailed, push_readout
 from flows.settings import PipelineSettings
-from store.duckdb import TrainingFrame, canonical_recipe
-from store.stores import Store, open_store, store_at
-from training.fit import NotEnoughRowsError, fit_readout, select_window, time_split
-from leap_core.recipes import Recipe
 from leap_core.rls import RLS
 from leap_io.jsonable import dumps, to_jsonable
 from leap_io.object_store import is_object_url
-from registry.client import (
-    CHAMPION,
-    GATE_EXPERIMENT,
-    READOUT_EXPERIMENT,
-    ReadoutRegistry,
-)
-
-@dataclass(frozen=True)
-class FeatureSpace:
-    """Whose hidden states a readout reads: the serving model, the captured layer and the capture recipe
-    of the rows (`leap_core.recipes`; rows that record none, and an empty `recipe`, are `last@<layer>`)."""
-
-    model_id: str
-    model_fingerprint: str
-    layer: int
-    recipe: str = ""
-
-    def __post_init__(self) -> None:
-        recipe = canonical_recipe(self.recipe) if self.recipe else str(Recipe.last(self.layer))
-        object.__setattr__(self, "recipe", recipe)
+from registry.aliases import CHAMPION
+from registry.client import ReadoutRegistry
+from registry.lookups import ROWS_UNTIL_TAG
+from store.duckdb import TrainingFrame
+from store.ingest import IngestReport, SegmentSource, ingest_folder, ingest_segments, totals
+from store.stores import Store, open_store, store_at
+from training.fit import NotEnoughRowsError, fit_readout, select_window, time_split
+from training.spec import FeatureSpace, FitSpec, content_key, rows_until
 
 
 def plain(value: Any) -> Any:
     """numpy scalars and arrays as JSON values, recursively (flow results must be JSON-able); NaN stays NaN."""
     return to_jsonable(value, nonfinite="keep")
-
-
-def _key(payload: Any) -> str:
-    return hashlib.sha256(dumps(payload, nonfinite="keep", sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------- the log store
@@ -84,19 +60,6 @@ def latest_feature_space(store: Store, model_fingerprint: str | None = None, lay
 
 def largest_max_tokens(store: Store, space: FeatureSpace) -> int | None:
     return store.largest_max_tokens(space.model_fingerprint, space.layer, space.recipe)
-
-
-def covered_recipes(candidates: Sequence[str] | None, capture: str, dim: int) -> tuple[list[str], list[str]]:
-    """(covered, not covered): the candidate recipes a capture of `dim` floats holds every block of
-    (`Recipe.columns`), canonical names in the given order without repeats, and the others."""
-    covered: list[str] = []
-    missing: list[str] = []
-    if not candidates:
-        return covered, missing
-    hidden = Recipe.parse(capture).hidden_for(int(dim))
-    for name in dict.fromkeys(canonical_recipe(c) for c in candidates):
-        (covered if Recipe.parse(name).covered_by(capture, hidden) else missing).append(name)
-    return covered, missing
 
 
 def recorded_lengths(store: Store, request_ids: Sequence[str],
@@ -137,12 +100,24 @@ def recorded_gate(store: Store, name: str, challenger: str, champion: str | None
     return store.recorded_gate(name, str(challenger), None if champion is None else str(champion))
 
 
-# ---------------------------------------------------------------------------- tasks
+# ---------------------------------------------------------------------------- the registry
 
 def registry_at(tracking_uri: str, lock_path: str | None = None) -> ReadoutRegistry:
     """The registry client of a task; `lock_path` is the alias lock every alias writer shares."""
     return ReadoutRegistry(tracking_uri, lock_path=lock_path)
 
+
+def registry_uri(settings: PipelineSettings) -> str:
+    """Where the flows of `settings` find the registry: what every task that reads or writes it is given."""
+    return settings.mlflow_tracking_uri
+
+
+def registry_of(settings: PipelineSettings) -> ReadoutRegistry:
+    """The registry of `settings`, its alias writes under the settings' alias lock."""
+    return registry_at(registry_uri(settings), str(settings.alias_lock_path))
+
+
+# ---------------------------------------------------------------------------- tasks
 
 @task(name="ingest-feedback", retries=2, retry_delay_seconds=5)
 def ingest_feedback(store_location: str, feedback_dir: str, retry_failed: bool = False,
@@ -182,43 +157,32 @@ def select_training_window(store_location: str, space: FeatureSpace, since: floa
                          min_rows=min_rows)
 
 
-def window_hash(frame: TrainingFrame) -> str:
-    """Identifies the rows of a window: a request id's features and length never change once stored."""
-    digest = hashlib.sha256()
-    for rid in frame.request_ids:
-        digest.update(str(rid).encode())
-        digest.update(b"\0")
-    digest.update(np.ascontiguousarray(frame.output_tokens, dtype=np.int64).tobytes())
-    return digest.hexdigest()[:32]
+def _output_budget(registry: ReadoutRegistry, name: str, target: str, max_tokens: int | None,
+                   fallback_max_tokens: int | None) -> int:
+    """The budget asked for, else the champion's, else the window's: serving refuses a readout whose
+    budget or target differs from the champion's, so a challenger must match them to be pushable."""
+    champion_budget = champion_target = None
+    if registry.get_alias(name, CHAMPION) is not None:
+        readout = registry.load_readout(name, CHAMPION)
+        champion_budget, champion_target = int(readout.max_tokens), str(readout.target)
+    budget = max_tokens or champion_budget or fallback_max_tokens
+    if budget is None:
+        raise ValueError("no output budget: set LEAP_MAX_TOKENS (no champion and no max_tokens in the window)")
+    if champion_target is not None and champion_target != target:
+        raise ValueError(f"the champion's target is {champion_target!r}; a {target!r} challenger would be refused")
+    return int(budget)
 
 
-def _registered_fit(registry: ReadoutRegistry, name: str, fit_key: str) -> tuple[str, str] | None:
-    """(version, run id) of a finished fit logged with this key whose version still exists."""
-    experiment = registry.client.get_experiment_by_name(READOUT_EXPERIMENT)
-    if experiment is None:
-        return None
-    runs = registry.client.search_runs(
-        [experiment.experiment_id],
-        filter_string=f"params.fit_key = '{fit_key}' and attributes.status = 'FINISHED'",
-        order_by=["attributes.start_time DESC"])
-    for run in runs:
-        version = run.data.tags.get("registered_version")
-        if version is None:
-            continue
-        try:
-            registry.client.get_model_version(name, version)
-        except MlflowException:  # the version was deleted since
-            continue
-        return version, run.info.run_id
-    return None
-
-
-def _champion_budget(registry: ReadoutRegistry, name: str) -> tuple[int | None, str | None]:
-    """The champion's output budget and target: a challenger must match them to be pushable."""
-    if registry.get_alias(name, CHAMPION) is None:
-        return None, None
-    readout = registry.load_readout(name, CHAMPION)
-    return int(readout.max_tokens), str(readout.target)
+def _rows_after(registry: ReadoutRegistry, name: str, champion: str, frame: TrainingFrame) -> TrainingFrame:
+    """The rows of `frame` the champion's RLS state does not hold yet: those after its cut, if it has one."""
+    cut = registry.information_until(name, champion)
+    if cut is None:
+        return frame
+    frame = frame.take(np.asarray(frame.arrival_time) > cut)
+    if len(frame.request_ids) < 2:
+        raise NotEnoughRowsError(f"the champion v{champion} already holds every row of the window that "
+                                 f"arrived up to {cut:.3f}; {len(frame.request_ids)} arrived after")
+    return frame
 
 
 @task(name="fit-and-register", cache_policy=NO_CACHE)
@@ -246,104 +210,52 @@ def fit_and_register(frame: TrainingFrame, tracking_uri: str, space: FeatureSpac
     alpha = "auto" if str(alpha).strip().lower() == "auto" else float(alpha)
     registry = registry_at(tracking_uri, lock_path)
     name = registry.model_name(space.model_id, space.layer)
-    champion_budget, champion_target = _champion_budget(registry, name)
-    budget = max_tokens or champion_budget or fallback_max_tokens
-    if budget is None:
-        raise ValueError("no output budget: set LEAP_MAX_TOKENS (no champion and no max_tokens in the window)")
-    if champion_target is not None and champion_target != target:
-        raise ValueError(f"the champion's target is {champion_target!r}; a {target!r} challenger would be refused")
+    budget = _output_budget(registry, name, target, max_tokens, fallback_max_tokens)
     if anchor not in ("none", "champion"):
         raise ValueError(f"anchor must be 'none' or 'champion', got {anchor!r}")
     champion = registry.get_alias(name, CHAMPION)
-    anchored = anchor == "champion" and champion is not None
-    if anchored:  # the champion's RLS state already holds the rows up to its cut: add only later ones
-        cut = information_until(registry, name, champion)
-        if cut is not None:
-            frame = frame.take(np.asarray(frame.arrival_time) > cut)
-            if len(frame.request_ids) < 2:
-                raise NotEnoughRowsError(f"the champion v{champion} already holds every row of the window that "
-                                         f"arrived up to {cut:.3f}; {len(frame.request_ids)} arrived after")
-    rows_hash = window_hash(frame)
-    candidates, not_covered = covered_recipes(recipes, space.recipe, np.asarray(frame.features).shape[1])
-    if anchored:
-        candidates = []  # the anchor keeps the champion's recipe
-    # keys added only when set, so the fits of before recipes keep their keys
-    fit_settings = {"window_hash": rows_hash, "alpha": str(alpha), "target": target, "max_tokens": int(budget),
-                    "test_fraction": float(test_fraction), "model_fingerprint": space.model_fingerprint,
-                    "layer": space.layer, **({"anchor": f"champion-{champion}"} if anchored else {}),
-                    **({"capture_recipe": space.recipe} if space.recipe != str(Recipe.last(space.layer)) else {}),
-                    **({"recipes": candidates} if candidates else {})}
-    fit_key = _key(fit_settings)
-    found = _registered_fit(registry, name, fit_key)
+    anchored = champion if anchor == "champion" else None
+    if anchored is not None:  # the champion's RLS state already holds the rows up to its cut: add only later ones
+        frame = _rows_after(registry, name, anchored, frame)
+    spec = FitSpec.of(frame, space, alpha=alpha, target=target, max_tokens=budget, test_fraction=test_fraction,
+                      anchor=anchored, recipes=recipes)
+    found = registry.find_fit(name, spec.key)
     if found is not None:
-        version, run_id = found
-        if version != champion:
-            registry.set_challenger(name, version)
-        run = registry.client.get_run(run_id)
-        return {"name": name, "version": version, "run_id": run_id, "reused": True, "fit_key": fit_key,
-                "window_hash": rows_hash, "rows": len(frame.request_ids), "champion": champion,
-                "recipe": run.data.params.get("recipe", space.recipe), "metrics": dict(run.data.metrics)}
+        if found.version != champion:
+            registry.set_challenger(name, found.version)
+        return {"name": name, "version": found.version, "run_id": found.run_id, "reused": True,
+                "fit_key": spec.key, "window_hash": spec.rows_hash, "rows": len(frame.request_ids),
+                "champion": champion, "recipe": found.params.get("recipe", space.recipe), "metrics": found.metrics}
+    return _fit_new(registry, name, frame, spec, window, champion)
 
-    train, test = time_split(frame, test_fraction)
-    readout_version = f"{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}-{fit_key[:8]}"
+
+def _fit_new(registry: ReadoutRegistry, name: str, frame: TrainingFrame, spec: FitSpec,
+             window: Mapping[str, Any] | None, champion: str | None) -> dict[str, Any]:
+    """Fit `spec` on `frame`, register the readout with its RLS state and make it the challenger."""
+    space = spec.space
+    train, test = time_split(frame, spec.test_fraction)
+    readout_version = spec.readout_version()
     anchor_rls = None
-    if anchored:
-        anchor_rls = registry.load_rls_state(name, champion, readout=registry.load_readout(name, champion))
+    if spec.anchor is not None:
+        anchor_rls = registry.load_rls_state(name, spec.anchor)
         if anchor_rls is None:
-            raise ValueError(f"champion {champion} of {name} has no RLS state to anchor at")
-    fit = fit_readout(train, test, alpha=alpha, target=target, max_tokens=int(budget), model_id=space.model_id,
-                      model_fingerprint=space.model_fingerprint, layer=space.layer, version=readout_version,
-                      anchor=anchor_rls, capture_recipe=space.recipe, recipes=candidates or None)
-    rls = fit.rls_state
-    if isinstance(rls, Mapping):
-        rls = RLS.from_state_arrays(fit.readout, dict(rls))
-    params = {**dict(fit.params), **{f"requested_{k}": v for k, v in (window or {}).items()},
-              "fit_key": fit_key, "window_hash": rows_hash, "alpha_requested": str(alpha),
-              "anchor": f"champion v{champion}" if anchored else "none",
-              "test_fraction": float(test_fraction), "capture_recipe": space.recipe,
-              "recipe": fit.params.get("recipe", space.recipe), "recipe_candidates": ",".join(candidates),
-              "recipe_choice": "anchor" if anchored else "validation" if candidates else "capture",
-              **({"recipe_candidates_not_covered": ",".join(not_covered)} if not_covered else {})}
-    metrics = dict(fit.metrics)
-    validation = [dict(row) for row in fit.validation] if fit.validation else None
-    if validation:
-        chosen = next((row for row in validation if row["recipe"] == params["recipe"]), None)
-        if chosen is not None:
-            metrics["validation_spearman"] = float(chosen["spearman"])
-    # the newest arrival whose row this version's RLS state holds (its training split's rows)
-    rows_until = f"{float(np.max(train.arrival_time)):.3f}" if len(train.arrival_time) else None
-    tags = {"fit_key": fit_key, **({ROWS_UNTIL_TAG: rows_until} if rows_until else {})}
-    logged = registry.log_readout(fit.readout, rls=rls, params=params, metrics=metrics,
-                                  eval_arrays=fit.eval_arrays, run_name=f"fit-{readout_version}",
-                                  tags=tags, validation=validation)
-    if rows_until:
-        registry.client.set_model_version_tag(name, logged.version, ROWS_UNTIL_TAG, rows_until)
+            raise ValueError(f"champion {spec.anchor} of {name} has no RLS state to anchor at")
+    fit = fit_readout(train, test, alpha=spec.alpha, target=spec.target, max_tokens=spec.max_tokens,
+                      model_id=space.model_id, model_fingerprint=space.model_fingerprint, layer=space.layer,
+                      version=readout_version, anchor=anchor_rls, capture_recipe=space.recipe,
+                      recipes=list(spec.recipes) or None)
+    record = spec.record(fit, window)
+    until = {ROWS_UNTIL_TAG: cut} if (cut := rows_until(train)) else {}
+    logged = registry.log_readout(fit.readout, rls=RLS.from_state_arrays(fit.readout, dict(fit.rls_state)),
+                                  params=record.params, metrics=record.metrics, eval_arrays=fit.eval_arrays,
+                                  run_name=f"fit-{readout_version}", tags={"fit_key": spec.key, **until},
+                                  validation=record.validation, version_tags=until)
     registry.set_challenger(name, logged.version)
     return {"name": name, "version": logged.version, "run_id": logged.run_id, "reused": False,
-            "fit_key": fit_key, "window_hash": rows_hash, "rows": len(frame.request_ids),
-            "readout_version": readout_version, "champion": champion, "recipe": params["recipe"],
-            "validation": plain(validation),
-            "metrics": plain({k: v for k, v in metrics.items() if isinstance(v, (int, float, np.number))})}
-
-
-ROWS_UNTIL_TAG = "rows_until"
-"""Version tag: the newest arrival time (unix s) of the log-store rows a fitted version's RLS state holds."""
-MERGE_ROWS_UNTIL_TAG = "merge_rows_until"
-"""Version tag of a fleet merge: every row it holds finished before this time (`flows.fleet`)."""
-
-
-def information_until(registry: ReadoutRegistry, name: str, version: str | int) -> float | None:
-    """The time up to which a version's RLS state holds log-store rows (its own fit's or, through its anchor,
-    an earlier one's; a merge's snapshot), or None for a version that holds none of them (fitted elsewhere,
-    e.g. on the corpus snapshot). An anchored fit adds only rows that arrived after it, so no row counts twice."""
-    tags = registry.client.get_model_version(name, str(version)).tags
-    cuts = []
-    for key in (ROWS_UNTIL_TAG, MERGE_ROWS_UNTIL_TAG):
-        try:
-            cuts.append(float(tags[key]))
-        except (KeyError, TypeError, ValueError):
-            continue
-    return max(cuts) if cuts else None
+            "fit_key": spec.key, "window_hash": spec.rows_hash, "rows": len(frame.request_ids),
+            "readout_version": readout_version, "champion": champion, "recipe": record.params["recipe"],
+            "validation": plain(record.validation),
+            "metrics": plain({k: v for k, v in record.metrics.items() if isinstance(v, (int, float, np.number))})}
 
 
 def _readout_pair(registry: ReadoutRegistry, name: str, version: str):
@@ -357,7 +269,7 @@ def run_gate(settings: PipelineSettings, name: str, challenger: str, champion: s
     """Replay one slice of served prompts with recorded lengths under FCFS, champion and challenger."""
     from harness.engine import EngineSettings
 
-    registry = ReadoutRegistry(settings.mlflow_tracking_uri)
+    registry = registry_of(settings)
     readouts = {"challenger": _readout_pair(registry, name, challenger),
                 "champion": _readout_pair(registry, name, champion) if champion is not None else None}
     fingerprint = str(readouts["challenger"][0].metadata.get("model_fingerprint") or "") or None
@@ -383,23 +295,17 @@ def record_gate(store_location: str, tracking_uri: str, name: str, challenger: s
                 results: Mapping[str, Any], verdict: Mapping[str, Any]) -> dict[str, Any]:
     """Log the gate to MLflow (run + tags on the challenger version) and to the `gates` table, once."""
     results, verdict = plain(results), plain(verdict)
-    gate_key = _key({"name": name, "challenger": challenger, "champion": champion, "results": results,
-                     "verdict": verdict})
+    gate_key = content_key({"name": name, "challenger": challenger, "champion": champion, "results": results,
+                            "verdict": verdict})
     store = store_at(store_location)
     found, recorded_run = store.gate_run(gate_key)
     if found:
         return {"gate_key": gate_key, "gate_run_id": recorded_run, "recorded": False}
 
-    registry = ReadoutRegistry(tracking_uri)
-    run_id = None
-    experiment = registry.client.get_experiment_by_name(GATE_EXPERIMENT)
-    if experiment is not None:  # logged before a crash that kept the store's row from being written
-        runs = registry.client.search_runs([experiment.experiment_id],
-                                           filter_string=f"tags.gate_key = '{gate_key}'", max_results=1)
-        run_id = runs[0].info.run_id if runs else None
+    registry = registry_at(tracking_uri)
+    run_id = registry.find_gate(gate_key)  # logged before a crash that kept the store's row from being written
     if run_id is None:
-        run_id = registry.log_gate(name, challenger, champion, results, verdict)
-        registry.client.set_tag(run_id, "gate_key", gate_key)
+        run_id = registry.log_gate(name, challenger, champion, results, verdict, tags={"gate_key": gate_key})
     store.record_gate(gate_key, datetime.now(UTC).replace(tzinfo=None), name, str(challenger),
                       None if champion is None else str(champion), bool(verdict["passed"]),
                       dumps(verdict, nonfinite="keep"), dumps(results, nonfinite="keep"), run_id)
@@ -438,10 +344,6 @@ def rollback_champion(tracking_uri: str, name: str, endpoints: Sequence[str], to
                                champion_url)
 
 
-def _bundle(registry: ReadoutRegistry, name: str, version: str, force: bool = False) -> tuple[bytes, str]:
-    return readout_bundle(registry, name, version, force=force)
-
-
 @task(name="push-champion", cache_policy=NO_CACHE)
 def push_champion(tracking_uri: str, name: str, endpoints: Sequence[str], token: str,
                   version: str | None = None, retries: int = 3, timeout: float = 30.0,
@@ -467,10 +369,10 @@ def _push_champion(registry: ReadoutRegistry, name: str, endpoints: Sequence[str
         raise LookupError(f"{name} has no champion to push")
     if not endpoints:
         return {"name": name, "version": version, "pushed": [], "note": "no endpoints configured"}
-    bundle, expected = _bundle(registry, name, version, force=version == champion)
+    bundle, expected = registry.push_bundle(name, version, force=version == champion)
     old_bundle = old_expected = None
     if champion is not None and champion != version:  # fetched before any push: a revert needs no MLflow
-        old_bundle, old_expected = _bundle(registry, name, champion, force=True)
+        old_bundle, old_expected = registry.push_bundle(name, champion, force=True)
     pushed: list[dict] = []
     for endpoint in endpoints:
         try:

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from leap_io.durable import write_durably
 from leap_io.paths import sub_dir
 from harness.replay import DEFAULT_DECODING, ReplayRequest, encode_prompts, sampling_params
 
@@ -171,8 +172,16 @@ def missing_ids(folder: Path, layer: int, max_tokens: int, ids: Sequence[str]) -
     return [i for i in ids if i not in done]
 
 
+def add_shard(folder: Path, table: pa.Table) -> Path:
+    """Add `table` to a cache folder as one new Parquet shard, written durably (`leap_io.durable`): a
+    crash leaves no part of a shard for a later read to take."""
+    shard = folder / f"shard-{time.strftime('%Y%m%dT%H%M%S')}-{len(list(folder.glob('shard-*')))}.parquet"
+    write_durably(shard, lambda partial: pq.write_table(table, partial))
+    return shard
+
+
 def write_shard(folder: Path, rows: list[dict]) -> None:
-    """Append `rows` to a corpus folder as one Parquet shard (written under a temporary name, then renamed)."""
+    """Append `rows` to a corpus folder as one Parquet shard (`add_shard`)."""
     if not rows:
         return
     dim = len(rows[0]["feature"])
@@ -184,10 +193,7 @@ def write_shard(folder: Path, rows: list[dict]) -> None:
         "finish_reason": [r["finish_reason"] for r in rows],
         "feature": pa.FixedSizeListArray.from_arrays(pa.array(flat), dim),
     })
-    name = f"shard-{time.strftime('%Y%m%dT%H%M%S')}-{len(list(folder.glob('shard-*')))}.parquet"
-    tmp = folder / (name + ".tmp")
-    pq.write_table(table, tmp)
-    tmp.rename(folder / name)
+    add_shard(folder, table)
 
 
 def copy_layer_rows(all_layers: Path, folder: Path, layer: int, dim: int, max_tokens: int,

@@ -11,8 +11,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from serving.config import LeapConfig
 from leap_io.paths import sub_dir
+from serving.config import LeapConfig
+from serving.readout_sources import RegistrySourceFactory
 
 
 def engine_environment() -> None:
@@ -52,11 +53,12 @@ def is_cpu_platform() -> bool:
     return current_platform.is_cpu()
 
 
-def leap_engine_args(leap: LeapConfig) -> dict[str, Any]:
-    """The engine arguments that turn a stock engine into a LEAP one (and nothing else)."""
+def leap_engine_args(leap: LeapConfig, registry_source: RegistrySourceFactory | None = None) -> dict[str, Any]:
+    """The engine arguments that turn a stock engine into a LEAP one (and nothing else); `registry_source`
+    opens the registry at `leap.registry_uri` (default: the installed `leap.readout_sources` entry point)."""
     from serving.scheduler import scheduler_class
 
-    return dict(scheduler_cls=scheduler_class(async_scheduling=not is_cpu_platform()),
+    return dict(scheduler_cls=scheduler_class(not is_cpu_platform(), registry_source),
                 worker_cls="serving.worker.LeapWorker", max_num_seqs=leap.max_resident,
                 additional_config={"leap": leap.model_dump(exclude_none=True)})
 
@@ -70,8 +72,10 @@ def build_stock_default_engine(model: str, max_model_len: int = 4096) -> Any:
     return LLMEngine.from_engine_args(EngineArgs(model=model, max_model_len=max_model_len))
 
 
-def build_engine(settings: EngineSettings, leap: LeapConfig | None, stock: bool = False) -> Any:
-    """An LLMEngine; `stock=True` keeps vLLM's own scheduler and worker, with the same engine shape."""
+def build_engine(settings: EngineSettings, leap: LeapConfig | None, stock: bool = False,
+                 registry_source: RegistrySourceFactory | None = None) -> Any:
+    """An LLMEngine; `stock=True` keeps vLLM's own scheduler and worker, with the same engine shape.
+    `registry_source` opens the registry whose champion serves at start (`leap_engine_args`)."""
     engine_environment()
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -84,7 +88,7 @@ def build_engine(settings: EngineSettings, leap: LeapConfig | None, stock: bool 
         enable_prefix_caching=False,
     )
     if not stock:
-        kwargs.update(leap_engine_args(leap))
+        kwargs.update(leap_engine_args(leap, registry_source))
     return LLMEngine.from_engine_args(EngineArgs(**kwargs))
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.corpus import ENGINE_NUMERICS, Corpus, build_corpus, corpus_dir, load_corpus, missing_ids
+from harness.corpus import ENGINE_NUMERICS, Corpus, build_corpus, load_corpus, missing_ids
 from leap_core.recipes import Recipe
 
 # The blocks the recipe study compares: the last token of three late-middle layers (the layer study's CV

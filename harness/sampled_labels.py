@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +33,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from harness.corpus import ENGINE_NUMERICS, note_skipped, noted_skipped
+from harness.corpus import ENGINE_NUMERICS, add_shard, note_skipped, noted_skipped
 from harness.replay import ReplayRequest, encode_prompts, sampling_params
+from leap_io.durable import write_durably
 
 SAMPLED_DECODING = {"temperature": 0.7, "top_p": 0.9, "frequency_penalty": 0.5}
 SAMPLES = 4
@@ -113,13 +113,10 @@ def _table(rows: list[dict]) -> pa.Table:
 
 
 def write_sampled_shard(folder: Path, rows: list[dict]) -> None:
-    """Append rows (dicts with the table's columns) to a cache folder as one Parquet shard."""
+    """Append rows (dicts with the table's columns) to a cache folder as one Parquet shard (`add_shard`)."""
     if not rows:
         return
-    name = f"shard-{time.strftime('%Y%m%dT%H%M%S')}-{len(list(folder.glob('shard-*')))}.parquet"
-    tmp = folder / (name + ".tmp")
-    pq.write_table(_table(rows), tmp)
-    tmp.rename(folder / name)
+    add_shard(folder, _table(rows))
 
 
 def load_sampled_labels(folder: Path, max_tokens: int, ids: Sequence[str] | None = None) -> SampledLabels:
@@ -246,9 +243,7 @@ def write_sampled_rows(rows: SampledLabels, key: str, root: Path | None = None) 
                      "prompt_tokens": ordered.prompt_tokens[i], "lengths": ordered.lengths[i].tolist(),
                      "capped": ordered.capped[i], "median": ordered.median[i], "iqr": ordered.iqr[i]}
                     for i in range(len(ordered))])
-    tmp = folder / (snapshot.ROWS + ".tmp")
-    pq.write_table(table, tmp, compression="zstd")
-    tmp.rename(folder / snapshot.ROWS)
+    write_durably(folder / snapshot.ROWS, lambda partial: pq.write_table(table, partial, compression="zstd"))
     return folder / snapshot.ROWS
 
 

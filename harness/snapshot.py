@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from harness.corpus import ALL_LAYERS, ENGINE_NUMERICS, Corpus
+from leap_io.durable import write_durably, write_text_durably
 
 ROOT = Path(__file__).resolve().parent.parent / "corpus"
 MANIFEST = "manifest.json"
@@ -65,9 +66,7 @@ def write_prompts(ordered: dict[str, list[dict]], root: Path | None = None) -> d
                      | {"rank": pa.array([r["rank"] for r in rows], pa.int32())})
     folder = root or ROOT
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / (PROMPTS + ".tmp")
-    pq.write_table(table, tmp, compression="zstd")
-    tmp.rename(folder / PROMPTS)
+    write_durably(folder / PROMPTS, lambda partial: pq.write_table(table, partial, compression="zstd"))
     digest = hashlib.sha256("\n".join(f"{r['set']}\t{r['rank']}\t{r['id']}\t{r['prompt']}" for r in rows).encode())
     return {"file": PROMPTS, "per_set": {name: len(ordered[name]) for name in sorted(ordered)},
             "content_hash": digest.hexdigest()}
@@ -134,9 +133,7 @@ def write_rows(corpus: Corpus, key: str, root: Path | None = None) -> Path:
         "output_tokens": pa.array(rows.output_tokens, pa.int32()), "finish_reason": rows.finish_reasons.tolist(),
         "feature": pa.FixedSizeListArray.from_arrays(pa.array(features.reshape(-1)), features.shape[1]),
     })
-    tmp = folder / (ROWS + ".tmp")
-    pq.write_table(table, tmp, compression="zstd")
-    tmp.rename(folder / ROWS)
+    write_durably(folder / ROWS, lambda partial: pq.write_table(table, partial, compression="zstd"))
     return folder / ROWS
 
 
@@ -177,9 +174,7 @@ def write_manifest(entries: dict[str, dict], model: Any, decoding: dict, max_tok
         "corpora": corpora,
     }
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-    tmp.rename(root / MANIFEST)
+    write_text_durably(root / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import typer
-from scipy.stats import spearmanr
 
 from leap_cli.apps import app
 from leap_cli.output import emit
@@ -56,6 +55,8 @@ def simulate_command(
     The default step model stands for a small model on two CPU cores; `--rate-scale` compresses the
     trace's time so the engine saturates.
     """
+    from scipy.stats import spearmanr
+
     from leap_core.noise import noisy_predictions
     from leap_core.simulator import SimConfig, simulate
     from harness.datasets import load_trace, trace_path

@@ -36,7 +36,7 @@ def _settings():
 @contextlib.contextmanager
 def _prefect_api(settings) -> Iterator[None]:
     """Point Prefect at the stack's server while it runs, unless PREFECT_API_URL says otherwise."""
-    from ops.stack import service_pid
+    from leap_io.pidfiles import service_pid
 
     if os.environ.get("PREFECT_API_URL") or service_pid(settings.stack_dir, "prefect") is None:
         yield

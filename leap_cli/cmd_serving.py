@@ -75,8 +75,9 @@ def serve(
     if not token_file.exists() and not os.environ.get("LEAP_ADMIN_TOKEN"):
         import secrets
 
-        token_file.write_text(secrets.token_urlsafe(24))
-        token_file.chmod(0o600)
+        from leap_io.durable import write_text_durably
+
+        write_text_durably(token_file, secrets.token_urlsafe(24), mode=0o600)
     leap = {"policy": policy, "max_resident": max_resident, "decode_slots": decode_slots,
             "waiting_cap": waiting_cap, "admin_port": admin_port, "admin_token_file": str(token_file),
             "feedback_dir": str(feedback_dir or sub_dir("feedback")),

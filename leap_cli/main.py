@@ -11,7 +11,7 @@ from leap_cli.apps import app
 
 # While `leap stack up --fleet` runs in $LEAP_HOME, its store, bucket, replicas and servers are the
 # defaults of every command (variables already set win).
-from ops.stack_fleet import apply_environment
+from ops.fleet_env import apply_environment
 
 apply_environment()
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import nnls
 
-from leap_core.policy import UNBOUNDED_STEPS, advance_held_out, make_policy
+from leap_core.policy import UNBOUNDED_STEPS, DecodePolicy, advance_held_out, make_policy
 
 __all__ = ["StepTimeModel", "SimConfig", "SimResult", "simulate", "fcfs_capacity", "poisson_arrivals"]
 
@@ -130,6 +130,64 @@ def simulate(arrival, prompt_tokens, output_tokens, predicted, config: SimConfig
     `config.refresh_at`, `refreshed` (n, len(refresh_at)) holds each request's remaining-length estimate
     at each of those generated counts.
     """
+    arrival, prompt_tokens, output_tokens, predicted = _checked_requests(arrival, prompt_tokens, output_tokens,
+                                                                         predicted, config)
+    refresh_at, refreshed = _checked_refresh(config, refreshed, arrival.shape[0])
+    n = arrival.shape[0]
+    order = np.argsort(arrival, kind="stable")  # admission is FCFS, so work in arrival order
+    queue = _Queue(arrival[order], prompt_tokens[order], output_tokens[order], predicted[order],
+                   refreshed[order] if refresh_at.size else None)
+    first_token = np.full(n, np.nan)
+    finish = np.full(n, np.nan)
+    max_held = np.zeros(n, dtype=np.int64)
+    policy = make_policy(config.policy, k=config.decode_slots, waiting_cap=config.waiting_cap, aging=config.aging)
+    model = config.step_model
+    resident = _Resident.empty()
+
+    now = queue.arrival[0]
+    finished = steps = tokens = 0
+    while finished < n:
+        if len(resident) == 0 and queue.waiting and queue.next_arrival > now:
+            now = queue.next_arrival  # idle engine: jump to the next arrival
+        admitted, prefill_tokens = queue.admissible(now, config.max_resident - len(resident),
+                                                    config.max_prefill_tokens_per_step)
+        decoding, stable_steps, num_decodes = resident.decoding(policy, config.decode_slots)
+        if admitted:
+            jump = 1
+            now = now + model.step_seconds(num_decodes, prefill_tokens)
+        else:
+            # the same step repeats while nothing changes the selection: until a decoding request finishes
+            # or is due a refresh, or (when a slot is free) the first step at or after the next arrival
+            dt = model.step_seconds(num_decodes, 0)
+            jump = resident.steps_unchanged(decoding, stable_steps, refresh_at)
+            if len(resident) < config.max_resident and queue.waiting:
+                jump = max(min(jump, int(np.ceil((queue.next_arrival - now) / dt))), 1)
+            now = now + jump * dt
+        steps += jump
+        tokens += jump * num_decodes + admitted
+        resident.advance(decoding, jump)
+        if refresh_at.size:
+            refreshed_now = resident.refresh(decoding, refresh_at, queue.refreshed)
+            if refreshed_now:
+                now = now + refreshed_now * config.refresh_cost_s  # the step's outputs arrive after the refresh
+        if admitted:
+            new = queue.admit(admitted)
+            first_token[new] = now
+            resident.admit(new, queue)
+        done_ids, done_max_held = resident.remove_finished()
+        if done_ids.size:
+            finish[done_ids] = now
+            max_held[done_ids] = done_max_held
+            finished += done_ids.shape[0]
+
+    inverse = np.empty(n, dtype=np.int64)
+    inverse[order] = np.arange(n)
+    return SimResult(arrival=arrival, output_tokens=output_tokens, first_token=first_token[inverse],
+                     finish=finish[inverse], max_held_out=max_held[inverse], steps=steps, tokens=tokens)
+
+
+def _checked_requests(arrival, prompt_tokens, output_tokens, predicted, config: SimConfig):
+    """The requests' columns as arrays, once they and the engine shape are known to make a trace."""
     arrival = np.asarray(arrival, dtype=np.float64)
     prompt_tokens = np.asarray(prompt_tokens, dtype=np.int64)
     output_tokens = np.asarray(output_tokens, dtype=np.int64)
@@ -143,125 +201,138 @@ def simulate(arrival, prompt_tokens, output_tokens, predicted, config: SimConfig
         raise ValueError("every request needs output_tokens >= 1")
     if config.max_resident < 1 or config.decode_slots < 1:
         raise ValueError("max_resident and decode_slots must be positive")
+    return arrival, prompt_tokens, output_tokens, predicted
+
+
+def _checked_refresh(config: SimConfig, refreshed, n: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """(generated counts at which predictions are refreshed, the estimates there); no counts: no refresh."""
     refresh_at = np.asarray(config.refresh_at, dtype=np.int64).reshape(-1)
     if refresh_at.size and (refresh_at.min() < 1 or np.any(np.diff(refresh_at) <= 0)):
         raise ValueError("refresh_at must be increasing generated counts >= 1")
     if config.refresh_cost_s < 0:
         raise ValueError("refresh_cost_s must be >= 0")
-    if refresh_at.size:
-        refreshed = np.asarray(refreshed, dtype=np.float64) if refreshed is not None else None
-        if refreshed is None or refreshed.shape != (n, refresh_at.size):
-            raise ValueError(f"refresh_at needs refreshed estimates of shape ({n}, {refresh_at.size})")
+    if not refresh_at.size:
+        return refresh_at, None
+    refreshed = np.asarray(refreshed, dtype=np.float64) if refreshed is not None else None
+    if refreshed is None or refreshed.shape != (n, refresh_at.size):
+        raise ValueError(f"refresh_at needs refreshed estimates of shape ({n}, {refresh_at.size})")
+    return refresh_at, refreshed
 
-    order = np.argsort(arrival, kind="stable")  # admission is FCFS, so work in arrival order
-    arr, prompt, out, pred = arrival[order], prompt_tokens[order], output_tokens[order], predicted[order]
-    fresh = refreshed[order] if refresh_at.size else None
-    first_token = np.full(n, np.nan)
-    finish = np.full(n, np.nan)
-    max_held = np.zeros(n, dtype=np.int64)
 
-    policy = make_policy(config.policy, k=config.decode_slots, waiting_cap=config.waiting_cap, aging=config.aging)
-    model = config.step_model
-    k, cap_resident, budget = config.decode_slots, config.max_resident, config.max_prefill_tokens_per_step
-    n_refresh = refresh_at.size
+class _Queue:
+    """The requests in arrival order, and how far admission has come: requests [admitted, n) wait."""
 
-    # Resident requests as parallel arrays, kept in admission (= arrival) order.
-    r_id = np.empty(0, dtype=np.int64)
-    r_out = np.empty(0, dtype=np.int64)
-    r_pred = np.empty(0, dtype=np.float64)
-    r_arr = np.empty(0, dtype=np.float64)
-    r_gen = np.empty(0, dtype=np.int64)
-    r_held = np.empty(0, dtype=np.int64)
-    r_max_held = np.empty(0, dtype=np.int64)
+    def __init__(self, arrival: np.ndarray, prompt: np.ndarray, output: np.ndarray, predicted: np.ndarray,
+                 refreshed: np.ndarray | None) -> None:
+        self.arrival, self.prompt, self.output, self.predicted = arrival, prompt, output, predicted
+        self.refreshed = refreshed
+        self.admitted = 0
 
-    now = arr[0]
-    next_waiting = 0  # requests [next_waiting, n) have not been admitted yet
-    finished = 0
-    steps = 0
-    tokens = 0
-    while finished < n:
-        n_res = r_id.shape[0]
-        if n_res == 0 and next_waiting < n and arr[next_waiting] > now:
-            now = arr[next_waiting]  # idle engine: jump to the next arrival
+    @property
+    def waiting(self) -> bool:
+        return self.admitted < self.arrival.shape[0]
 
-        # Admission: arrived requests in order, while slots and the prefill token budget allow.
-        admit_end = next_waiting
-        prefill_tokens = 0
-        if n_res < cap_resident and next_waiting < n and arr[next_waiting] <= now:
-            admit_end = min(int(np.searchsorted(arr, now, side="right")), next_waiting + cap_resident - n_res)
-            cumulative = np.cumsum(prompt[next_waiting:admit_end])
-            fits = max(int(np.searchsorted(cumulative, budget, side="right")), 1)  # a long prompt goes alone
-            admit_end = next_waiting + fits
-            prefill_tokens = int(cumulative[fits - 1])
-        admitted = admit_end - next_waiting
+    @property
+    def next_arrival(self) -> float:
+        return self.arrival[self.admitted]
 
-        # Decode: the policy picks among the requests resident before this step.
-        if n_res > k:
-            chosen, stable_steps = policy.select_steps(r_pred, r_gen, r_held, r_arr)
-            decoding = np.zeros(n_res, dtype=bool)
-            decoding[chosen] = True
-            num_decodes = chosen.shape[0]
-        else:
-            decoding = np.ones(n_res, dtype=bool)
-            stable_steps = UNBOUNDED_STEPS
-            num_decodes = n_res
+    def admissible(self, now: float, room: int, prefill_budget: int) -> tuple[int, int]:
+        """(requests, their prompt tokens) this step admits: those arrived by `now`, in order, at most
+        `room` of them, while their prompts fit `prefill_budget` (a longer first prompt goes alone)."""
+        start = self.admitted
+        if room <= 0 or not self.waiting or self.arrival[start] > now:
+            return 0, 0
+        end = min(int(np.searchsorted(self.arrival, now, side="right")), start + room)
+        cumulative = np.cumsum(self.prompt[start:end])
+        fits = max(int(np.searchsorted(cumulative, prefill_budget, side="right")), 1)
+        return fits, int(cumulative[fits - 1])
 
-        # Repeat the same step while nothing changes the selection: until a decoding request finishes,
-        # or (when a slot is free) until the first step that starts at or after the next arrival.
-        jump = 1
-        if admitted == 0:
-            dt = model.step_seconds(num_decodes, 0)
-            jump = min(stable_steps, int((r_out - r_gen)[decoding].min()))
-            if n_refresh:  # stop at the first step after which a decoding request is due a refresh
-                upcoming = np.searchsorted(refresh_at, r_gen[decoding], side="right")
-                due = upcoming < n_refresh
-                if due.any():
-                    jump = min(jump, int((refresh_at[upcoming[due]] - r_gen[decoding][due]).min()))
-            if n_res < cap_resident and next_waiting < n:
-                jump = max(min(jump, int(np.ceil((arr[next_waiting] - now) / dt))), 1)
-            now = now + jump * dt
-        else:
-            now = now + model.step_seconds(num_decodes, prefill_tokens)
-        steps += jump
-        tokens += jump * num_decodes + admitted
-        r_gen = r_gen + jump * decoding
-        r_held = advance_held_out(r_held, decoding, jump)
-        r_max_held = np.maximum(r_max_held, r_held)
-        if n_refresh:
-            point = np.minimum(np.searchsorted(refresh_at, r_gen), n_refresh - 1)
-            hit = np.flatnonzero(decoding & (refresh_at[point] == r_gen) & (r_gen < r_out))
-            estimate = fresh[r_id[hit], point[hit]] if hit.size else np.empty(0)
-            hit, estimate = hit[np.isfinite(estimate)], estimate[np.isfinite(estimate)]
-            if hit.size:
-                r_pred[hit] = r_gen[hit] + estimate
-                now = now + hit.size * config.refresh_cost_s  # the step's outputs arrive after the refresh
+    def admit(self, count: int) -> slice:
+        """Take the next `count` waiting requests; their positions in arrival order."""
+        taken = slice(self.admitted, self.admitted + count)
+        self.admitted += count
+        return taken
 
-        if admitted:
-            new = slice(next_waiting, admit_end)
-            first_token[new] = now
-            r_id = np.concatenate((r_id, np.arange(next_waiting, admit_end)))
-            r_out = np.concatenate((r_out, out[new]))
-            r_pred = np.concatenate((r_pred, pred[new]))
-            r_arr = np.concatenate((r_arr, arr[new]))
-            r_gen = np.concatenate((r_gen, np.ones(admitted, dtype=np.int64)))
-            r_held = np.concatenate((r_held, np.zeros(admitted, dtype=np.int64)))
-            r_max_held = np.concatenate((r_max_held, np.zeros(admitted, dtype=np.int64)))
-            next_waiting = admit_end
 
-        done = r_gen >= r_out
-        if done.any():
-            done_ids = r_id[done]
-            finish[done_ids] = now
-            max_held[done_ids] = r_max_held[done]
-            finished += done_ids.shape[0]
-            keep = ~done
-            r_id, r_out, r_pred, r_arr = r_id[keep], r_out[keep], r_pred[keep], r_arr[keep]
-            r_gen, r_held, r_max_held = r_gen[keep], r_held[keep], r_max_held[keep]
+class _Resident:
+    """The resident requests as parallel arrays, in admission (= arrival) order: position in arrival
+    order, true and predicted total length, arrival, tokens generated, consecutive steps held out and
+    the most of those so far."""
 
-    inverse = np.empty(n, dtype=np.int64)
-    inverse[order] = np.arange(n)
-    return SimResult(arrival=arrival, output_tokens=output_tokens, first_token=first_token[inverse],
-                     finish=finish[inverse], max_held_out=max_held[inverse], steps=steps, tokens=tokens)
+    def __init__(self, ids: np.ndarray, output: np.ndarray, predicted: np.ndarray, arrival: np.ndarray,
+                 generated: np.ndarray, held: np.ndarray, max_held: np.ndarray) -> None:
+        self.ids, self.output, self.predicted, self.arrival = ids, output, predicted, arrival
+        self.generated, self.held, self.max_held = generated, held, max_held
+
+    @classmethod
+    def empty(cls) -> _Resident:
+        counts = [np.empty(0, dtype=np.int64) for _ in range(3)]
+        return cls(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float64),
+                   np.empty(0, dtype=np.float64), *counts)
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def decoding(self, policy: DecodePolicy, slots: int) -> tuple[np.ndarray, int, int]:
+        """(mask of the requests decoded this step, steps the policy's choice holds, how many decode): the
+        policy picks when more requests are resident than there are decode slots."""
+        if len(self) <= slots:
+            return np.ones(len(self), dtype=bool), UNBOUNDED_STEPS, len(self)
+        chosen, stable_steps = policy.select_steps(self.predicted, self.generated, self.held, self.arrival)
+        decoding = np.zeros(len(self), dtype=bool)
+        decoding[chosen] = True
+        return decoding, stable_steps, chosen.shape[0]
+
+    def steps_unchanged(self, decoding: np.ndarray, stable_steps: int, refresh_at: np.ndarray) -> int:
+        """Steps the selection holds: until the policy would choose again, a decoding request finishes, or
+        one reaches its next refresh point (the step after which it is due)."""
+        steps = min(stable_steps, int((self.output - self.generated)[decoding].min()))
+        if refresh_at.size:
+            upcoming = np.searchsorted(refresh_at, self.generated[decoding], side="right")
+            due = upcoming < refresh_at.size
+            if due.any():
+                steps = min(steps, int((refresh_at[upcoming[due]] - self.generated[decoding][due]).min()))
+        return steps
+
+    def advance(self, decoding: np.ndarray, steps: int) -> None:
+        """`steps` steps decoding the requests of `decoding` (a token each) and holding out the others."""
+        self.generated = self.generated + steps * decoding
+        self.held = advance_held_out(self.held, decoding, steps)
+        self.max_held = np.maximum(self.max_held, self.held)
+
+    def refresh(self, decoding: np.ndarray, refresh_at: np.ndarray, refreshed: np.ndarray) -> int:
+        """Replace the predicted total of each decoding request that just reached a refresh point and is not
+        done by generated + its estimate there (a NaN estimate keeps the countdown); how many were."""
+        point = np.minimum(np.searchsorted(refresh_at, self.generated), refresh_at.size - 1)
+        hit = np.flatnonzero(decoding & (refresh_at[point] == self.generated) & (self.generated < self.output))
+        estimate = refreshed[self.ids[hit], point[hit]] if hit.size else np.empty(0)
+        hit, estimate = hit[np.isfinite(estimate)], estimate[np.isfinite(estimate)]
+        if hit.size:
+            self.predicted[hit] = self.generated[hit] + estimate
+        return int(hit.size)
+
+    def admit(self, new: slice, queue: _Queue) -> None:
+        """The requests at positions `new` of the queue join with their first token generated."""
+        count = new.stop - new.start
+        self.ids = np.concatenate((self.ids, np.arange(new.start, new.stop)))
+        self.output = np.concatenate((self.output, queue.output[new]))
+        self.predicted = np.concatenate((self.predicted, queue.predicted[new]))
+        self.arrival = np.concatenate((self.arrival, queue.arrival[new]))
+        self.generated = np.concatenate((self.generated, np.ones(count, dtype=np.int64)))
+        self.held = np.concatenate((self.held, np.zeros(count, dtype=np.int64)))
+        self.max_held = np.concatenate((self.max_held, np.zeros(count, dtype=np.int64)))
+
+    def remove_finished(self) -> tuple[np.ndarray, np.ndarray]:
+        """Take out the requests that generated their whole output: (their positions, most steps held out)."""
+        done = self.generated >= self.output
+        if not done.any():
+            return self.ids[:0], self.max_held[:0]
+        finished = self.ids[done], self.max_held[done]
+        keep = ~done
+        self.ids, self.output, self.predicted, self.arrival = (self.ids[keep], self.output[keep],
+                                                               self.predicted[keep], self.arrival[keep])
+        self.generated, self.held, self.max_held = self.generated[keep], self.held[keep], self.max_held[keep]
+        return finished
 
 
 def fcfs_capacity(prompt_tokens, output_tokens, config: SimConfig = SimConfig(), n: int = 4000,

@@ -3,7 +3,7 @@ that starts or restarts serves it without talking to MLflow.
 
 Every promotion and rollback (`flows.promotion`) publishes the new champion's bundle here once the
 replicas serve it and the aliases name it; a replica reads it at start and serves it when it is newer
-than its own saved state (`serving.readout_service`), validated exactly as a push is.
+than its own saved state (`serving.readout_sources`), validated exactly as a push is.
 
 A publication of registered model `name` is two objects under the location (a local folder, or
 `s3://bucket/prefix` through `leap_io.object_store`):
@@ -12,7 +12,7 @@ A publication of registered model `name` is two objects under the location (a lo
   <name>.json     {"version": readout version, "registry_version", "registry" (tracking URI),
                    "published_at" (unix s), "sha256"}
 
-The bundle is written first and the JSON last, each atomically (a local rename; an S3 put is atomic),
+The bundle is written first and the JSON last, each whole (`leap_io.durable` locally; an S3 put is atomic),
 and the JSON names the bundle's digest: a reader that meets a bundle of another publication (written
 between its two reads) sees the digest differ and treats the publication as absent this time, never
 serving a mix. `published_at` is compared with a replica's own `saved_at`: both clocks must agree
@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from leap_io.durable import write_bytes_durably
 from leap_io.object_store import is_object_url
 
 CHAMPION_URL_ENV = "LEAP_CHAMPION_URL"
@@ -114,13 +115,7 @@ class ChampionPublication:
             self._s3.put(self._where.bucket, self._where.key(file_name), data)
             return
         self._folder.mkdir(parents=True, exist_ok=True)
-        path = self._folder / file_name
-        tmp = path.with_name(f".{file_name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as sink:
-            sink.write(data)
-            sink.flush()
-            os.fsync(sink.fileno())
-        os.replace(tmp, path)
+        write_bytes_durably(self._folder / file_name, data)
 
     def _read(self, file_name: str) -> bytes | None:
         if self._s3 is not None:

@@ -7,6 +7,9 @@ self-contained and `rm -rf .leap` resets everything.
 import os
 from pathlib import Path
 
+STACK_FOLDER = "stack"
+"""The local stack's pid files, logs and fleet files, under the state folder."""
+
 
 def state_dir() -> Path:
     path = Path(os.environ.get("LEAP_HOME", ".leap")).resolve()

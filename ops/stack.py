@@ -17,7 +17,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -27,10 +26,10 @@ from typing import Any
 import httpx
 
 from flows.settings import PipelineSettings
+from leap_io.pidfiles import alive, pid_file, service_pid
+from ops.servers import MLFLOW_ENVIRONMENT, mlflow_command, program
 
 SERVICES = ("mlflow", "prefect", "serving")
-_PROGRAM_MARKERS = {"mlflow": ("mlflow",), "prefect": ("prefect",), "serving": ("leap", "vllm"),
-                    "postgres": ("postgres",), "s3": ("moto",), "worker": ("prefect",)}
 
 
 class StackError(RuntimeError):
@@ -60,12 +59,6 @@ class Service:
     cwd: Path | None = None
     admin_url: str | None = None
     """A serving replica's LEAP admin API (`status` reads its readout version and live figures there)."""
-
-
-def program(name: str) -> str:
-    """A console script of this environment (beside the running interpreter), else from PATH."""
-    candidate = Path(sys.executable).parent / name
-    return str(candidate) if candidate.exists() else name
 
 
 def service_specs(settings: PipelineSettings) -> dict[str, Service]:
@@ -106,12 +99,10 @@ def _single_specs(settings: PipelineSettings) -> dict[str, Service]:
                  "PREFECT_API_URL": settings.prefect_api_url}),
         "mlflow": Service(
             "mlflow",
-            [program("mlflow"), "server", "--backend-store-uri", settings.mlflow_sqlite_uri,
-             "--artifacts-destination", str(mlflow_dir / "artifacts"), "--host", host,
-             "--port", str(settings.mlflow_port), "--workers", "1"],
+            mlflow_command(settings.mlflow_sqlite_uri, mlflow_dir / "artifacts", settings.mlflow_port, host),
             url=settings.mlflow_server_url, health_url=f"{settings.mlflow_server_url}/health",
             ports=(settings.mlflow_port,), start_timeout_s=90.0,
-            env={"MLFLOW_DISABLE_TELEMETRY": "true"}, prepare=prepare_mlflow),
+            env=dict(MLFLOW_ENVIRONMENT), prepare=prepare_mlflow),
         "serving": Service(
             "serving", serve, url=f"http://{host}:{settings.serving_port}/v1",
             # vLLM answers /health once the engine serves; LEAP's admin API is up before that
@@ -125,49 +116,8 @@ def _single_specs(settings: PipelineSettings) -> dict[str, Service]:
 
 # ---------------------------------------------------------------------------- processes
 
-def pid_file(stack_dir: Path, name: str) -> Path:
-    return Path(stack_dir) / f"{name}.pid"
-
-
 def log_file(stack_dir: Path, name: str) -> Path:
     return Path(stack_dir) / f"{name}.log"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.waitpid(pid, os.WNOHANG)  # reaps it if it is our own exited child
-    except ChildProcessError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state != "Z"
-
-
-def _runs_program(pid: int, name: str) -> bool:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return True  # no /proc here: trust the pid file
-    kind = name.rsplit("-", 1)[0] if name.rsplit("-", 1)[-1].isdigit() else name  # worker-0, serving-1
-    return any(marker in cmdline for marker in _PROGRAM_MARKERS.get(kind, (kind,)))
-
-
-def service_pid(stack_dir: str | Path, name: str) -> int | None:
-    """The pid of a running service started by the stack, or None (a stale pid file counts as none)."""
-    path = pid_file(Path(stack_dir), name)
-    try:
-        pid = int(path.read_text().strip())
-    except (OSError, ValueError):
-        return None
-    return pid if _alive(pid) and _runs_program(pid, name) else None
 
 
 def answers(url: str, timeout: float = 2.0) -> bool:
@@ -364,7 +314,7 @@ def stop_process(pid: int, grace_s: float = 15.0, sig: int = signal.SIGTERM) -> 
     send(sig)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
-        if not _alive(pid) and (pgid is None or not group_alive(pgid)):
+        if not alive(pid) and (pgid is None or not group_alive(pgid)):
             return "terminated"
         time.sleep(0.2)
     try:
@@ -372,7 +322,7 @@ def stop_process(pid: int, grace_s: float = 15.0, sig: int = signal.SIGTERM) -> 
     except ProcessLookupError:
         pass
     for _ in range(50):
-        if not _alive(pid):
+        if not alive(pid):
             break
         time.sleep(0.1)
     return "killed"

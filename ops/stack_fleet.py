@@ -13,8 +13,8 @@ The layout (ports, replica count, bucket) is written to `<home>/stack/fleet.json
 read by every later `leap stack` command, so `status` and `down` act on the same services. The
 variables a flow needs to reach the fleet (store URL, feedback URL, S3 endpoint, replica endpoints,
 tracking URI, Prefect API) are written to `<home>/stack/fleet.env`; while the fleet's PostgreSQL runs,
-the `leap` command applies them to its environment (variables already set win), so `leap ingest`,
-`leap fit` and the rest run against the fleet without further setup.
+the `leap` command applies them to its environment (`ops.fleet_env`; variables already set win), so
+`leap ingest`, `leap fit` and the rest run against the fleet without further setup.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from leap_io.durable import write_text_durably
 from ops import servers
+from ops.fleet_env import ENV_FILE, LAYOUT_FILE
 
 if TYPE_CHECKING:
     from flows.settings import PipelineSettings
     from ops.stack import Service
 
-LAYOUT_FILE = "fleet.json"
-ENV_FILE = "fleet.env"
 POOL = "leap"
 WORKERS = 2
 RETRAIN_DEPLOYMENT = "hourly"
@@ -107,22 +107,15 @@ def plan_layout(settings: PipelineSettings, replicas: int) -> FleetLayout:
 
 def write_layout(settings: PipelineSettings, layout: FleetLayout) -> None:
     settings.stack_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(layout_path(settings), json.dumps(asdict(layout), indent=2) + "\n")
+    write_text_durably(layout_path(settings), json.dumps(asdict(layout), indent=2) + "\n")
     lines = [f"{key}={value}" for key, value in fleet_environment(settings, layout).items()]
-    _write_atomic(env_path(settings), "\n".join(lines) + "\n", mode=0o600)  # it carries the AWS_* credentials
+    # it carries the AWS_* credentials: readable by this user alone
+    write_text_durably(env_path(settings), "\n".join(lines) + "\n", mode=0o600)
 
 
 def forget_layout(settings: PipelineSettings) -> None:
     layout_path(settings).unlink(missing_ok=True)
     env_path(settings).unlink(missing_ok=True)
-
-
-def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as handle:
-        handle.write(text)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------- addresses
@@ -160,32 +153,6 @@ def fleet_environment(settings: PipelineSettings, layout: FleetLayout) -> dict[s
         "PREFECT_API_URL": settings.prefect_api_url,
         **servers.s3_environment(endpoint),
     }
-
-
-def read_environment(settings: PipelineSettings) -> dict[str, str]:
-    """The variables of `fleet.env` (empty when there is none); lines that are not KEY=VALUE are skipped."""
-    try:
-        text = env_path(settings).read_text()
-    except OSError:
-        return {}
-    pairs = (line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith("#"))
-    return {key.strip(): value.strip() for key, value in pairs if key.strip()}
-
-
-def apply_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """While the fleet of `$LEAP_HOME` runs, set its variables where `environ` (default os.environ) has
-    none; returns what was set. A stopped or absent fleet changes nothing."""
-    from flows.settings import PipelineSettings
-    from ops.stack import service_pid
-
-    environ = os.environ if environ is None else environ
-    home = Path(environ.get("LEAP_HOME", ".leap")).resolve()
-    settings = PipelineSettings.model_construct(home=home)  # no validation: it would resolve the tracking URI
-    if not layout_path(settings).exists() or service_pid(settings.stack_dir, "postgres") is None:
-        return {}
-    applied = {key: value for key, value in read_environment(settings).items() if key not in environ}
-    environ.update(applied)
-    return applied
 
 
 # ---------------------------------------------------------------------------- preparing services
@@ -289,7 +256,7 @@ def worker_name(index: int) -> str:
 
 def fleet_specs(settings: PipelineSettings, layout: FleetLayout) -> dict[str, Service]:
     """Every service of the fleet, in start order; `after` names what must answer before one starts."""
-    from ops.stack import Service, program
+    from ops.stack import Service
 
     host = settings.stack_host
     pgdata = settings.stack_dir / "pgdata"
@@ -334,17 +301,15 @@ def fleet_specs(settings: PipelineSettings, layout: FleetLayout) -> dict[str, Se
             ports=(layout.s3_port,), start_timeout_s=60.0),
         "mlflow": Service(
             "mlflow",
-            [program("mlflow"), "server",
-             "--backend-store-uri", servers.postgres_url(layout.postgres_port, "mlflow", host),
-             "--artifacts-destination", f"s3://{layout.bucket}/mlflow", "--host", host,
-             "--port", str(settings.mlflow_port), "--workers", "1"],
+            servers.mlflow_command(servers.postgres_url(layout.postgres_port, "mlflow", host),
+                                   f"s3://{layout.bucket}/mlflow", settings.mlflow_port, host),
             url=settings.mlflow_server_url, health_url=f"{settings.mlflow_server_url}/health",
             ports=(settings.mlflow_port,), start_timeout_s=120.0, after=("postgres", "s3"),
-            env={"MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_S3_ENDPOINT_URL": endpoint, **s3_env},
+            env={**servers.MLFLOW_ENVIRONMENT, "MLFLOW_S3_ENDPOINT_URL": endpoint, **s3_env},
             prepare=both(databases, bucket)),
         "prefect": Service(
             "prefect",
-            [program("prefect"), "server", "start", "--host", host, "--port", str(settings.prefect_port)],
+            [servers.program("prefect"), "server", "start", "--host", host, "--port", str(settings.prefect_port)],
             url=f"http://{host}:{settings.prefect_port}", health_url=f"{settings.prefect_api_url}/health",
             ports=(settings.prefect_port,), start_timeout_s=120.0, after=("postgres",),
             env={"PREFECT_HOME": str(settings.home / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -362,7 +327,7 @@ def fleet_specs(settings: PipelineSettings, layout: FleetLayout) -> dict[str, Se
         name = worker_name(index)
         specs[f"worker-{index}"] = Service(
             f"worker-{index}",
-            [program("prefect"), "worker", "start", "--pool", layout.pool, "--type", "process", "--name", name],
+            [servers.program("prefect"), "worker", "start", "--pool", layout.pool, "--type", "process", "--name", name],
             url=f"{settings.prefect_api_url}/work_pools/{layout.pool}", health_url=f"prefect-worker:{name}",
             ports=(), start_timeout_s=120.0, after=("prefect",), env=worker_env, cwd=REPO_ROOT,
             check=lambda name=name: pool_workers(settings.prefect_api_url, layout.pool).get(name) == "ONLINE",
@@ -370,7 +335,7 @@ def fleet_specs(settings: PipelineSettings, layout: FleetLayout) -> dict[str, Se
     for index in range(layout.replicas):
         serving_port, admin_port = replica_ports(settings, index)
         rid = replica_id(index)
-        argv = [program("leap"), "serve", "--host", host, "--port", str(serving_port),
+        argv = [servers.program("leap"), "serve", "--host", host, "--port", str(serving_port),
                 "--admin-port", str(admin_port), "--feedback-dir", str(settings.feedback_dir),
                 "--max-model-len", str(settings.max_model_len)]
         if settings.model_path is not None:

@@ -88,171 +88,173 @@ def body_limit(target: Any, max_body: int | None) -> int:
     return DEFAULT_MAX_BODY
 
 
-def _handler(target: AdminTarget, token: str | None, max_body: int | None, timeout_s: float,
-             body_deadline_s: float) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "leap-admin"
-        timeout = timeout_s  # every read and write on the socket
+class _AdminHandler(BaseHTTPRequestHandler):
+    """One admin request; `AdminServer` binds the target, the token and the limits on a subclass."""
 
-        def log_message(self, fmt: str, *args: Any) -> None:  # route to logging, not stderr
-            logger.debug("admin: " + fmt, *args)
+    server_version = "leap-admin"
+    target: AdminTarget
+    token: str | None = None
+    max_body: int | None = None
+    timeout: float = DEFAULT_REQUEST_TIMEOUT_S  # every read and write on the socket
+    body_deadline_s: float = DEFAULT_BODY_DEADLINE_S
 
-        def _reply(self, status: int, payload: dict | bytes, content_type: str = "application/json",
-                   headers: dict[str, str] | None = None) -> None:
-            body = payload if isinstance(payload, bytes) else json.dumps(payload, default=str).encode()
+    def log_message(self, fmt: str, *args: Any) -> None:  # route to logging, not stderr
+        logger.debug("admin: " + fmt, *args)
+
+    def _reply(self, status: int, payload: dict | bytes, content_type: str = "application/json",
+               headers: dict[str, str] | None = None) -> None:
+        body = payload if isinstance(payload, bytes) else json.dumps(payload, default=str).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            for key, value in (headers or {}).items():
+                self.send_header(key, value)
+            if status == 503:
+                self.send_header("Retry-After", "1")
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError as exc:  # the client went away; nothing to answer
+            logger.debug("admin: could not answer %s: %s", self.path, exc)
+        self.close_connection = True
+
+    def _serving(self) -> Any:
+        try:
+            return self.target.describe().get("version")
+        except Exception:  # noqa: BLE001 - the refusal is the answer; the version is a courtesy
+            return None
+
+    def _guarded(self, work) -> None:
+        try:
+            work()
+        except _Refusal as refusal:
+            self._reply(refusal.status, {"error": str(refusal)})
+        except Exception as exc:  # a request never takes the server down
+            logger.exception("admin: %s %s failed", self.command, self.path)
+            self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})
+
+    def do_GET(self) -> None:
+        self._guarded(self._get)
+
+    def do_POST(self) -> None:
+        self._guarded(self._post)
+
+    def _get(self) -> None:
+        path = urlsplit(self.path).path
+        if path == "/leap/health":
+            self._health()
+        elif path == "/leap/readout":
+            self._reply(200, self.target.describe())
+        elif path == "/metrics":
+            self._reply(200, generate_latest(self.target.metrics_registry), CONTENT_TYPE_LATEST)
+        elif path == RLS_PATH:
+            self._rls()
+        else:
+            self._reply(404, {"error": f"no such endpoint: {path}"})
+
+    def _health(self) -> None:
+        check = getattr(self.target, "health", None)
+        if not callable(check):
+            self._reply(200, {"status": "ok"})
+            return
+        try:
+            report = check()
+        except Exception as exc:  # a health check that fails is an unhealthy answer
+            logger.exception("admin: health check failed")
+            self._reply(503, {"status": "unhealthy", "healthy": False, "error": f"{type(exc).__name__}: {exc}"})
+            return
+        report = report if isinstance(report, dict) else {"healthy": bool(report)}
+        healthy = bool(report.get("healthy"))
+        self._reply(200 if healthy else 503, {"status": "ok" if healthy else "unhealthy", **report})
+
+    def _authorized(self) -> bool:
+        """Whether the request carries the admin token; answers 403/401 itself when not."""
+        if not self.token:
+            self._reply(403, {"error": "pushes are disabled: no admin token is configured "
+                                       "(set LEAP_ADMIN_TOKEN or LEAP_ADMIN_TOKEN_FILE)"})
+            return False
+        given = self.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+            self._reply(401, {"error": "missing or wrong admin token"})
+            return False
+        return True
+
+    def _rls(self) -> None:
+        if not self._authorized():
+            return
+        state = getattr(self.target, "rls_state", None)
+        if not callable(state):
+            self._reply(404, {"error": "this replica keeps no RLS state"})
+            return
+        try:
+            body, info = state()
+        except LookupError as exc:  # nothing learns here now: a state, not a failure
+            self._reply(409, {"error": str(exc), "serving": self._serving()})
+            return
+        self._reply(200, body, "application/octet-stream", {RLS_INFO_HEADER: json.dumps(info, default=str)})
+
+    def _post(self) -> None:
+        split = urlsplit(self.path)
+        if split.path not in ("/leap/readout", "/leap/feedback/flush"):
+            self._reply(404, {"error": f"no such endpoint: {split.path}"})
+            return
+        if not self._authorized():
+            return
+        if split.path == "/leap/feedback/flush":
             try:
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                for key, value in (headers or {}).items():
-                    self.send_header(key, value)
-                if status == 503:
-                    self.send_header("Retry-After", "1")
-                self.end_headers()
-                self.wfile.write(body)
-            except OSError as exc:  # the client went away; nothing to answer
-                logger.debug("admin: could not answer %s: %s", self.path, exc)
-            self.close_connection = True
+                self._reply(200, self.target.flush_feedback())
+            except Exception as exc:  # noqa: BLE001 - the writer says what is not on disk
+                logger.error("admin: feedback flush failed: %s", exc)
+                self._reply(500, {"flushed": False, "error": f"feedback flush failed: {exc}"})
+            return
+        body = self._read_body()
+        force = parse_qs(split.query).get("force", [""])[-1].strip().lower() in _TRUE
+        if force:
+            from leap_io.push_bundle import BundleError, with_force
 
-        def _serving(self) -> Any:
             try:
-                return target.describe().get("version")
-            except Exception:  # noqa: BLE001 - the refusal is the answer; the version is a courtesy
-                return None
+                body = with_force(body)
+            except BundleError as exc:
+                raise _Refusal(exc.status, f"refused: {exc}") from exc
+        try:
+            self._reply(200, self.target.push_readout(body))
+        except PushRefused as exc:
+            self._reply(exc.status, {"error": str(exc), "serving": self._serving()})
+        except Exception as exc:  # anything unexpected is still a refusal, never a half swap
+            logger.exception("admin: push failed")
+            self._reply(500, {"error": f"push failed: {exc}", "serving": self._serving()})
 
-        def _guarded(self, work) -> None:
-            try:
-                work()
-            except _Refusal as refusal:
-                self._reply(refusal.status, {"error": str(refusal)})
-            except Exception as exc:  # a request never takes the server down
-                logger.exception("admin: %s %s failed", self.command, self.path)
-                self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})
-
-        def do_GET(self) -> None:
-            self._guarded(self._get)
-
-        def do_POST(self) -> None:
-            self._guarded(self._post)
-
-        def _get(self) -> None:
-            path = urlsplit(self.path).path
-            if path == "/leap/health":
-                self._health()
-            elif path == "/leap/readout":
-                self._reply(200, target.describe())
-            elif path == "/metrics":
-                self._reply(200, generate_latest(target.metrics_registry), CONTENT_TYPE_LATEST)
-            elif path == RLS_PATH:
-                self._rls()
-            else:
-                self._reply(404, {"error": f"no such endpoint: {path}"})
-
-        def _health(self) -> None:
-            check = getattr(target, "health", None)
-            if not callable(check):
-                self._reply(200, {"status": "ok"})
-                return
-            try:
-                report = check()
-            except Exception as exc:  # a health check that fails is an unhealthy answer
-                logger.exception("admin: health check failed")
-                self._reply(503, {"status": "unhealthy", "healthy": False, "error": f"{type(exc).__name__}: {exc}"})
-                return
-            report = report if isinstance(report, dict) else {"healthy": bool(report)}
-            healthy = bool(report.get("healthy"))
-            self._reply(200 if healthy else 503, {"status": "ok" if healthy else "unhealthy", **report})
-
-        def _authorized(self) -> bool:
-            """Whether the request carries the admin token; answers 403/401 itself when not."""
-            if not token:
-                self._reply(403, {"error": "pushes are disabled: no admin token is configured "
-                                           "(set LEAP_ADMIN_TOKEN or LEAP_ADMIN_TOKEN_FILE)"})
-                return False
-            given = self.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                self._reply(401, {"error": "missing or wrong admin token"})
-                return False
-            return True
-
-        def _rls(self) -> None:
-            if not self._authorized():
-                return
-            state = getattr(target, "rls_state", None)
-            if not callable(state):
-                self._reply(404, {"error": "this replica keeps no RLS state"})
-                return
-            try:
-                body, info = state()
-            except LookupError as exc:  # nothing learns here now: a state, not a failure
-                self._reply(409, {"error": str(exc), "serving": self._serving()})
-                return
-            self._reply(200, body, "application/octet-stream", {RLS_INFO_HEADER: json.dumps(info, default=str)})
-
-        def _post(self) -> None:
-            split = urlsplit(self.path)
-            if split.path not in ("/leap/readout", "/leap/feedback/flush"):
-                self._reply(404, {"error": f"no such endpoint: {split.path}"})
-                return
-            if not self._authorized():
-                return
-            if split.path == "/leap/feedback/flush":
-                try:
-                    self._reply(200, target.flush_feedback())
-                except Exception as exc:  # noqa: BLE001 - the writer says what is not on disk
-                    logger.error("admin: feedback flush failed: %s", exc)
-                    self._reply(500, {"flushed": False, "error": f"feedback flush failed: {exc}"})
-                return
-            body = self._read_body()
-            force = parse_qs(split.query).get("force", [""])[-1].strip().lower() in _TRUE
-            if force:
-                from leap_io.push_bundle import BundleError, with_force
-
-                try:
-                    body = with_force(body)
-                except BundleError as exc:
-                    raise _Refusal(exc.status, f"refused: {exc}") from exc
-            try:
-                self._reply(200, target.push_readout(body))
-            except PushRefused as exc:
-                self._reply(exc.status, {"error": str(exc), "serving": self._serving()})
-            except Exception as exc:  # anything unexpected is still a refusal, never a half swap
-                logger.exception("admin: push failed")
-                self._reply(500, {"error": f"push failed: {exc}", "serving": self._serving()})
-
-        def _read_body(self) -> bytes:
-            if self.headers.get("Transfer-Encoding", "").strip():
-                raise _Refusal(411, "send the readout with a Content-Length; chunked bodies are not accepted")
-            raw = self.headers.get("Content-Length")
-            if raw is None:
-                raise _Refusal(411, "a push needs a Content-Length header")
-            raw = raw.strip()
-            if not _DIGITS.match(raw):
-                raise _Refusal(400, f"Content-Length must be a non-negative integer, got {raw[:40]!r}")
-            length = int(raw)
-            limit = body_limit(target, max_body)
-            if length == 0:
-                raise _Refusal(400, "the body is empty; send a readout file or bundle")
-            if length > limit:
-                raise _Refusal(413, f"the body has {length} bytes; this replica accepts at most {limit}")
-            deadline = time.monotonic() + body_deadline_s
-            parts, received = [], 0
-            try:
-                while received < length:
-                    if time.monotonic() > deadline:
-                        raise _Refusal(408, f"the body did not arrive within {body_deadline_s:.0f}s "
-                                            f"({received} of {length} bytes)")
-                    chunk = self.rfile.read1(min(_CHUNK, length - received))
-                    if not chunk:
-                        raise _Refusal(400, f"the body ended after {received} of {length} bytes")
-                    parts.append(chunk)
-                    received += len(chunk)
-            except TimeoutError as exc:
-                raise _Refusal(408, f"the body stalled for {timeout_s:.0f}s after {received} of {length} "
-                                    f"bytes") from exc
-            return b"".join(parts)
-
-    return Handler
+    def _read_body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").strip():
+            raise _Refusal(411, "send the readout with a Content-Length; chunked bodies are not accepted")
+        raw = self.headers.get("Content-Length")
+        if raw is None:
+            raise _Refusal(411, "a push needs a Content-Length header")
+        raw = raw.strip()
+        if not _DIGITS.match(raw):
+            raise _Refusal(400, f"Content-Length must be a non-negative integer, got {raw[:40]!r}")
+        length = int(raw)
+        limit = body_limit(self.target, self.max_body)
+        if length == 0:
+            raise _Refusal(400, "the body is empty; send a readout file or bundle")
+        if length > limit:
+            raise _Refusal(413, f"the body has {length} bytes; this replica accepts at most {limit}")
+        deadline = time.monotonic() + self.body_deadline_s
+        parts, received = [], 0
+        try:
+            while received < length:
+                if time.monotonic() > deadline:
+                    raise _Refusal(408, f"the body did not arrive within {self.body_deadline_s:.0f}s "
+                                        f"({received} of {length} bytes)")
+                chunk = self.rfile.read1(min(_CHUNK, length - received))
+                if not chunk:
+                    raise _Refusal(400, f"the body ended after {received} of {length} bytes")
+                parts.append(chunk)
+                received += len(chunk)
+        except TimeoutError as exc:
+            raise _Refusal(408, f"the body stalled for {self.timeout:.0f}s after {received} of {length} "
+                                f"bytes") from exc
+        return b"".join(parts)
 
 
 class _BoundedServer(ThreadingHTTPServer):
@@ -337,7 +339,8 @@ class AdminServer:
                  body_deadline: float = DEFAULT_BODY_DEADLINE_S) -> None:
         if max_handlers < 1:
             raise ValueError("max_handlers must be >= 1")
-        handler = _handler(target, token, max_body, request_timeout, body_deadline)
+        handler = type("Handler", (_AdminHandler,), {"target": target, "token": token, "max_body": max_body,
+                                                     "timeout": request_timeout, "body_deadline_s": body_deadline})
         self._server = _BoundedServer((host, port), handler, max_handlers)
         self.host = host
         self.port = self._server.server_address[1]

@@ -1,24 +1,14 @@
 """Append-only feedback segments: one Parquet row per finished request, written exactly once.
 
-Rows go to a writer thread so the scheduler never waits on the disk. Layout under the feedback folder:
+Rows go to a writer thread so the scheduler never waits on the disk; the files it writes (segments,
+their crash recovery, the quarantine, write failures) are `serving.feedback_segments`'.
 
-  <folder>/feedback-<time>-<replica>-<id>.parquet     complete segments (what ingest reads)
-  <folder>/<replica>/.writer.lock                     held (flock) while this replica's writer runs
-  <folder>/<replica>/*.arrows.partial                 this replica's open segment, an Arrow IPC stream
-  <folder>/<replica>/quarantine/*.jsonl               rows that could not be converted, with the reason
-
-The open segment gets one record batch per flush, fsynced each time, so a crash leaves a readable prefix.
-Rotation (by rows or age) and shutdown convert the stream to Parquet through a temporary name: the file
-is fsynced before the atomic rename and the folder after it, so readers only see complete segments.
-Partials live in a folder per replica, so a restarting replica recovers only its own crashed stream and
-never another replica's open one; a dead replica's partials are adopted once they are stale and its lock
-is free.
-
-Nothing a caller passes can stop the writer: each row is converted on its own before it joins a batch,
-and a row that does not fit the schema is quarantined with its reason and counted. The backlog (rows
-accepted, not yet on disk) is bounded; rows beyond it are dropped and counted by reason. Rows that
-cannot be written (a full disk) stay in the backlog and are retried; a segment whose conversion fails
-stays on disk as a partial and is retried too. `flush()` raises unless everything accepted before it is
+Nothing a caller passes can stop the writer: each row is converted on its own before it joins a batch
+(`serving.feedback_rows`), and a row that does not fit the schema is quarantined with its reason and
+counted. The backlog (rows accepted, not yet on disk) is bounded; rows beyond it are dropped and counted
+by reason. Rows that cannot be written (a full disk) stay in the backlog and are retried; a segment
+whose conversion fails stays on disk as a partial and is retried too. Rotation (by rows or age) and
+shutdown close the open segment as Parquet. `flush()` raises unless everything accepted before it is
 in a closed Parquet segment (or quarantined), and `stats()` / `healthy()` say how the writer is doing.
 """
 
@@ -26,43 +16,24 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
-import io
-import json
 import logging
-import math
-import os
-import re
-import socket
 import threading
 import time
-import uuid
 from collections import Counter, deque
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
-from pyarrow import ipc
-
-from leap_io.durable import fsync_dir, write_durably
-from leap_io.feedback_schema import feedback_schema, parquet_options, segment_metadata, segment_table
+from leap_io.feedback_schema import feedback_schema, segment_metadata
+from serving.feedback_rows import BadRow, BatchBreaker, Converted, RowConverter, quarantine_line
+from serving.feedback_segments import QuarantineFull, SegmentError, SegmentFiles, default_replica_id, is_disk_full
 
 logger = logging.getLogger(__name__)
-
-PARTIAL_SUFFIX = ".arrows.partial"
-QUARANTINE_DIR = "quarantine"
-LOCK_NAME = ".writer.lock"
-REPLICA_ENV = "LEAP_REPLICA_ID"
 
 DEFAULT_MAX_QUEUE_ROWS = 100_000
 DEFAULT_MAX_QUEUE_BYTES = 1 << 30  # the backlog's features, whatever the dim
 DEFAULT_MAX_QUARANTINE_BYTES = 64 << 20
 DEFAULT_ORPHAN_AGE_S = 3600.0
 _MAX_BATCH_ROWS = 1024  # rows per record batch when a backlog is written out
-_MAX_RETRY_S = 10.0
 
 # Drop reasons (rows accepted by nobody; counted, never silent).
 DROP_QUEUE_FULL = "queue_full"  # the writer is slower than the rows come
@@ -78,178 +49,6 @@ DROP_UNWRITTEN_AT_CLOSE = "unwritten_at_close"  # still in the backlog when clos
 class FeedbackFlushError(RuntimeError):
     """flush() could not put every row accepted before it into a closed Parquet segment."""
 
-
-class _BadRow(ValueError):
-    """A row that does not fit the feedback schema; the message is the quarantine reason."""
-
-
-# ---------------------------------------------------------------------------------------- files
-
-def _write_parquet(table: pa.Table, final: Path) -> None:
-    """Write `table` to `final` durably (`leap_io.durable`)."""
-    write_durably(final, lambda path: pq.write_table(segment_table(table), path, **parquet_options()))
-
-
-def _read_stream(source: Any) -> tuple[list[pa.RecordBatch], pa.Schema | None, bool]:
-    """(complete batches, schema, torn) of an IPC stream; a torn or unterminated tail is dropped."""
-    batches: list[pa.RecordBatch] = []
-    schema = None
-    torn = False
-    try:
-        reader = ipc.open_stream(source)
-        schema = reader.schema
-        while True:
-            try:
-                batches.append(reader.read_next_batch())
-            except StopIteration:
-                break
-    except (pa.ArrowInvalid, EOFError):
-        torn = True
-    except OSError as exc:
-        if exc.errno is not None:  # a real I/O error: keep the file for a later try
-            raise
-        torn = True  # Arrow reports a message cut short as an OSError without errno
-    return batches, schema, torn
-
-
-def _final_name(partial: Path, dest: Path) -> Path:
-    return dest / (partial.name[: -len(PARTIAL_SUFFIX)] + ".parquet")
-
-
-def recover_partial(partial: Path, dest: Path | None = None) -> tuple[int, bool]:
-    """Turn a crashed stream into a Parquet segment in `dest` (default: beside it).
-
-    Returns (rows recovered, torn tail dropped). The partial is removed only once its rows are durable
-    as Parquet; on any error it stays, so nothing is lost and a later try can finish the job.
-    """
-    partial = Path(partial)
-    dest = partial.parent if dest is None else Path(dest)
-    with pa.OSFile(str(partial), "rb") as source:
-        batches, schema, torn = _read_stream(source)
-    rows = sum(len(b) for b in batches)
-    if schema is not None and rows:
-        _write_parquet(pa.Table.from_batches(batches, schema=schema), _final_name(partial, dest))
-    partial.unlink(missing_ok=True)
-    with contextlib.suppress(OSError):
-        fsync_dir(partial.parent)
-    return rows, torn
-
-
-# ------------------------------------------------------------------------------------- replicas
-
-def _safe_id(text: str) -> str:
-    cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", text.strip())[:64].lstrip(".")
-    return cleaned or "replica"
-
-
-def default_replica_id(port: int | None = None) -> str:
-    """`LEAP_REPLICA_ID` if set, else the host name (and `port`, for several replicas on one host)."""
-    given = os.environ.get(REPLICA_ENV, "").strip()
-    if given:
-        return _safe_id(given)
-    host = socket.gethostname() or "host"
-    return _safe_id(f"{host}-{port}" if port else host)
-
-
-def _try_lock(path: Path) -> int | None:
-    """An fd holding an exclusive flock on `path`, or None when another process (or fd) holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return None
-        raise
-    return fd
-
-
-def _unlock(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    os.close(fd)
-
-
-def _is_disk_full(exc: BaseException) -> bool:
-    return getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in str(exc)
-
-
-# ---------------------------------------------------------------------------------- conversion
-
-def _json_safe(value: Any) -> Any:
-    if value is None or isinstance(value, (bool, int, str)):
-        return value if not isinstance(value, str) else value[:1000]
-    if isinstance(value, float):
-        return value if math.isfinite(value) else repr(value)
-    return repr(value)[:200]
-
-
-def _summary(feature: Any) -> dict[str, Any]:
-    """What the quarantine keeps of a feature: its kind and size, never its values."""
-    summary: dict[str, Any] = {"type": type(feature).__name__}
-    shape = getattr(feature, "shape", None)
-    if shape is not None:
-        summary["shape"] = [int(s) for s in shape] if isinstance(shape, tuple) else repr(shape)[:100]
-        summary["dtype"] = str(getattr(feature, "dtype", ""))
-    elif isinstance(feature, (list, tuple)):
-        summary["length"] = len(feature)
-    return summary
-
-
-_FAST_TYPES = {pa.string(): str, pa.float64(): float, pa.float32(): float}
-_INT32 = (-(1 << 31), (1 << 31) - 1)
-
-
-class _Converter:
-    """Checks one row against the schema and returns plain values that build a batch without error."""
-
-    def __init__(self, schema: pa.Schema) -> None:
-        self.schema = schema
-        self.dim = schema.field("feature").type.list_size
-        self.scalars = [(f.name, f.type, f.nullable) for f in schema if f.name != "feature"]
-
-    def convert(self, row: Any) -> tuple[list[Any], np.ndarray]:
-        if not isinstance(row, Mapping):
-            raise _BadRow(f"row is a {type(row).__name__}, not a mapping of column -> value")
-        values = []
-        for name, kind, nullable in self.scalars:
-            value = row.get(name)
-            if value is None:
-                if not nullable:
-                    raise _BadRow(f"{name} is missing or null")
-                values.append(None)
-                continue
-            fast = _FAST_TYPES.get(kind)
-            if fast is not None and type(value) is fast:
-                values.append(value)
-                continue
-            if kind == pa.int32() and type(value) is int and _INT32[0] <= value <= _INT32[1]:
-                values.append(value)
-                continue
-            try:
-                values.append(pa.scalar(value, type=kind).as_py())
-            except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
-                raise _BadRow(f"{name}: {type(value).__name__} {_json_safe(value)!r} does not convert to "
-                              f"{kind}: {exc}") from None
-        if "feature" not in row or row["feature"] is None:
-            raise _BadRow("feature is missing or null")
-        try:
-            feature = np.asarray(row["feature"], dtype=np.float32)
-        except Exception as exc:  # noqa: BLE001 - __array__ of a foreign object may raise anything
-            raise _BadRow(f"feature does not convert to float32: {type(exc).__name__}: {exc}") from None
-        if feature.size != self.dim:
-            raise _BadRow(f"feature has {feature.size} values of shape {feature.shape}, expected dim {self.dim}")
-        return values, feature.reshape(self.dim)
-
-    def batch(self, rows: list[tuple[list[Any], np.ndarray]]) -> pa.RecordBatch:
-        columns = list(zip(*(values for values, _ in rows)))
-        arrays = [pa.array(list(column), type=kind) for column, (_, kind, _) in zip(columns, self.scalars)]
-        flat = np.concatenate([feature for _, feature in rows])
-        arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(flat, type=pa.float32()), self.dim))
-        return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
-
-
-# -------------------------------------------------------------------------------------- writer
 
 class _Control:
     def __init__(self, kind: str) -> None:
@@ -270,14 +69,14 @@ class FeedbackWriter:
                  recipe: str | None = None) -> None:
         if max_queue_rows < 1 or max_rows < 1 or flush_rows < 1:
             raise ValueError("max_queue_rows, max_rows and flush_rows must be >= 1")
-        self.root = Path(folder)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.replica_id, self._lock_fd = self._claim(_safe_id(replica_id or default_replica_id()), lock_wait_s)
-        self.replica_dir = self.root / self.replica_id
-        self.quarantine_dir = self.replica_dir / QUARANTINE_DIR
+        self.files = SegmentFiles(folder, replica_id or default_replica_id(), lock_wait_s=lock_wait_s,
+                                  orphan_age_s=max(orphan_age_s, 2 * max_seconds + 60.0),
+                                  max_quarantine_bytes=max_quarantine_bytes, retry_base_s=flush_seconds)
+        self.root, self.replica_id = self.files.root, self.files.replica_id
+        self.replica_dir, self.quarantine_dir = self.files.replica_dir, self.files.quarantine_dir
         self.schema = feedback_schema(dim).with_metadata(
             segment_metadata(dim, layer, model_id, fingerprint, replica_id=self.replica_id, recipe=recipe))
-        self._convert = _Converter(self.schema)
+        self._convert = RowConverter(self.schema)
         self.max_rows, self.max_seconds = max_rows, max_seconds
         self.flush_rows, self.flush_seconds = flush_rows, flush_seconds
         row_bytes = 4 * dim + 1024
@@ -286,20 +85,9 @@ class FeedbackWriter:
 
         # counters: written by the writer thread, read anywhere (ints are atomic enough to read)
         self.rows_written = 0
-        self.segments_closed = 0
         self.rows_quarantined = 0
-        self.errors = 0
-        self.recovered_rows, self.torn_segments, self.adopted_rows = 0, 0, 0
+        self._errors = 0
         self._drops: Counter[str] = Counter()
-        self._last_error: str | None = None
-        self._disk_errno: int | None = None  # set while writes fail, cleared by the next success
-
-        self._stranded: list[Path] = []  # closed streams whose Parquet conversion is still to do
-        self._recover_own()
-        self._adopt_orphans(max(orphan_age_s, 2 * max_seconds + 60.0))
-        self._quarantine_bytes = sum(p.stat().st_size for p in self.quarantine_dir.glob("*.jsonl")
-                                     if p.is_file()) if self.quarantine_dir.is_dir() else 0
-        self._quarantine_file: Path | None = None
 
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -308,19 +96,34 @@ class FeedbackWriter:
         self._current: list[_Control] = []  # the controls the thread is handling now
         self._backlog = 0  # accepted rows not yet written, quarantined or dropped
         self._closing = False
-        self._pending: list[tuple[list[Any], np.ndarray]] = []  # converted, waiting for the disk
-        self._handle: io.BufferedRandom | None = None
-        self._stream: ipc.RecordBatchStreamWriter | None = None
-        self._partial: Path | None = None
-        self._stream_bytes = 0  # size of the open stream after its last durable batch
-        self._segment_rows = 0
-        self._segment_started = 0.0
-        self._sequence = 0
+        self._pending: list[Converted] = []  # converted, waiting for the disk
         self._last_flush = time.monotonic()
-        self._retry_at = 0.0
-        self._failures = 0
         self._thread = threading.Thread(target=self._run, name="leap-feedback", daemon=True)
         self._thread.start()
+
+    # -- counts of the files -----------------------------------------------------------------------
+    @property
+    def errors(self) -> int:
+        """Errors the writer survived: of its own, and of its files."""
+        return self._errors + self.files.errors
+
+    @property
+    def segments_closed(self) -> int:
+        return self.files.segments_closed
+
+    @property
+    def recovered_rows(self) -> int:
+        """Rows of this replica's crashed segment recovered at start."""
+        return self.files.recovered_rows
+
+    @property
+    def adopted_rows(self) -> int:
+        """Rows of dead replicas' stale segments adopted at start."""
+        return self.files.adopted_rows
+
+    @property
+    def torn_segments(self) -> int:
+        return self.files.torn_segments
 
     # -- the caller's side ---------------------------------------------------------------------
     def write(self, row: dict[str, Any]) -> bool:
@@ -365,9 +168,8 @@ class FeedbackWriter:
         if self._thread.is_alive():
             logger.error("feedback: writer thread did not stop within %.1fs (%d rows unwritten)", timeout,
                          self._backlog)
-        elif self._lock_fd is not None:
-            _unlock(self._lock_fd)
-            self._lock_fd = None
+        else:
+            self.files.release()
         return clean
 
     def stats(self) -> dict[str, Any]:
@@ -375,87 +177,16 @@ class FeedbackWriter:
         with self._lock:
             drops = dict(self._drops)
             depth = self._backlog
+        disk_errno = self.files.disk_errno
         return {"rows_written": self.rows_written, "rows_dropped": sum(drops.values()), "drop_reasons": drops,
                 "rows_quarantined": self.rows_quarantined, "queue_depth": depth,
                 "alive": self._thread.is_alive(), "errors": self.errors,
-                "disk_full": self._disk_errno == errno.ENOSPC, "writing_fails": self._disk_errno is not None,
-                "last_error": self._last_error}
+                "disk_full": disk_errno == errno.ENOSPC, "writing_fails": disk_errno is not None,
+                "last_error": self.files.last_error}
 
     def healthy(self) -> bool:
         """The writer thread runs and takes rows (a full disk is visible in stats(), not here)."""
         return self._thread.is_alive() and not self._closing
-
-    # -- start-up ------------------------------------------------------------------------------
-    def _claim(self, wanted: str, wait_s: float) -> tuple[str, int | None]:
-        """Lock this replica's folder; a name held by a live writer falls back to `<name>-<pid>`."""
-        deadline = time.monotonic() + max(wait_s, 0.0)
-        for name in (wanted, f"{wanted}-{os.getpid()}", f"{wanted}-{os.getpid()}-{uuid.uuid4().hex[:6]}"):
-            folder = self.root / name
-            folder.mkdir(parents=True, exist_ok=True)
-            while True:
-                fd = _try_lock(folder / LOCK_NAME)
-                if fd is not None:
-                    if name != wanted:
-                        logger.error("feedback: replica id %r is in use by another live writer; writing as %r "
-                                     "(give each replica its own %s)", wanted, name, REPLICA_ENV)
-                    return name, fd
-                if time.monotonic() >= deadline:
-                    break
-                time.sleep(0.05)
-        raise RuntimeError(f"feedback: could not lock a replica folder under {self.root}")
-
-    def _recover_into_root(self, partial: Path, whose: str) -> int:
-        try:
-            rows, torn = recover_partial(partial, self.root)
-        except FileNotFoundError:
-            return 0
-        except Exception as exc:
-            self.errors += 1
-            self._last_error = f"recovering {partial}: {exc}"
-            logger.exception("feedback: could not recover %s yet; it stays for a later try", partial)
-            if partial.parent == self.replica_dir:
-                self._stranded.append(partial)
-            return 0
-        self.torn_segments += int(torn)
-        logger.warning("feedback: recovered %d rows from %s (%s)%s", rows, partial.name, whose,
-                       "; a torn last batch was dropped" if torn else "")
-        return rows
-
-    def _recover_own(self) -> None:
-        for partial in sorted(self.replica_dir.glob("*" + PARTIAL_SUFFIX)):
-            self.recovered_rows += self._recover_into_root(partial, "this replica's crashed segment")
-
-    def _adopt_orphans(self, age_s: float) -> None:
-        """Convert partials of replicas that are gone: lock free and untouched for `age_s` seconds."""
-        cutoff = time.time() - age_s
-
-        def stale(path: Path) -> bool:
-            with contextlib.suppress(OSError):
-                return path.stat().st_mtime < cutoff
-            return False
-
-        for folder in sorted(p for p in self.root.iterdir() if p.is_dir() and p != self.replica_dir):
-            lock = folder / LOCK_NAME
-            if not lock.is_file():
-                continue
-            old = [p for p in sorted(folder.glob("*" + PARTIAL_SUFFIX)) if stale(p)]
-            if not old:
-                continue
-            try:
-                fd = _try_lock(lock)
-            except OSError:
-                continue
-            if fd is None:
-                continue  # that replica is alive: its partials are its own business
-            try:
-                for partial in old:
-                    self.adopted_rows += self._recover_into_root(partial, f"orphan of replica {folder.name}")
-            finally:
-                _unlock(fd)
-        # streams of the writer before per-replica folders: adopt them once nobody could be writing them
-        for partial in sorted(self.root.glob("*" + PARTIAL_SUFFIX)):
-            if stale(partial):
-                self.adopted_rows += self._recover_into_root(partial, "orphan in the shared folder")
 
     # -- the thread ------------------------------------------------------------------------------
     def _submit(self, kind: str) -> _Control | None:
@@ -472,9 +203,9 @@ class FeedbackWriter:
     def _overflow_reason(self) -> str:
         if not self._thread.is_alive():
             return DROP_WRITER_DEAD
-        if self._disk_errno == errno.ENOSPC:
+        if self.files.disk_errno == errno.ENOSPC:
             return DROP_DISK_FULL
-        if self._disk_errno is not None:
+        if self.files.disk_errno is not None:
             return DROP_WRITE_FAILED
         return DROP_QUEUE_FULL
 
@@ -484,12 +215,12 @@ class FeedbackWriter:
                 if self._step():
                     return
             except Exception as exc:  # a bug, not a bad row or a disk error: count it and carry on
-                self.errors += 1
-                self._last_error = f"{type(exc).__name__}: {exc}"
+                self._errors += 1
+                self.files.last_error = f"{type(exc).__name__}: {exc}"
                 logger.exception("feedback: writer step failed; continuing")
                 controls, self._current = self._current, []
                 for control in controls:  # whoever waits learns at once that it did not happen
-                    control.error = f"the feedback writer failed while handling it: {self._last_error}"
+                    control.error = f"the feedback writer failed while handling it: {self.files.last_error}"
                     control.done.set()
                 if any(control.kind == "close" for control in controls):
                     with contextlib.suppress(Exception):
@@ -510,25 +241,24 @@ class FeedbackWriter:
         for row in rows:
             try:
                 self._pending.append(self._convert.convert(row))
-            except _BadRow as exc:
+            except BadRow as exc:
                 bad.append((row, str(exc)))
             except Exception as exc:  # noqa: BLE001 - a row whose values misbehave in ways not foreseen
                 bad.append((row, f"row did not convert: {type(exc).__name__}: {exc}"))
         if bad:
             self._quarantine(bad)
-        now = time.monotonic()
+        files, now = self.files, time.monotonic()
         due = (len(self._pending) >= self.flush_rows
                or (self._pending and now - self._last_flush >= self.flush_seconds))
-        if controls or (due and now >= self._retry_at):
+        if controls or (due and now >= files.retry_at):
             self._write_pending()
             self._last_flush = now
-        if self._stream is not None and (self._segment_rows >= self.max_rows
-                                         or now - self._segment_started >= self.max_seconds):
+        if files.is_open and (files.segment_rows >= self.max_rows or files.age_s() >= self.max_seconds):
             self._close_segment()
-        if self._stranded and (controls or now >= self._retry_at):
+        if files.stranded and (controls or now >= files.retry_at):
             self._finish_stranded()
         for control in controls:
-            if control.kind == "close" and self._disk_errno is not None:
+            if control.kind == "close" and files.disk_errno is not None:
                 self._write_pending()  # one more try before giving up
             self._close_segment()
             self._finish_stranded()
@@ -542,31 +272,25 @@ class FeedbackWriter:
         return False
 
     def _wait_s(self) -> float:
-        if self._pending or self._stranded:
-            return max(0.01, min(self.flush_seconds, max(self._retry_at - time.monotonic(), 0.01)))
+        if self._pending or self.files.stranded:
+            return max(0.01, min(self.flush_seconds, max(self.files.retry_at - time.monotonic(), 0.01)))
         return max(self.flush_seconds, 1.0)  # idle: wake only to check the segment's age
 
     def _undone(self) -> str | None:
-        parts = []
-        if self._pending:
-            parts.append(f"{len(self._pending)} rows are still waiting for the disk")
-        if self._stranded:
-            parts.append(f"{len(self._stranded)} segments are not converted to Parquet yet "
-                         f"({', '.join(p.name for p in self._stranded)})")
-        if self._stream is not None:
-            parts.append("the open segment could not be closed")
+        parts = [f"{len(self._pending)} rows are still waiting for the disk"] if self._pending else []
+        parts += self.files.undone()
         if not parts:
             return None
-        return "; ".join(parts) + (f"; last error: {self._last_error}" if self._last_error else "")
+        last_error = self.files.last_error
+        return "; ".join(parts) + (f"; last error: {last_error}" if last_error else "")
 
     def _abandon_at_close(self) -> None:
         if self._pending:
             lost = len(self._pending)
-            logger.error("feedback: %d rows could not be written before shutdown (%s)", lost, self._last_error)
+            logger.error("feedback: %d rows could not be written before shutdown (%s)", lost, self.files.last_error)
             self._pending.clear()
             self._count_out(lost, drop=DROP_UNWRITTEN_AT_CLOSE)
-        if self._handle is not None:  # a segment we could not close: keep its durable batches as a partial
-            self._abandon_stream()
+        self.files.abandon()  # a segment we could not close: keep its durable batches as a partial
 
     def _count_out(self, n: int, drop: str | None = None) -> None:
         with self._lock:
@@ -574,207 +298,59 @@ class FeedbackWriter:
             if drop is not None:
                 self._drops[drop] += n
 
-    def _failed(self, exc: BaseException, what: str) -> None:
-        self.errors += 1
-        self._failures += 1
-        self._disk_errno = errno.ENOSPC if _is_disk_full(exc) else getattr(exc, "errno", None) or -1
-        self._last_error = f"{what}: {type(exc).__name__}: {exc}"
-        delay = min(_MAX_RETRY_S, max(self.flush_seconds, 0.05) * 2 ** min(self._failures - 1, 8))
-        self._retry_at = time.monotonic() + delay
-        logger.error("feedback: %s failed (%s); %d rows kept for a retry in %.1fs", what, exc,
-                     len(self._pending), delay)
-
-    def _succeeded(self) -> None:
-        """Rows reached the disk: the write error (and its backoff) is over."""
-        if self._disk_errno is not None:
-            logger.warning("feedback: writing works again after %d failures", self._failures)
-        self._disk_errno, self._failures, self._retry_at = None, 0, 0.0
-
-    # -- segments ------------------------------------------------------------------------------
-    def _open(self) -> None:
-        self._sequence += 1  # orders this replica's segments opened within the same second
-        name = (f"feedback-{time.strftime('%Y%m%dT%H%M%S')}-{self.replica_id}-{self._sequence:06d}-"
-                f"{uuid.uuid4().hex[:6]}")
-        partial = self.replica_dir / (name + PARTIAL_SUFFIX)
-        handle = open(partial, "w+b")  # noqa: SIM115 - stays open as the segment's stream
-        try:
-            stream = ipc.new_stream(handle, self.schema)
-            handle.flush()
-            os.fsync(handle.fileno())
-            fsync_dir(self.replica_dir)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                handle.close()
-            partial.unlink(missing_ok=True)
-            raise
-        self._handle, self._stream, self._partial = handle, stream, partial
-        self._stream_bytes = os.fstat(handle.fileno()).st_size
-        self._segment_rows = 0
-        self._segment_started = time.monotonic()
-
+    # -- onto the disk -----------------------------------------------------------------------------
     def _write_pending(self) -> None:
         """Write the converted rows as record batches; on failure they stay pending for a retry."""
         while self._pending:
             try:
-                if self._stream is None:
-                    self._open()
-                room = self.max_rows - self._segment_rows
+                if not self.files.is_open:
+                    self.files.open(self.schema)
+                room = self.max_rows - self.files.segment_rows
                 chunk = self._pending[:max(1, min(room, _MAX_BATCH_ROWS))]
-                batch = self._build(chunk)
-                if batch is None:
-                    continue  # a row broke the batch and was quarantined; build again without it
                 try:
-                    self._stream.write_batch(batch)
-                    self._handle.flush()
-                    os.fsync(self._handle.fileno())
-                except BaseException:
-                    self._abandon_stream()
-                    raise
+                    batch = self._convert.checked_batch(chunk)
+                except BatchBreaker as breaker:  # the per-row check let a bad row through
+                    logger.warning("feedback: a batch did not build (%s); quarantining the row that broke it",
+                                   breaker.__cause__)
+                    self._quarantine([(self._convert.as_row(self._pending.pop(breaker.index)), str(breaker))])
+                    continue  # build again without it
+                self.files.append(batch)
             except Exception as exc:  # noqa: BLE001 - any failure keeps the rows for a retry
-                self._failed(exc, "writing feedback rows")
+                self.files.failed(exc, "writing feedback rows", len(self._pending))
                 return
-            self._stream_bytes = os.fstat(self._handle.fileno()).st_size
             del self._pending[:len(chunk)]
-            self._segment_rows += len(chunk)
             self.rows_written += len(chunk)
             self._count_out(len(chunk))
-            self._succeeded()
-            if self._segment_rows >= self.max_rows:
+            self.files.succeeded()
+            if self.files.segment_rows >= self.max_rows:
                 self._close_segment()
 
-    def _build(self, chunk: list[tuple[list[Any], np.ndarray]]) -> pa.RecordBatch | None:
-        try:
-            return self._convert.batch(chunk)
-        except Exception as exc:  # noqa: BLE001 - the per-row check let a bad row through; find it
-            logger.warning("feedback: a batch did not build (%s); checking its rows one by one", exc)
-        for index, item in enumerate(chunk):
-            try:
-                self._convert.batch([item])
-            except Exception as exc:  # noqa: BLE001 - this row is the culprit: quarantine it
-                del self._pending[index]
-                self._quarantine([(dict(zip([n for n, _, _ in self._convert.scalars], item[0]),
-                                        feature=item[1]), f"row does not build a batch: {exc}")])
-                return None
-        raise RuntimeError("a batch of rows that each convert does not convert together")
-
-    def _abandon_stream(self) -> None:
-        """Drop the open stream after a failed write: cut it back to its last durable batch and keep it
-        as a partial for a later conversion (or remove it when it holds no rows)."""
-        handle, partial, size, rows = self._handle, self._partial, self._stream_bytes, self._segment_rows
-        self._handle = self._stream = self._partial = None
-        self._segment_rows = 0
-        with contextlib.suppress(Exception):
-            handle.close()  # may fail to flush what the disk refused; that part is cut off below
-        if partial is None:
-            return
-        try:
-            if rows:
-                os.truncate(partial, size)
-                self._stranded.append(partial)
-            else:
-                partial.unlink(missing_ok=True)
-        except OSError as exc:
-            self.errors += 1
-            logger.error("feedback: could not trim the failed segment %s: %s", partial, exc)
-            if rows:
-                self._stranded.append(partial)
-
     def _close_segment(self) -> None:
-        """Finish the open stream and convert it to Parquet from our own handle (a file removed under
-        us is still readable through it)."""
-        if self._stream is None:
-            return
-        if self._segment_rows == 0:
-            handle, partial = self._handle, self._partial
-            self._handle = self._stream = self._partial = None
-            with contextlib.suppress(Exception):
-                handle.close()
-            if partial is not None:
-                partial.unlink(missing_ok=True)
-            return
         try:
-            self._stream.close()
-            self._handle.flush()
-            os.fsync(self._handle.fileno())
-        except Exception as exc:  # noqa: BLE001 - the durable batches stay on disk as a partial
-            self._abandon_stream()
-            self._failed(exc, "closing the feedback segment")
-            return
-        handle, partial = self._handle, self._partial
-        try:
-            if os.fstat(handle.fileno()).st_nlink == 0:
-                logger.error("feedback: segment %s was removed by someone else; converting it from the "
-                             "open file", partial.name)
-                self.errors += 1
-            handle.seek(0)
-            batches, schema, torn = _read_stream(pa.PythonFile(handle, mode="r"))
-            if torn:
-                raise OSError(f"segment {partial.name} does not read back whole")
-            _write_parquet(pa.Table.from_batches(batches, schema=schema), _final_name(partial, self.root))
-        except Exception as exc:  # noqa: BLE001 - the partial holds every batch; convert it later
-            self._abandon_stream()
-            self._failed(exc, "converting the feedback segment to Parquet")
-            return
-        self._handle = self._stream = self._partial = None
-        with contextlib.suppress(Exception):
-            handle.close()
-        partial.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            fsync_dir(self.replica_dir)
-        self.segments_closed += 1
+            self.files.close_segment()
+        except SegmentError as exc:
+            self.files.failed(exc.__cause__, exc.what, len(self._pending))
 
     def _finish_stranded(self) -> None:
-        while self._stranded:
-            partial = self._stranded[0]
-            try:
-                recover_partial(partial, self.root)
-            except FileNotFoundError:
-                logger.error("feedback: stranded segment %s disappeared before its conversion", partial)
-                self.errors += 1
-            except Exception as exc:  # noqa: BLE001 - it stays on disk for the next try
-                self._failed(exc, f"converting the stranded segment {partial.name}")
-                return
-            self._stranded.pop(0)
-            self.segments_closed += 1
-
-    # -- quarantine ----------------------------------------------------------------------------
-    def _quarantine_line(self, row: Any, reason: str) -> str:
-        record: dict[str, Any] = {"quarantined_at": time.time(), "replica_id": self.replica_id, "reason": reason}
         try:
-            if isinstance(row, Mapping):
-                record["row"] = {str(k)[:100]: _json_safe(v) for k, v in row.items() if k != "feature"}
-                record["feature"] = _summary(row.get("feature"))
-            else:
-                record["row"] = _json_safe(row)
-            return json.dumps(record, default=repr) + "\n"
-        except Exception as exc:  # noqa: BLE001 - a row that cannot even be described is still accounted for
-            record["row"] = f"<a {type(row).__name__} that cannot be described: {type(exc).__name__}>"
-            record.pop("feature", None)
-            return json.dumps(record, default=repr) + "\n"
+            self.files.finish_stranded()
+        except SegmentError as exc:
+            self.files.failed(exc.__cause__, exc.what, len(self._pending))
 
     def _quarantine(self, bad: list[tuple[Any, str]]) -> None:
-        lines = [self._quarantine_line(row, reason) for row, reason in bad]
-        data = "".join(lines).encode()
-        if self._quarantine_bytes + len(data) > self.max_quarantine_bytes:
+        data = "".join(quarantine_line(row, reason, self.replica_id) for row, reason in bad).encode()
+        try:
+            self.files.quarantine(data)
+        except QuarantineFull:
             logger.error("feedback: quarantine of %s is full (%d bytes); %d bad rows dropped: %s",
-                         self.replica_id, self._quarantine_bytes, len(bad), bad[0][1])
+                         self.replica_id, self.files.quarantine_bytes, len(bad), bad[0][1])
             self._count_out(len(bad), drop=DROP_QUARANTINE_FULL)
             return
-        try:
-            if self._quarantine_file is None:
-                self.quarantine_dir.mkdir(parents=True, exist_ok=True)
-                self._quarantine_file = self.quarantine_dir / (
-                    f"quarantine-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}.jsonl")
-            with open(self._quarantine_file, "ab") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
         except Exception as exc:  # noqa: BLE001 - counted as dropped with the reason
-            self.errors += 1
+            self._errors += 1
             logger.error("feedback: could not quarantine %d bad rows (%s): %s", len(bad), exc, bad[0][1])
-            self._count_out(len(bad), drop=DROP_DISK_FULL if _is_disk_full(exc) else DROP_QUARANTINE_FAILED)
+            self._count_out(len(bad), drop=DROP_DISK_FULL if is_disk_full(exc) else DROP_QUARANTINE_FAILED)
             return
-        self._quarantine_bytes += len(data)
         self.rows_quarantined += len(bad)
         self._count_out(len(bad))
         for _, reason in bad[:5]:

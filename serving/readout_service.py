@@ -1,10 +1,11 @@
-"""The readout that serves: where it came from, its version, the threads that apply and correct it.
+"""The readout that serves: its version, the threads that apply and correct it.
 
 `ReadoutService` owns the predictor thread (features -> predicted lengths), the RLS learner (finished
-requests -> corrected readouts), pushes (validated, served, persisted) and the restore at start. Every
-change of readout goes through `_publish` under one lock, which swaps the predictor's readout and
-rescores every live request from its cached feature, so requests admitted under the old readout are
-ordered by the new one from the next step.
+requests -> corrected readouts) and pushes (validated, served, persisted in `serving.readout_state`).
+Every change of readout goes through `_publish` under one lock, which swaps the predictor's readout
+and rescores every live request from its cached feature, so requests admitted under the old readout
+are ordered by the new one from the next step. What serves at start is chosen by
+`serving.readout_sources`, which serves it here.
 
 Columns. A captured vector holds the engine's capture recipe (`leap_core.recipes`); a readout reads the
 columns of its own recipe from it (`CaptureSpace.columns`), which may be all of them or a part. Every
@@ -15,36 +16,17 @@ the rescoring of a publish and the rows handed to RLS.
 
 Generations. A push, a restore or a reset starts a new anchor generation (the learner's). An RLS update
 is tagged with the generation it was learned in and is dropped if a push arrived meanwhile, so a stale
-correction can never overwrite a newer push. The same holds for the registry champion, which loads in
-the background: a push that lands first wins.
-
-Where the readout at start comes from (`source` in `describe()`):
-
-0. "champion": the champion the last promotion published (`leap_io.champion`, at `champion_url`),
-   when it was published after this replica's last saved push and is another version: a replica that
-   was down or not yet started during a promotion, a rollback or a fleet merge takes the champion
-   without talking to MLflow (validated like a push, then saved as its state);
-1. "state": the last push this replica accepted, from `state_dir` (every accepted push is written
-   there atomically: `readout.bin`, `rls.npz`, and `readout.json` last, with the others' digests, so a
-   torn write is detected, logged and skipped, never served);
-2. "config": the readout file named by `readout_path`;
-3. "registry": the champion of this model and layer in the MLflow registry at `registry_uri`,
-   loaded lazily on a background thread; failures are logged, never fatal;
-4. "none": no readout until the first push. Later pushes report "push".
+correction can never overwrite a newer push. The same holds for a readout loaded in the background
+(`serve_unless_moved_on`): a push that lands first wins.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -56,82 +38,11 @@ from serving.config import LeapConfig
 from serving.online import OnlineLearner
 from serving.predictor import PredictorService, Readout
 from serving.push import CaptureSpace, validate_push
+from serving.readout_state import ReadoutState
 from serving.telemetry import Telemetry
 from serving.tracking import RequestTracker
 
 logger = logging.getLogger(__name__)
-
-SOURCES = ("push", "champion", "state", "registry", "config", "none")
-
-
-class StateDamaged(RuntimeError):
-    """The state folder holds a readout that must not serve (torn write, edited file)."""
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as sink:
-        sink.write(data)
-        sink.flush()
-        os.fsync(sink.fileno())
-    os.replace(tmp, path)
-
-
-def _digest(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-class ReadoutState:
-    """The last accepted push of a replica, kept in one folder so a restart serves it again."""
-
-    READOUT = "readout.bin"
-    RLS = "rls.npz"
-    META = "readout.json"
-
-    def __init__(self, folder: str | Path) -> None:
-        self.folder = Path(folder)
-
-    def save(self, readout_bytes: bytes, rls_state: dict[str, np.ndarray] | None, version: str) -> None:
-        """Write the push; `readout.json` goes last and names the digests of what it belongs to."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        _write_atomically(self.folder / self.READOUT, readout_bytes)
-        rls_bytes = None
-        if rls_state is not None:
-            rls_bytes = make_bundle(b"", rls_state)  # an npz of the rls_* arrays (and an empty readout)
-            _write_atomically(self.folder / self.RLS, rls_bytes)
-        meta = {"version": version, "saved_at": time.time(), "readout_sha256": _digest(readout_bytes),
-                "rls_sha256": _digest(rls_bytes) if rls_bytes is not None else None}
-        _write_atomically(self.folder / self.META, json.dumps(meta, indent=1).encode())
-        if rls_bytes is None:  # the anchor of an earlier push must not look like this one's
-            (self.folder / self.RLS).unlink(missing_ok=True)
-
-    def load(self) -> tuple[bytes, dict[str, np.ndarray] | None, dict] | None:
-        """(readout bytes, RLS state or None, metadata), None when nothing was saved, StateDamaged else."""
-        meta_path = self.folder / self.META
-        if not meta_path.is_file():
-            return None
-        try:
-            meta = json.loads(meta_path.read_text())
-            readout_bytes = (self.folder / self.READOUT).read_bytes()
-            if _digest(readout_bytes) != meta["readout_sha256"]:
-                raise StateDamaged(f"{self.READOUT} does not match {self.META} (torn write or edited)")
-            rls_state = None
-            if meta.get("rls_sha256"):
-                rls_bytes = (self.folder / self.RLS).read_bytes()
-                if _digest(rls_bytes) != meta["rls_sha256"]:
-                    raise StateDamaged(f"{self.RLS} does not match {self.META} (torn write or edited)")
-                rls_state = read_bundle(rls_bytes)[1]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise StateDamaged(f"unreadable state in {self.folder}: {exc}") from exc
-        return readout_bytes, rls_state, meta
-
-    def saved(self) -> tuple[str, float] | None:
-        """(version, saved_at) of the last saved push, from its metadata alone; None when none is readable."""
-        try:
-            meta = json.loads((self.folder / self.META).read_text())
-            return str(meta["version"]), float(meta["saved_at"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
 
 
 class OnColumns:
@@ -172,26 +83,21 @@ class ReadoutService:
     tracker : the per-request state predictions are stored in and live features read from.
     telemetry : counts and the readout info metric.
     capture : what the captured vectors hold; None applies every readout to the whole vector unchecked.
-    model_id, layer : the served model's id and serving layer, which name its registered readout model.
     """
 
     def __init__(self, config: LeapConfig, expect: dict, tracker: RequestTracker, telemetry: Telemetry,
-                 capture: CaptureSpace | None = None, model_id: str = "", layer: int | None = None) -> None:
+                 capture: CaptureSpace | None = None) -> None:
         self.config = config
-        self._expect = dict(expect)
+        self.expect = dict(expect)
         self._tracker = tracker
         self._telemetry = telemetry
         self.capture = capture
-        self._model_id = model_id
-        self._layer = layer if layer is not None else self._expect.get("layer")
         self._lock = threading.RLock()
         self._served = _Served()
         self._anchor = _Served()  # the readout as last pushed (restored, loaded), before RLS corrects it
         self.source = "none"
         self._generation = 0
         self.persisted_at: float | None = None
-        self.registry_status: dict[str, Any] = {"state": "off"}
-        self.champion_status: dict[str, Any] = {"state": "off"}
         self.state = ReadoutState(config.state_dir) if config.state_dir else None
         self.predictor = PredictorService(None, self._on_predictions, max_pending=config.queue_max,
                                           on_drop=lambda reason, n: telemetry.drop("prediction", reason, n))
@@ -221,129 +127,35 @@ class ReadoutService:
         readout = self.readout
         return "" if readout is None else str(readout.metadata.get("version", ""))
 
+    @property
+    def generation(self) -> int:
+        """The anchor generation: a push, a restore or a reset moves it on."""
+        return self._generation
+
     def start(self) -> ReadoutService:
-        """Start the predictor and serve the readout a restart should serve (see the module docstring)."""
+        """Start the predictor thread (what serves first is `serving.readout_sources`' choice)."""
         self.predictor.start()
-        if self._take_published_champion() or self._restore_state():
-            return self
-        if self.config.readout_path:
-            readout_bytes = Path(self.config.readout_path).read_bytes()  # an explicit file must load: fail loudly
-            rls_state = None
-            if self.config.rls_state_path and Path(self.config.rls_state_path).is_file():
-                with np.load(self.config.rls_state_path) as npz:
-                    rls_state = {k: npz[k] for k in npz.files}
-            readout, rls = validate_push(make_bundle(readout_bytes, rls_state), self._expect, None, self.capture)
-            self._serve(readout, rls, "config")
-            return self
-        if self.config.registry_uri:
-            self._load_registry_in_background()
         return self
 
-    def _restore_state(self) -> bool:
-        if self.state is None:
-            return False
-        try:
-            saved = self.state.load()
-            if saved is None:
-                return False
-            readout_bytes, rls_state, meta = saved
-            readout, rls = validate_push(make_bundle(readout_bytes, rls_state), self._expect, None, self.capture)
-        except Exception as exc:  # noqa: BLE001 - a damaged or foreign state folder must never keep a replica down
-            self._telemetry.drop("state", "unusable")
-            logger.warning("LEAP state in %s is not served: %s", self.state.folder, exc)
-            return False
-        self._serve(readout, rls, "state")
-        self.persisted_at = meta.get("saved_at")
-        logger.info("LEAP serves readout %s restored from %s", self.version, self.state.folder)
-        return True
-
-    def _take_published_champion(self) -> bool:
-        """Serve the published champion when it is newer than the saved push and another version."""
-        location = self.config.champion_url
-        if not location:
-            return False
-        try:
-            from leap_io.champion import ChampionPublication, registry_key
-            from leap_io.model_identity import registered_model_name
-
-            name = self.config.registry_model or registered_model_name(self._model_id, int(self._layer))
-            published = ChampionPublication(location).load(name)
-            if published is None:
-                self.champion_status = {"state": "none", "location": str(location), "model": name}
-                return False
-            if published.registry is not None and self.config.registry_uri \
-                    and registry_key(self.config.registry_uri) != published.registry:
-                self.champion_status = {"state": "other-registry", "version": published.version,
-                                        "registry": published.registry,
-                                        "own_registry": registry_key(self.config.registry_uri)}
-                logger.info("LEAP leaves the champion published at %s alone: it is %s's, this replica's registry "
-                            "is %s", location, published.registry, self.config.registry_uri)
-                return False
-            saved = self.state.saved() if self.state is not None else None
-            if saved is not None and (saved[0] == published.version or saved[1] >= published.published_at):
-                try:
-                    self.state.load()  # the saved push serves, unless it is damaged
-                    self.champion_status = {"state": "older-than-state", "version": published.version}
-                    return False
-                except StateDamaged:
-                    pass
-            readout, rls = validate_push(published.bundle, self._expect, None, self.capture)
-        except Exception as exc:  # noqa: BLE001 - an unusable publication must never keep a replica down
-            self._telemetry.drop("champion", "unusable")
-            self.champion_status = {"state": "failed", "error": f"{type(exc).__name__}: {exc}"}
-            logger.warning("LEAP published champion at %s is not served: %s", location, exc)
-            return False
-        self._serve(readout, rls, "champion")
-        self.champion_status = {"state": "loaded", "version": self.version, "model": name,
-                                "registry_version": published.registry_version}
-        self._persist(published.bundle, self.version)
-        logger.info("LEAP serves the published champion %s of %s", self.version, name)
-        return True
-
-    def _load_registry_in_background(self) -> None:
-        generation = self._generation
-        self.registry_status = {"state": "loading", "uri": self.config.registry_uri}
-
-        def load() -> None:
-            try:
-                from registry.client import CHAMPION, ReadoutRegistry
-
-                registry = ReadoutRegistry(self.config.registry_uri)
-                name = self.config.registry_model or ReadoutRegistry.model_name(self._model_id,
-                                                                                int(self._layer))
-                champion = registry.load_readout(name, CHAMPION, expect=self._expect)
-                anchor = registry.load_rls_state(name, CHAMPION, readout=champion)
-                # checked exactly like a push: the registry is one more place a bad readout can come from
-                bundle = make_bundle(to_bytes(champion), anchor.state_arrays() if anchor is not None else None)
-                readout, rls = validate_push(bundle, self._expect, None, self.capture)
-            except Exception as exc:
-                logger.warning("LEAP could not load the registry champion from %s: %s", self.config.registry_uri,
-                               exc, exc_info=True)
-                self.registry_status = {"state": "failed", "error": f"{type(exc).__name__}: {exc}"}  # logged first
-                return
-            with self._lock:
-                if self._generation != generation:  # a push arrived first: it wins
-                    self.registry_status = {"state": "superseded"}
-                    return
-                self._serve(readout, rls, "registry")
-                self.registry_status = {"state": "loaded", "model": name}
-            logger.info("LEAP serves registry champion %s of %s", self.version, name)
-
-        threading.Thread(target=load, name="leap-registry-load", daemon=True).start()
-
     # -- changing what serves ----------------------------------------------------------------------
+    def check(self, bundle: bytes) -> tuple[LinearReadout, RLS | None]:
+        """The readout and RLS anchor of a bundle from a start-up source, validated exactly as a push
+        (PushRefused when it must not serve here); no serving readout to be newer than."""
+        return validate_push(bundle, self.expect, None, self.capture)
+
     def push(self, body: bytes) -> dict:
         """Validate and hot-swap a pushed readout (PushRefused keeps the old one), then persist it."""
-        readout, rls = validate_push(body, self._expect, self.readout, self.capture)
+        readout, rls = validate_push(body, self.expect, self.readout, self.capture)
         previous = self.version
         with self._lock:
-            self._serve(readout, rls, "push")
+            self.serve(readout, rls, "push")
             version = self.version
-        persisted = self._persist(body, version)
+        persisted = self.persist(body, version)
         logger.info("LEAP readout %s replaced %s", version, previous)
         return {"version": version, "previous": previous, "rls": self.learner.stats(), "persisted": persisted}
 
-    def _persist(self, body: bytes, version: str) -> bool:
+    def persist(self, body: bytes, version: str) -> bool:
+        """Keep the bundle as this replica's state (a restart serves it again); False when not kept."""
         if self.state is None:
             return False
         try:
@@ -373,7 +185,8 @@ class ReadoutService:
             self._anchor = _Served(None, None, self._generation)
             self._publish(predictor)
 
-    def _serve(self, readout: LinearReadout, rls: RLS | None, source: str) -> None:
+    def serve(self, readout: LinearReadout, rls: RLS | None, source: str) -> None:
+        """Serve a validated readout as the new anchor (RLS learns from `rls`, when it learns here)."""
         with self._lock:
             if rls is not None and self.config.rls_forgetting != 1.0:
                 rls.forgetting = self.config.rls_forgetting
@@ -382,6 +195,16 @@ class ReadoutService:
             self.source = source
             self._publish(readout)
             self._anchor = self._served
+
+    def serve_unless_moved_on(self, readout: LinearReadout, rls: RLS | None, source: str,
+                              generation: int) -> bool:
+        """`serve` a readout loaded in the background unless a push, restore or reset moved the anchor
+        generation on since `generation` was read (then that one wins, and False)."""
+        with self._lock:
+            if generation != self._generation:
+                return False
+            self.serve(readout, rls, source)
+            return True
 
     def publish_learned(self, readout: LinearReadout, generation: int) -> None:
         """The learner's publish: served only if no push, restore or reset happened since it was learned."""
@@ -501,8 +324,7 @@ class ReadoutService:
 
     def describe(self) -> dict:
         return {"version": self.version, "source": self.source, "generation": self._generation,
-                "persisted_at": self.persisted_at, "registry": dict(self.registry_status),
-                "champion": dict(self.champion_status)}
+                "persisted_at": self.persisted_at}
 
     def close(self) -> None:
         self.predictor.stop()

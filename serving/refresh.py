@@ -15,6 +15,7 @@ one that does not is logged as an error and refresh stays off, the engine servin
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,10 @@ from leap_core.readout import LinearReadout
 from leap_core.recipes import RecipeError
 from leap_io.push_bundle import make_bundle
 from serving.admin import PushRefused
+from serving.config import LeapConfig
 from serving.push import CaptureSpace, validate_push
+
+logger = logging.getLogger(__name__)
 
 
 class RefreshReadoutError(ValueError):
@@ -82,3 +86,23 @@ class Refresher:
         """
         remaining = np.asarray(self.readout.predict(np.asarray(states)[:, self.columns]), dtype=np.float64).reshape(-1)
         return np.asarray(generated, dtype=np.float64) + remaining
+
+
+def configured_refresher(config: LeapConfig, expect: dict, capture: CaptureSpace) -> tuple[Refresher | None, str | None]:
+    """(the refresher, None) when both refresh settings are given and the readout fits; else (None, why
+    refresh is off, None when it was not asked for), logged."""
+    if not config.refresh_configured:
+        if config.refresh_at or config.refresh_readout_path:
+            error = "refresh needs both refresh_at and refresh_readout_path"
+            logger.warning("LEAP refresh is off: %s", error)
+            return None, error
+        return None, None
+    try:
+        readout = load_refresh_readout(config.refresh_readout_path, expect, capture)
+    except RefreshReadoutError as exc:
+        logger.error("LEAP refresh is off, decodes keep the countdown: %s", exc)
+        return None, str(exc)
+    refresher = Refresher(readout, config.refresh_at, refresh_columns(readout, capture))
+    logger.info("LEAP refreshes remaining lengths at %s generated tokens with readout %s",
+                list(refresher.checkpoints), refresher.version)
+    return refresher, None

@@ -12,9 +12,10 @@ from pathlib import Path
 
 from vllm.platforms import current_platform
 
+from leap_core.layers import default_layer
+from leap_core.recipes import Recipe, readout_recipe, union
 from serving import vllm_compat
 from serving.capture import AuxStateCapture, FeatureSender, PrefillCapture, decoder_layers
-from leap_core.recipes import Recipe, readout_recipe, union
 from serving.config import LeapConfig, channel_address, leap_config_from_vllm
 from serving.refresh import RefreshReadoutError, load_refresh_readout
 
@@ -25,11 +26,6 @@ _PlatformWorker = vllm_compat.platform_worker_class()
 # Measured on a 2-core CPU, SmolLM2-135M, 48 ShareGPT prompts x 128 tokens (docs/serving.md): the compiled
 # engine generated 629-661 tok/s, the same engine in eager mode 292 tok/s.
 EAGER_COST = "about 2.2x lower throughput on CPU (measured 292 against 629-661 generated tok/s), more on GPU"
-
-
-def default_layer(num_layers: int) -> int:
-    """A late but not final layer, used only when neither the settings nor the readout name one."""
-    return max(0, min(num_layers - 2, round(0.73 * num_layers)))
 
 
 def _readout_metadata(config: LeapConfig) -> dict:

@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 FEATURE_DTYPE = np.dtype("<f4")
 """How the store encodes one feature value: little-endian float32, whatever the host's byte order."""
 
+
 def feature_bytes(feature: pa.Array | pa.ChunkedArray, dim: int) -> pa.Array:
     """Feature vectors of `dim` floats each (a list or fixed-size list of float32, without NULL rows
     or elements) as the values the store keeps: `dim * 4` little-endian bytes per row.

@@ -9,12 +9,13 @@ duplicate, never a second row.
 
 Segments are isolated from each other: bad input in one segment never aborts the run or blocks the
 next one. What cannot be parsed is recorded `unreadable`; a segment whose processing raises (an
-Arrow or DuckDB error, a value no check foresaw) is rolled back alone and recorded `failed` with
+Arrow or database error, a value no check foresaw) is rolled back alone and recorded `failed` with
 reason `segment_error` and the error, while the other segments of the run (and of its transaction
 group) are ingested. Both get one quarantine row (row_index -1) and a ledger row with zero counts, so
 later runs skip them; `retry_failed` tries `failed` ones again (after a fix). Errors of the
-environment rather than of the segment (the store locked, disk or memory exhausted, a DuckDB fatal
-error) still end the run: quarantining every segment of a full disk would be wrong.
+environment rather than of the segment (memory exhausted, and those the store's writer names: a full
+disk, a DuckDB fatal error, a lost PostgreSQL connection) still end the run: quarantining every
+segment of a full disk would be wrong.
 
 A segment's content never changes once renamed. When it does:
 - the path was recorded `unreadable` or `failed` (nothing of it was ingested): the new content is
@@ -24,17 +25,12 @@ A segment's content never changes once renamed. When it does:
   `checksum_changed` (one quarantine row, and a `changed_segments` row keyed by path and checksum,
   so later runs skip it). The rows ingested from the first content stay, as do their ledger counts.
 
-Capture recipes (see `store.duckdb`): a segment's metadata may record the recipe its features were
-captured with (`leap.recipe`, `leap_io.feedback_schema.META_RECIPE`); each accepted row stores it,
-canonicalized by `leap_core.recipes.Recipe.parse`, and a segment that records none stores NULL, which
-means `last@<layer>`. A recipe that does not parse quarantines every row of its segment
-(`unparsable_recipe`), and so does one that the segment's dim cannot be a capture of
-(`recipe_does_not_fit_dim`: no hidden size gives that dim). The dim check is per feature space
-(fingerprint, layer, recipe), so two recipes of one layer never conflict.
-
-Finish reasons (see `store.duckdb`): `stop` and `length` rows are training labels; `abort`, `error` and
-`repetition` rows are stored but never trained on, and each report counts them by reason
-(`not_trainable`); any other reason is quarantined as `unknown_finish_reason`.
+Rows are judged by `store.validation` (capture recipes, finish reasons, every quarantine reason) and
+written through the store's `store.protocol.StoreWriter`: the DuckDB file's, or PostgreSQL's, whose
+store other workers may write at the same time (`ingest_segments`). Each accepted row stores its
+segment's capture recipe; the dim check is per feature space (fingerprint, layer, recipe), so two
+recipes of one layer never conflict. `not_trainable` counts, in each report, the accepted rows
+whose finish reason is not a training label, by reason.
 
 Feedback folders: segments are read from the folder itself and from its sub-folders one level down,
 `<feedback>/<replica id>/*.parquet`. Each row's `replica_id` is the sub-folder's name; for a
@@ -54,47 +50,43 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from store.duckdb import (
-    FINISH_REASONS,
-    NOT_TRAINING_FINISH_REASONS,
-    REQUIRED_COLUMNS,
-    SCALAR_COLUMNS,
-    LogStore,
-    StoreBusyError,
-    stored_dims,
-)
-from store.feature_encoding import feature_bytes
-from store.feature_files import file_name, write_feature_file
-from leap_core.recipes import Recipe, RecipeError
-from leap_io.jsonable import dumps
+from leap_io.feedback_schema import META_REPLICA_ID, NOT_TRAINING_FINISH_REASONS
 from leap_io.object_store import is_object_url
-from leap_io.feedback_schema import (
-    META_DIM,
-    META_LAYER,
-    META_MODEL_FINGERPRINT,
-    META_MODEL_ID,
-    META_RECIPE,
-    META_REPLICA_ID,
-    feature_lists,
-    feedback_schema,
-)
+from store.protocol import Ledger, SpaceKey, Store, StoreWriter
+from store.row_masks import rows_where
+from store.validation import JudgedSegment, quarantine_json
 
-SpaceKey = tuple[str, int, str]
-"""A feature space: (model fingerprint, layer, capture recipe), as `store.duckdb.stored_dims` keys it."""
+__all__ = [
+    "REASON_CHECKSUM_CHANGED",
+    "REASON_SEGMENT_ERROR",
+    "REASON_UNREADABLE",
+    "STATUS_CHECKSUM_CHANGED",
+    "STATUS_FAILED",
+    "STATUS_OK",
+    "STATUS_UNREADABLE",
+    "IngestReport",
+    "SegmentFile",
+    "SegmentSource",
+    "complete_segments",
+    "deal_segments",
+    "ingest_folder",
+    "ingest_segment",
+    "ingest_segments",
+    "totals",
+]
 
 STATUS_OK = "ok"
 STATUS_UNREADABLE = "unreadable"
@@ -105,75 +97,12 @@ STATUS_VANISHED = "vanished"  # listed, then gone before it was read: nothing to
 REASON_UNREADABLE = "unreadable_segment"
 REASON_SEGMENT_ERROR = "segment_error"
 REASON_CHECKSUM_CHANGED = "checksum_changed"
-REASON_MISSING_ID = "missing_request_id"
-REASON_MISSING_SEGMENT_DIM = "missing_segment_dim"
-REASON_FEATURE_WRONG_DIM = "feature_wrong_dim"
-REASON_FEATURE_DIM_CONFLICT = "feature_dim_conflicts_store"
-REASON_FEATURE_NOT_FINITE = "feature_not_finite"
-REASON_INVALID_PROMPT_TOKENS = "invalid_prompt_tokens"
-REASON_INVALID_OUTPUT_TOKENS = "invalid_output_tokens"
-REASON_ZERO_OUTPUT_TOKENS = "zero_output_tokens"
-REASON_NON_FINITE_TIME = "non_finite_time"
-REASON_FINISH_BEFORE_ARRIVAL = "finish_before_arrival"
-REASON_UNKNOWN_FINISH_REASON = "unknown_finish_reason"
-REASON_UNPARSABLE_RECIPE = "unparsable_recipe"
-REASON_RECIPE_WRONG_DIM = "recipe_does_not_fit_dim"
-REASON_NUL_IN_TEXT = "nul_in_text"
-
-
-def null_field_reason(column: str) -> str:
-    return f"null_field:{column}"
-
-
-def missing_column_reason(column: str) -> str:
-    return f"missing_column:{column}"
-
-
-def bad_column_type_reason(column: str) -> str:
-    return f"bad_column_type:{column}"
-
-
-def bad_metadata_reason(column: str) -> str:
-    """A row needed the segment metadata's value for `column`, and that value does not fit the column."""
-    return f"bad_metadata:{column}"
-
 
 _WRITER_NAME = re.compile(r"^feedback-\d{8}T\d{6}-(?P<replica>.+)-\d{6}-[0-9a-f]+\.parquet$")
 """A segment name as serving.feedback.FeedbackWriter makes it; the replica id sits between fixed fields."""
 
 QUARANTINE_DIR = "quarantine"
 """A sub-folder of the feedback folder that ingest never reads (the writer sets bad files aside there)."""
-PARTIAL_SUFFIX = ".arrows.partial"
-"""The writer's open stream; it becomes a `*.parquet` segment by an atomic rename when complete."""
-
-_RUN_ERRORS: tuple[type[BaseException], ...] = (
-    StoreBusyError,
-    MemoryError,
-    duckdb.IOException,
-    duckdb.OutOfMemoryException,
-    duckdb.FatalException,
-    duckdb.InternalException,
-    duckdb.InterruptException,
-)
-"""Errors of the environment, not of a segment: they end the run instead of quarantining the segment."""
-try:
-    import psycopg
-except ImportError:  # the PostgreSQL store is not installed: its errors cannot occur
-    pass
-else:  # a lost connection, a full disk, a deadlock (retried with the run), an unusable connection
-    _RUN_ERRORS += (psycopg.OperationalError, psycopg.InterfaceError)
-
-
-_TOKEN_COLUMNS = ("prompt_tokens", "output_tokens")
-_TIME_COLUMNS = ("arrival_time", "first_token_time", "finish_time")
-# Columns a row may leave null because the segment's metadata says the same thing for every row.
-_METADATA_FALLBACK = {
-    "model_id": (META_MODEL_ID, str),
-    "model_fingerprint": (META_MODEL_FINGERPRINT, str),
-    "layer": (META_LAYER, int),
-}
-_INT32_MAX = np.iinfo(np.int32).max
-_SCHEMA = feedback_schema(1)
 
 
 @dataclass(frozen=True)
@@ -211,300 +140,6 @@ StageHook = Callable[[str], None]
 """Called inside the transaction after each write ("requests", "features", "quarantine", "ledger")."""
 
 
-class _Verdicts:
-    """The first failing reason of each row, as a rank into `reasons` (0: passing).
-
-    A row's reason is the earliest check, in the order the checks were made, that it fails. A check
-    that needs the store runs later, on the writing thread, but keeps its place in that order
-    through a rank reserved when it would have run.
-    """
-
-    def __init__(self, n: int) -> None:
-        self.codes = np.zeros(n, dtype=np.int32)
-        self.reasons: list[str | None] = [None]
-
-    def reserve(self) -> int:
-        self.reasons.append(None)
-        return len(self.reasons) - 1
-
-    def flag(self, failing: np.ndarray | bool, reason: str, rank: int | None = None) -> None:
-        if rank is None:
-            rank = self.reserve()
-        self.reasons[rank] = reason
-        codes = self.codes
-        codes[((codes == 0) | (codes > rank)) & failing] = rank
-
-    @property
-    def passing(self) -> np.ndarray:
-        return self.codes == 0
-
-    def reason_of(self, rows: np.ndarray) -> list[str]:
-        return np.array(self.reasons, dtype=object)[self.codes[rows]].tolist()
-
-
-def _mask(array: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """A boolean Arrow array as numpy, null counted as False."""
-    return pc.fill_null(array, False).to_numpy(zero_copy_only=False).astype(bool)
-
-
-def _segment_recipe(metadata: Mapping[bytes, bytes]) -> tuple[str | None, str | None]:
-    """(canonical recipe, None), (None, None) when the segment records none, or (None, why) when the
-    recorded one does not parse."""
-    raw = metadata.get(META_RECIPE)
-    if raw is None:
-        return None, None
-    try:
-        text = raw.decode()
-    except UnicodeDecodeError:
-        return None, f"the recipe {raw[:200]!r} is not UTF-8"
-    if not text.strip():
-        return None, None  # an empty value says no more than a missing one
-    try:
-        return str(Recipe.parse(text)), None
-    except ValueError as error:  # RecipeError
-        return None, str(error)[:500]
-
-
-def _fits_dim(recipe: str, dim: int) -> bool:
-    """Whether some hidden size makes `recipe`'s vector `dim` floats long."""
-    try:
-        Recipe.parse(recipe).hidden_for(dim)
-        return True
-    except RecipeError:
-        return False
-
-
-def _metadata_value(metadata: dict[bytes, bytes], key: bytes, kind: type) -> Any:
-    raw = metadata.get(key)
-    if raw is None:
-        return None
-    try:
-        return kind(raw.decode())
-    except (UnicodeDecodeError, ValueError):
-        return None
-
-
-class _Segment:
-    """One segment's rows conformed to the feedback schema and judged row by row, without row loops.
-
-    Everything here depends on the segment alone; `judge_against_store` adds the one check that
-    needs the store (a dim that conflicts with the dim already stored for the same feature space).
-    `recipe` is the segment's capture recipe (None: it records none, i.e. `last@<layer>`).
-    """
-
-    def __init__(self, raw: pa.Table) -> None:
-        self.raw = raw
-        self.n = raw.num_rows
-        metadata = raw.schema.metadata or {}
-        self.dim = _metadata_value(metadata, META_DIM, int)
-        self.recipe, self.recipe_error = _segment_recipe(metadata)
-        self.verdicts = _Verdicts(self.n)
-        self.columns: dict[str, pa.Array] = {}
-        column_problems: list[str] = []
-        self._row_problems: list[tuple[np.ndarray, str]] = []  # rows a column problem touches
-        for name in SCALAR_COLUMNS:
-            self.columns[name] = self._conform(name, metadata, column_problems)
-        self.feature = self._conform_feature(column_problems)
-        self._dim_conflict_rank: int | None = None
-        self._judge(column_problems)
-
-    def _conform(self, name: str, metadata: dict[bytes, bytes], problems: list[str]) -> pa.Array:
-        target = _SCHEMA.field(name).type
-        fallback = None
-        if name in _METADATA_FALLBACK:
-            key, kind = _METADATA_FALLBACK[name]
-            fallback = _metadata_value(metadata, key, kind)
-        if name not in self.raw.column_names:
-            if name in REQUIRED_COLUMNS and fallback is None:
-                problems.append(missing_column_reason(name))
-            column = pa.nulls(self.n, target)
-        else:
-            column = self.raw.column(name).combine_chunks()
-            try:
-                if name in _TOKEN_COLUMNS:
-                    # Checked as float64 first: a writer may have stored NaN or fractional counts.
-                    column = pc.cast(column, pa.float64())
-                elif column.type != target:
-                    column = pc.cast(column, target)
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-                problems.append(bad_column_type_reason(name))
-                column = pa.nulls(self.n, pa.float64() if name in _TOKEN_COLUMNS else target)
-        if fallback is not None and column.null_count:
-            try:
-                value = pa.scalar(fallback, column.type)
-            except (pa.ArrowException, OverflowError, TypeError, ValueError):
-                # e.g. a layer above int32: the rows that needed it fail, the others stand
-                self._row_problems.append((_mask(column.is_null()), bad_metadata_reason(name)))
-            else:
-                column = pc.fill_null(column, value)
-        return column
-
-    def _conform_feature(self, problems: list[str]) -> pa.Array:
-        list_type = pa.list_(pa.float32())
-        if "feature" not in self.raw.column_names:
-            problems.append(missing_column_reason("feature"))
-            return pa.nulls(self.n, list_type)
-        feature = self.raw.column("feature").combine_chunks()
-        if pa.types.is_fixed_size_binary(feature.type):  # a version 2 file: the floats' bytes (`segment_table`)
-            try:
-                return feature_lists(feature)
-            except ValueError:
-                problems.append(bad_column_type_reason("feature"))
-                return pa.nulls(self.n, list_type)
-        if pa.types.is_fixed_size_list(feature.type):
-            target = pa.list_(pa.float32(), feature.type.list_size)
-        elif pa.types.is_list(feature.type) or pa.types.is_large_list(feature.type):
-            target = list_type
-        else:
-            problems.append(bad_column_type_reason("feature"))
-            return pa.nulls(self.n, list_type)
-        if feature.type.value_type == pa.float32():
-            return feature  # a Parquet round trip renames the list's child field; no copy for that
-        try:
-            return pc.cast(feature, target)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            problems.append(bad_column_type_reason("feature"))
-            return pa.nulls(self.n, list_type)
-
-    def _judge(self, column_problems: list[str]) -> None:
-        flag, columns = self.verdicts.flag, self.columns
-        for problem in column_problems:
-            flag(True, problem)
-        for rows, problem in self._row_problems:
-            flag(rows, problem)
-        flag(self.recipe_error is not None, REASON_UNPARSABLE_RECIPE)
-
-        ids = columns["request_id"]
-        flag(_mask(pc.or_kleene(ids.is_null(), pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(ids)), 0))),
-             REASON_MISSING_ID)
-        for name in SCALAR_COLUMNS:
-            if name in REQUIRED_COLUMNS and name != "request_id":
-                flag(_mask(columns[name].is_null()), null_field_reason(name))
-        flag(_mask(self.feature.is_null()), null_field_reason("feature"))
-
-        self._judge_features()
-
-        for name, reason in zip(_TOKEN_COLUMNS, (REASON_INVALID_PROMPT_TOKENS, REASON_INVALID_OUTPUT_TOKENS)):
-            counts = columns[name].to_numpy(zero_copy_only=False)
-            with np.errstate(invalid="ignore"):
-                valid = np.isfinite(counts) & (counts >= 0) & (counts <= _INT32_MAX) & (counts == np.floor(counts))
-            flag(~valid & ~_mask(columns[name].is_null()), reason)
-            columns[name] = pa.array(np.where(valid, counts, 0).astype(np.int32), mask=~valid)
-        flag(_mask(pc.equal(columns["output_tokens"], 0)), REASON_ZERO_OUTPUT_TOKENS)
-
-        times = {name: columns[name].to_numpy(zero_copy_only=False) for name in _TIME_COLUMNS}
-        for name in _TIME_COLUMNS:
-            flag(~np.isfinite(times[name]) & ~_mask(columns[name].is_null()), REASON_NON_FINITE_TIME)
-        flag(_mask(pc.less(columns["finish_time"], columns["arrival_time"])), REASON_FINISH_BEFORE_ARRIVAL)
-        known = pc.is_in(columns["finish_reason"], value_set=pa.array(FINISH_REASONS))
-        flag(~_mask(known), REASON_UNKNOWN_FINISH_REASON)
-        # PostgreSQL text cannot hold NUL, which would fail the whole segment's COPY there: one store
-        # rule for both, the row is quarantined with its reason
-        for name in SCALAR_COLUMNS:
-            if pa.types.is_string(columns[name].type):
-                flag(_mask(pc.match_substring(columns[name], "\x00")), REASON_NUL_IN_TEXT)
-
-    def _judge_features(self) -> None:
-        flag = self.verdicts.flag
-        if self.dim is None:
-            flag(True, REASON_MISSING_SEGMENT_DIM)
-            return
-        flag(self.recipe is not None and not _fits_dim(self.recipe, self.dim), REASON_RECIPE_WRONG_DIM)
-        feature = self.feature
-        if pa.types.is_fixed_size_list(feature.type) and feature.type.list_size == self.dim:
-            wrong_dim = _mask(feature.is_null())  # null rows already failed; every other row has dim floats
-        else:
-            wrong_dim = pc.fill_null(pc.list_value_length(feature), -1).to_numpy(zero_copy_only=False) != self.dim
-        flag(wrong_dim, REASON_FEATURE_WRONG_DIM)
-        self._dim_conflict_rank = self.verdicts.reserve()
-        flag(self._rows_with_non_finite_values(), REASON_FEATURE_NOT_FINITE)
-
-    def _rows_with_non_finite_values(self) -> np.ndarray:
-        feature = self.feature
-        if pa.types.is_fixed_size_list(feature.type):
-            size = feature.type.list_size
-            values = feature.values.slice(feature.offset * size, self.n * size)
-            matrix = values.to_numpy(zero_copy_only=False).reshape(self.n, size)
-            return ~np.isfinite(matrix).all(axis=1)
-        flat = pc.list_flatten(feature).to_numpy(zero_copy_only=False)
-        parents = pc.list_parent_indices(feature).to_numpy(zero_copy_only=False)
-        bad = np.zeros(self.n, dtype=bool)
-        bad[parents[~np.isfinite(flat)]] = True
-        return bad
-
-    def feature_spaces(self) -> tuple[np.ndarray, list[tuple[str | None, int | None, str | None]]]:
-        """Each row's feature space as a code into the list of distinct (fingerprint, layer, recipe)
-        triples; the recipe is the segment's, else `last@<layer>` as `store.duckdb.RECIPE_SQL` reads it."""
-        fingerprints = pc.dictionary_encode(self.columns["model_fingerprint"])
-        layers = pc.dictionary_encode(self.columns["layer"])
-        # Codes shifted by one so that null (-1) is a code too, then one integer per pair.
-        fp_codes = pc.fill_null(fingerprints.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64) + 1
-        layer_codes = pc.fill_null(layers.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64) + 1
-        width = len(layers.dictionary) + 1
-        pairs, codes = np.unique(fp_codes * width + layer_codes, return_inverse=True)
-        fp_values = [None, *fingerprints.dictionary.to_pylist()]
-        layer_values = [None, *layers.dictionary.to_pylist()]
-        named = [(fp_values[pair // width], layer_values[pair % width]) for pair in pairs.tolist()]
-        return codes.reshape(-1), [(fingerprint, layer, self._space_recipe(layer)) for fingerprint, layer in named]
-
-    def _space_recipe(self, layer: int | None) -> str | None:
-        if self.recipe is not None:
-            return self.recipe
-        return None if layer is None else str(Recipe.last(int(layer)))
-
-    def judge_against_store(self, stored_dims: Mapping[SpaceKey, int]) -> None:
-        """Fail the rows whose feature space is already stored with another dim."""
-        if self._dim_conflict_rank is None or not stored_dims:
-            return
-        codes, pairs = self.feature_spaces()
-        clashing = [index for index, pair in enumerate(pairs)
-                    if stored_dims.get(pair) not in (None, self.dim)]
-        if clashing:
-            self.verdicts.flag(np.isin(codes, clashing), REASON_FEATURE_DIM_CONFLICT, rank=self._dim_conflict_rank)
-
-    def first_occurrences(self) -> np.ndarray:
-        """Passing rows that are the first passing row with their request id (first wins)."""
-        passing = np.flatnonzero(self.verdicts.passing)
-        mask = np.zeros(self.n, dtype=bool)
-        if passing.size == 0:
-            return mask
-        ids = pc.dictionary_encode(self.columns["request_id"].take(passing)).indices
-        _, first = np.unique(ids.to_numpy(zero_copy_only=False), return_index=True)
-        mask[passing[first]] = True
-        return mask
-
-    def quarantine_rows(self, segment: str) -> pa.Table:
-        rows = np.flatnonzero(~self.verdicts.passing)
-        ids = self.columns["request_id"].take(rows)
-        return pa.table(
-            {
-                "segment": pa.array([segment] * len(rows), pa.string()),
-                "row_index": pa.array(rows, pa.int64()),
-                # an id with NUL cannot be text in PostgreSQL; `raw` keeps it, escaped
-                "request_id": pc.replace_substring(
-                    pc.if_else(pc.equal(ids, ""), pa.scalar(None, pa.string()), ids), "\x00", "\ufffd"),
-                "reason": pa.array(self.verdicts.reason_of(rows), pa.string()),
-                # Only failing rows get here, kept whole (features too) for whoever looks into them.
-                "raw": pa.array([_to_json(row) for row in self.raw.take(rows).to_pylist()], pa.string()),
-            }
-        )
-
-    def accepted_rows(self, accepted: np.ndarray) -> pa.Table:
-        table = pa.table({**self.columns, "feature": self.feature})
-        return table if accepted.all() else table.filter(pa.array(accepted))
-
-    def dims_by_space(self, accepted: np.ndarray) -> dict[SpaceKey, int]:
-        """The dim this segment stores for each feature space among the accepted rows."""
-        if not accepted.any():
-            return {}
-        codes, pairs = self.feature_spaces()
-        return {pairs[code]: int(self.dim) for code in np.unique(codes[accepted])}
-
-
-def _to_json(row: dict[str, Any]) -> str:
-    return dumps(row, nonfinite="string", default=str)  # "nan", "inf": strict JSON has no spelling for them
-
-
 def _now() -> datetime:
     return datetime.now(UTC).replace(tzinfo=None)
 
@@ -525,257 +160,47 @@ def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:2000]
 
 
-class StoreWriter(Protocol):
-    """What ingest writes through: the judging above is the same for every store, only these writes differ.
-
-    The DuckDB file is written through `_DuckDBWriter`, on the one connection that holds the file;
-    `store.postgres.PostgresStore.segment_writer` gives a writer whose store other workers may
-    write at the same time (`concurrent`): there each segment first `claim`s its ledger row under a
-    lock that lasts until the transaction ends, and `store_dims` reads the dims stored for the
-    segment's feature spaces inside the transaction instead of the run's snapshot.
-    `prepare_features` hands over a segment's accepted rows before `insert_requests`, so that a store
-    that writes their features elsewhere (the DuckDB store's feature files) starts while the requests
-    go in; `insert_requests` returns which rows it inserted: the others are duplicates of ids already
-    stored, and `insert_features` stores the features of the inserted ones.
-    """
-
-    concurrent: bool
-
-    def snapshot(self) -> tuple[dict[str, tuple[str, str]], set[tuple[str, str]], dict[SpaceKey, int]]:
-        """(segment -> (checksum, status) of the ledger, (segment, checksum) already quarantined as
-        changed, the dim stored for each feature space) as the run starts."""
-        ...
-
-    def begin(self) -> None: ...
-
-    def commit(self) -> None: ...
-
-    def rollback(self) -> None:
-        """Roll back the open transaction; never raises (it runs while another error propagates)."""
-        ...
-
-    def claim(self, segment: str, checksum: str) -> tuple[tuple[str, str] | None, bool]:
-        """(the segment's ledger row, whether this content is quarantined as changed), now and held."""
-        ...
-
-    def clear_segment_quarantine(self, segment: str) -> None: ...
-
-    def store_dims(self, spaces: Sequence[SpaceKey], dim: int | None,
-                   known: Mapping[SpaceKey, int]) -> Mapping[SpaceKey, int]: ...
-
-    def release_spaces(self, stored: Mapping[SpaceKey, int]) -> None: ...
-
-    def insert_requests(self, rows: pa.Table, segment: str, now: datetime, replica_id: str | None) -> np.ndarray: ...
-
-    def prepare_features(self, rows: pa.Table, dim: int, segment: str, checksum: str) -> None: ...
-
-    def insert_features(self, rows: pa.Table, inserted: np.ndarray, dim: int, recipe: str | None) -> None: ...
-
-    def insert_quarantine(self, table: pa.Table, now: datetime) -> None: ...
-
-    def quarantine_segment(self, segment: str, reason: str, detail_json: str, now: datetime) -> None: ...
-
-    def write_ledger(self, segment: str, checksum: str, counts: Sequence[int], status: str, now: datetime) -> None: ...
-
-    def record_changed(self, segment: str, checksum: str, ingested_checksum: str, size_bytes: int,
-                       now: datetime) -> None: ...
-
-
-def _insert_arrow(con: duckdb.DuckDBPyConnection, view: str, table: pa.Table, sql: str, params: list) -> None:
-    con.register(view, table)
-    try:
-        con.execute(sql, params)
-    finally:
-        with suppress(duckdb.Error):  # fails in an aborted transaction, and must not mask why it aborted
-            con.unregister(view)
-
-
-def _stored_ids(con: duckdb.DuckDBPyConnection, ids: pa.Array) -> pa.Array:
-    """Those of `ids` already in the store (an index lookup per id, in one query)."""
-    con.register("_incoming_ids", pa.table({"request_id": ids}))
-    try:
-        stored = con.sql(
-            "SELECT request_id FROM _incoming_ids SEMI JOIN requests USING (request_id)"
-        ).to_arrow_table().column("request_id")
-    finally:
-        with suppress(duckdb.Error):
-            con.unregister("_incoming_ids")
-    return stored.combine_chunks()
-
-
-class _DuckDBWriter:
-    """The DuckDB file's writes, on the connection that holds the file's lock for the whole run: no
-    other writer can run meanwhile, so the run's snapshot stays true and nothing needs claiming.
-
-    A segment's feature file (`store.feature_files`) is written by `files`, a thread of its own,
-    while the segment's requests go into the database; `insert_features` waits for it, so the file
-    is on disk before the transaction that references it commits.
-    """
-
-    concurrent = False
-
-    def __init__(self, con: duckdb.DuckDBPyConnection, features_folder: Path, files: ThreadPoolExecutor) -> None:
-        self.con = con
-        self.features_folder = features_folder
-        self.files = files
-        self._pending: tuple[str, Future] | None = None  # (file name, its write) of the segment being written
-
-    def _wait_file(self) -> str | None:
-        """The pending file's name once written (re-raising its error), or None when none is pending."""
-        if self._pending is None:
-            return None
-        (name, write), self._pending = self._pending, None
-        write.result()
-        return name
-
-    def snapshot(self) -> tuple[dict[str, tuple[str, str]], set[tuple[str, str]], dict[SpaceKey, int]]:
-        ledger = {segment: (checksum, status) for segment, checksum, status
-                  in self.con.execute("SELECT segment, checksum, status FROM ingest_ledger").fetchall()}
-        changed = {(segment, checksum) for segment, checksum
-                   in self.con.execute("SELECT segment, checksum FROM changed_segments").fetchall()}
-        return ledger, changed, stored_dims(self.con)
-
-    def begin(self) -> None:
-        self.con.execute("BEGIN TRANSACTION")
-
-    def commit(self) -> None:
-        self.con.execute("COMMIT")
-
-    def rollback(self) -> None:
-        with suppress(Exception):  # a file left by the rolled-back segment is referenced by nothing
-            self._wait_file()
-        with suppress(duckdb.Error):
-            self.con.execute("ROLLBACK")
-
-    def claim(self, segment: str, checksum: str) -> tuple[tuple[str, str] | None, bool]:
-        raise NotImplementedError("the DuckDB file has one writer; its snapshot needs no claim")
-
-    def clear_segment_quarantine(self, segment: str) -> None:
-        self.con.execute("DELETE FROM quarantine WHERE segment = ? AND row_index = -1", [segment])
-
-    def store_dims(self, spaces: Sequence[SpaceKey], dim: int | None,
-                   known: Mapping[SpaceKey, int]) -> Mapping[SpaceKey, int]:
-        return known
-
-    def release_spaces(self, stored: Mapping[SpaceKey, int]) -> None:
-        pass
-
-    def insert_requests(self, rows: pa.Table, segment: str, now: datetime, replica_id: str | None) -> np.ndarray:
-        ids = rows.column("request_id")
-        stored = _stored_ids(self.con, ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids)
-        inserted = ~_mask(pc.is_in(ids, value_set=stored)) if len(stored) else np.ones(rows.num_rows, dtype=bool)
-        fresh = rows if inserted.all() else rows.filter(pa.array(inserted))
-        columns = ", ".join(SCALAR_COLUMNS)
-        _insert_arrow(self.con, "_incoming_requests", fresh.select(list(SCALAR_COLUMNS)),
-                      f"INSERT INTO requests ({columns}, segment, ingested_at, replica_id) "
-                      f"SELECT {columns}, ?, ?, ? FROM _incoming_requests", [segment, now, replica_id])
-        return inserted
-
-    def prepare_features(self, rows: pa.Table, dim: int, segment: str, checksum: str) -> None:
-        """Start writing the vectors of `rows` (those `insert_requests` will find already stored too)
-        as the segment's feature file; each row's file row is its index in `rows`."""
-        with suppress(Exception):  # a rolled-back segment's write (rollback waits for it): not this one's error
-            self._wait_file()
-        if not rows.num_rows:
-            return
-        blobs = feature_bytes(rows.column("feature"), dim or 0)  # a view of the float32 buffer
-        name = file_name(segment, checksum)
-        self._pending = (name, self.files.submit(write_feature_file, self.features_folder, name, blobs))
-
-    def insert_features(self, rows: pa.Table, inserted: np.ndarray, dim: int, recipe: str | None) -> None:
-        """Reference the inserted rows' vectors from `features` once their file is on disk (a file whose
-        rows were all found stored already is removed: nothing will reference it)."""
-        name = self._wait_file()
-        if name is None:
-            return
-        if not inserted.any():
-            (self.features_folder / name).unlink(missing_ok=True)
-            return
-        fresh = rows if inserted.all() else rows.filter(pa.array(inserted))
-        references = fresh.select(["request_id", "layer", "model_fingerprint"]).append_column(
-            "file_row", pa.array(np.flatnonzero(inserted).astype(np.int32)))
-        _insert_arrow(self.con, "_incoming_features", references,
-                      "INSERT INTO features (request_id, dim, layer, model_fingerprint, file, file_row, recipe) "
-                      "SELECT request_id, ?, layer, model_fingerprint, ?, file_row, ? FROM _incoming_features",
-                      [dim, name, recipe])
-
-    def insert_quarantine(self, table: pa.Table, now: datetime) -> None:
-        _insert_arrow(self.con, "_incoming_quarantine", table,
-                      "INSERT INTO quarantine SELECT segment, row_index, request_id, reason, raw::JSON, ? "
-                      "FROM _incoming_quarantine", [now])
-
-    def quarantine_segment(self, segment: str, reason: str, detail_json: str, now: datetime) -> None:
-        self.con.execute("INSERT INTO quarantine VALUES (?, -1, NULL, ?, ?::JSON, ?)", [segment, reason, detail_json, now])
-
-    def write_ledger(self, segment: str, checksum: str, counts: Sequence[int], status: str, now: datetime) -> None:
-        self.con.execute("INSERT OR REPLACE INTO ingest_ledger VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                         [segment, checksum, *(int(count) for count in counts), now, status])
-
-    def record_changed(self, segment: str, checksum: str, ingested_checksum: str, size_bytes: int,
-                       now: datetime) -> None:
-        self.con.execute("INSERT OR IGNORE INTO changed_segments VALUES (?, ?, ?, ?, ?)",
-                         [segment, checksum, ingested_checksum, size_bytes, now])
-
-
-@contextmanager
-def store_writer(store: Any) -> Iterator[StoreWriter]:
-    """The writer of `store`: its own (`segment_writer`, e.g. PostgreSQL's) where it has one, else
-    the DuckDB file's, on one connection for the whole run."""
-    own = getattr(store, "segment_writer", None)
-    if own is not None:
-        with own() as writer:
-            yield writer
-        return
-    with store.connect() as con, ThreadPoolExecutor(max_workers=1, thread_name_prefix="leap-ingest-files") as files:
-        yield _DuckDBWriter(con, store.features_folder, files)
-
-
 def _write_ledger(writer: StoreWriter, report: IngestReport, now: datetime) -> None:
     writer.write_ledger(report.segment, report.checksum,
                         (report.rows_read, report.accepted, report.quarantined, report.duplicates), report.status, now)
 
 
-def _quarantine_segment(writer: StoreWriter, segment: str, reason: str, detail: Mapping[str, Any],
-                        now: datetime) -> None:
-    """One quarantine row (row_index -1) standing for a whole segment."""
-    writer.quarantine_segment(segment, reason, _to_json(dict(detail)), now)
-
-
-def _ingest_unreadable(writer: StoreWriter, read: _ReadSegment, hook: StageHook | None) -> IngestReport:
-    """Record a segment nothing can be read from: no row is known, so none is counted."""
+def _quarantine_whole(writer: StoreWriter, read: _ReadSegment, status: str, reason: str, error: BaseException,
+                      detail: Mapping[str, Any], hook: StageHook | None) -> IngestReport:
+    """Record a segment none of whose rows is stored: one quarantine row (row_index -1) standing for it,
+    and a ledger row with zero counts, so later runs skip it."""
     now = _now()
-    if read.replaces:
+    if read.replaces:  # a repaired file replaces what its earlier version left in quarantine
         writer.clear_segment_quarantine(read.segment)
-    _quarantine_segment(writer, read.segment, REASON_UNREADABLE, {"error": _error_text(read.error)}, now)
+    writer.quarantine_segment(read.segment, reason, quarantine_json(dict(detail)), now)
     _stage(hook, "quarantine")
-    report = IngestReport(read.segment, read.checksum, 0, 0, 0, 0, status=STATUS_UNREADABLE,
-                          reason=REASON_UNREADABLE, error=_error_text(read.error), replica_id=read.replica_id)
+    report = IngestReport(read.segment, read.checksum, 0, 0, 0, 0, status=status, reason=reason,
+                          error=_error_text(error), replica_id=read.replica_id)
     _write_ledger(writer, report, now)
     _stage(hook, "ledger")
     return report
 
 
+def _ingest_unreadable(writer: StoreWriter, read: _ReadSegment, hook: StageHook | None) -> IngestReport:
+    """Record a segment nothing can be read from: no row is known, so none is counted."""
+    return _quarantine_whole(writer, read, STATUS_UNREADABLE, REASON_UNREADABLE, read.error,
+                             {"error": _error_text(read.error)}, hook)
+
+
 def _record_failed(writer: StoreWriter, read: _ReadSegment, error: BaseException, stage: str) -> IngestReport:
     """Record a segment whose processing raised: nothing of it is stored, later runs skip it."""
-    now = _now()
-    if read.replaces:
-        writer.clear_segment_quarantine(read.segment)
     rows = read.judged.n if read.judged is not None else read.rows
-    _quarantine_segment(writer, read.segment, REASON_SEGMENT_ERROR,
-                        {"error": _error_text(error), "stage": stage, "rows": rows, "replica_id": read.replica_id},
-                        now)
-    report = IngestReport(read.segment, read.checksum, 0, 0, 0, 0, status=STATUS_FAILED,
-                          reason=REASON_SEGMENT_ERROR, error=_error_text(error), replica_id=read.replica_id)
-    _write_ledger(writer, report, now)
-    return report
+    return _quarantine_whole(writer, read, STATUS_FAILED, REASON_SEGMENT_ERROR, error,
+                             {"error": _error_text(error), "stage": stage, "rows": rows, "replica_id": read.replica_id},
+                             None)
 
 
 def _record_changed(writer: StoreWriter, read: _ReadSegment) -> IngestReport:
     """Quarantine new content at the path of a segment already ingested, without ingesting any of it."""
     now = _now()
-    _quarantine_segment(writer, read.segment, REASON_CHECKSUM_CHANGED,
-                        {"checksum": read.checksum, "ingested_checksum": read.changed_from,
-                         "size_bytes": read.size_bytes, "replica_id": read.replica_id}, now)
+    detail = {"checksum": read.checksum, "ingested_checksum": read.changed_from, "size_bytes": read.size_bytes,
+              "replica_id": read.replica_id}
+    writer.quarantine_segment(read.segment, REASON_CHECKSUM_CHANGED, quarantine_json(detail), now)
     writer.record_changed(read.segment, read.checksum, read.changed_from, read.size_bytes, now)
     return IngestReport(read.segment, read.checksum, 0, 0, 0, 0, status=STATUS_CHECKSUM_CHANGED,
                         reason=REASON_CHECKSUM_CHANGED,
@@ -820,7 +245,7 @@ def _ingest_table(writer: StoreWriter, read: _ReadSegment, known_dims: Mapping[S
     writer.release_spaces(dims)
     n_accepted = int(accepted.sum())
     n_quarantined = quarantine.num_rows
-    stored = rows if inserted.all() else rows.filter(pa.array(inserted))
+    stored = rows_where(rows, inserted)
     report = IngestReport(segment, read.checksum, judged.n, n_accepted, n_quarantined,
                           judged.n - n_accepted - n_quarantined, not_trainable=_not_trainable(stored),
                           replica_id=read.replica_id)
@@ -879,18 +304,19 @@ class _ReadSegment:
     changed_from: str | None = None  # set when the ledger holds an ingested earlier content
     size_bytes: int = 0
     rows: int = 0
-    judged: _Segment | None = None
+    judged: JudgedSegment | None = None
     error: Exception | None = None  # unreadable
     failure: Exception | None = None  # parsed, but judging it raised
 
 
-def _read_segment(source: SegmentSource, ledger: Mapping[str, tuple[str, str]], changed: set[tuple[str, str]],
-                  retry_failed: bool) -> _ReadSegment:
+def _read_segment(source: SegmentSource, ledger: Ledger, changed: set[tuple[str, str]], retry_failed: bool,
+                  run_errors: tuple[type[BaseException], ...]) -> _ReadSegment:
     """Read, checksum, parse and judge one segment; runs on the read-ahead thread (no store access).
 
     `ledger` maps each segment already ingested to (checksum, status) and `changed` holds the
     (segment, checksum) contents already quarantined as changed, as they were when the writing
-    connection opened: only that connection writes, and each path comes once per run.
+    connection opened: only that connection writes, and each path comes once per run. `run_errors`
+    end the run instead of marking the segment unreadable or failed (`_run_errors`).
     """
     replica = source.replica_id
     segment = source.segment
@@ -913,7 +339,7 @@ def _read_segment(source: SegmentSource, ledger: Mapping[str, tuple[str, str]], 
         # while Arrow's pool would take cores from the writing thread and DuckDB. `ParquetFile`, not
         # `read_table`: one file needs no dataset layer, whose first use costs a process 0.3 s.
         raw = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)
-    except _RUN_ERRORS:
+    except run_errors:
         raise
     except Exception as error:  # noqa: BLE001  (anything the reader raises means the bytes are not a segment)
         read.error = error
@@ -922,8 +348,8 @@ def _read_segment(source: SegmentSource, ledger: Mapping[str, tuple[str, str]], 
     if read.replica_id is None:
         read.replica_id = _replica_of(source.name, raw.schema.metadata or {})
     try:
-        read.judged = _Segment(raw)
-    except _RUN_ERRORS:
+        read.judged = JudgedSegment(raw)
+    except run_errors:
         raise
     except Exception as error:  # noqa: BLE001  (isolation: this segment fails, the run goes on)
         read.failure = error
@@ -975,6 +401,11 @@ def _write_segment(writer: StoreWriter, read: _ReadSegment, known_dims: Mapping[
     return _ingest_table(writer, read, known_dims, hook)
 
 
+def _run_errors(writer: StoreWriter) -> tuple[type[BaseException], ...]:
+    """Errors of the environment, not of a segment: they end the run instead of quarantining the segment."""
+    return (MemoryError, *writer.environment_errors)
+
+
 def _write_alone(writer: StoreWriter, read: _ReadSegment, known_dims: dict[SpaceKey, int],
                  hook: StageHook | None, retry_failed: bool = False) -> IngestReport:
     """Write one segment in a transaction of its own; if writing it raises, record it failed instead."""
@@ -982,7 +413,7 @@ def _write_alone(writer: StoreWriter, read: _ReadSegment, known_dims: dict[Space
     try:
         report, dims = _write_segment(writer, read, known_dims, hook, retry_failed)
         writer.commit()
-    except (_Crash, *_RUN_ERRORS):
+    except (_Crash, *_run_errors(writer)):
         writer.rollback()
         raise
     except Exception as error:  # noqa: BLE001  (isolation: this segment fails, the run goes on)
@@ -1014,6 +445,7 @@ def _ingest_paths(writer: StoreWriter, sources: Sequence[SegmentSource], hook: S
     `failed`, so one bad segment costs the run nothing else.
     """
     ledger, changed, known_dims = writer.snapshot()
+    run_errors = _run_errors(writer)
     pending_dims: dict[SpaceKey, int] = {}  # written by the open transaction
     reports: list[IngestReport] = []
     group: list[tuple[_ReadSegment, int]] = []  # segments written in the open transaction, with their report's index
@@ -1022,7 +454,7 @@ def _ingest_paths(writer: StoreWriter, sources: Sequence[SegmentSource], hook: S
     def read_ahead(index: int) -> Future | None:
         if index >= len(sources):
             return None
-        return reader.submit(_read_segment, sources[index], ledger, changed, retry_failed)
+        return reader.submit(_read_segment, sources[index], ledger, changed, retry_failed, run_errors)
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="leap-ingest-read") as reader:
         ahead = read_ahead(0)
@@ -1039,7 +471,7 @@ def _ingest_paths(writer: StoreWriter, sources: Sequence[SegmentSource], hook: S
                 group.append((read, len(reports)))
                 try:
                     report, dims = _write_segment(writer, read, {**known_dims, **pending_dims}, hook, retry_failed)
-                except (_Crash, *_RUN_ERRORS):
+                except (_Crash, *run_errors):
                     raise
                 except Exception:  # noqa: BLE001  (isolation: redo the group without this segment)
                     writer.rollback()
@@ -1072,18 +504,18 @@ def _ingest_paths(writer: StoreWriter, sources: Sequence[SegmentSource], hook: S
     return reports
 
 
-def ingest_segment(store: LogStore, path: str | Path, *, replica_id: str | None = None,
+def ingest_segment(store: Store, path: str | Path, *, replica_id: str | None = None,
                    _after_stage: StageHook | None = None) -> IngestReport:
     """Ingest one complete segment in one transaction; a crash part-way leaves nothing of it."""
     return ingest_segments(store, [SegmentFile(Path(path), replica_id)], _after_stage=_after_stage)[0]
 
 
-def ingest_segments(store: Any, sources: Sequence[SegmentSource], *, transaction_rows: int = 0,
+def ingest_segments(store: Store, sources: Sequence[SegmentSource], *, transaction_rows: int = 0,
                     retry_failed: bool = False, _after_stage: StageHook | None = None) -> list[IngestReport]:
     """Ingest listed segments (`complete_segments`) into `store`, a `LogStore` or a `PostgresStore`,
     in order; `ingest_folder` explains `transaction_rows` and `retry_failed`. Several calls may run at
-    once on a PostgreSQL store, over the same segments or not: see `store.postgres`."""
-    with store_writer(store) as writer:
+    once on a PostgreSQL store, over the same segments or not: see `store.postgres_writer`."""
+    with store.segment_writer() as writer:
         return _ingest_paths(writer, sources, _after_stage, transaction_rows, retry_failed)
 
 
@@ -1125,7 +557,7 @@ def complete_segments(folder: str | Path, *, endpoint_url: str | None = None) ->
     return found
 
 
-def ingest_folder(store: LogStore, folder: str | Path | None = None, *, transaction_rows: int = 0,
+def ingest_folder(store: Store, folder: str | Path | None = None, *, transaction_rows: int = 0,
                   retry_failed: bool = False, endpoint_url: str | None = None,
                   _after_stage: StageHook | None = None) -> list[IngestReport]:
     """Ingest every complete segment of `folder` (default: the feedback folder) and its replica sub-folders.

@@ -2,23 +2,32 @@
 
 A store location is a string a Prefect task can take as a parameter: a `postgresql+psycopg://` (or
 `postgresql://`) URL names the shared PostgreSQL store (`store.postgres`), anything else is the
-path of the embedded DuckDB file (`store.duckdb`). Both stores answer the same methods (counts,
-ledger, training_frame, the pipeline's lookups and the gates table), and `store.ingest` writes both
-through the same judging code.
+path of the embedded DuckDB file (`store.duckdb`). Both answer `Store` (`store.protocol`), and
+`store.ingest` writes both through the same judging code.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Union
+from typing import Protocol
 
 from store.duckdb import LogStore
+from store.protocol import Store
 
-if TYPE_CHECKING:
-    from flows.settings import PipelineSettings
-    from store.postgres import PostgresStore
 
-Store = Union[LogStore, "PostgresStore"]
+class StoreSettings(Protocol):
+    """Settings that name a log store (the pipeline's settings do)."""
+
+    @property
+    def store_url(self) -> str | None:
+        """A PostgreSQL URL, or None for the DuckDB file."""
+        ...
+
+    @property
+    def duckdb_path(self) -> str | Path | None:
+        """The DuckDB file, used when `store_url` is None."""
+        ...
+
 
 _POSTGRES_SCHEMES = ("postgresql://", "postgresql+psycopg://", "postgres://")
 
@@ -47,17 +56,17 @@ def store_at(location: str | Path) -> Store:
     return LogStore(text)
 
 
-def store_location(settings: PipelineSettings) -> str:
+def store_location(settings: StoreSettings) -> str:
     """Where the settings put the store: LEAP_STORE_URL when set, else the DuckDB file."""
     return str(settings.store_url or settings.duckdb_path)
 
 
-def open_store(settings: PipelineSettings) -> Store:
+def open_store(settings: StoreSettings) -> Store:
     """The store the settings name (`store_location`)."""
     return store_at(store_location(settings))
 
 
-def shown_location(settings: PipelineSettings) -> str:
+def shown_location(settings: StoreSettings) -> str:
     """The store location for messages: the DuckDB path, or the URL without its password."""
     location = store_location(settings)
     if not is_postgres(location):

@@ -53,13 +53,14 @@ def eventually(condition, timeout: float = 10.0) -> bool:
 
 @pytest.fixture
 def build():
-    """`build(**leap)`: a LeapRuntime on `engine_config(**leap)`, closed when the test ends."""
+    """`build(registry_source=None, **leap)`: a LeapRuntime on `engine_config(**leap)` that opens its
+    registry through `registry_source` (None: the installed entry point), closed when the test ends."""
     from serving.runtime import LeapRuntime
 
     made = []
 
-    def _build(**leap) -> LeapRuntime:
-        runtime = LeapRuntime(engine_config(**leap))
+    def _build(registry_source=None, **leap) -> LeapRuntime:
+        runtime = LeapRuntime(engine_config(**leap), registry_source=registry_source)
         made.append(runtime)
         return runtime
 

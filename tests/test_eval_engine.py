@@ -77,7 +77,7 @@ def test_corpus_build_records_every_prompt_once_with_every_layer(all_layers, pro
 def test_one_layer_corpus_reuses_the_all_layers_rows_and_generates_the_rest(all_layers, prompt_file):
     from evaluation.corpora import load_or_build, model_info
     from harness.datasets import load_prompts
-    from serving.worker import default_layer
+    from leap_core.layers import default_layer
 
     prompts = load_prompts(prompt_file)
     every = load_or_build([prompts[:16]], M, all_layers=True)[0]

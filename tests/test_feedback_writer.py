@@ -21,14 +21,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from leap_io.feedback_schema import read_segment_file
-from serving.feedback import (
-    LOCK_NAME,
-    PARTIAL_SUFFIX,
-    FeedbackCollector,
-    FeedbackFlushError,
-    FeedbackWriter,
-    default_replica_id,
-)
+from serving.feedback import FeedbackCollector, FeedbackFlushError, FeedbackWriter
+from serving.feedback_segments import LOCK_NAME, PARTIAL_SUFFIX, default_replica_id
 
 DIM = 8
 REPO = Path(__file__).resolve().parents[1]

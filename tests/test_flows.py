@@ -21,7 +21,7 @@ from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 from flows.gate import gate_verdict  # noqa: E402
 from flows.pipeline import fit_flow, gate_flow, ingest_flow, push_flow, retrain_flow  # noqa: E402
 from store.duckdb import LogStore  # noqa: E402
-from flows.tasks import gate_slice, information_until, promote_if_passed, record_gate, recorded_gate  # noqa: E402
+from flows.tasks import gate_slice, promote_if_passed, record_gate, recorded_gate  # noqa: E402
 from registry.client import CHALLENGER, CHAMPION, PREVIOUS_CHAMPION, ReadoutRegistry  # noqa: E402
 from serving.feedback import FeedbackWriter  # noqa: E402
 from tests.flow_fixtures import ingest_and_fit, pipeline_home  # noqa: E402
@@ -327,9 +327,9 @@ def test_a_fit_anchored_at_the_champion_registers_a_refinement_of_it(fitted):
     assert readout.alpha == base.alpha and readout.max_tokens == base.max_tokens
     assert readout.metadata["n_train"] > base.metadata["n_train"]  # the champion's rows and the window's
     # the champion's state holds the window's rows up to its training split's newest: only later ones count
-    cut = information_until(registry, name, champion)
+    cut = registry.information_until(name, champion)
     assert cut is not None and 2 <= refined["rows"] < fitted["fit"]["rows"]
-    assert information_until(registry, name, refined["version"]) > cut
+    assert registry.information_until(name, refined["version"]) > cut
     state = registry.load_rls_state(name, refined["version"], readout=readout)
     np.testing.assert_allclose(state.theta_, readout.theta_, rtol=1e-10)
     assert isinstance(state, RLS)

@@ -19,11 +19,12 @@ from store.ingest import (
     STATUS_CHECKSUM_CHANGED,
     STATUS_FAILED,
     STATUS_OK,
-    bad_metadata_reason,
     ingest_folder,
     totals,
 )
-from store.duckdb import SCHEMA_VERSION, TRAINING_FINISH_REASONS, LogStore
+from store.validation import bad_metadata_reason
+from leap_io.feedback_schema import TRAINING_FINISH_REASONS
+from store.duckdb import SCHEMA_VERSION, LogStore
 from flows.tasks import recorded_lengths
 from training.fit import NotEnoughRowsError, fit_readout, select_window, time_split
 from tests.segment_fuzz import assert_reconciles, write_segment

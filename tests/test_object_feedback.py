@@ -26,7 +26,8 @@ from ops.servers import free_port, running_s3
 from store.duckdb import LogStore
 from leap_io.object_store import ObjectStore, ObjectURLError, check_endpoint, parse_s3_url
 from serving.config import LeapConfig
-from serving.feedback import PARTIAL_SUFFIX, FeedbackWriter
+from serving.feedback import FeedbackWriter
+from serving.feedback_segments import PARTIAL_SUFFIX
 from serving.shipper import FeedbackShipper, ShipperCollector
 from tests.object_feedback_fixtures import (  # noqa: F401  (fixtures)
     DIM,

@@ -24,6 +24,7 @@ pytest.importorskip("prefect")
 
 from experiments.faults import pipeline as faults  # noqa: E402
 from flows.promotion import PromotionFailed, PushOptions, promote, recover, rollback  # noqa: E402
+from ops.servers import MlflowServer, free_port  # noqa: E402
 from registry.client import (  # noqa: E402
     CHALLENGER,
     CHAMPION,
@@ -165,7 +166,7 @@ def test_a_promotion_killed_mid_push_is_undone_by_the_next_operation(setup):
 
 _HOLD_LOCK = """
 import sys, time
-from registry.client import AliasLock
+from registry.locking import AliasLock
 with AliasLock.for_path(sys.argv[1]).held():
     print("held", flush=True)
     time.sleep(float(sys.argv[2]))
@@ -198,7 +199,7 @@ def test_alias_writes_wait_for_the_lock_another_process_holds(tmp_path):
 
 
 def test_a_registry_that_does_not_answer_fails_loudly_after_its_retries(tmp_path):
-    url = f"http://127.0.0.1:{faults.free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     registry = ReadoutRegistry(url, lock_path=tmp_path / "aliases.lock", retries=2, backoff_s=0.05)
     started = time.monotonic()
     with pytest.raises(RegistryUnavailable, match="after 3 attempts") as failure:
@@ -208,7 +209,7 @@ def test_a_registry_that_does_not_answer_fails_loudly_after_its_retries(tmp_path
 
 def test_registry_calls_are_retried_until_a_restarted_mlflow_answers(tmp_path):
     """MLflow is down when the call starts and comes up while it backs off."""
-    port = faults.free_port()
+    port = free_port()
     registry = ReadoutRegistry(f"http://127.0.0.1:{port}", lock_path=tmp_path / "aliases.lock", retries=7,
                                backoff_s=0.5)
     outcome: dict = {}
@@ -223,7 +224,7 @@ def test_registry_calls_are_retried_until_a_restarted_mlflow_answers(tmp_path):
     caller.start()
     time.sleep(1.0)
     assert caller.is_alive()  # still backing off
-    with faults.MlflowServer(tmp_path / "mlflow", port=port):
+    with MlflowServer(tmp_path / "mlflow", port=port):
         caller.join(timeout=90)
     assert outcome == {"aliases": {}}
 

@@ -21,10 +21,11 @@ from registry.client import (  # noqa: E402
     CHAMPION,
     PREVIOUS_CHAMPION,
     ReadoutRegistry,
-    _sqlite_path,
+    RegistryError,
     ensure_db,
 )
 from registry.model import READOUT_FILE, RLS_STATE_FILE  # noqa: E402
+from registry.tracking import sqlite_path  # noqa: E402
 
 pytestmark = pytest.mark.pipeline
 
@@ -85,9 +86,9 @@ def test_model_name_is_one_safe_name_per_model_and_layer():
 
 
 def test_sqlite_path_reads_relative_and_absolute_uris():
-    assert _sqlite_path("sqlite:////tmp/x/mlflow.db") == Path("/tmp/x/mlflow.db")
-    assert _sqlite_path("sqlite:///.leap/mlflow.db") == Path(".leap/mlflow.db")
-    assert _sqlite_path("http://localhost:5000") is None
+    assert sqlite_path("sqlite:////tmp/x/mlflow.db") == Path("/tmp/x/mlflow.db")
+    assert sqlite_path("sqlite:///.leap/mlflow.db") == Path(".leap/mlflow.db")
+    assert sqlite_path("http://localhost:5000") is None
 
 
 def test_two_fits_become_two_versions_of_one_registered_model(store):
@@ -159,8 +160,9 @@ def test_challenger_promote_and_rollback_move_aliases(store):
     assert registry.rollback(name) == "2"  # a rollback is itself undone by one more
     assert registry.get_alias(name, CHAMPION) == "2"
 
-    with pytest.raises(MlflowException):
+    with pytest.raises(RegistryError) as refused:
         registry.promote(name, 99)
+    assert refused.value.not_found
     assert registry.get_alias(name, CHAMPION) == "2"
 
 

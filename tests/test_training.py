@@ -225,3 +225,36 @@ def test_a_fit_anchored_at_the_champion_equals_one_ridge_solve_on_both_windows(f
     # its RLS state resumes at the refined weights, anchored at both windows
     resumed = RLS.from_state_arrays(refined.readout, refined.rls_state)
     np.testing.assert_allclose(resumed.theta_, theta, rtol=1e-8, atol=1e-10)
+
+
+def test_a_fit_key_is_the_one_earlier_fits_were_registered_under() -> None:
+    """Settings enter the key only when set: the keys of fits registered before them stay the same."""
+    from training.spec import FeatureSpace, FitSpec
+
+    plain = FitSpec(FeatureSpace("m", "sha256:0123abcd", 9), "0f" * 16, "auto", "sqrt", 512, 0.2)
+    assert plain.key == "6a6dfb24481e9a1c"
+    chosen = FitSpec(FeatureSpace("m", "sha256:0123abcd", 9, "mean@9"), "0f" * 16, 30.0, "sqrt", 512, 0.2,
+                     anchor="3", recipes=("last@9", "mean@9"), recipes_not_covered=("last@5",))
+    assert chosen.key == "c83017a72b0da1a7"
+    assert chosen.readout_version().endswith("-c83017a7")
+
+
+def test_a_fit_spec_records_where_the_fit_came_from(frame: TrainingFrame, fitted) -> None:
+    from training.spec import FeatureSpace, FitSpec, rows_until, window_hash
+
+    train, _, fit = fitted
+    space = FeatureSpace(IDENTITY["model_id"], BENCH_FINGERPRINT, BENCH_LAYER)
+    spec = FitSpec.of(frame, space, alpha="auto", target="sqrt", max_tokens=MAX_TOKENS, test_fraction=0.2,
+                      recipes=[space.recipe, f"last@{BENCH_LAYER + 40}"])
+    assert spec.rows_hash == window_hash(frame) and spec.recipes == (space.recipe,)
+    assert spec.recipes_not_covered == (f"last@{BENCH_LAYER + 40}",)
+    anchored = FitSpec.of(frame, space, alpha="auto", target="sqrt", max_tokens=MAX_TOKENS, test_fraction=0.2,
+                          anchor="2", recipes=[space.recipe])
+    assert anchored.recipes == () and anchored.key != spec.key
+    record = spec.record(fit, {"since": None, "until": 5.0})
+    assert record.params["fit_key"] == spec.key and record.params["requested_until"] == 5.0
+    assert record.params["recipe_choice"] == "validation" and record.params["anchor"] == "none"
+    assert record.params["recipe_candidates_not_covered"] == f"last@{BENCH_LAYER + 40}"
+    assert record.metrics["mae"] == fit.metrics["mae"] and record.validation is None
+    assert anchored.record(fit).params["recipe_choice"] == "anchor"
+    assert float(rows_until(train)) == pytest.approx(float(np.max(train.arrival_time)), abs=1e-3)

@@ -22,12 +22,8 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from threadpoolctl import threadpool_limits
 
-from store.duckdb import (
-    NOT_TRAINING_FINISH_REASONS,
-    TRAINING_FINISH_REASONS,
-    LogStore,
-    TrainingFrame,
-)
+from leap_io.feedback_schema import NOT_TRAINING_FINISH_REASONS, TRAINING_FINISH_REASONS
+from store.duckdb import LogStore, TrainingFrame
 from leap_core import alpha as alpha_path
 from leap_core import metrics
 from leap_core.alpha import AlphaSelection

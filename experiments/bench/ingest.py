@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 
 from store.ingest import complete_segments, deal_segments, ingest_folder, ingest_segments, totals
 from store.duckdb import LogStore
+from leap_io.durable import write_durably
 from leap_io.feedback_schema import feedback_schema, parquet_options, segment_metadata, segment_table
 
 BENCH_MODEL_ID = "bench-model"
@@ -32,7 +33,7 @@ def write_synthetic_segment(path: str | Path, first_row: int, n: int, weights: n
                             rng: np.random.Generator, *, max_tokens: int = 2048,
                             abort_fraction: float = 0.0, start_time: float = 1_700_000_000.0,
                             seconds_per_row: float = 0.05) -> None:
-    """Write rows first_row .. first_row + n - 1 as one complete segment (temporary name, then rename).
+    """Write rows first_row .. first_row + n - 1 as one complete segment (durably: `leap_io.durable`).
 
     Features are standard normal; sqrt(output length) = 18 + 8 * feature @ weights + N(0, 4),
     clipped to [1, sqrt(max_tokens)]. Aborted rows keep a random prefix of their length.
@@ -78,9 +79,8 @@ def write_synthetic_segment(path: str | Path, first_row: int, n: int, weights: n
         "readout_version": pa.nulls(n, pa.string()),
         "feature": pa.FixedSizeListArray.from_arrays(pa.array(features.reshape(-1)), dim),
     }
-    temporary = path.with_name(f".{path.name}.tmp")
-    pq.write_table(segment_table(pa.table(columns, schema=schema)), temporary, **parquet_options())
-    temporary.replace(path)
+    table = segment_table(pa.table(columns, schema=schema))
+    write_durably(path, lambda partial: pq.write_table(table, partial, **parquet_options()))
 
 
 def write_synthetic_feedback(folder: str | Path, rows: int, dim: int, *, segment_rows: int = 10_000,

@@ -7,10 +7,11 @@ survived, never left hanging):
 - `ingest_kill9`: an ingest process over many segments is killed with SIGKILL part-way; a rerun must
   leave exactly the segments' request ids in the store (`ingest_rows_lost_or_duplicated == 0`) with
   the ledger reconciling row for row.
-- `mlflow_down(phase)`: a real `mlflow server` (sqlite backend, served artifacts) is stopped with
-  SIGKILL at a chosen moment of the fit, the gate's registration, the champion push or a promotion;
-  the step must fail loudly (an exception naming MLflow), and nothing may be half done: the aliases
-  (read from the server's sqlite file) and every replica's readout are as they were before.
+- `mlflow_down(phase)`: a real `mlflow server` (sqlite backend, served artifacts) is killed with
+  SIGKILL at a chosen moment of the fit, gate or push flow or of a promotion, from outside the flow;
+  the flow must fail loudly (an exception naming MLflow), and nothing may be half done: the aliases
+  (read from the server's sqlite file), the recorded gates and every replica's readout are as they
+  were before.
 - `corrupt_segments`: truncated, non-Parquet, wrong-schema and Arrow-readable-but-unstorable
   segments among good ones; every bad one is quarantined with its reason, every good row ingested,
   and a rerun changes nothing.
@@ -21,9 +22,9 @@ push exactly as a replica does (`serving.push.validate_push`), without the engin
 
 from __future__ import annotations
 
+import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -31,8 +32,9 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -42,12 +44,17 @@ from experiments.bench.ingest import (
     BENCH_FINGERPRINT,
     BENCH_LAYER,
     BENCH_MODEL_ID,
+    write_synthetic_feedback,
     write_synthetic_segment,
 )
-from store.ingest import ingest_folder, totals
+from flows.settings import PipelineSettings
+from ops.servers import MlflowServer, kill_session
+from registry.client import CHAMPION
 from store.duckdb import LogStore
+from store.ingest import ingest_folder, totals
+from store.stores import Store, open_store
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "fault-token"
 DIM = 16
 MLFLOW_PHASES = ("fit", "gate_registration", "push", "promote")
@@ -69,22 +76,6 @@ def _scratch(workdir: str | Path | None) -> Iterator[Path]:
         yield Path(folder)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    """SIGKILL a process this module started (and its children: it leads its own session)."""
-    if process.poll() is None:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    process.wait(timeout=30)
-
-
 # ---------------------------------------------------------------------------- (a) ingest killed
 
 _INGEST_CHILD = """
@@ -99,6 +90,19 @@ def progress(stage):
 ingest_folder(LogStore(sys.argv[1]), sys.argv[2], _after_stage=progress)
 print("done", flush=True)
 """
+
+
+def _synthetic_feedback(scratch: Path, names: list[str], rows_per_segment: int, dim: int, seed: int,
+                        abort_fraction: float = 0.0) -> Path:
+    """`scratch/feedback` holding one synthetic segment under each of `names`, their rows numbered on."""
+    folder = scratch / "feedback"
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    weights = rng.standard_normal(dim)
+    for index, name in enumerate(names):
+        write_synthetic_segment(folder / name, index * rows_per_segment, rows_per_segment, weights, rng,
+                                abort_fraction=abort_fraction)
+    return folder
 
 
 def _segment_ids(folder: Path) -> list[str]:
@@ -123,13 +127,8 @@ def ingest_kill9(workdir: str | Path | None = None, *, segments: int = 24, rows_
     started = time.monotonic()
     kill_after = segments // 2 if kill_after_segments is None else kill_after_segments
     with _scratch(workdir) as scratch:
-        folder = scratch / "feedback"
-        folder.mkdir(parents=True, exist_ok=True)
-        rng = np.random.default_rng(seed)
-        weights = rng.standard_normal(dim)
-        for index in range(segments):
-            write_synthetic_segment(folder / f"segment-{index:05d}.parquet", index * rows_per_segment,
-                                    rows_per_segment, weights, rng, abort_fraction=0.05)
+        folder = _synthetic_feedback(scratch, [f"segment-{index:05d}.parquet" for index in range(segments)],
+                                     rows_per_segment, dim, seed, abort_fraction=0.05)
         expected = _segment_ids(folder)
         store = LogStore(scratch / "store.duckdb")
         store.counts()  # the schema, outside the child's run
@@ -148,7 +147,7 @@ def ingest_kill9(workdir: str | Path | None = None, *, segments: int = 24, rows_
                 if committed >= kill_after or time.monotonic() > deadline:
                     break
         finally:
-            _kill_group(child)
+            kill_session(child)
         killed = child.returncode == -signal.SIGKILL
         before_rerun = store.counts()
 
@@ -185,13 +184,8 @@ def corrupt_segments(workdir: str | Path | None = None, *, good_segments: int = 
 
     started = time.monotonic()
     with _scratch(workdir) as scratch:
-        folder = scratch / "feedback"
-        folder.mkdir(parents=True, exist_ok=True)
-        rng = np.random.default_rng(seed)
-        weights = rng.standard_normal(dim)
-        for index in range(good_segments):
-            write_synthetic_segment(folder / f"seg-{2 * index:03d}-good.parquet", index * rows_per_segment,
-                                    rows_per_segment, weights, rng)
+        folder = _synthetic_feedback(scratch, [f"seg-{2 * index:03d}-good.parquet" for index in range(good_segments)],
+                                     rows_per_segment, dim, seed)
         good_ids = set(_segment_ids(folder))
 
         template = folder / "seg-000-good.parquet"
@@ -247,7 +241,7 @@ def corrupt_segments(workdir: str | Path | None = None, *, good_segments: int = 
 class ReplicaTarget:
     """A serving replica's admin target without the engine: a push is validated exactly as a replica
     validates it (`serving.push.validate_push`), then swapped in. `on_push(version)` runs after a push
-    is taken, before the answer goes out: a scenario stops MLflow there."""
+    is taken, before the answer goes out: a scenario kills MLflow there."""
 
     def __init__(self, dim: int = DIM, layer: int = BENCH_LAYER, fingerprint: str = BENCH_FINGERPRINT) -> None:
         from prometheus_client import CollectorRegistry
@@ -296,68 +290,6 @@ def replicas(count: int, dim: int = DIM) -> Iterator[tuple[list[ReplicaTarget], 
             server.close()
 
 
-class MlflowServer:
-    """A real `mlflow server` subprocess on a free loopback port, with a sqlite backend in `folder`."""
-
-    def __init__(self, folder: str | Path, start_timeout_s: float = 45.0, port: int | None = None) -> None:
-        self.folder = Path(folder)
-        self.db_path = self.folder / "mlflow.db"
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.start_timeout_s = start_timeout_s
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> Self:
-        import httpx
-
-        from registry.client import ensure_db
-
-        self.folder.mkdir(parents=True, exist_ok=True)
-        ensure_db(f"sqlite:///{self.db_path}")
-        program = Path(sys.executable).with_name("mlflow")
-        command = [str(program) if program.exists() else "mlflow", "server",
-                   "--backend-store-uri", f"sqlite:///{self.db_path}",
-                   "--artifacts-destination", str(self.folder / "artifacts"),
-                   "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
-        log = open(self.folder / "server.log", "ab")  # noqa: SIM115 - the child writes to it while it runs
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                        cwd=self.folder)
-        log.close()
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"mlflow server exited with {self.process.returncode}; see {self.folder}/server.log")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"mlflow server did not answer within {self.start_timeout_s:.0f}s")
-
-    def stop(self) -> None:
-        """SIGKILL: the server goes away as it would when its host dies."""
-        if self.process is not None:
-            _kill_group(self.process)
-
-    def aliases(self, name: str) -> dict[str, str]:
-        """The aliases as stored in the server's database, read without MLflow (the server may be down)."""
-        with sqlite3.connect(self.db_path) as con:
-            rows = con.execute("SELECT alias, version FROM registered_model_aliases WHERE name = ?", [name]).fetchall()
-        return {alias: str(version) for alias, version in rows}
-
-    def versions(self, name: str) -> int:
-        with sqlite3.connect(self.db_path) as con:
-            return con.execute("SELECT count(*) FROM model_versions WHERE name = ?", [name]).fetchone()[0]
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
 def fitted_readout(version: str, seed: int, dim: int = DIM):
     """A small readout of the bench feature space, with its RLS anchor, under `version`."""
     from leap_core.rls import fit_readout_with_anchor
@@ -369,91 +301,142 @@ def fitted_readout(version: str, seed: int, dim: int = DIM):
     return fit_readout_with_anchor(features, lengths, alpha=1.0, max_tokens=512, metadata=metadata)
 
 
-def training_frame(n: int = 300, dim: int = DIM, seed: int = 3):
-    """A learnable training frame of the bench feature space, all rows `stop`."""
-    from store.duckdb import TrainingFrame
+@contextmanager
+def pipeline_environment(**values: Any) -> Iterator[PipelineSettings]:
+    """Pipeline settings made of `values` and the defaults alone, as the LEAP_* variables the flows read
+    for the block (every LEAP_* variable of this process is hidden meanwhile, and back afterwards)."""
+    saved = dict(os.environ)
+    try:
+        for key in [key for key in os.environ if key.startswith("LEAP_")]:
+            del os.environ[key]
+        settings = PipelineSettings(**values)
+        for field, value in settings.model_dump(mode="json", exclude_none=True).items():
+            os.environ[f"LEAP_{field.upper()}"] = json.dumps(value) if isinstance(value, list) else str(value)
+        yield settings
+    finally:
+        for key in set(os.environ) - set(saved):
+            del os.environ[key]
+        os.environ.update(saved)
 
-    rng = np.random.default_rng(seed)
-    features = rng.normal(size=(n, dim)).astype(np.float32)
-    lengths = np.clip(np.exp(4 + 0.5 * features[:, 0]), 1, 512).round().astype(np.int64)
-    return TrainingFrame(np.asarray([f"r-{i:05d}" for i in range(n)], dtype=object), features, lengths,
-                         np.asarray(["stop"] * n, dtype=object), np.asarray(["chat"] * n, dtype=object),
-                         1_750_000_000.0 + np.arange(n, dtype=np.float64), np.full(n, 512, dtype=np.int64))
+
+def _record_passing_gate(store: Store, name: str, challenger: str, champion: str | None) -> None:
+    """A passing gate of `challenger` against `champion` in the log store, where the push flow looks for
+    one before it promotes: the gate flow's replay needs the serving engine, which these scenarios run
+    without."""
+    verdict = {"passed": True, "reason": "passed: recorded by the fault scenario", "bar": "champion"}
+    store.record_gate(f"fault-{challenger}-{champion}", datetime.now(UTC).replace(tzinfo=None), name, challenger,
+                      champion, True, json.dumps(verdict), json.dumps({}), None)
+
+
+def _gates_recorded(store: Store) -> int:
+    with store.connect(read_only=True) as con:
+        return con.execute("SELECT count(*) FROM gates").fetchall()[0][0]
+
+
+def _stored_aliases(db_path: Path, name: str) -> dict[str, str]:
+    """The aliases as stored in the MLflow server's database, read without MLflow (the server may be down)."""
+    with sqlite3.connect(db_path) as con:
+        rows = con.execute("SELECT alias, version FROM registered_model_aliases WHERE name = ?", [name]).fetchall()
+    return {alias: str(version) for alias, version in rows}
+
+
+def _stored_versions(db_path: Path, name: str) -> int:
+    with sqlite3.connect(db_path) as con:
+        return con.execute("SELECT count(*) FROM model_versions WHERE name = ?", [name]).fetchone()[0]
+
+
+def _champion_and_challenger(settings: PipelineSettings) -> tuple[str, str, str]:
+    """(registered model, champion v1, challenger v2): v1 promoted by the push flow onto every replica,
+    v2 registered as challenger with a passing gate against v1; feedback of their feature space in the
+    log store, for the fit flow to fit on."""
+    from flows.pipeline import push_flow
+    from registry.client import ReadoutRegistry
+
+    write_synthetic_feedback(settings.feedback_dir, 300, DIM, segment_rows=300, max_tokens=512)
+    store = open_store(settings)
+    ingest_folder(store, settings.feedback_dir)
+    registry = ReadoutRegistry(settings.mlflow_tracking_uri, lock_path=settings.alias_lock_path)
+    logged = []
+    for seed, version in enumerate(("20250101T000000-v1", "20250102T000000-v2"), start=1):
+        readout, rls = fitted_readout(version, seed)
+        logged.append(registry.log_readout(readout, rls=rls, params={"data_hash": "fault"},
+                                           metrics={"spearman": 0.5}))
+    name, first, second = logged[0].name, logged[0].version, logged[1].version
+    _record_passing_gate(store, name, first, None)
+    promoted = push_flow(version=first, name=name, promote=True)
+    if promoted.get("status") != "promoted":
+        raise RuntimeError(f"the push flow did not promote the first champion: {promoted}")
+    registry.set_challenger(name, second)
+    _record_passing_gate(store, name, second, first)
+    return name, first, second
+
+
+def _run_step(phase: str, name: str, challenger: str, server: MlflowServer, first_replica: ReplicaTarget) -> None:
+    """The pipeline step of `phase`, run by its flow, with MLflow killed from outside the flow."""
+    from flows.pipeline import fit_flow, gate_flow, push_flow
+
+    if phase == "promote":
+        def kill_mlflow(version: str) -> None:
+            first_replica.on_push = None
+            server.kill()
+
+        first_replica.on_push = kill_mlflow
+        push_flow(name=name, promote=True)
+        return
+    server.kill()
+    if phase == "fit":
+        fit_flow()
+    elif phase == "gate_registration":
+        gate_flow(version=challenger, name=name, force=True)
+    else:
+        push_flow(name=name)
 
 
 def mlflow_down(phase: str, workdir: str | Path | None = None, *, n_replicas: int = 2,
-                timeout_s: float = 60.0) -> dict[str, Any]:
-    """Stop MLflow (SIGKILL) during one pipeline step and check it fails loudly with nothing half done.
+                timeout_s: float = 120.0) -> dict[str, Any]:
+    """Kill MLflow (SIGKILL) during one step of the pipeline, run by its flow, and check that the step
+    fails loudly with nothing half done.
 
-    phase "fit": the server is gone when the fit registers its readout; "gate_registration": when the
-    gate's verdict is recorded; "push": when the champion is pushed; "promote": the moment the first
-    replica takes the challenger, i.e. after every bundle was fetched and before any alias moves.
-    Before the step the registry holds champion v1 (served by every replica) and challenger v2.
+    phase "fit": the server is gone when the fit flow registers its readout; "gate_registration": when
+    the gate flow looks up the champion to replay against and record its verdict with; "push": when the
+    push flow pushes the champion; "promote": the moment the first replica takes the challenger during
+    the push flow's promotion, i.e. after every bundle was fetched and before any alias moves.
+    Before the step the registry holds champion v1 (served by every replica) and challenger v2. The
+    flows run in this process; the first one in a process without a Prefect server starts Prefect's
+    temporary server, which `timeout_s` leaves room for.
     """
-    from flows.promotion import PromotionFailed, PushOptions, promote
-    from flows.tasks import FeatureSpace, fit_and_register, push_champion, record_gate
-    from registry.client import CHAMPION, ReadoutRegistry
-
     if phase not in MLFLOW_PHASES:
         raise ValueError(f"phase must be one of {MLFLOW_PHASES}, got {phase!r}")
     started = time.monotonic()
     with _scratch(workdir) as scratch, ExitStack() as stack:
         server = stack.enter_context(MlflowServer(scratch / "mlflow"))
         targets, urls = stack.enter_context(replicas(n_replicas))
-        lock_path = scratch / "aliases.lock"
-        registry = ReadoutRegistry(server.url, lock_path=lock_path, retries=2, backoff_s=0.2)
-        params = {"data_hash": "fault"}
-        logged = []
-        for seed, version in enumerate(("20250101T000000-v1", "20250102T000000-v2"), start=1):
-            readout, rls = fitted_readout(version, seed)
-            logged.append(registry.log_readout(readout, rls=rls, params=params, metrics={"spearman": 0.5}))
-        first, second = logged
-        name = first.name
-        options = PushOptions(TOKEN, retries=1, timeout=10.0, backoff_s=0.1)
-        promote(registry, name, first.version, urls, options, scratch / "promotions")
-        registry.set_challenger(name, second.version)
-        aliases_before = server.aliases(name)
-        versions_before = server.versions(name)
+        settings = stack.enter_context(pipeline_environment(
+            home=scratch, mlflow_tracking_uri=server.url, endpoints=urls, admin_token=TOKEN, push_retries=1,
+            push_timeout_s=10.0, mlflow_retries=2, mlflow_backoff_s=0.2))
+        name, first, second = _champion_and_challenger(settings)
+        store = open_store(settings)
+        aliases_before = _stored_aliases(server.db_path, name)
+        versions_before = _stored_versions(server.db_path, name)
+        gates_before = _gates_recorded(store)
         serving_before = [target.version for target in targets]
         setup_s = time.monotonic() - started
 
         error: BaseException | None = None
-        restored = None
         try:
-            if phase == "promote":
-                def stop_mlflow(version: str) -> None:
-                    targets[0].on_push = None
-                    server.stop()
-
-                targets[0].on_push = stop_mlflow
-                promote(registry, name, second.version, urls, options, scratch / "promotions")
-            else:
-                server.stop()
-                if phase == "fit":
-                    space = FeatureSpace(BENCH_MODEL_ID, BENCH_FINGERPRINT, BENCH_LAYER)
-                    fit_and_register.fn(training_frame(), server.url, space, alpha=1.0, max_tokens=512,
-                                        lock_path=str(lock_path))
-                elif phase == "gate_registration":
-                    record_gate.fn(str(scratch / "store.duckdb"), server.url, name, second.version,
-                                   first.version, {"challenger": {"mean_ptl": 0.9}}, {"passed": True, "reason": "x"})
-                else:
-                    push_champion.fn(server.url, name, urls, TOKEN, retries=1, timeout=10.0,
-                                     lock_path=str(lock_path))
-        except PromotionFailed as failure:
-            error, restored = failure, failure.restored
+            _run_step(phase, name, second, server, targets[0])
         except Exception as failure:  # noqa: BLE001  (any loud failure counts; which one is reported)
             error = failure
+        restored = getattr(error, "restored", None)  # a failed promotion says whether it put everything back
         failed_loudly = error is not None and "mlflow" in f"{type(error).__name__} {error}".lower()
-        aliases_after = server.aliases(name)
+        aliases_after = _stored_aliases(server.db_path, name)
         serving_after = [target.version for target in targets]
-        gates_recorded = 0
-        if (scratch / "store.duckdb").exists():
-            with LogStore(scratch / "store.duckdb").connect(read_only=True) as con:
-                gates_recorded = con.execute("SELECT count(*) FROM gates").fetchall()[0][0]
-        journal_left = any((scratch / "promotions").glob("*.json")) if (scratch / "promotions").exists() else False
+        journal = settings.promotion_journal_dir
+        journal_left = journal.exists() and any(journal.glob("*.json"))
         nothing_half_done = (aliases_after == aliases_before and serving_after == serving_before
-                             and server.versions(name) == versions_before and gates_recorded == 0
-                             and not journal_left and aliases_after.get(CHAMPION) == first.version)
+                             and _stored_versions(server.db_path, name) == versions_before
+                             and _gates_recorded(store) == gates_before and not journal_left
+                             and aliases_after.get(CHAMPION) == first)
         survived = failed_loudly and nothing_half_done and time.monotonic() - started < timeout_s
         return _result(f"mlflow_down_{phase}", started, survived, phase=phase, failed_loudly=failed_loudly,
                        error=None if error is None else f"{type(error).__name__}: {str(error)[:400]}",

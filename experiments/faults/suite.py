@@ -155,7 +155,7 @@ class Suite:
         results: list[dict[str, Any]] = []
         live = [name for name in selected if name in SERVING_SCENARIOS[:6]]
         if live:
-            replica = self.start_replica()
+            self.start_replica()
             down: str | None = self.setup_error
             for name in live:
                 if down is not None:

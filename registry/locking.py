@@ -1,0 +1,126 @@
+"""The alias lock: one queue for every process of a host that moves a registry's aliases.
+
+Alias writes are serialized by `AliasLock`, a file lock, rather than by a compare-and-set in MLflow:
+MLflow's alias and tag writes are unconditional (last writer wins, with no version or precondition
+to test), so a CAS built from them would still be a read followed by a write with a race between.
+An exclusive `flock` on one file next to the registry's state holds every alias writer of the host
+(the fit's challenger, promotion, rollback, the champion push) in one queue, is reentrant within a
+thread, and is released by the kernel when its holder dies, so a kill -9 never leaves it stale.
+It does not reach across hosts: every process that writes aliases must run where the state folder is
+(which is how the stack runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import ClassVar
+
+from registry.tracking import sqlite_path
+
+DEFAULT_LOCK_TIMEOUT_S = 120.0
+
+
+class AliasLockTimeout(RuntimeError):
+    """Another process held the alias lock for longer than this one was willing to wait."""
+
+
+class AliasLock:
+    """An exclusive file lock that every alias writer of a registry takes (see the module docstring).
+
+    Reentrant within a thread; other threads of the process wait on an in-process lock first, since
+    `flock` would let two threads of one process deadlock on separate descriptors. One instance per
+    path and process (`for_path`).
+    """
+
+    _instances: ClassVar[dict[str, AliasLock]] = {}
+    _instances_guard = threading.Lock()
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._guard = threading.RLock()
+        self._depth = 0
+        self._fd: int | None = None
+
+    @classmethod
+    def for_path(cls, path: str | Path) -> AliasLock:
+        path = Path(path).resolve()
+        with cls._instances_guard:
+            lock = cls._instances.get(str(path))
+            if lock is None:
+                lock = cls._instances[str(path)] = cls(path)
+            return lock
+
+    def _take_file(self, deadline: float, timeout_s: float) -> int:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        delay = 0.01
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())  # who holds it, for whoever waits
+                return fd
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    holder = self.path.read_text().strip() if self.path.exists() else "?"
+                    raise AliasLockTimeout(f"the alias lock {self.path} stayed held (by pid {holder or '?'}) "
+                                           f"for {timeout_s:.1f}s; no alias was written") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+            except BaseException:
+                os.close(fd)
+                raise
+
+    @contextmanager
+    def held(self, timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> Iterator[AliasLock]:
+        """Hold the lock (waiting up to `timeout_s`, then AliasLockTimeout) for the `with` block."""
+        deadline = time.monotonic() + timeout_s
+        if not self._guard.acquire(timeout=timeout_s):
+            raise AliasLockTimeout(f"another thread held the alias lock {self.path} for {timeout_s:.1f}s")
+        try:
+            if self._depth == 0:
+                self._fd = self._take_file(deadline, timeout_s)
+            self._depth += 1
+            try:
+                yield self
+            finally:
+                self._depth -= 1
+                if self._depth == 0 and self._fd is not None:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+                    os.close(self._fd)
+                    self._fd = None
+        finally:
+            self._guard.release()
+
+
+class AliasLockHandle:
+    """One registry's view of the shared `AliasLock`: the same lock, with its own patience."""
+
+    def __init__(self, lock: AliasLock, timeout_s: float) -> None:
+        self.lock, self.timeout_s = lock, timeout_s
+
+    @property
+    def path(self) -> Path:
+        return self.lock.path
+
+    def held(self) -> contextlib.AbstractContextManager[AliasLock]:
+        return self.lock.held(self.timeout_s)
+
+
+def default_lock_path(tracking_uri: str) -> Path:
+    """Next to a sqlite database; for a server, one file per server URI in the temporary folder."""
+    db_path = sqlite_path(tracking_uri)
+    if db_path is not None:
+        return db_path.resolve().parent / "aliases.lock"
+    digest = hashlib.sha256(tracking_uri.rstrip("/").encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"leap-mlflow-aliases-{digest}.lock"

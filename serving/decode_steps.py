@@ -1,0 +1,168 @@
+"""Which resident requests decode each step: LEAP's side of vLLM's `schedule()`.
+
+Before a step, every resident request past its prefill is a decode candidate; when there are more
+than `decode_slots` of them, the `leap_core.policy.DecodePolicy` picks which decode and the others are
+held out of this one step (they keep their KV blocks). A request is ordered by its predicted total
+length (the latest refresh, where LEAP's own prediction is used), else by its max_tokens. The engine
+thread waits on the predictor in one bounded place only: a step whose new decode candidates have no
+prediction yet waits for them once, up to `ready_wait_ms` for all of them together.
+
+After the step, what the engine actually scheduled is counted (hold-outs, the step's shape), and the
+per-request state is pruned once a second.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from leap_core.policy import DecodePolicy, make_policy
+from serving import vllm_compat
+from serving.config import LeapConfig
+from serving.readout_service import ReadoutService
+from serving.telemetry import Telemetry
+from serving.tracking import RequestTracker, Tracked
+
+EXPIRE_EVERY_S = 1.0
+
+
+@dataclass
+class Counters:
+    """The scheduler-side counts `stats()` reports (reset by `configure` between replays)."""
+
+    ready: int = 0
+    missed: int = 0
+    waited_s: float = 0.0
+    max_held_out: int = 0
+    steps: int = 0
+    schedule_s: float = 0.0
+    refreshed: int = 0
+
+
+class DecodeSteps:
+    """Chooses each step's decodes by the policy of `config` and counts what the engine ran."""
+
+    def __init__(self, config: LeapConfig, tracker: RequestTracker, telemetry: Telemetry,
+                 readouts: ReadoutService) -> None:
+        self.config = config
+        self._tracker = tracker
+        self._telemetry = telemetry
+        self._readouts = readouts
+        self.policy: DecodePolicy = self._make_policy()
+        self.counters = Counters()
+        self.last_held: set[str] = set()
+        self.last_step_shape: tuple[int, int] = (0, 0)  # (decoded requests, prefill tokens) of the last step
+        self._next_expiry = 0.0
+
+    def _make_policy(self) -> DecodePolicy:
+        c = self.config
+        return make_policy(c.decode_order, k=c.decode_slots, waiting_cap=c.waiting_cap, aging=c.aging)
+
+    def reset(self) -> None:
+        """Take the policy and decode shape of the settings as they are now, and count afresh."""
+        self.policy = self._make_policy()
+        self.counters = Counters()
+        self._telemetry.max_held.set(0)
+
+    # -- before the step -------------------------------------------------------------------------
+    def _predicted_total(self, request: Any, entry: Tracked, source: str) -> float:
+        """The total length a request is ordered by: the latest refresh, where LEAP's own prediction is used."""
+        if source == "oracle":
+            value = entry.oracle
+        elif source == "client" and entry.client_prediction is not None:
+            value = entry.client_prediction
+        elif entry.refreshed_total is not None:
+            value = entry.refreshed_total
+        else:
+            value = self._tracker.predictions.get(request.request_id)
+        return value if value is not None else float(request.max_tokens)
+
+    def choose(self, running: list, current_step: int) -> None:
+        """Hold out all but the chosen decode candidates for the coming `schedule()` call."""
+        start = time.perf_counter()
+        now = time.time()
+        track, predictions = self._tracker.track, self._tracker.predictions
+        candidates, entries, missing = [], [], []
+        source = self.config.length_source
+        needs_prediction = self._readouts.readout is not None and source in ("predicted", "client")
+        for request in running:
+            entry = track(request)
+            if not vllm_compat.past_prefill(request):
+                continue  # still in prefill: never held
+            if not entry.decode_seen:
+                entry.decode_seen = True
+                entry.first_token_time = now
+                if needs_prediction:
+                    if request.request_id in predictions:
+                        self.counters.ready += 1
+                    else:
+                        missing.append(request.request_id)
+            candidates.append(request)
+            entries.append(entry)
+        if missing:
+            self._wait_for_predictions(missing)
+        n = len(candidates)
+        self._telemetry.resident.set(len(running))
+        self._telemetry.decoding.set(n)
+        self.last_held = set()
+        if n > self.config.decode_slots:
+            predicted = np.fromiter((self._predicted_total(r, e, source) for r, e in zip(candidates, entries)),
+                                    dtype=np.float64, count=n)
+            generated = np.fromiter((r.num_output_tokens for r in candidates), dtype=np.float64, count=n)
+            held_out = np.fromiter((e.held_out for e in entries), dtype=np.int64, count=n)
+            arrival = np.fromiter((e.arrival for e in entries), dtype=np.float64, count=n)
+            chosen = np.zeros(n, dtype=bool)
+            chosen[self.policy.select(predicted, generated, held_out, arrival)] = True
+            for request, keep in zip(candidates, chosen):
+                if not keep:
+                    vllm_compat.hold_out_next_step(request, current_step)
+                    self.last_held.add(request.request_id)
+        self._telemetry.held.set(len(self.last_held))
+        self.counters.schedule_s += time.perf_counter() - start
+
+    def _wait_for_predictions(self, missing: list[str]) -> None:
+        """One bounded wait for all of this step's new decode candidates that have no prediction yet."""
+        self.counters.missed += len(missing)
+        self._telemetry.missed.inc(len(missing))
+        timeout = self.config.ready_wait_ms / 1000.0
+        if timeout <= 0 or not self._readouts.predictor.running:
+            return
+        start = time.perf_counter()
+        self._tracker.wait_for(missing, timeout)
+        waited = time.perf_counter() - start
+        self.counters.waited_s += waited
+        self._telemetry.wait_seconds.inc(waited)
+
+    # -- after the step --------------------------------------------------------------------------
+    def count(self, running: list, num_scheduled_tokens: dict[str, int]) -> None:
+        """Count hold-outs from what the engine actually scheduled, and the step's shape."""
+        decodes = sum(1 for tokens in num_scheduled_tokens.values() if tokens == 1)
+        self.last_step_shape = (decodes, sum(num_scheduled_tokens.values()) - decodes)
+        worst = self.counters.max_held_out
+        tracked = self._tracker.tracked
+        for request in running:
+            entry = tracked.get(request.request_id)
+            if entry is None or not entry.decode_seen:
+                continue
+            if request.request_id in num_scheduled_tokens:
+                entry.held_out = 0
+            else:
+                entry.held_out += 1
+                worst = max(worst, entry.held_out)
+        if worst != self.counters.max_held_out:
+            self.counters.max_held_out = worst
+            self._telemetry.max_held.set(worst)
+        self.counters.steps += 1
+
+    def tidy(self) -> None:
+        """The predictor's backlog gauge, and once a second the per-request state pruned and measured."""
+        self._telemetry.pending.set(self._readouts.predictor.pending())
+        now = time.monotonic()
+        if now >= self._next_expiry:
+            self._next_expiry = now + EXPIRE_EVERY_S
+            self._tracker.expire()
+            for kind, size in self._tracker.sizes().items():
+                self._telemetry.tracked.labels(kind=kind).set(size)

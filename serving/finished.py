@@ -1,0 +1,64 @@
+"""Finished requests: each one's feedback row, written once, and its true length handed to RLS.
+
+A prefilled request's feature was captured, but a worker in another process sends it over ZeroMQ and it
+can land after the finish: then the row waits for it, up to `LATE_FEATURE_S`, and is written when the
+feature arrives (settled every step) or without it once the wait is over (counted as
+`feature_never_arrived`). Only finishes that say how long the answer really was
+(`TRAINING_FINISH_REASONS`) teach RLS.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from leap_io.feedback_schema import TRAINING_FINISH_REASONS
+from serving import vllm_compat
+from serving.config import LeapConfig
+from serving.readout_service import ReadoutService
+from serving.recorder import FeedbackRecorder
+from serving.telemetry import Telemetry
+from serving.tracking import RequestTracker
+
+LATE_FEATURE_S = 5.0  # how long a finished request's row waits for a feature still on its way
+
+
+class FinishedRequests:
+    """Writes the feedback row of every finished request once, and feeds RLS from those that train it."""
+
+    def __init__(self, config: LeapConfig, tracker: RequestTracker, readouts: ReadoutService,
+                 recorder: FeedbackRecorder, telemetry: Telemetry) -> None:
+        self.config = config
+        self._tracker = tracker
+        self._readouts = readouts
+        self._recorder = recorder
+        self._telemetry = telemetry
+        self._late_rows: dict[str, tuple] = {}  # finished, waiting for their feature (engine thread only)
+
+    def finish(self, request: Any) -> None:
+        """Forget the request, write its feedback row once and hand (feature, true length) to RLS."""
+        prefilled = request.num_output_tokens > 0
+        entry, feature, predicted, version, awaiting = self._tracker.finish(
+            request.request_id, LATE_FEATURE_S if prefilled else None)
+        if entry is None and (feature is not None or prefilled):
+            entry = self._tracker.entry_of_unseen(request)  # finished in the step that prefilled it
+        context = (request, entry, predicted, version or self._readouts.version, self.config.policy)
+        if awaiting:
+            self._late_rows[request.request_id] = context
+            return
+        self._write(context, feature)
+
+    def settle(self, final: bool = False) -> None:
+        """Write the rows whose late feature arrived, or whose wait is over (every row left, when `final`)."""
+        for request_id, feature in self._tracker.settle(final):
+            self._write(self._late_rows.pop(request_id), feature)
+
+    def _write(self, context: tuple, feature: np.ndarray | None) -> None:
+        request, entry, predicted, version, policy = context
+        output_tokens = int(request.num_output_tokens)
+        if feature is not None and output_tokens > 0 and vllm_compat.finish_reason(request) in TRAINING_FINISH_REASONS:
+            self._readouts.observe(feature, output_tokens)
+        if feature is None and output_tokens > 0:
+            self._telemetry.drop("feedback_row", "feature_never_arrived")
+        self._recorder.record(request, entry, feature, predicted, version, policy)

@@ -1,0 +1,197 @@
+"""Where the readout a replica serves at start comes from (`source` in `describe()`), in this order:
+
+0. "champion": the champion the last promotion published (`leap_io.champion`, at `champion_url`),
+   when it was published after this replica's last saved push and is another version: a replica that
+   was down or not yet started during a promotion, a rollback or a fleet merge takes the champion
+   without talking to the registry (validated like a push, then saved as its state);
+1. "state": the last push this replica accepted, from `state_dir` (`serving.readout_state`; a torn
+   write is detected, logged and skipped, never served);
+2. "config": the readout file named by `readout_path`;
+3. "registry": the champion of this model and layer in the registry at `registry_uri`, loaded lazily
+   on a background thread through a `RegistrySource`; failures are logged, never fatal;
+4. "none": no readout until the first push. Later pushes report "push".
+
+The plugin never imports a registry client. A `RegistrySource` is handed in: by an in-process caller
+(`LeapRuntime(..., registry_source=...)`), else by the installed `leap.readout_sources` entry point
+named `mlflow`, looked up only when `registry_uri` is set. vLLM builds the scheduler, and with it the
+runtime, in its own process from a class name; an entry point is what reaches it there.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from leap_io.champion import ChampionPublication, registry_key
+from leap_io.model_identity import registered_model_name
+from leap_io.push_bundle import make_bundle
+from serving.readout_service import ReadoutService
+from serving.readout_state import StateDamaged
+from serving.telemetry import Telemetry
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "leap.readout_sources"
+REGISTRY_ENTRY_POINT = "mlflow"  # `registry_uri` is an MLflow tracking URI
+
+
+class RegistrySource(Protocol):
+    """The registry a replica's champion is loaded from at start."""
+
+    def champion_bundle(self, name: str, expect: Mapping[str, Any]) -> bytes:
+        """The push bundle (readout file and RLS anchor) of registered model `name`'s champion, its
+        readout checked against `expect` (the served model's fingerprint)."""
+        ...
+
+
+RegistrySourceFactory = Callable[[str], RegistrySource]
+"""Opens the registry at a URI (`registry_uri`) as a `RegistrySource`."""
+
+
+def installed_registry_source() -> RegistrySourceFactory:
+    """The factory the `leap.readout_sources` entry point `mlflow` names; LookupError when none is installed."""
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group=ENTRY_POINT_GROUP, name=REGISTRY_ENTRY_POINT):
+        return entry.load()
+    raise LookupError(f"no {REGISTRY_ENTRY_POINT!r} entry point in group {ENTRY_POINT_GROUP!r}: install LEAP "
+                      "with its registry (pip install -e '.[pipeline]')")
+
+
+class ReadoutSources:
+    """Serves a replica's readout at start from the first source that has one (see the module docstring).
+
+    Parameters
+    ----------
+    service : the readout service the readout found is served on.
+    telemetry : counts the sources that could not be used.
+    model_id, layer : the served model's id and serving layer, which name its registered readout model.
+    registry_source : opens the registry at `registry_uri`; None: the installed entry point.
+    """
+
+    def __init__(self, service: ReadoutService, telemetry: Telemetry, model_id: str, layer: int,
+                 registry_source: RegistrySourceFactory | None = None) -> None:
+        self.service = service
+        self.config = service.config
+        self._telemetry = telemetry
+        self._model_id = model_id
+        self._layer = layer
+        self._registry_source = registry_source
+        self.registry_status: dict[str, Any] = {"state": "off"}
+        self.champion_status: dict[str, Any] = {"state": "off"}
+
+    def model_name(self) -> str:
+        """The registered model whose champion serves here: `registry_model`, else the model's and layer's."""
+        return self.config.registry_model or registered_model_name(self._model_id, int(self._layer))
+
+    def start(self) -> ReadoutSources:
+        """Serve the readout a restart should serve; the registry's loads in the background."""
+        if self._take_published_champion() or self._restore_state():
+            return self
+        if self.config.readout_path:
+            self._serve_config_file()
+        elif self.config.registry_uri:
+            self._load_registry_in_background()
+        return self
+
+    def describe(self) -> dict:
+        return {"registry": dict(self.registry_status), "champion": dict(self.champion_status)}
+
+    # -- the sources, in order -------------------------------------------------------------------
+    def _take_published_champion(self) -> bool:
+        """Serve the published champion when it is newer than the saved push and another version."""
+        location = self.config.champion_url
+        if not location:
+            return False
+        state = self.service.state
+        try:
+            name = self.model_name()
+            published = ChampionPublication(location).load(name)
+            if published is None:
+                self.champion_status = {"state": "none", "location": str(location), "model": name}
+                return False
+            own = self.config.registry_uri
+            if published.registry is not None and own and registry_key(own) != published.registry:
+                self.champion_status = {"state": "other-registry", "version": published.version,
+                                        "registry": published.registry, "own_registry": registry_key(own)}
+                logger.info("LEAP leaves the champion published at %s alone: it is %s's, this replica's registry "
+                            "is %s", location, published.registry, own)
+                return False
+            saved = state.saved() if state is not None else None
+            if saved is not None and (saved[0] == published.version or saved[1] >= published.published_at):
+                try:
+                    state.load()  # the saved push serves, unless it is damaged
+                    self.champion_status = {"state": "older-than-state", "version": published.version}
+                    return False
+                except StateDamaged:
+                    pass
+            readout, rls = self.service.check(published.bundle)
+        except Exception as exc:  # noqa: BLE001 - an unusable publication must never keep a replica down
+            self._telemetry.drop("champion", "unusable")
+            self.champion_status = {"state": "failed", "error": f"{type(exc).__name__}: {exc}"}
+            logger.warning("LEAP published champion at %s is not served: %s", location, exc)
+            return False
+        self.service.serve(readout, rls, "champion")
+        version = self.service.version
+        self.champion_status = {"state": "loaded", "version": version, "model": name,
+                                "registry_version": published.registry_version}
+        self.service.persist(published.bundle, version)
+        logger.info("LEAP serves the published champion %s of %s", version, name)
+        return True
+
+    def _restore_state(self) -> bool:
+        state = self.service.state
+        if state is None:
+            return False
+        try:
+            saved = state.load()
+            if saved is None:
+                return False
+            readout_bytes, rls_state, meta = saved
+            readout, rls = self.service.check(make_bundle(readout_bytes, rls_state))
+        except Exception as exc:  # noqa: BLE001 - a damaged or foreign state folder must never keep a replica down
+            self._telemetry.drop("state", "unusable")
+            logger.warning("LEAP state in %s is not served: %s", state.folder, exc)
+            return False
+        self.service.serve(readout, rls, "state")
+        self.service.persisted_at = meta.get("saved_at")
+        logger.info("LEAP serves readout %s restored from %s", self.service.version, state.folder)
+        return True
+
+    def _serve_config_file(self) -> None:
+        """The readout file of the settings: an explicit file must load, so a failure here is raised."""
+        readout_bytes = Path(self.config.readout_path).read_bytes()
+        rls_state = None
+        if self.config.rls_state_path and Path(self.config.rls_state_path).is_file():
+            with np.load(self.config.rls_state_path) as npz:
+                rls_state = {k: npz[k] for k in npz.files}
+        readout, rls = self.service.check(make_bundle(readout_bytes, rls_state))
+        self.service.serve(readout, rls, "config")
+
+    def _load_registry_in_background(self) -> None:
+        generation = self.service.generation
+        uri = self.config.registry_uri
+        self.registry_status = {"state": "loading", "uri": uri}
+
+        def load() -> None:
+            try:
+                name = self.model_name()
+                opened = (self._registry_source or installed_registry_source())(uri)
+                # checked exactly like a push: the registry is one more place a bad readout can come from
+                readout, rls = self.service.check(opened.champion_bundle(name, self.service.expect))
+            except Exception as exc:
+                logger.warning("LEAP could not load the registry champion from %s: %s", uri, exc, exc_info=True)
+                self.registry_status = {"state": "failed", "error": f"{type(exc).__name__}: {exc}"}  # logged first
+                return
+            if not self.service.serve_unless_moved_on(readout, rls, "registry", generation):
+                self.registry_status = {"state": "superseded"}  # a push arrived first: it wins
+                return
+            self.registry_status = {"state": "loaded", "model": name}
+            logger.info("LEAP serves registry champion %s of %s", self.service.version, name)
+
+        threading.Thread(target=load, name="leap-registry-load", daemon=True).start()
