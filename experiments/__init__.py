@@ -1,0 +1,2 @@
+"""Experiment code around the product: the demos, the fault suite and the benchmarks. It calls the flows, never
+their tasks."""

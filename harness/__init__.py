@@ -1,3 +1,3 @@
-"""The experiment harness around the plugin: an in-process engine, replay of real traffic, the corpus
-builder, prompt sets, model preparation and the benchmarks. Not needed to serve.
+"""The engine harness: an in-process engine, replay of real traffic, the corpus builder, prompt sets and
+model preparation, shared by the gate, the studies and the benchmarks. Not needed to serve.
 """

@@ -1,0 +1,1 @@
+"""Benchmarks that print figures: serving against stock vLLM, overhead, predictor, ingest and pipeline."""
