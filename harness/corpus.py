@@ -121,12 +121,18 @@ def load_corpus(folder: Path, layer: int, max_tokens: int, ids: Sequence[str] | 
     corpus = Corpus(columns["id"], columns["set"], columns["domain"], columns["lang"],
                     table.column("prompt_tokens").to_numpy(), table.column("output_tokens").to_numpy(),
                     columns["finish_reason"], matrix, layer, max_tokens)
+    return kept_and_counted(corpus, from_cache, ids, folder)
+
+
+def kept_and_counted(rows, from_cache: np.ndarray, ids: Sequence[str] | None, folder: Path):
+    """`rows` (anything with `ids` and `subset`) cut to `ids` in their order when given, the rows among
+    them read from the cache counted in `READ` under the folder's name (provenance)."""
     if ids is not None:
-        position = {rid: i for i, rid in enumerate(corpus.ids)}
+        position = {rid: i for i, rid in enumerate(rows.ids)}
         keep = np.asarray([position[i] for i in ids if i in position], dtype=np.int64)
-        corpus, from_cache = corpus.subset(keep), from_cache[keep]
+        rows, from_cache = rows.subset(keep), from_cache[keep]
     READ[folder.name] = READ.get(folder.name, 0) + int(from_cache.sum())
-    return corpus
+    return rows
 
 
 # Corpus keys read in this process, each with how many of the rows it returned came from the local

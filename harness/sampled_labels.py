@@ -123,7 +123,7 @@ def load_sampled_labels(folder: Path, max_tokens: int, ids: Sequence[str] | None
     """Read a sampled-label table: the committed snapshot's rows for this key (if any), then every shard of
     `folder` (optionally only the given prompt ids, in that order). A prompt id recorded twice counts once,
     the snapshot's row first. Rows read from the cache count in `harness.corpus.READ` (provenance)."""
-    from harness.corpus import READ, stacked_rows
+    from harness.corpus import kept_and_counted, stacked_rows
 
     stacked = stacked_rows(folder, lambda path: pq.read_table(path).select(
         ["id", "set", "domain", "prompt_tokens", "lengths", "capped", "median", "iqr"]))
@@ -143,12 +143,7 @@ def load_sampled_labels(folder: Path, max_tokens: int, ids: Sequence[str] | None
         median=table.column("median").to_numpy().astype(np.float64),
         iqr=table.column("iqr").to_numpy().astype(np.float64),
         capped=table.column("capped").to_numpy().astype(np.int64), max_tokens=max_tokens)
-    if ids is not None:
-        position = {rid: i for i, rid in enumerate(rows.ids)}
-        keep = np.asarray([position[i] for i in ids if i in position], dtype=np.int64)
-        rows, from_cache = rows.subset(keep), from_cache[keep]
-    READ[folder.name] = READ.get(folder.name, 0) + int(from_cache.sum())
-    return rows
+    return kept_and_counted(rows, from_cache, ids, folder)
 
 
 def missing_sampled(folder: Path, max_tokens: int, ids: Sequence[str]) -> list[str]:

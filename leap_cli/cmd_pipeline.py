@@ -59,6 +59,16 @@ def _deployment_api_url() -> str:
     return api_url
 
 
+def serve_deployment(flow, name: str, api_url: str, schedule: str, **when: Any) -> None:
+    """Serve `flow` as deployment `name` from this process on the Prefect server at `api_url`, on the
+    schedule `when` (cron= or interval=) described by `schedule`, until Ctrl-C."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    console.print(f"serving deployment {flow.name}/{name} ({schedule}); Ctrl-C stops")
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        flow.serve(name=name, print_starting_message=False, **when)
+
+
 def _require_prefect(api_url: str) -> None:
     """LookupError unless a Prefect server answers at `api_url`."""
     from ops.stack import answers
@@ -316,13 +326,9 @@ def deploy_command(
     _run(register, as_json, "deploy")
     if not serve or pool is not None:
         return
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     from flows.pipeline import retrain_flow
 
-    console.print(f"serving deployment {retrain_flow.name}/{name} ({cron}); Ctrl-C stops")
-    with temporary_settings({PREFECT_API_URL: api_url}):
-        retrain_flow.serve(name=name, cron=cron, print_starting_message=False)
+    serve_deployment(retrain_flow, name, api_url, cron, cron=cron)
 
 
 @app.command("demo")

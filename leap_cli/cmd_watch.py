@@ -17,8 +17,14 @@ from typing import Any, Optional
 import typer
 
 from leap_cli.apps import app
-from leap_cli.cmd_pipeline import _deployment_api_url, _prefect_api, _require_prefect, _run, _settings
-from leap_cli.output import console
+from leap_cli.cmd_pipeline import (
+    _deployment_api_url,
+    _prefect_api,
+    _require_prefect,
+    _run,
+    _settings,
+    serve_deployment,
+)
 
 
 def _watch(name: Optional[str], act: bool):
@@ -49,13 +55,9 @@ def _deploy(every: float, deployment: str, serve: bool, as_json: bool) -> None:
     _run(register, as_json, "watch")
     if not serve:
         return
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     from flows.drift import drift_flow
 
-    console.print(f"serving deployment {drift_flow.name}/{deployment} (every {every:g}s); Ctrl-C stops")
-    with temporary_settings({PREFECT_API_URL: api_url}):
-        drift_flow.serve(name=deployment, interval=every, print_starting_message=False)
+    serve_deployment(drift_flow, deployment, api_url, f"every {every:g}s", interval=every)
 
 
 @app.command("watch")
