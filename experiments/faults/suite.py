@@ -173,7 +173,6 @@ class Suite:
             if self.replica is not None:
                 self.stop_replica(self.replica)
                 self.replica = None
-            del replica
         if "disk_full" in selected:
             from experiments.faults.crash import disk_full
 
