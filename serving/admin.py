@@ -15,27 +15,29 @@ so a push takes effect at the next step without touching the OpenAI front end. W
                                when the replica learns nothing, 404 when the target keeps no RLS
   GET  /metrics                Prometheus text format
 
-No client can take the process down through it: a push body needs a Content-Length (411 without one,
-400 when it is not a number) within the cap (413 beyond), every socket has a timeout, the body must
-arrive within a deadline (408), and at most `max_handlers` requests are served at once (503 beyond).
+No client can take the process down or lock it: a push body needs a Content-Length (411 without one,
+400 when it is not a number) within the cap (413 beyond), every socket read has a timeout, the request
+head and the body must each arrive within a deadline (408), and at most `max_handlers` requests are served
+at once, `max_per_address` of them from one address (503 beyond; `serving.admin_server`). Health and
+metrics are answered even then.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hmac
+import io
 import json
 import logging
-import queue
 import re
-import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from serving.admin_server import AdminConnections, DeadlinePassed, DeadlineReader
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ DEFAULT_MAX_BODY = 64 << 20
 """The body cap when the target does not say its dim (else: what a full RLS bundle of that dim needs)."""
 DEFAULT_MAX_HANDLERS = 8
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
+DEFAULT_HEAD_DEADLINE_S = 10.0
 DEFAULT_BODY_DEADLINE_S = 300.0
 _CHUNK = 1 << 20
 _DIGITS = re.compile(r"^[0-9]{1,19}$")
@@ -75,6 +78,31 @@ class _Refusal(Exception):
         self.status = status
 
 
+def health_answer(target: Any) -> tuple[int, dict]:
+    """(status, payload) of `/leap/health`: 200 while the target reports healthy, else 503."""
+    check = getattr(target, "health", None)
+    if not callable(check):
+        return 200, {"status": "ok"}
+    try:
+        report = check()
+    except Exception as exc:  # a health check that fails is an unhealthy answer
+        logger.exception("admin: health check failed")
+        return 503, {"status": "unhealthy", "healthy": False, "error": f"{type(exc).__name__}: {exc}"}
+    report = report if isinstance(report, dict) else {"healthy": bool(report)}
+    healthy = bool(report.get("healthy"))
+    return (200 if healthy else 503), {"status": "ok" if healthy else "unhealthy", **report}
+
+
+def quick_answer(target: Any, path: str) -> tuple[int, str, bytes] | None:
+    """The unauthenticated reads answered even when every handler slot is taken; None for anything else."""
+    if path == "/leap/health":
+        status, payload = health_answer(target)
+        return status, "application/json", json.dumps(payload, default=str).encode()
+    if path == "/metrics":
+        return 200, CONTENT_TYPE_LATEST, generate_latest(target.metrics_registry)
+    return None
+
+
 def body_limit(target: Any, max_body: int | None) -> int:
     """The largest push body accepted: `max_body`, else enough for a full bundle of the widest readout the
     target serves (`feature_dim`, its captured vector; else its `dim`)."""
@@ -96,7 +124,28 @@ class _AdminHandler(BaseHTTPRequestHandler):
     token: str | None = None
     max_body: int | None = None
     timeout: float = DEFAULT_REQUEST_TIMEOUT_S  # every read and write on the socket
+    head_deadline_s: float = DEFAULT_HEAD_DEADLINE_S
     body_deadline_s: float = DEFAULT_BODY_DEADLINE_S
+    server: AdminConnections
+
+    def setup(self) -> None:
+        super().setup()
+        self._answered = False
+        self.requestline, self.request_version, self.command = "", "HTTP/1.0", ""  # until a head is parsed
+        self._reader = DeadlineReader(self.connection, self.timeout)
+        self._reader.deadline = time.monotonic() + self.head_deadline_s
+        self.rfile = io.BufferedReader(self._reader)
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()
+        self._reader.deadline = None  # the head is in; a push sets the body's own deadline
+        return parsed
+
+    def handle_one_request(self) -> None:
+        super().handle_one_request()  # answers nothing and closes when the head's deadline passes
+        if self._reader.expired and not self._answered:
+            self.server.count("head_deadline")
+            self._reply(408, {"error": f"the request head did not arrive within {self.head_deadline_s:.0f}s"})
 
     def log_message(self, fmt: str, *args: Any) -> None:  # route to logging, not stderr
         logger.debug("admin: " + fmt, *args)
@@ -104,6 +153,7 @@ class _AdminHandler(BaseHTTPRequestHandler):
     def _reply(self, status: int, payload: dict | bytes, content_type: str = "application/json",
                headers: dict[str, str] | None = None) -> None:
         body = payload if isinstance(payload, bytes) else json.dumps(payload, default=str).encode()
+        self._answered = True
         try:
             self.send_response(status)
             self.send_header("Content-Type", content_type)
@@ -153,19 +203,7 @@ class _AdminHandler(BaseHTTPRequestHandler):
             self._reply(404, {"error": f"no such endpoint: {path}"})
 
     def _health(self) -> None:
-        check = getattr(self.target, "health", None)
-        if not callable(check):
-            self._reply(200, {"status": "ok"})
-            return
-        try:
-            report = check()
-        except Exception as exc:  # a health check that fails is an unhealthy answer
-            logger.exception("admin: health check failed")
-            self._reply(503, {"status": "unhealthy", "healthy": False, "error": f"{type(exc).__name__}: {exc}"})
-            return
-        report = report if isinstance(report, dict) else {"healthy": bool(report)}
-        healthy = bool(report.get("healthy"))
-        self._reply(200 if healthy else 503, {"status": "ok" if healthy else "unhealthy", **report})
+        self._reply(*health_answer(self.target))
 
     def _authorized(self) -> bool:
         """Whether the request carries the admin token; answers 403/401 itself when not."""
@@ -239,109 +277,48 @@ class _AdminHandler(BaseHTTPRequestHandler):
             raise _Refusal(400, "the body is empty; send a readout file or bundle")
         if length > limit:
             raise _Refusal(413, f"the body has {length} bytes; this replica accepts at most {limit}")
-        deadline = time.monotonic() + self.body_deadline_s
+        self._reader.deadline = time.monotonic() + self.body_deadline_s
         parts, received = [], 0
         try:
             while received < length:
-                if time.monotonic() > deadline:
-                    raise _Refusal(408, f"the body did not arrive within {self.body_deadline_s:.0f}s "
-                                        f"({received} of {length} bytes)")
                 chunk = self.rfile.read1(min(_CHUNK, length - received))
                 if not chunk:
                     raise _Refusal(400, f"the body ended after {received} of {length} bytes")
                 parts.append(chunk)
                 received += len(chunk)
+        except DeadlinePassed as exc:
+            self.server.count("body_deadline")
+            raise _Refusal(408, f"the body did not arrive within {self.body_deadline_s:.0f}s "
+                                f"({received} of {length} bytes)") from exc
         except TimeoutError as exc:
             raise _Refusal(408, f"the body stalled for {self.timeout:.0f}s after {received} of {length} "
                                 f"bytes") from exc
         return b"".join(parts)
 
 
-class _BoundedServer(ThreadingHTTPServer):
-    """A threading HTTP server that serves at most `max_handlers` requests at once and answers 503 beyond.
-
-    The 503 is written by one refuser thread (after reading the request head, so closing does not reset
-    the connection before the client reads the answer); when even its short queue is full, the
-    connection is closed at once. The accept loop itself never waits on a client.
-    """
-
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_handlers: int) -> None:
-        self._slots = threading.BoundedSemaphore(max_handlers)
-        self.max_handlers = max_handlers
-        self.refused_busy = 0
-        self._refusals: queue.Queue[socket.socket | None] = queue.Queue(maxsize=64)
-        super().__init__(address, handler)
-        self._refuser = threading.Thread(target=self._refuse_loop, name="leap-admin-busy", daemon=True)
-        self._refuser.start()
-
-    def process_request(self, request: socket.socket, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.refused_busy += 1
-            try:
-                self._refusals.put_nowait(request)
-            except queue.Full:
-                self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def _refuse_loop(self) -> None:
-        body = json.dumps({"error": f"the admin API is busy ({self.max_handlers} requests in progress); "
-                                    f"try again"}).encode()
-        answer = (f"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n").encode() + body
-        while True:
-            request = self._refusals.get()
-            if request is None:
-                return
-            try:
-                request.settimeout(1.0)
-                head, deadline = b"", time.monotonic() + 1.0
-                while b"\r\n\r\n" not in head and len(head) < 65536 and time.monotonic() < deadline:
-                    chunk = request.recv(65536)
-                    if not chunk:
-                        break
-                    head += chunk
-                request.sendall(answer)
-            except OSError:
-                pass
-            finally:
-                self.shutdown_request(request)
-
-    def server_close(self) -> None:
-        super().server_close()
-        with contextlib.suppress(queue.Full):
-            self._refusals.put_nowait(None)
-
-
 class AdminServer:
     """Runs the admin API on a daemon thread; `port=0` picks a free port (see `.port`).
 
     `max_body` caps a push body (default: what a full RLS bundle of the target's dim needs, at least
-    64 MiB); `max_handlers` caps concurrent requests; `request_timeout` bounds every socket read and
-    write; `body_deadline` bounds the whole upload of a push.
+    64 MiB); `max_handlers` caps concurrent requests and `max_per_address` those from one address
+    (default: half of `max_handlers`); `request_timeout` bounds every socket read and write;
+    `head_deadline` bounds the arrival of the whole request head and `body_deadline` the whole upload of
+    a push.
     """
 
     def __init__(self, target: AdminTarget, host: str, port: int, token: str | None, *,
                  max_body: int | None = None, max_handlers: int = DEFAULT_MAX_HANDLERS,
-                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 max_per_address: int | None = None, request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 head_deadline: float = DEFAULT_HEAD_DEADLINE_S,
                  body_deadline: float = DEFAULT_BODY_DEADLINE_S) -> None:
         if max_handlers < 1:
             raise ValueError("max_handlers must be >= 1")
         handler = type("Handler", (_AdminHandler,), {"target": target, "token": token, "max_body": max_body,
-                                                     "timeout": request_timeout, "body_deadline_s": body_deadline})
-        self._server = _BoundedServer((host, port), handler, max_handlers)
+                                                     "timeout": request_timeout, "head_deadline_s": head_deadline,
+                                                     "body_deadline_s": body_deadline})
+        per_address = max_per_address if max_per_address is not None else max(1, max_handlers // 2)
+        self._server = AdminConnections((host, port), handler, max_handlers, per_address,
+                                        lambda path: quick_answer(target, path))
         self.host = host
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="leap-admin", daemon=True)
@@ -349,9 +326,30 @@ class AdminServer:
 
     @property
     def refused_busy(self) -> int:
-        """Requests answered 503 because `max_handlers` were in progress."""
-        return self._server.refused_busy
+        """Connections refused because every slot, or the address's share of them, was taken."""
+        counts = self._server.counts()
+        return counts.get("busy", 0) + counts.get("per_address", 0)
+
+    def refusals(self) -> dict[str, int]:
+        """Refusals by reason (busy, per_address, refusal_queue_full, head_deadline, body_deadline)."""
+        return self._server.counts()
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class AdminRefusalCollector:
+    """`leap_admin_refused_total{reason}`: the admin API's refusals, scraped from `AdminServer.refusals()`."""
+
+    def __init__(self, server: AdminServer) -> None:
+        self._server = server
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        family = CounterMetricFamily("leap_admin_refused", "Admin API connections refused or cut off, by reason",
+                                     labels=["reason"])
+        for reason, count in sorted(self._server.refusals().items()):
+            family.add_metric([reason], count)
+        yield family

@@ -33,6 +33,7 @@ import numpy as np
 from leap_core.readout import LinearReadout
 from leap_core.readout_format import to_bytes
 from leap_io.push_bundle import make_bundle
+from leap_io.redact import redact_url
 from serving import vllm_compat
 from serving.config import (
     LeapConfig,
@@ -116,9 +117,10 @@ class LeapRuntime:
                                         deliver_refresh=self._on_refresh).start()
         self.admin = None
         if self.config.admin_port is not None:
-            from serving.admin import AdminServer
+            from serving.admin import AdminRefusalCollector, AdminServer
 
             self.admin = AdminServer(self, self.config.admin_host, self.config.admin_port, self.config.token())
+            self.metrics_registry.register(AdminRefusalCollector(self.admin))
             logger.info("LEAP admin API on http://%s:%d", self.admin.host, self.admin.port)
 
     # -- set-up --------------------------------------------------------------------------------
@@ -140,7 +142,7 @@ class LeapRuntime:
             if self.config.feedback_url:
                 logger.warning("LEAP writes no feedback: feedback_url %s is set but feedback_dir "
                                "(LEAP_FEEDBACK_DIR) is not, and segments are spooled there before shipping",
-                               self.config.feedback_url)
+                               redact_url(self.config.feedback_url))
             return None
         from serving.feedback import FeedbackCollector, FeedbackWriter
         from serving.feedback_segments import default_replica_id

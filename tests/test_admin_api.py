@@ -147,7 +147,7 @@ def test_a_stalled_body_times_out_with_408_instead_of_holding_a_thread(serve):
 
 
 def test_concurrent_requests_beyond_the_cap_get_503_and_the_slots_come_back(serve):
-    _, server, url = serve(max_handlers=2, request_timeout=10)
+    _, server, url = serve(max_handlers=2, max_per_address=2, request_timeout=10)
     hogs = []
     for _ in range(2):  # two clients that send half a request and wait
         hog = socket.create_connection(("127.0.0.1", server.port), timeout=10)
@@ -223,3 +223,82 @@ def test_a_push_with_a_query_string_reaches_the_push_endpoint(serve):
     assert response.status_code == 200 and target.readout.metadata["version"] == "v1"
     wrong = httpx.post(f"{url}/leap/readout", content=b"junk", headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401
+
+
+def _trickle(port: int, stop: threading.Event, answers: list, every_s: float) -> None:
+    """A client that sends one header line every `every_s` seconds, as a slow-loris attacker does."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+            conn.sendall(b"GET /leap/readout HTTP/1.1\r\nHost: x\r\n")
+            while not stop.is_set():
+                conn.sendall(b"X-Trickle: 1\r\n")
+                stop.wait(every_s)
+                conn.settimeout(0.01)
+                try:
+                    data = conn.recv(4096)
+                except TimeoutError:
+                    data = None
+                conn.settimeout(30)
+                if data is not None:
+                    answers.append(data.split(b"\r\n", 1)[0])
+                    return
+    except OSError as exc:
+        answers.append(type(exc).__name__.encode())
+
+
+def test_trickling_clients_are_cut_off_at_the_head_deadline_and_health_is_answered_meanwhile(serve):
+    _, server, url = serve(HealthTarget(), max_handlers=8, head_deadline=1.5)
+    stop, answers = threading.Event(), []
+    hogs = [threading.Thread(target=_trickle, args=(server.port, stop, answers, 0.3), daemon=True)
+            for _ in range(12)]
+    for hog in hogs:
+        hog.start()
+    time.sleep(0.5)  # all twelve connected: four hold this address's slots, eight wait at the refuser
+    health = [httpx.get(f"{url}/leap/health", timeout=5) for _ in range(3)]
+    metrics = httpx.get(f"{url}/metrics", timeout=5)
+    assert [answer.status_code for answer in health] == [200, 200, 200]
+    assert health[0].json()["feedback"] == {"alive": True}
+    assert metrics.status_code == 200 and "text/plain" in metrics.headers["Content-Type"]
+    for hog in hogs:
+        hog.join(10)
+    stop.set()
+    assert len(answers) == 12, answers
+    # each is cut off with its answer (a reset only when the client wrote just as the server closed)
+    assert set(answers) <= {b"HTTP/1.0 408 Request Timeout", b"HTTP/1.0 503 Service Unavailable",
+                            b"ConnectionResetError", b"BrokenPipeError"}, answers
+    refusals = server.refusals()
+    assert refusals["head_deadline"] == 4 and refusals["per_address"] >= 8
+    from prometheus_client import generate_latest
+
+    from serving.admin import AdminRefusalCollector
+
+    registry = CollectorRegistry()
+    registry.register(AdminRefusalCollector(server))
+    assert 'leap_admin_refused_total{reason="head_deadline"} 4.0' in generate_latest(registry).decode()
+    assert httpx.get(f"{url}/leap/readout", timeout=5).status_code == 200
+
+
+def test_one_address_holds_at_most_its_share_of_the_handlers(serve):
+    _, server, url = serve(max_handlers=4, max_per_address=2, request_timeout=10)
+    hogs = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(2)]
+    for hog in hogs:
+        hog.sendall(b"GET /leap/readout HTTP/1.1\r\nHost: x\r\n")
+    time.sleep(0.3)
+    refused = httpx.get(f"{url}/leap/readout", timeout=5)
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+    assert server.refusals() == {"per_address": 1}
+    for hog in hogs:
+        hog.sendall(b"\r\n")
+        assert b"200" in hog.recv(100)
+        hog.close()
+
+
+def test_a_request_line_that_never_ends_is_408_at_the_head_deadline(serve):
+    _, server, url = serve(head_deadline=0.5, request_timeout=10)
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+        conn.sendall(b"GET /leap/rea")
+        answer = conn.recv(4096)
+    assert answer.startswith(b"HTTP/1.0 408") and time.monotonic() - started < 5
+    assert server.refusals() == {"head_deadline": 1}
+    assert httpx.get(f"{url}/leap/readout", timeout=5).status_code == 200
