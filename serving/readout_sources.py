@@ -30,6 +30,7 @@ import numpy as np
 from leap_io.champion import ChampionPublication, registry_key
 from leap_io.model_identity import registered_model_name
 from leap_io.push_bundle import make_bundle
+from leap_io.redact import redact_text, redact_url
 from serving.readout_service import ReadoutService
 from serving.readout_state import StateDamaged
 from serving.telemetry import Telemetry
@@ -113,14 +114,15 @@ class ReadoutSources:
             name = self.model_name()
             published = ChampionPublication(location).load(name)
             if published is None:
-                self.champion_status = {"state": "none", "location": str(location), "model": name}
+                self.champion_status = {"state": "none", "location": redact_url(location), "model": name}
                 return False
             own = self.config.registry_uri
             if published.registry is not None and own and registry_key(own) != published.registry:
                 self.champion_status = {"state": "other-registry", "version": published.version,
-                                        "registry": published.registry, "own_registry": registry_key(own)}
+                                        "registry": redact_url(published.registry),
+                                        "own_registry": redact_url(registry_key(own))}
                 logger.info("LEAP leaves the champion published at %s alone: it is %s's, this replica's registry "
-                            "is %s", location, published.registry, own)
+                            "is %s", redact_url(location), redact_url(published.registry), redact_url(own))
                 return False
             saved = state.saved() if state is not None else None
             if saved is not None and (saved[0] == published.version or saved[1] >= published.published_at):
@@ -134,7 +136,7 @@ class ReadoutSources:
         except Exception as exc:  # noqa: BLE001 - an unusable publication must never keep a replica down
             self._telemetry.drop("champion", "unusable")
             self.champion_status = {"state": "failed", "error": f"{type(exc).__name__}: {exc}"}
-            logger.warning("LEAP published champion at %s is not served: %s", location, exc)
+            logger.warning("LEAP published champion at %s is not served: %s", redact_url(location), exc)
             return False
         self.service.serve(readout, rls, "champion")
         version = self.service.version
@@ -176,7 +178,7 @@ class ReadoutSources:
     def _load_registry_in_background(self) -> None:
         generation = self.service.generation
         uri = self.config.registry_uri
-        self.registry_status = {"state": "loading", "uri": uri}
+        self.registry_status = {"state": "loading", "uri": redact_url(uri)}
 
         def load() -> None:
             try:
@@ -185,8 +187,9 @@ class ReadoutSources:
                 # checked exactly like a push: the registry is one more place a bad readout can come from
                 readout, rls = self.service.check(opened.champion_bundle(name, self.service.expect))
             except Exception as exc:
-                logger.warning("LEAP could not load the registry champion from %s: %s", uri, exc, exc_info=True)
-                self.registry_status = {"state": "failed", "error": f"{type(exc).__name__}: {exc}"}  # logged first
+                error = redact_text(f"{type(exc).__name__}: {exc}")  # no traceback: it would show the password
+                logger.warning("LEAP could not load the registry champion from %s: %s", redact_url(uri), error)
+                self.registry_status = {"state": "failed", "uri": redact_url(uri), "error": error}
                 return
             if not self.service.serve_unless_moved_on(readout, rls, "registry", generation):
                 self.registry_status = {"state": "superseded"}  # a push arrived first: it wins
