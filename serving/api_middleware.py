@@ -2,9 +2,9 @@
 
 Engine-core ignores a bad `vllm_xargs` key with a warning (it must never fail a request there); the
 client only learns of its mistake if the API front end refuses it. This middleware reads the JSON body
-of `POST /v1/completions` and `POST /v1/chat/completions`, validates `vllm_xargs` with
-`serving.request_extras.parse_leap_extras` and answers 400 with an OpenAI-style error naming every bad
-key and why. Everything else (other paths and methods, bodies that are not JSON objects, requests
+of every POST route that takes `vllm_xargs` (`VALIDATED_PATHS`: completions, chat, responses, messages),
+validates them with `serving.request_extras.parse_leap_extras` and answers 400 with an OpenAI-style
+error naming every bad key and why. Everything else (other paths and methods, bodies that are not JSON objects, requests
 without LEAP keys, and every response, streamed or not) passes through untouched; the body is replayed
 to the app exactly as it arrived.
 
@@ -18,7 +18,13 @@ from typing import Any
 
 from serving.request_extras import parse_leap_extras
 
-VALIDATED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+VALIDATED_PATHS = frozenset({
+    "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+    "/v1/completions/render", "/v1/chat/completions/render", "/v1/responses/render", "/v1/messages/render",
+})
+"""Every JSON route of vLLM's API servers whose request takes `vllm_xargs` (checked against the installed
+vLLM's routers by a test). The audio routes take them too, inside a multipart form: audio models are not
+served with LEAP, and those bodies pass unread."""
 MAX_INSPECTED_BODY = 32 << 20
 """A larger body is passed on without a look (the server applies its own limits to it)."""
 

@@ -323,3 +323,39 @@ def prefer_ir_provider(vllm_config: Any, op_names: tuple[str, ...], provider: st
         current = list(getattr(priority, op_name) or [])
         if provider not in current:
             setattr(priority, op_name, [provider] + current + (["native"] if "native" not in current else []))
+
+
+def routes_taking_extras() -> set[tuple[str, str]]:
+    """(path, request class) of every route of the installed vLLM's API servers whose request has `vllm_xargs`.
+
+    Read from the routers themselves (each `vllm.entrypoints.*.api_router` module), so a vLLM release that
+    adds a route taking extras shows up here; the API middleware's list of validated paths is checked against it.
+    """
+    import importlib
+    import inspect
+    import pkgutil
+    import typing
+
+    import vllm.entrypoints as entrypoints
+    from fastapi.routing import APIRoute
+
+    found: set[tuple[str, str]] = set()
+    for module_info in pkgutil.walk_packages(entrypoints.__path__, entrypoints.__name__ + "."):
+        if not module_info.name.endswith("api_router"):
+            continue
+        module = importlib.import_module(module_info.name)
+        for value in vars(module).values():
+            routes = getattr(value, "routes", None)
+            for route in routes if isinstance(routes, list) else ():
+                if not isinstance(route, APIRoute):
+                    continue
+                try:
+                    hints = typing.get_type_hints(route.endpoint)
+                except Exception:  # noqa: BLE001 - an annotation this Python cannot resolve: read it raw
+                    hints = {}
+                for parameter in inspect.signature(route.endpoint).parameters.values():
+                    annotation = hints.get(parameter.name, parameter.annotation)
+                    for kind in typing.get_args(annotation) or (annotation,):
+                        if "vllm_xargs" in (getattr(kind, "model_fields", None) or {}):
+                            found.add((route.path, kind.__name__))
+    return found

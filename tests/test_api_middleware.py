@@ -38,6 +38,8 @@ def _app(wrap: bool = True) -> tuple[FastAPI, list[bytes]]:
 
     app.post("/v1/completions")(echo)
     app.post("/v1/chat/completions")(echo)
+    app.post("/v1/responses")(echo)
+    app.post("/v1/messages")(echo)
     app.post("/v1/embeddings")(echo)
 
     @app.get("/v1/models")
@@ -157,3 +159,24 @@ def test_vllm_loads_it_from_the_middleware_flag():
         assert refused.status_code == 400 and "leap_oracle_length" in refused.json()["error"]["message"]
         assert client.post("/v1/completions", json={"prompt": "x", "vllm_xargs": GOOD}).status_code == 200
     assert len(seen) == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+def test_bad_extras_are_refused_on_the_responses_and_messages_routes_too(path):
+    app, seen = _app()
+    with TestClient(app) as client:
+        refused = client.post(path, json={"input": "x", "vllm_xargs": {"leap_oracle_length": "soon"}})
+        assert refused.status_code == 400 and "leap_oracle_length" in refused.json()["error"]["message"]
+        assert client.post(path, json={"input": "x", "vllm_xargs": GOOD}).status_code == 200
+    assert len(seen) == 1
+
+
+def test_every_json_route_of_the_installed_vllm_that_takes_extras_is_validated():
+    pytest.importorskip("vllm")
+    from serving.api_middleware import VALIDATED_PATHS
+    from serving.vllm_compat import routes_taking_extras
+
+    routes = routes_taking_extras()
+    assert ("/v1/chat/completions", "ChatCompletionRequest") in routes  # the reading itself works
+    audio = {path for path, _ in routes if path.startswith("/v1/audio/")}  # multipart forms; see VALIDATED_PATHS
+    assert {path for path, _ in routes} - audio == VALIDATED_PATHS
