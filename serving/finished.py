@@ -3,8 +3,9 @@
 A prefilled request's feature was captured, but a worker in another process sends it over ZeroMQ and it
 can land after the finish: then the row waits for it, up to `LATE_FEATURE_S`, and is written when the
 feature arrives (settled every step) or without it once the wait is over (counted as
-`feature_never_arrived`). Only finishes that say how long the answer really was
-(`TRAINING_FINISH_REASONS`) teach RLS.
+`feature_never_arrived`). Only lengths that say how long the answer really was teach RLS
+(`leap_io.labels`: not aborted, not capped below the readout's budget or otherwise steered by the
+client); the others are counted as dropped `rls_row`s by reason.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from leap_io.feedback_schema import TRAINING_FINISH_REASONS
+from leap_io.labels import LABEL_PROBLEMS, label_problem
 from serving import vllm_compat
 from serving.config import LeapConfig
 from serving.readout_service import ReadoutService
@@ -57,8 +58,21 @@ class FinishedRequests:
     def _write(self, context: tuple, feature: np.ndarray | None) -> None:
         request, entry, predicted, version, policy = context
         output_tokens = int(request.num_output_tokens)
-        if feature is not None and output_tokens > 0 and vllm_compat.finish_reason(request) in TRAINING_FINISH_REASONS:
-            self._readouts.observe(feature, output_tokens)
+        if feature is not None and output_tokens > 0:
+            problem = self._label_problem(request, policy)
+            if problem is None:
+                self._readouts.observe(feature, output_tokens)
+            elif problem in LABEL_PROBLEMS:
+                self._telemetry.drop("rls_row", problem)
         if feature is None and output_tokens > 0:
             self._telemetry.drop("feedback_row", "feature_never_arrived")
         self._recorder.record(request, entry, feature, predicted, version, policy)
+
+    def _label_problem(self, request: Any, policy: str) -> str | None:
+        """Why the request's length must not teach RLS (`leap_io.labels.label_problem`); None when it may."""
+        readout = self._readouts.readout
+        params = vllm_compat.request_sampling_params(request)
+        return label_problem(vllm_compat.finish_reason(request), int(request.max_tokens),
+                             int(getattr(readout, "max_tokens", 0) or 0), policy=policy,
+                             ignore_eos=getattr(params, "ignore_eos", False),
+                             min_tokens=getattr(params, "min_tokens", 0))

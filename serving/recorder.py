@@ -38,7 +38,7 @@ from serving.tracking import Tracked
 logger = logging.getLogger(__name__)
 
 DECODING_KEYS = ("temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty",
-                 "repetition_penalty", "ignore_eos", "seed")
+                 "repetition_penalty", "ignore_eos", "min_tokens", "seed")
 QUALITY_WINDOW = 256
 MAX_DOMAINS = 32
 ALL = "all"

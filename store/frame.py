@@ -22,6 +22,8 @@ class TrainingFrame(NamedTuple):
     domain: np.ndarray  # object (n,), None where unknown
     arrival_time: np.ndarray  # float64 (n,)
     max_tokens: np.ndarray | None = None  # int64 (n,), the request's output budget; 0 where unknown
+    policy: np.ndarray | None = None  # object (n,), the scheduling policy it was served under
+    decoding: np.ndarray | None = None  # object (n,), the JSON of its sampling settings
 
     def take(self, rows: np.ndarray | slice) -> TrainingFrame:
         """The frame restricted to `rows` (indices, a boolean mask, or a slice for views), in that order."""
@@ -53,4 +55,6 @@ def frame_from_arrow(table: pa.Table, features: Callable[[int], np.ndarray] | No
         domain=table.column("domain").to_numpy(zero_copy_only=False),
         arrival_time=table.column("arrival_time").to_numpy(zero_copy_only=False).astype(np.float64),
         max_tokens=pc.fill_null(table.column("max_tokens"), 0).to_numpy(zero_copy_only=False).astype(np.int64),
+        policy=table.column("policy").to_numpy(zero_copy_only=False),
+        decoding=table.column("decoding").to_numpy(zero_copy_only=False),
     )

@@ -81,7 +81,7 @@ SCHEMA_DDL = (
 
 _FRAME_TYPES = {"request_id": pa.string(), "dim": pa.int32(), "output_tokens": pa.int32(),
                 "finish_reason": pa.string(), "domain": pa.string(), "arrival_time": pa.float64(),
-                "max_tokens": pa.int32(), "recipe": pa.string()}
+                "max_tokens": pa.int32(), "recipe": pa.string(), "policy": pa.string(), "decoding": pa.string()}
 """The types of `store.sql.FRAME_COLUMNS`, in their order."""
 
 

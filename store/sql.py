@@ -218,7 +218,7 @@ def selection(dialect: Dialect, *, since: float | None = None, until: float | No
 
 
 FRAME_COLUMNS = ("r.request_id, f.dim, r.output_tokens, r.finish_reason, r.domain, r.arrival_time, r.max_tokens, "
-                 f"{RECIPE_SQL} AS recipe")
+                 f"{RECIPE_SQL} AS recipe, r.policy, r.decoding")
 """The scalar columns of a training frame (`store.frame.frame_from_arrow`), in this order."""
 
 

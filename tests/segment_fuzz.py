@@ -77,6 +77,7 @@ def write_segment(
     start_time: float = 1_700_000_000.0,
     domains: tuple[str, ...] = ("chat", "code", "math"),
     finish_reasons: tuple[str, ...] = ("stop", "length", "abort"),
+    overrides: dict[str, list] | None = None,
 ) -> FuzzedSegment:
     """Write a segment of `n` rows the way the serving process does (temporary name, then rename).
 
@@ -87,7 +88,8 @@ def write_segment(
     metadata's layer) and `invalid_utf8` (string column -> a count of rows, from the first, whose
     bytes there are not UTF-8: Parquet and Arrow read them, Arrow's string kernels and DuckDB refuse
     them).
-    `finish_reasons` is what each row's finish reason is drawn from.
+    `finish_reasons` is what each row's finish reason is drawn from; `overrides` maps a column name to
+    the values written instead (one a row, in the column's type).
     """
     corrupt = dict(corrupt or {})
     drop_columns = list(corrupt.pop("drop_columns", []))
@@ -180,6 +182,8 @@ def write_segment(
     else:
         columns["feature"] = pa.FixedSizeListArray.from_arrays(pa.array(features.ravel()), dim)
 
+    for name, values in (overrides or {}).items():
+        columns[name] = pa.array(values, columns[name].type)
     for name, count in invalid_utf8.items():
         values = [b"\xff\xfe not utf-8" if i < count else (None if v is None else str(v).encode())
                   for i, v in enumerate(columns[name].to_pylist())]

@@ -22,7 +22,8 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from threadpoolctl import threadpool_limits
 
-from leap_io.feedback_schema import NOT_TRAINING_FINISH_REASONS, TRAINING_FINISH_REASONS
+from leap_io.feedback_schema import NOT_TRAINING_FINISH_REASONS
+from leap_io.labels import LABEL_PROBLEMS, label_problems
 from store.duckdb import LogStore, TrainingFrame
 from leap_core import alpha as alpha_path
 from leap_core import metrics
@@ -45,7 +46,6 @@ MIN_DOMAIN_TEST_ROWS = 10
 """Fewest test rows of a domain for its own Spearman figure (fewer gives a number, not a measurement)."""
 
 ABORT = "abort"
-_TRAINING = frozenset(TRAINING_FINISH_REASONS)
 
 
 class NotEnoughRowsError(ValueError):
@@ -64,24 +64,33 @@ class FitResult:
     validation: list[dict[str, Any]] | None = None  # the recipe choice's table (None: no choice made)
 
 
-def _usable(frame: TrainingFrame) -> np.ndarray:
-    """Rows whose finish reason is a training label."""
-    reasons = frame.finish_reason
-    return np.fromiter((reason in _TRAINING for reason in reasons), dtype=bool, count=len(reasons))
+def _problems(frame: TrainingFrame, max_length: int | None = None) -> np.ndarray:
+    """Why each row's length is not a training label (`leap_io.labels`), None where it is one; `max_length`
+    is the budget M of the fit (default: the largest of the frame, as the fit's)."""
+    return label_problems(frame.finish_reason, frame.max_tokens, _budget(frame, max_length), frame.policy,
+                          frame.decoding)
 
 
-def excluded_by_reason(frame: TrainingFrame) -> dict[str, int]:
-    """How many rows of each finish reason that is not a training label the frame holds (others too,
-    should a frame hold a reason the store does not know)."""
-    reasons, counts = np.unique(np.asarray([str(r) for r in frame.finish_reason[~_usable(frame)]], dtype=object),
+def _usable(frame: TrainingFrame, max_length: int | None = None) -> np.ndarray:
+    """Rows whose length is a training label."""
+    return np.equal(_problems(frame, max_length), None)
+
+
+def excluded_by_reason(frame: TrainingFrame, max_length: int | None = None) -> dict[str, int]:
+    """How many rows the frame holds whose length is not a training label, by reason: each finish reason
+    that is not a label, and each `leap_io.labels.LABEL_PROBLEMS` (others too, should a frame hold a finish
+    reason the store does not know)."""
+    problems = _problems(frame, max_length)
+    reasons, counts = np.unique(np.asarray([str(p) for p in problems if p is not None], dtype=object),
                                 return_counts=True)
     found = {str(reason): int(count) for reason, count in zip(reasons.tolist(), counts.tolist())}
-    return {**{reason: 0 for reason in NOT_TRAINING_FINISH_REASONS}, **found}
+    return {**{reason: 0 for reason in (*NOT_TRAINING_FINISH_REASONS, *LABEL_PROBLEMS)}, **found}
 
 
-def _without_aborted(frame: TrainingFrame) -> TrainingFrame:
-    """The frame without the rows that are not training labels (aborted, errored, cut for repetition)."""
-    usable = _usable(frame)
+def _training_rows(frame: TrainingFrame, max_length: int | None = None) -> TrainingFrame:
+    """The frame without the rows whose length is not a training label (aborted, errored, cut for
+    repetition, capped or steered by the client)."""
+    usable = _usable(frame, max_length)
     return frame if usable.all() else frame.take(usable)  # no copy of the features when nothing is dropped
 
 
@@ -273,7 +282,7 @@ def validate_window(frame_train: TrainingFrame, capture: Recipe, recipes: Sequen
                     validation_fraction: float = VALIDATION_FRACTION) -> list[dict[str, Any]]:
     """`leap_core.recipe_choice.validate_recipes` over the candidates the capture covers, on the training
     rows in arrival order: the newest `validation_fraction` scores, the older rows fit."""
-    train = _without_aborted(frame_train)
+    train = _training_rows(frame_train, max_tokens)
     X = np.asarray(train.features)
     hidden = capture.hidden_for(X.shape[1])
     covered = [Recipe.parse(name) for name in recipes if Recipe.parse(name).covered_by(capture, hidden)]
@@ -291,16 +300,17 @@ def _fit(frame_train: TrainingFrame, frame_test: TrainingFrame, *, alpha: float 
          max_tokens: int | None, model_id: str, model_fingerprint: str, layer: int, version: str,
          alphas: Sequence[float], recipe: Recipe, anchor: RLS | None = None) -> FitResult:
     budget = int(anchor.readout_.max_tokens) if anchor is not None else _budget(frame_train, max_tokens)
-    excluded = {reason: excluded_by_reason(frame_train).get(reason, 0) + excluded_by_reason(frame_test).get(reason, 0)
-                for reason in {*excluded_by_reason(frame_train), *excluded_by_reason(frame_test)}}
-    train = _without_aborted(frame_train)
-    test = _without_aborted(frame_test)
+    excluded_train, excluded_test = excluded_by_reason(frame_train, budget), excluded_by_reason(frame_test, budget)
+    excluded = {reason: excluded_train.get(reason, 0) + excluded_test.get(reason, 0)
+                for reason in {*excluded_train, *excluded_test}}
+    train = _training_rows(frame_train, budget)
+    test = _training_rows(frame_test, budget)
     aborted = (len(frame_train.request_ids) - len(train.request_ids)
                + len(frame_test.request_ids) - len(test.request_ids))
     if len(train.request_ids) < 3 or len(test.request_ids) < 1:
         raise NotEnoughRowsError(f"{len(train.request_ids)} training and {len(test.request_ids)} test rows "
                                  "remain after dropping rows that are not training labels (abort, error, "
-                                 "repetition); need at least 3 and 1")
+                                 "repetition, or a length the client capped or steered); need at least 3 and 1")
     X_train = np.asarray(train.features)
     lengths_train = np.asarray(train.output_tokens, dtype=np.float64)
 
