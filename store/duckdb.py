@@ -27,7 +27,9 @@ and the `changed_segments` table; version 3 added `features.recipe` (NULL before
 `store.sql`); version 4 stores `features.feature` as little-endian float32 bytes (BLOB) instead of
 `FLOAT[]`, converted in place chunk by chunk through Arrow; version 5 moves the vectors out to feature
 files (`features.file`, `features.file_row`), keyset page by keyset page, and drops the index on
-`features.request_id`. The `gates` table is created on first use, outside these versions.
+`features.request_id`; version 6 adds the `segment_stamps` table (empty: each segment's content is
+checked once more, then skipped by its stamp). The `gates` table is created on first use, outside
+these versions.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ __all__ = [
     "TrainingFrame",
 ]
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """Version of the store's tables; see the module docstring for what each version added."""
 
 FEATURES_DDL = """CREATE TABLE IF NOT EXISTS {table} (
@@ -89,6 +91,7 @@ SCHEMA_DDL = (
     table_ddl(DUCKDB, "quarantine"),
     table_ddl(DUCKDB, "ingest_ledger"),
     table_ddl(DUCKDB, "changed_segments"),
+    table_ddl(DUCKDB, "segment_stamps"),
     table_ddl(DUCKDB, "store_meta"),
 )
 

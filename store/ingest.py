@@ -7,6 +7,12 @@ accounted for exactly once: rows_read == accepted + quarantined + duplicates. Re
 segment whose (path, checksum) is in the ledger is skipped, and a request id already stored is a
 duplicate, never a second row.
 
+A run costs what is new, not all history: each segment's stamp (a file's size, modification time and
+inode; an object's size and ETag, from the listing) is recorded with its checksum and status once its
+content is checked, and a later run that finds the same stamp skips the segment without reading or
+hashing it. A segment whose stamp changed is read and checked as before (new content at an ingested
+path is still caught); one without a stamp (a source that cannot say) is always read.
+
 Segments are isolated from each other: bad input in one segment never aborts the run or blocks the
 next one. What cannot be parsed is recorded `unreadable`; a segment whose processing raises (an
 Arrow or database error, a value no check foresaw) is rolled back alone and recorded `failed` with
@@ -65,7 +71,7 @@ import pyarrow.parquet as pq
 
 from leap_io.feedback_schema import META_REPLICA_ID, NOT_TRAINING_FINISH_REASONS
 from leap_io.object_store import is_object_url
-from store.protocol import Ledger, SpaceKey, Store, StoreWriter
+from store.protocol import Ledger, SpaceKey, Stamps, Store, StoreWriter
 from store.row_masks import rows_where
 from store.validation import JudgedSegment, quarantine_json
 
@@ -273,6 +279,15 @@ class SegmentSource(Protocol):
     def read_bytes(self) -> bytes: ...
 
 
+def _stamp_of(source: SegmentSource) -> str | None:
+    """What the source says of its content without reading it (`stamp`); None when it cannot say."""
+    try:
+        stamp = getattr(source, "stamp", None)
+    except OSError:  # gone since it was listed: reading it says so
+        return None
+    return stamp if isinstance(stamp, str) and stamp else None
+
+
 @dataclass(frozen=True)
 class SegmentFile:
     """A complete segment found in the feedback folder, and the replica whose sub-folder holds it."""
@@ -291,6 +306,12 @@ class SegmentFile:
     def read_bytes(self) -> bytes:
         return self.path.read_bytes()
 
+    @property
+    def stamp(self) -> str:
+        """Size, modification time and inode: a rewrite or a replacing rename changes it."""
+        info = self.path.stat()
+        return f"file:{info.st_size}:{info.st_mtime_ns}:{info.st_ino}"
+
 
 @dataclass
 class _ReadSegment:
@@ -303,6 +324,7 @@ class _ReadSegment:
     replaces: bool = False  # the ledger holds an earlier content that left nothing stored
     changed_from: str | None = None  # set when the ledger holds an ingested earlier content
     size_bytes: int = 0
+    stamp: str | None = None  # the source's stamp when it was read, recorded with the outcome
     rows: int = 0
     judged: JudgedSegment | None = None
     error: Exception | None = None  # unreadable
@@ -310,16 +332,21 @@ class _ReadSegment:
 
 
 def _read_segment(source: SegmentSource, ledger: Ledger, changed: set[tuple[str, str]], retry_failed: bool,
-                  run_errors: tuple[type[BaseException], ...]) -> _ReadSegment:
+                  run_errors: tuple[type[BaseException], ...], stamps: Stamps | None = None) -> _ReadSegment:
     """Read, checksum, parse and judge one segment; runs on the read-ahead thread (no store access).
 
-    `ledger` maps each segment already ingested to (checksum, status) and `changed` holds the
-    (segment, checksum) contents already quarantined as changed, as they were when the writing
-    connection opened: only that connection writes, and each path comes once per run. `run_errors`
-    end the run instead of marking the segment unreadable or failed (`_run_errors`).
+    `ledger` maps each segment already ingested to (checksum, status), `changed` holds the
+    (segment, checksum) contents already quarantined as changed, and `stamps` each checked segment's
+    stamp, as they were when the writing connection opened: only that connection writes, and each
+    path comes once per run. A segment whose stamp is unchanged is not read. `run_errors` end the run
+    instead of marking the segment unreadable or failed (`_run_errors`).
     """
     replica = source.replica_id
     segment = source.segment
+    stamp = _stamp_of(source)
+    known = (stamps or {}).get(segment) if stamp is not None else None
+    if known is not None and known[0] == stamp and not (retry_failed and known[2] == STATUS_FAILED):
+        return _ReadSegment(segment, known[1], replica, skip_status=known[2])  # stamp already recorded
     try:
         data = source.read_bytes()
     except FileNotFoundError:
@@ -327,10 +354,10 @@ def _read_segment(source: SegmentSource, ledger: Ledger, changed: set[tuple[str,
     checksum = _checksum(data)
     seen = ledger.get(segment)
     if seen is not None and seen[0] == checksum and not (retry_failed and seen[1] == STATUS_FAILED):
-        return _ReadSegment(segment, checksum, replica, skip_status=seen[1])
+        return _ReadSegment(segment, checksum, replica, skip_status=seen[1], stamp=stamp)
     if (segment, checksum) in changed:
-        return _ReadSegment(segment, checksum, replica, skip_status=STATUS_CHECKSUM_CHANGED)
-    read = _ReadSegment(segment, checksum, replica, size_bytes=len(data), replaces=seen is not None)
+        return _ReadSegment(segment, checksum, replica, skip_status=STATUS_CHECKSUM_CHANGED, stamp=stamp)
+    read = _ReadSegment(segment, checksum, replica, size_bytes=len(data), replaces=seen is not None, stamp=stamp)
     if seen is not None and seen[1] == STATUS_OK:
         read.replaces, read.changed_from = False, seen[0]
         return read
@@ -387,7 +414,15 @@ def _as_claimed(read: _ReadSegment, seen: tuple[str, str] | None, changed: bool,
 
 def _write_segment(writer: StoreWriter, read: _ReadSegment, known_dims: Mapping[SpaceKey, int],
                    hook: StageHook | None, retry_failed: bool = False) -> tuple[IngestReport, dict[SpaceKey, int]]:
-    """Write one read segment inside the open transaction (raises if writing it fails)."""
+    """Write one read segment inside the open transaction (raises if writing it fails), and its stamp."""
+    report, dims = _write_outcome(writer, read, known_dims, hook, retry_failed)
+    if read.stamp is not None:
+        writer.write_stamp(read.segment, read.stamp, read.checksum, report.status)
+    return report, dims
+
+
+def _write_outcome(writer: StoreWriter, read: _ReadSegment, known_dims: Mapping[SpaceKey, int],
+                   hook: StageHook | None, retry_failed: bool) -> tuple[IngestReport, dict[SpaceKey, int]]:
     if writer.concurrent:
         read = _as_claimed(read, *writer.claim(read.segment, read.checksum), retry_failed)
         if read.skip_status is not None:
@@ -426,12 +461,29 @@ def _write_alone(writer: StoreWriter, read: _ReadSegment, known_dims: dict[Space
                 report, dims = _skipped(read), {}
             else:
                 report, dims = _record_failed(writer, read, error, "write"), {}
+            if read.stamp is not None:
+                writer.write_stamp(read.segment, read.stamp, read.checksum, report.status)
             writer.commit()
         except BaseException:
             writer.rollback()
             raise
     known_dims.update(dims)
     return report
+
+
+def _record_stamps(writer: StoreWriter, reads: Sequence[_ReadSegment]) -> None:
+    """Record the stamps of segments skipped by their checksum, in one short transaction (in segment
+    order, so concurrent runs never deadlock). Losing them costs one more read of each next run."""
+    if not reads:
+        return
+    writer.begin()
+    try:
+        for read in sorted(reads, key=lambda item: item.segment):
+            writer.write_stamp(read.segment, str(read.stamp), read.checksum, str(read.skip_status))
+        writer.commit()
+    except BaseException:
+        writer.rollback()
+        raise
 
 
 def _ingest_paths(writer: StoreWriter, sources: Sequence[SegmentSource], hook: StageHook | None,
@@ -445,6 +497,8 @@ def _ingest_paths(writer: StoreWriter, sources: Sequence[SegmentSource], hook: S
     `failed`, so one bad segment costs the run nothing else.
     """
     ledger, changed, known_dims = writer.snapshot()
+    stamps = writer.stamps()
+    unstamped: list[_ReadSegment] = []  # skipped by their checksum: their stamps are recorded at the end
     run_errors = _run_errors(writer)
     pending_dims: dict[SpaceKey, int] = {}  # written by the open transaction
     reports: list[IngestReport] = []
@@ -454,7 +508,7 @@ def _ingest_paths(writer: StoreWriter, sources: Sequence[SegmentSource], hook: S
     def read_ahead(index: int) -> Future | None:
         if index >= len(sources):
             return None
-        return reader.submit(_read_segment, sources[index], ledger, changed, retry_failed, run_errors)
+        return reader.submit(_read_segment, sources[index], ledger, changed, retry_failed, run_errors, stamps)
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="leap-ingest-read") as reader:
         ahead = read_ahead(0)
@@ -465,6 +519,8 @@ def _ingest_paths(writer: StoreWriter, sources: Sequence[SegmentSource], hook: S
                 if read.skip_status is not None:
                     if read.skip_status != STATUS_VANISHED:
                         reports.append(_skipped(read))
+                    if read.stamp is not None and read.skip_status != STATUS_VANISHED:
+                        unstamped.append(read)
                     continue
                 if not group:
                     writer.begin()
@@ -493,6 +549,7 @@ def _ingest_paths(writer: StoreWriter, sources: Sequence[SegmentSource], hook: S
             if group:
                 writer.commit()
                 group = []
+            _record_stamps(writer, unstamped)
         except BaseException as error:
             if group:
                 writer.rollback()

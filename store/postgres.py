@@ -48,7 +48,7 @@ from store.sql import (
     table_ddl,
 )
 
-POSTGRES_SCHEMA_VERSION = 1
+POSTGRES_SCHEMA_VERSION = 2
 """Version of the PostgreSQL store's tables (its own line of versions: the DuckDB file's differ)."""
 
 _SCHEMA_LOCK = 0x4C454150_53544F52  # "LEAPSTOR": the advisory lock key of schema changes
@@ -75,6 +75,7 @@ SCHEMA_DDL = (
     "CREATE INDEX IF NOT EXISTS quarantine_segment ON quarantine (segment)",
     table_ddl(POSTGRES, "ingest_ledger"),
     table_ddl(POSTGRES, "changed_segments"),
+    table_ddl(POSTGRES, "segment_stamps"),
     table_ddl(POSTGRES, "gates"),
     table_ddl(POSTGRES, "store_meta"),
 )

@@ -24,6 +24,9 @@ SpaceKey = tuple[str, int, str]
 Ledger = dict[str, tuple[str, str]]
 """Each segment already ingested, as its (checksum, status)."""
 
+Stamps = dict[str, tuple[str, str, str]]
+"""Each segment whose content was checked, as (its stamp then, that content's checksum, its status)."""
+
 
 class StoreWriter(Protocol):
     """A store's writes of ingested segments, on one connection that `store.ingest` holds for a run.
@@ -62,6 +65,13 @@ class StoreWriter(Protocol):
     def claim(self, segment: str, checksum: str) -> tuple[tuple[str, str] | None, bool]:
         """(the segment's ledger row, whether this content is quarantined as changed), now and held."""
         ...
+
+    def stamps(self) -> Stamps:
+        """The stamp of each segment when its content was last checked (`store.ingest` skips a segment
+        whose stamp is unchanged without reading it)."""
+        ...
+
+    def write_stamp(self, segment: str, stamp: str, checksum: str, status: str) -> None: ...
 
     def clear_segment_quarantine(self, segment: str) -> None: ...
 

@@ -47,6 +47,13 @@ class ObjectSegment:
     key: str
     replica_id: str | None = None
     endpoint_url: str | None = None
+    size: int | None = None  # from the listing
+    etag: str | None = None  # from the listing
+
+    @property
+    def stamp(self) -> str | None:
+        """Size and ETag as listed (a new upload at the key changes the ETag); None when not listed so."""
+        return f"s3:{self.size}:{self.etag}" if self.etag and self.size is not None else None
 
     @property
     def segment(self) -> str:
@@ -81,10 +88,11 @@ def object_segments(url: str, *, endpoint_url: str | None = None) -> list[Object
         for info in store.list(location.bucket, base):
             parts = info.key[len(base):].split("/")
             if len(parts) == 1 and _is_segment_name(parts[0]):
-                top.append(ObjectSegment(location.bucket, info.key, None, endpoint_url))
+                top.append(ObjectSegment(location.bucket, info.key, None, endpoint_url, info.size, info.etag))
             elif (len(parts) == 2 and parts[0] and not parts[0].startswith(".") and parts[0] != _QUARANTINE
                   and _is_segment_name(parts[1])):
-                nested.append((parts[0], parts[1], ObjectSegment(location.bucket, info.key, parts[0], endpoint_url)))
+                nested.append((parts[0], parts[1],
+                               ObjectSegment(location.bucket, info.key, parts[0], endpoint_url, info.size, info.etag)))
     except ObjectNotFound as error:  # listing raises it only for a missing bucket
         logger.warning("no feedback bucket yet (%s): no segments to ingest", error)
         return []

@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from leap_io.feedback_schema import feedback_schema
 from store.frame import TrainingFrame
-from store.protocol import Ledger, SpaceKey
+from store.protocol import Ledger, SpaceKey, Stamps
 
 SCALAR_COLUMNS = tuple(name for name in feedback_schema(1).names if name != "feature")
 """Every column of a feedback segment except the feature vector, in schema order."""
@@ -146,6 +146,15 @@ _TABLES = {
   seen_at TIMESTAMP NOT NULL,
   PRIMARY KEY (segment, checksum)
 )""",
+    # What each ledgered segment looked like from outside when its content was last checked (size and
+    # modification time of a file, size and ETag of an object): a segment whose stamp is unchanged is
+    # skipped without being read again (`store.ingest`).
+    "segment_stamps": """CREATE TABLE IF NOT EXISTS segment_stamps (
+  segment {text} PRIMARY KEY,
+  stamp {text} NOT NULL,
+  checksum {text} NOT NULL,
+  status {text} NOT NULL
+)""",
     # The gate verdicts the pipeline records (`flows.tasks.record_gate`).
     "gates": """CREATE TABLE IF NOT EXISTS gates (
   gate_key {text} PRIMARY KEY,
@@ -167,7 +176,7 @@ _TABLES = {
 
 def table_ddl(dialect: Dialect, table: str) -> str:
     """The CREATE TABLE of one of the tables both stores hold alike: quarantine, ingest_ledger,
-    changed_segments, gates or store_meta."""
+    changed_segments, segment_stamps, gates or store_meta."""
     return _TABLES[table].format(text=dialect.text)
 
 
@@ -386,6 +395,19 @@ class SqlWriter:
         changed = {(segment, checksum) for segment, checksum
                    in self.con.execute("SELECT segment, checksum FROM changed_segments").fetchall()}
         return ledger, changed
+
+    def stamps(self) -> Stamps:
+        """The stamp each segment had when its content was last checked, with that content's (checksum,
+        status): the status a run that finds the same stamp reports without reading the segment."""
+        return {segment: (stamp, checksum, status) for segment, stamp, checksum, status
+                in self.con.execute("SELECT segment, stamp, checksum, status FROM segment_stamps").fetchall()}
+
+    def write_stamp(self, segment: str, stamp: str, checksum: str, status: str) -> None:
+        m = self.dialect.mark
+        self.con.execute(
+            f"INSERT INTO segment_stamps VALUES ({m}, {m}, {m}, {m}) ON CONFLICT (segment) "
+            "DO UPDATE SET stamp = excluded.stamp, checksum = excluded.checksum, status = excluded.status",
+            [segment, stamp, checksum, status])
 
     def clear_segment_quarantine(self, segment: str) -> None:
         self.con.execute(f"DELETE FROM quarantine WHERE segment = {self.dialect.mark} AND row_index = -1", [segment])
