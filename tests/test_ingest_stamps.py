@@ -97,3 +97,22 @@ def test_segments_in_a_bucket_are_skipped_by_their_listed_etag(tmp_path: Path, s
     gets.clear()
     changed = ingest_folder(store, url, endpoint_url=s3_env)
     assert gets == ["fleet/replica-0/seg-0.parquet"] and totals(changed)["checksum_changed"] == 1
+
+
+def test_the_growth_bench_times_each_run_beside_a_full_read_and_prints_its_keys():
+    import json
+
+    from typer.testing import CliRunner
+
+    from leap_cli.main import app
+
+    outcome = CliRunner().invoke(app, ["bench", "ingest-growth", "--history-rows", "3000", "--runs", "2",
+                                       "--rows-per-run", "1000", "--segment-rows", "1000", "--dim", "8",
+                                       "--registry-dim", "16", "--json"])
+    assert outcome.exit_code == 0, outcome.output
+    figures = json.loads(outcome.stdout.strip().splitlines()[-1])
+    assert figures["history_rows"] == 3000 and figures["rows_stored"] == 5000
+    assert len(figures["per_run_s"]) == len(figures["full_read_s"]) == 2
+    assert figures["last_over_first"] == pytest.approx(figures["per_run_s"][1] / figures["per_run_s"][0], rel=0.02)
+    # the state one version stores: P and A (dim x dim, float64) dominate
+    assert figures["registry_bytes_per_version"] > 2 * 16 * 16 * 8
