@@ -8,8 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from registry import rls_file as rls_file_format
 from registry.model import READOUT_FILE, RLS_STATE_FILE
 
 if TYPE_CHECKING:
@@ -69,8 +68,7 @@ class LoadingMixin:
             path = self._download_model_file(name, alias_or_version, RLS_STATE_FILE, tmp)
             if path is None:
                 return None
-            with np.load(path) as stored:
-                arrays = {key: stored[key] for key in stored.files}
+            arrays = rls_file_format.load(path)
         if readout is None:
             readout = self.load_readout(name, alias_or_version, expect=expect)
         return RLS.from_state_arrays(readout, arrays)

@@ -22,6 +22,7 @@ from mlflow.entities import Metric, Param
 from leap_io.jsonable import dumps
 from leap_io.model_identity import registered_model_name
 from registry import plots as plotting
+from registry import rls_file as rls_file_format
 from registry.calls import RegistryError
 from registry.model import READOUT_FILE, RLS_STATE_FILE, save_readout_model
 
@@ -167,7 +168,7 @@ class RunsMixin:
             rls_file = None
             if rls is not None:
                 rls_file = Path(tmp) / RLS_STATE_FILE
-                np.savez(rls_file, **rls.state_arrays())
+                rls_file_format.save(rls_file, rls.state_arrays())  # P and A as upper triangles
                 self._log_metrics(run_id, {f"rls.{k}": v for k, v in rls.stats().items() if is_number(v)})
             # the training mean is a typical hidden state, and reveals nothing the readout does not
             example = np.asarray(readout.mean_).reshape(1, -1)

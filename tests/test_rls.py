@@ -245,3 +245,24 @@ def test_bench_rls_prints_its_figures():
     assert figures["dim"] == 64 and figures["batch"] == 4
     assert 0 < figures["update_ms_median"] <= figures["update_ms_p95"]
     assert figures["setup_s"] > 0
+
+
+def test_the_registry_stores_the_state_as_upper_triangles_and_resumes_it_bit_for_bit(tmp_path):
+    from registry import rls_file
+
+    rng = np.random.default_rng(5)
+    X, L = rng.normal(size=(200, 40)), rng.integers(1, 400, 200)
+    readout = LinearReadout(alpha=2.0, max_tokens=512).fit(X, L)
+    rls = RLS.from_readout(readout, X)
+    rls.partial_fit(rng.normal(size=(8, 40)), rng.integers(1, 400, 8))
+    arrays = rls.state_arrays()
+    rls_file.save(tmp_path / "packed.npz", arrays)
+    np.savez(tmp_path / "full.npz", **arrays)  # as versions registered before were stored
+    with np.load(tmp_path / "packed.npz") as stored:
+        assert "P" not in stored.files and stored["P_upper"].size == 41 * 42 // 2
+    for name in ("packed.npz", "full.npz"):
+        loaded = rls_file.load(tmp_path / name)
+        assert set(loaded) == set(arrays)
+        for key, value in arrays.items():
+            np.testing.assert_array_equal(loaded[key], value)
+    assert (tmp_path / "packed.npz").stat().st_size < 0.6 * (tmp_path / "full.npz").stat().st_size

@@ -7,7 +7,7 @@ last run's time over the first's: near 1 when a run's cost follows the new rows,
 history when it does not. `full_read_s` is, after each run, a run with nothing new that reads and hashes
 every segment (the segments' stamps cleared first), as every run did before stamps were recorded: the
 cost the stamps save. `registry_bytes_per_version` is what one registered version stores at
-`registry_dim` (the readout file and its RLS state, `registry.runs`).
+`registry_dim` (the readout file and its RLS state, packed as `registry.rls_file` stores it).
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ def registry_bytes_per_version(dim: int, seed: int = 0) -> dict[str, int]:
     from leap_core.readout import LinearReadout
     from leap_core.readout_format import to_bytes
     from leap_core.rls import RLS
+    from registry import rls_file
 
     rng = np.random.default_rng(seed)
     X = rng.standard_normal((64, dim)).astype(np.float32)
     readout = LinearReadout(max_tokens=2048).fit(X, rng.integers(1, 2048, 64))
     state = io.BytesIO()
-    np.savez(state, **RLS.from_readout(readout, X).state_arrays())
+    np.savez(state, **rls_file.pack(RLS.from_readout(readout, X).state_arrays()))  # as `registry.runs` stores it
     readout_bytes = len(to_bytes(readout))
     return {"readout_bytes": readout_bytes, "rls_state_bytes": state.tell(),
             "total": readout_bytes + state.tell()}
