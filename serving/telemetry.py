@@ -16,6 +16,11 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 
+from serving.request_extras import KNOWN_KEYS
+
+
+UNKNOWN_EXTRA = "unknown"
+"""The label of every `leap_*` extra key LEAP does not know (`leap_bad_request_extras_total`)."""
 
 class Telemetry:
     """Every metric of one LEAP runtime; the counting methods are safe from any thread."""
@@ -64,6 +69,9 @@ class Telemetry:
             self._dropped_tally[(what, reason)] += count
 
     def bad_extra(self, key: str) -> None:
+        """Count one ignored extra by its key; every key LEAP does not know counts as "unknown", so a
+        client sending new names cannot grow the metrics without bound."""
+        key = key if key in KNOWN_KEYS or key == "vllm_xargs" else UNKNOWN_EXTRA
         self._bad_extras.labels(key=key).inc()
         with self._lock:
             self._bad_extras_tally[key] += 1

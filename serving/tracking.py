@@ -123,8 +123,10 @@ class RequestTracker:
         if errors:
             for key in errors:
                 self.telemetry.bad_extra(key)
-            self._warn.warning("extras", "LEAP ignored invalid extras of request %s: %s", request.request_id,
-                               "; ".join(f"{key}: {reason}" for key, reason in sorted(errors.items())))
+            listed = "; ".join(f"{key[:64]}: {reason}" for key, reason in sorted(errors.items())[:8])
+            more = f" (and {len(errors) - 8} more)" if len(errors) > 8 else ""
+            self._warn.warning("extras", "LEAP ignored invalid extras of request %s: %s%s", request.request_id,
+                               listed, more)
         return extras
 
     def entry_of_unseen(self, request: Any) -> Tracked:

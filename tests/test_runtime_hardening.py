@@ -92,9 +92,23 @@ def test_bad_client_extras_are_ignored_counted_and_warned_about_once_in_a_while(
     # a bad prediction is no prediction: the request goes by its max_tokens (20 < 300), so `good` waits
     assert good.request_id in runtime.last_held
     for key in BAD_EXTRAS:
-        assert sample(runtime, "leap_bad_request_extras_total", key=key) == 50, key
+        label = "unknown" if key == "leap_colour" else key  # a key LEAP does not know is counted as unknown
+        assert sample(runtime, "leap_bad_request_extras_total", key=label) == 50, key
     warnings = [r for r in caplog.records if "leap_" in r.getMessage()]
     assert 1 <= len(warnings) <= 2  # rate limited, not one per request
+
+
+def test_ten_thousand_distinct_unknown_extras_leave_the_metrics_bounded(build):
+    runtime = build(policy="leap", decode_slots=1)
+    requests = [make_request(f"odd{i}-00000001", extra={f"leap_x{i * 100 + k}": 1 for k in range(100)})
+                for i in range(100)]  # 10,000 distinct key names in all
+    runtime.before_schedule(requests, 0)
+    for request in requests:
+        runtime.on_finished(finish(request, RequestStatus.FINISHED_ABORTED))
+    assert sample(runtime, "leap_bad_request_extras_total", key="unknown") == 10_000
+    text = generate_latest(runtime.metrics_registry).decode()
+    assert text.count("leap_bad_request_extras_total{") == 1 and "leap_x" not in text
+    assert runtime.telemetry.snapshot()["bad_request_extras"] == {"unknown": 10_000}
 
 
 def test_bad_extras_in_feedback_rows_fall_back_to_what_the_engine_knows(build, sender_for):
