@@ -93,6 +93,7 @@ class ReadoutService:
         self._telemetry = telemetry
         self.capture = capture
         self._lock = threading.RLock()
+        self._push_lock = threading.Lock()  # one push at a time: validate, serve, persist
         self._served = _Served()
         self._anchor = _Served()  # the readout as last pushed (restored, loaded), before RLS corrects it
         self.source = "none"
@@ -144,13 +145,17 @@ class ReadoutService:
         return validate_push(bundle, self.expect, None, self.capture)
 
     def push(self, body: bytes) -> dict:
-        """Validate and hot-swap a pushed readout (PushRefused keeps the old one), then persist it."""
-        readout, rls = validate_push(body, self.expect, self.readout, self.capture)
-        previous = self.version
-        with self._lock:
-            self.serve(readout, rls, "push")
-            version = self.version
-        persisted = self.persist(body, version)
+        """Validate and hot-swap a pushed readout (PushRefused keeps the old one), then persist it.
+
+        Pushes are serialized: each is validated against the readout the one before it left serving,
+        and the state saved is the last one served (two at once never let the older one win)."""
+        with self._push_lock:
+            readout, rls = validate_push(body, self.expect, self.readout, self.capture)
+            previous = self.version
+            with self._lock:
+                self.serve(readout, rls, "push")
+                version = self.version
+            persisted = self.persist(body, version)
         logger.info("LEAP readout %s replaced %s", version, previous)
         return {"version": version, "previous": previous, "rls": self.learner.stats(), "persisted": persisted}
 

@@ -286,3 +286,27 @@ def test_the_policy_is_validated_on_construction_and_assignment():
     assert (config.decode_order, config.length_source) == ("countdown", "predicted")
     with pytest.raises(ValueError):
         register_predictor_policy("no spaces")
+
+
+def test_two_pushes_at_once_are_taken_one_after_the_other_and_the_newer_serves(service, monkeypatch):
+    import serving.readout_service as readout_service
+
+    service.push(_bundle(first_feature_readout("v1")))
+    real = readout_service.validate_push
+    entered = threading.Event()
+
+    def slow_first(body, *args, **kwargs):  # the older push is still being checked when the newer arrives
+        checked = real(body, *args, **kwargs)
+        if checked[0].metadata["version"] == "v2":
+            entered.set()
+            time.sleep(0.5)
+        return checked
+
+    monkeypatch.setattr(readout_service, "validate_push", slow_first)
+    older = threading.Thread(target=service.push, args=(_bundle(first_feature_readout("v2")),))
+    older.start()
+    assert entered.wait(5)
+    service.push(_bundle(first_feature_readout("v3")))
+    older.join(5)
+    assert service.version == "v3"
+    assert service.state.saved()[0] == "v3"  # the state a restart serves is the one serving
