@@ -420,12 +420,12 @@ def _carry_out(decision: dict[str, Any], settings: PipelineSettings, name: str, 
             decision["outcome"] = push_champion(registry_uri(settings), name, [decision["replica"]],
                                                 settings.token(), retries=settings.push_retries,
                                                 timeout=settings.push_timeout_s,
-                                                lock_path=str(settings.alias_lock_path))
+                                                lock_path=settings.alias_lock_location)
         elif action == ROLLBACK:
             state.last_rollback_at = now
             decision["outcome"] = rollback_champion(registry_uri(settings), name, settings.endpoints,
                                                     settings.token(), str(settings.promotion_journal_dir),
-                                                    str(settings.alias_lock_path), settings.push_retries,
+                                                    settings.alias_lock_location, settings.push_retries,
                                                     settings.push_timeout_s)
         decision["done"] = True
     except Exception as exc:  # noqa: BLE001 - reported in the result; the watch itself goes on

@@ -278,7 +278,7 @@ def merge_flow(name: str | None = None) -> dict[str, Any]:
     replica that answers as the new champion, and bring every replica to the champion."""
     settings = PipelineSettings()
     token = settings.token()
-    lock = str(settings.alias_lock_path)
+    lock = settings.alias_lock_location
     started = time.monotonic()
     snapshot_at = time.time()
     replicas = fetch_replica_states(settings.endpoints, token, settings.push_timeout_s)
@@ -327,4 +327,4 @@ def reconcile_flow(name: str | None = None) -> dict[str, Any]:
     settings = PipelineSettings()
     name = model_name_for(settings, name)
     return plain(reconcile_replicas(registry_uri(settings), name, settings.endpoints, settings.token(),
-                                     str(settings.alias_lock_path), settings.push_retries, settings.push_timeout_s))
+                                     settings.alias_lock_location, settings.push_retries, settings.push_timeout_s))

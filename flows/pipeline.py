@@ -114,7 +114,7 @@ def fit_flow(since: float | None = None, until: float | None = None, alpha: str 
                                   settings.target, settings.max_tokens, settings.test_fraction,
                                   window={"since": since, "until": until, "domains": settings.domains},
                                   fallback_max_tokens=largest_max_tokens(store, space),
-                                  lock_path=str(settings.alias_lock_path),
+                                  lock_path=settings.alias_lock_location,
                                   anchor=anchor or settings.fit_anchor,
                                   recipes=settings.recipes if recipes is None else recipes)
     except NotEnoughRowsError as exc:
@@ -161,7 +161,7 @@ def push_flow(version: str | None = None, name: str | None = None, promote: bool
     against the current champion."""
     settings = PipelineSettings()
     name = model_name_for(settings, name)
-    lock = str(settings.alias_lock_path)
+    lock = settings.alias_lock_location
     if not promote:
         pushed = push_champion(registry_uri(settings), name, settings.endpoints, settings.token(),
                                version=version, retries=settings.push_retries, timeout=settings.push_timeout_s,
@@ -191,7 +191,7 @@ def rollback_flow(name: str | None = None) -> dict[str, Any]:
     settings = PipelineSettings()
     name = model_name_for(settings, name)
     result = rollback_champion(registry_uri(settings), name, settings.endpoints, settings.token(),
-                               str(settings.promotion_journal_dir), str(settings.alias_lock_path),
+                               str(settings.promotion_journal_dir), settings.alias_lock_location,
                                settings.push_retries, settings.push_timeout_s, settings.champion_url)
     get_run_logger().info("rollback: %s v%s is champion again on %d replicas", name, result["version"],
                           len(result["pushed"]))

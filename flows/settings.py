@@ -164,8 +164,16 @@ class PipelineSettings(BaseSettings):
 
     @property
     def alias_lock_path(self) -> Path:
-        """The file lock every alias writer takes (next to the sqlite registry, whichever URI is used)."""
+        """The file lock every alias writer of this host takes (next to the sqlite registry)."""
         return self.mlflow_dir / "aliases.lock"
+
+    @property
+    def alias_lock_location(self) -> str:
+        """The lock every alias writer takes: in the PostgreSQL log store when the fleet shares one (an
+        advisory lock every host reaches, `registry.locking.PostgresAliasLock`), else `alias_lock_path`."""
+        if self.store_url and self.store_url.startswith(("postgresql://", "postgresql+psycopg://")):
+            return self.store_url
+        return str(self.alias_lock_path)
 
     @property
     def promotion_journal_dir(self) -> Path:

@@ -11,6 +11,7 @@ arrays skip Prefect's input hashing (NO_CACHE), which would otherwise hash megab
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,6 +32,7 @@ from leap_io.jsonable import dumps, to_jsonable
 from leap_io.object_store import is_object_url
 from registry.aliases import CHAMPION
 from registry.client import ReadoutRegistry
+from registry.locking import is_postgres_location
 from registry.lookups import ROWS_UNTIL_TAG
 from store.duckdb import TrainingFrame
 from store.ingest import IngestReport, SegmentSource, ingest_folder, ingest_segments, totals
@@ -102,6 +104,14 @@ def recorded_gate(store: Store, name: str, challenger: str, champion: str | None
 
 # ---------------------------------------------------------------------------- the registry
 
+def _journal_home(lock_path: str | None, registry: ReadoutRegistry) -> Path:
+    """Beside a file lock; a lock in PostgreSQL has no folder, so then the temporary folder."""
+    location = lock_path or registry.alias_lock.path
+    if is_postgres_location(str(location)):
+        return Path(tempfile.gettempdir()) / "leap"
+    return Path(location).parent
+
+
 def registry_at(tracking_uri: str, lock_path: str | None = None) -> ReadoutRegistry:
     """The registry client of a task; `lock_path` is the alias lock every alias writer shares."""
     return ReadoutRegistry(tracking_uri, lock_path=lock_path)
@@ -114,7 +124,7 @@ def registry_uri(settings: PipelineSettings) -> str:
 
 def registry_of(settings: PipelineSettings) -> ReadoutRegistry:
     """The registry of `settings`, its alias writes under the settings' alias lock."""
-    return registry_at(registry_uri(settings), str(settings.alias_lock_path))
+    return registry_at(registry_uri(settings), settings.alias_lock_location)
 
 
 # ---------------------------------------------------------------------------- tasks
@@ -325,7 +335,7 @@ def promote_if_passed(tracking_uri: str, name: str, version: str, verdict: Mappi
     if not verdict.get("passed", False):
         return {"promoted": False, "champion": registry.get_alias(name, CHAMPION),
                 "reason": verdict.get("reason", "the gate did not pass")}
-    journal = journal_dir or str(Path(lock_path or registry.alias_lock.path).parent / "promotions")
+    journal = journal_dir or str(_journal_home(lock_path, registry) / "promotions")
     result = promote_everywhere(registry, name, version, list(endpoints),
                                 PushOptions(token, retries=push_retries, timeout=push_timeout), journal,
                                 champion_url)

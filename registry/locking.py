@@ -6,8 +6,10 @@ to test), so a CAS built from them would still be a read followed by a write wit
 An exclusive `flock` on one file next to the registry's state holds every alias writer of the host
 (the fit's challenger, promotion, rollback, the champion push) in one queue, is reentrant within a
 thread, and is released by the kernel when its holder dies, so a kill -9 never leaves it stale.
-It does not reach across hosts: every process that writes aliases must run where the state folder is
-(which is how the stack runs).
+A file lock does not reach across hosts. A fleet whose log store is PostgreSQL takes the lock there
+instead (`PostgresAliasLock`, a session advisory lock, also released by the server when its holder's
+connection ends), so promotions from several hosts, or from processes with separate state folders, queue
+on one lock: `AliasLock.for_path` takes either a file path or a `postgresql+psycopg://` URL.
 """
 
 from __future__ import annotations
@@ -51,7 +53,10 @@ class AliasLock:
         self._fd: int | None = None
 
     @classmethod
-    def for_path(cls, path: str | Path) -> AliasLock:
+    def for_path(cls, path: str | Path) -> AliasLock | PostgresAliasLock:
+        """The lock at a file path, or in the PostgreSQL database a `postgresql+psycopg://` URL names."""
+        if is_postgres_location(path):
+            return PostgresAliasLock.for_url(str(path))
         path = Path(path).resolve()
         with cls._instances_guard:
             lock = cls._instances.get(str(path))
@@ -103,17 +108,96 @@ class AliasLock:
             self._guard.release()
 
 
+def is_postgres_location(location: str | Path) -> bool:
+    """Whether a lock location is a PostgreSQL URL rather than a file path."""
+    return isinstance(location, str) and location.startswith(("postgresql://", "postgresql+psycopg://"))
+
+
+class PostgresAliasLock:
+    """The alias lock as a session advisory lock in a PostgreSQL database: one queue across hosts.
+
+    Held on a connection of its own for the `with` block; the server releases it when that connection
+    ends, so a killed holder never leaves it stale. Reentrant within a thread, like `AliasLock`. One
+    instance per URL and process (`for_url`).
+    """
+
+    KEY = 0x4C454150_414C4941  # "LEAPALIA": every alias writer of the database's fleet takes this one
+    _instances: ClassVar[dict[str, PostgresAliasLock]] = {}
+    _instances_guard = threading.Lock()
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._guard = threading.RLock()
+        self._depth = 0
+        self._con = None
+
+    @classmethod
+    def for_url(cls, url: str) -> PostgresAliasLock:
+        with cls._instances_guard:
+            lock = cls._instances.get(url)
+            if lock is None:
+                lock = cls._instances[url] = cls(url)
+            return lock
+
+    @property
+    def path(self) -> str:
+        """Where the lock lives, for messages (the URL without its password)."""
+        from leap_io.redact import redact_url
+
+        return redact_url(self.url)
+
+    def _take(self, deadline: float, timeout_s: float):
+        import psycopg
+
+        con = psycopg.connect(self.url.replace("postgresql+psycopg://", "postgresql://", 1), autocommit=True,
+                              connect_timeout=max(1, int(min(timeout_s, 30))))
+        delay = 0.01
+        try:
+            while not con.execute("SELECT pg_try_advisory_lock(%s)", [self.KEY]).fetchone()[0]:
+                if time.monotonic() >= deadline:
+                    raise AliasLockTimeout(f"the alias lock in {self.path} stayed held for {timeout_s:.1f}s; "
+                                           "no alias was written")
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+        except BaseException:
+            con.close()
+            raise
+        return con
+
+    @contextmanager
+    def held(self, timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> Iterator[PostgresAliasLock]:
+        """Hold the lock (waiting up to `timeout_s`, then AliasLockTimeout) for the `with` block."""
+        deadline = time.monotonic() + timeout_s
+        if not self._guard.acquire(timeout=timeout_s):
+            raise AliasLockTimeout(f"another thread held the alias lock in {self.path} for {timeout_s:.1f}s")
+        try:
+            if self._depth == 0:
+                self._con = self._take(deadline, timeout_s)
+            self._depth += 1
+            try:
+                yield self
+            finally:
+                self._depth -= 1
+                if self._depth == 0 and self._con is not None:
+                    con, self._con = self._con, None
+                    with contextlib.suppress(Exception):  # closing the connection releases it anyway
+                        con.execute("SELECT pg_advisory_unlock(%s)", [self.KEY])
+                    con.close()
+        finally:
+            self._guard.release()
+
+
 class AliasLockHandle:
     """One registry's view of the shared `AliasLock`: the same lock, with its own patience."""
 
-    def __init__(self, lock: AliasLock, timeout_s: float) -> None:
+    def __init__(self, lock: AliasLock | PostgresAliasLock, timeout_s: float) -> None:
         self.lock, self.timeout_s = lock, timeout_s
 
     @property
-    def path(self) -> Path:
+    def path(self) -> Path | str:
         return self.lock.path
 
-    def held(self) -> contextlib.AbstractContextManager[AliasLock]:
+    def held(self) -> contextlib.AbstractContextManager[AliasLock | PostgresAliasLock]:
         return self.lock.held(self.timeout_s)
 
 

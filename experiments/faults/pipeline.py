@@ -355,7 +355,7 @@ def _champion_and_challenger(settings: PipelineSettings) -> tuple[str, str, str]
     write_synthetic_feedback(settings.feedback_dir, 300, DIM, segment_rows=300, max_tokens=512)
     store = open_store(settings)
     ingest_folder(store, settings.feedback_dir)
-    registry = ReadoutRegistry(settings.mlflow_tracking_uri, lock_path=settings.alias_lock_path)
+    registry = ReadoutRegistry(settings.mlflow_tracking_uri, lock_path=settings.alias_lock_location)
     logged = []
     for seed, version in enumerate(("20250101T000000-v1", "20250102T000000-v2"), start=1):
         readout, rls = fitted_readout(version, seed)
