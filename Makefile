@@ -9,7 +9,7 @@ demo: install
 
 test: install
 	.venv/bin/lint-imports
-	.venv/bin/python -m pytest -q tests
+	.venv/bin/python -m pytest -q --durations=25 tests
 
 bench: install
 	.venv/bin/leap bench predictor --json
