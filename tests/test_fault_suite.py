@@ -1,7 +1,7 @@
 """The fault suite's client scenarios against one real `leap serve` replica (engine: starts the real server).
 
-Bad `vllm_xargs`, malformed admin requests and hostile pushes each must leave the replica serving, with
-its readout unchanged. The rest of the suite (aborts, SIGKILL, a full disk, the pipeline's faults) is the
+Bad `vllm_xargs`, malformed admin requests, hostile pushes, a slow-loris flood of the admin API and 10,000
+unknown extras each must leave the replica serving, with its readout unchanged. The rest of the suite (aborts, SIGKILL, a full disk, the pipeline's faults) is the
 `leap bench faults` benchmark, not a test.
 """
 
@@ -33,3 +33,8 @@ def test_hostile_clients_and_pushes_never_take_a_replica_down(tmp_path):
     assert pushes["readout_before"] == pushes["readout_after"]
     admin = results["malformed_admin"]
     assert admin["answers"]["no_content_length"] == 411 and admin["answers"]["declared_body_of_a_tib"] == 413
+    slowloris = results["admin_slowloris"]
+    assert slowloris["health_statuses"] == [200] and slowloris["flush_from_another_host"] == 200
+    assert slowloris["cut_off"] == 12 and slowloris["refusals"].get("head_deadline", 0) >= 1
+    extras = results["unknown_extras"]
+    assert extras["statuses"] == {"400": 100} and extras["metrics_lines_after"] <= extras["metrics_lines_before"] + 8

@@ -11,6 +11,9 @@ Against it, in this order:
    4xx (or 503 for the flood), the readout unchanged;
 3. `hostile_pushes`: compressed bombs (one inflating to 1 GiB), NaN and float32-overflowing weights,
    broken RLS state, foreign and older readouts: each refused, the readout unchanged;
+3a. `admin_slowloris`: twelve trickling connections hold what one address may; health and metrics answer
+   and a flush from another address is served meanwhile (experiments/faults/flood.py);
+3b. `unknown_extras`: 10,000 distinct unknown `leap_*` keys, each request a 400, /metrics unchanged;
 4. `push_during_rls`: pushes while traffic makes RLS publish; the pushed version always wins
    (experiments/faults/load.py);
 5. `abort_storm`: 10,000 streaming requests dropped by the client; LEAP's per-request state is back at
@@ -44,9 +47,11 @@ import httpx
 from experiments.faults.clients import Replica, bad_vllm_xargs, hostile_pushes, malformed_admin, not_run, result
 from experiments.faults.serve import Admin, ServeFailed, ServeProcess, bundle_of, fault_readout, served_model
 
-SERVING_SCENARIOS = ("bad_vllm_xargs", "malformed_admin", "hostile_pushes", "push_during_rls", "abort_storm",
-                     "kill9_mid_replay", "disk_full")
-QUICK_SCENARIOS = SERVING_SCENARIOS[:3]
+LIVE_SCENARIOS = ("bad_vllm_xargs", "malformed_admin", "hostile_pushes", "admin_slowloris", "unknown_extras",
+                  "push_during_rls", "abort_storm", "kill9_mid_replay")
+"""Scenarios against the one replica the suite starts, in this order (the SIGKILL last)."""
+SERVING_SCENARIOS = (*LIVE_SCENARIOS, "disk_full")
+QUICK_SCENARIOS = LIVE_SCENARIOS[:5]
 FLOWS_PREFIX = "flows:"
 BASE_VERSION = "v10"
 SUMMARY_KEYS = ("scenarios", "survived", "requests_lost", "feedback_rows_lost", "ingest_rows_lost_or_duplicated",
@@ -153,7 +158,7 @@ class Suite:
     # -- the scenarios -----------------------------------------------------------------------------
     def run(self, selected: list[str]) -> list[dict[str, Any]]:
         results: list[dict[str, Any]] = []
-        live = [name for name in selected if name in SERVING_SCENARIOS[:6]]
+        live = [name for name in selected if name in LIVE_SCENARIOS]
         if live:
             self.start_replica()
             down: str | None = self.setup_error
@@ -215,6 +220,14 @@ class Suite:
             return malformed_admin(replica, slow=self.slow_admin)
         if name == "hostile_pushes":
             return hostile_pushes(replica)
+        if name == "admin_slowloris":
+            from experiments.faults.flood import admin_slowloris
+
+            return admin_slowloris(replica)
+        if name == "unknown_extras":
+            from experiments.faults.flood import unknown_extras
+
+            return unknown_extras(replica)
         if name == "push_during_rls":
             from experiments.faults.load import push_during_rls
 
