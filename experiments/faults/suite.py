@@ -24,7 +24,8 @@ Against it, in this order:
 7. `disk_full`: a fresh replica writes feedback to a 512 KiB tmpfs that fills; it serves on, counts or
    keeps every row, and writes them once the disk has room;
 8. the pipeline's own fault scenarios from `experiments.faults.pipeline` (ingest killed with SIGKILL and rerun, MLflow
-   down during fit, gate, push and promote, corrupt segments), folded in as they report.
+   down during fit, gate, push and promote, corrupt segments) and `experiments.faults.shared_parts` (S3 cut
+   off while replicas ship, PostgreSQL restarted mid-ingest), folded in as they report.
 
 Every scenario is bounded in time and loops; one that cannot run is reported as not survived with the
 reason, never left out. Nothing started here outlives `run_suite` (process groups, tmpfs unmounted).
@@ -59,10 +60,11 @@ SUMMARY_KEYS = ("scenarios", "survived", "requests_lost", "feedback_rows_lost", 
 
 
 def flows_scenarios() -> dict[str, Callable[..., dict[str, Any]]]:
-    """The pipeline's fault scenarios (experiments/faults/pipeline.py), by name; {} when that module cannot load."""
+    """The pipeline's fault scenarios (experiments/faults/pipeline.py, shared_parts.py), by name."""
     from experiments.faults.pipeline import SCENARIOS
+    from experiments.faults.shared_parts import SCENARIOS as SHARED_PARTS
 
-    return dict(SCENARIOS)
+    return {**SCENARIOS, **SHARED_PARTS}
 
 
 def make_replica(serve: ServeProcess, token: str, pushed: list[str] | None = None) -> Replica:
