@@ -12,6 +12,9 @@
   other: every replica ends on the registry's champion, having taken the versions in the same order, and
   a promotion that cannot go through (its version older than the one now serving) fails with the earlier
   state restored.
+- `mlflow_artifacts_full`: MLflow's artifact store (a tmpfs) is full when a readout is registered. The
+  registration fails loudly, no version is made and the champion alias stays; once there is room, the
+  same registration goes through.
 """
 
 from __future__ import annotations
@@ -347,7 +350,60 @@ def two_promotions_two_homes(workdir: str | Path | None = None, *, push_delay_s:
                        serving=serving, push_histories=histories,
                        lock="postgres advisory lock" if shared_lock else "a file lock in each state folder")
 
+
+def mlflow_artifacts_full(workdir: str | Path | None = None, *, timeout_s: float = 120.0) -> dict[str, Any]:
+    """MLflow's artifact store is full when a readout is registered: the registration fails loudly with no
+    version made and the aliases as they were; once there is room, the same registration goes through."""
+    from experiments.faults.crash import _mount_tmpfs, _unmount
+    from experiments.faults.pipeline import fitted_readout
+    from ops.servers import MlflowServer
+    from registry.aliases import CHAMPION
+    from registry.client import ReadoutRegistry
+
+    started = time.monotonic()
+    with _scratch(workdir) as scratch:
+        artifacts = scratch / "mlflow" / "artifacts"
+        mount_error = _mount_tmpfs(artifacts, "16m")
+        if mount_error is not None:
+            return _result("mlflow_artifacts_full", started, False, error=f"could not mount a tmpfs: {mount_error}",
+                           ran=False)
+        try:
+            with MlflowServer(scratch / "mlflow") as server:
+                registry = ReadoutRegistry(server.url, retries=1, backoff_s=0.1)
+                readout, rls = fitted_readout("20250101T000000-v1", seed=1)
+                first = registry.log_readout(readout, rls=rls, params={"data_hash": "fault"}, metrics={"spearman": 0.5})
+                registry.set_alias(first.name, CHAMPION, first.version)
+                ballast = artifacts / "ballast"
+                with _quiet(), open(ballast, "wb") as handle:  # fill what is left of the disk
+                    while True:
+                        handle.write(b"\0" * 4096)
+                        handle.flush()
+                versions_before = len(registry.client.search_model_versions(f"name = '{first.name}'"))
+                aliases_before = registry.get_alias(first.name, CHAMPION)
+                readout, rls = fitted_readout("20250102T000000-v2", seed=2)
+                error: BaseException | None = None
+                try:
+                    registry.log_readout(readout, rls=rls, params={"data_hash": "fault"}, metrics={"spearman": 0.5})
+                except Exception as failure:  # noqa: BLE001 - the loud failure is what this scenario checks
+                    error = failure
+                versions_after = len(registry.client.search_model_versions(f"name = '{first.name}'"))
+                champion_after = registry.get_alias(first.name, CHAMPION)
+                ballast.unlink()
+                again = registry.log_readout(readout, rls=rls, params={"data_hash": "fault"}, metrics={"spearman": 0.5})
+        finally:
+            _unmount(artifacts)
+        failed_loudly = error is not None
+        nothing_half_done = versions_after == versions_before and champion_after == aliases_before
+        survived = (failed_loudly and nothing_half_done and again.version is not None
+                    and time.monotonic() - started < timeout_s)
+        return _result("mlflow_artifacts_full", started, survived, failed_loudly=failed_loudly,
+                       error=None if error is None else f"{type(error).__name__}: {str(error)[:300]}",
+                       versions_before=versions_before, versions_after=versions_after,
+                       champion_before=str(aliases_before), champion_after=str(champion_after),
+                       registered_once_there_was_room=str(again.version))
+
 SCENARIOS = {"s3_down_while_shipping": s3_down_while_shipping,
              "postgres_restart_mid_ingest": postgres_restart_mid_ingest,
-             "two_promotions_two_homes": two_promotions_two_homes}
+             "two_promotions_two_homes": two_promotions_two_homes,
+             "mlflow_artifacts_full": mlflow_artifacts_full}
 """These scenarios by name; each takes an optional `workdir` and returns its result dict."""
