@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from registry.tracking import sqlite_path
 
@@ -35,7 +35,46 @@ class AliasLockTimeout(RuntimeError):
     """Another process held the alias lock for longer than this one was willing to wait."""
 
 
-class AliasLock:
+class _ReentrantLock:
+    """An inter-process lock, reentrant within a thread: other threads of the process wait on an in-process
+    lock first. A subclass takes (`_take`, by `deadline` or AliasLockTimeout) and releases (`_release`) the
+    lock itself, and names it (`path`)."""
+
+    path: Any
+
+    def __init__(self) -> None:
+        self._guard = threading.RLock()
+        self._depth = 0
+        self._handle: Any = None
+
+    def _take(self, deadline: float, timeout_s: float) -> Any:
+        raise NotImplementedError
+
+    def _release(self, handle: Any) -> None:
+        raise NotImplementedError
+
+    @contextmanager
+    def held(self, timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> Iterator[Any]:
+        """Hold the lock (waiting up to `timeout_s`, then AliasLockTimeout) for the `with` block."""
+        deadline = time.monotonic() + timeout_s
+        if not self._guard.acquire(timeout=timeout_s):
+            raise AliasLockTimeout(f"another thread held the alias lock {self.path} for {timeout_s:.1f}s")
+        try:
+            if self._depth == 0:
+                self._handle = self._take(deadline, timeout_s)
+            self._depth += 1
+            try:
+                yield self
+            finally:
+                self._depth -= 1
+                if self._depth == 0 and self._handle is not None:
+                    handle, self._handle = self._handle, None
+                    self._release(handle)
+        finally:
+            self._guard.release()
+
+
+class AliasLock(_ReentrantLock):
     """An exclusive file lock that every alias writer of a registry takes (see the module docstring).
 
     Reentrant within a thread; other threads of the process wait on an in-process lock first, since
@@ -47,10 +86,8 @@ class AliasLock:
     _instances_guard = threading.Lock()
 
     def __init__(self, path: Path) -> None:
+        super().__init__()
         self.path = path
-        self._guard = threading.RLock()
-        self._depth = 0
-        self._fd: int | None = None
 
     @classmethod
     def for_path(cls, path: str | Path) -> AliasLock | PostgresAliasLock:
@@ -64,7 +101,7 @@ class AliasLock:
                 lock = cls._instances[str(path)] = cls(path)
             return lock
 
-    def _take_file(self, deadline: float, timeout_s: float) -> int:
+    def _take(self, deadline: float, timeout_s: float) -> int:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         delay = 0.01
@@ -86,26 +123,9 @@ class AliasLock:
                 os.close(fd)
                 raise
 
-    @contextmanager
-    def held(self, timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> Iterator[AliasLock]:
-        """Hold the lock (waiting up to `timeout_s`, then AliasLockTimeout) for the `with` block."""
-        deadline = time.monotonic() + timeout_s
-        if not self._guard.acquire(timeout=timeout_s):
-            raise AliasLockTimeout(f"another thread held the alias lock {self.path} for {timeout_s:.1f}s")
-        try:
-            if self._depth == 0:
-                self._fd = self._take_file(deadline, timeout_s)
-            self._depth += 1
-            try:
-                yield self
-            finally:
-                self._depth -= 1
-                if self._depth == 0 and self._fd is not None:
-                    fcntl.flock(self._fd, fcntl.LOCK_UN)
-                    os.close(self._fd)
-                    self._fd = None
-        finally:
-            self._guard.release()
+    def _release(self, fd: int) -> None:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 def is_postgres_location(location: str | Path) -> bool:
@@ -113,7 +133,7 @@ def is_postgres_location(location: str | Path) -> bool:
     return isinstance(location, str) and location.startswith(("postgresql://", "postgresql+psycopg://"))
 
 
-class PostgresAliasLock:
+class PostgresAliasLock(_ReentrantLock):
     """The alias lock as a session advisory lock in a PostgreSQL database: one queue across hosts.
 
     Held on a connection of its own for the `with` block; the server releases it when that connection
@@ -126,10 +146,8 @@ class PostgresAliasLock:
     _instances_guard = threading.Lock()
 
     def __init__(self, url: str) -> None:
+        super().__init__()
         self.url = url
-        self._guard = threading.RLock()
-        self._depth = 0
-        self._con = None
 
     @classmethod
     def for_url(cls, url: str) -> PostgresAliasLock:
@@ -164,27 +182,10 @@ class PostgresAliasLock:
             raise
         return con
 
-    @contextmanager
-    def held(self, timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> Iterator[PostgresAliasLock]:
-        """Hold the lock (waiting up to `timeout_s`, then AliasLockTimeout) for the `with` block."""
-        deadline = time.monotonic() + timeout_s
-        if not self._guard.acquire(timeout=timeout_s):
-            raise AliasLockTimeout(f"another thread held the alias lock in {self.path} for {timeout_s:.1f}s")
-        try:
-            if self._depth == 0:
-                self._con = self._take(deadline, timeout_s)
-            self._depth += 1
-            try:
-                yield self
-            finally:
-                self._depth -= 1
-                if self._depth == 0 and self._con is not None:
-                    con, self._con = self._con, None
-                    with contextlib.suppress(Exception):  # closing the connection releases it anyway
-                        con.execute("SELECT pg_advisory_unlock(%s)", [self.KEY])
-                    con.close()
-        finally:
-            self._guard.release()
+    def _release(self, con: Any) -> None:
+        with contextlib.suppress(Exception):  # closing the connection releases it anyway
+            con.execute("SELECT pg_advisory_unlock(%s)", [self.KEY])
+        con.close()
 
 
 class AliasLockHandle:
