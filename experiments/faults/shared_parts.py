@@ -378,7 +378,7 @@ def mlflow_artifacts_full(workdir: str | Path | None = None, *, timeout_s: float
                     while True:
                         handle.write(b"\0" * 4096)
                         handle.flush()
-                versions_before = len(registry.client.search_model_versions(f"name = '{first.name}'"))
+                versions_before = len(registry.list_versions(first.name))
                 aliases_before = registry.get_alias(first.name, CHAMPION)
                 readout, rls = fitted_readout("20250102T000000-v2", seed=2)
                 error: BaseException | None = None
@@ -386,7 +386,7 @@ def mlflow_artifacts_full(workdir: str | Path | None = None, *, timeout_s: float
                     registry.log_readout(readout, rls=rls, params={"data_hash": "fault"}, metrics={"spearman": 0.5})
                 except Exception as failure:  # noqa: BLE001 - the loud failure is what this scenario checks
                     error = failure
-                versions_after = len(registry.client.search_model_versions(f"name = '{first.name}'"))
+                versions_after = len(registry.list_versions(first.name))
                 champion_after = registry.get_alias(first.name, CHAMPION)
                 ballast.unlink()
                 again = registry.log_readout(readout, rls=rls, params={"data_hash": "fault"}, metrics={"spearman": 0.5})
