@@ -7,11 +7,6 @@
 - `postgres_restart_mid_ingest`: the PostgreSQL server of the log store is restarted while an ingest
   run writes to it (every session ended at once, as a fast restart does, then the server stopped). The run fails loudly. A rerun leaves exactly the segments' request ids in the store,
   with the ledger reconciling row for row (`ingest_rows_lost_or_duplicated` 0).
-- `two_promotions_two_homes`: two processes with separate state folders promote two versions at once
-  onto the same slow replicas. The alias lock in the fleet's PostgreSQL store takes them one after the
-  other: every replica ends on the registry's champion, having taken the versions in the same order, and
-  a promotion that cannot go through (its version older than the one now serving) fails with the earlier
-  state restored.
 - `mlflow_artifacts_full`: MLflow's artifact store (a tmpfs) is full when a readout is registered. The
   registration fails loudly, no version is made and the champion alias stays; once there is room, the
   same registration goes through.
@@ -25,7 +20,7 @@ import socketserver
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -254,103 +249,6 @@ def postgres_restart_mid_ingest(workdir: str | Path | None = None, *, segments: 
 
 
 
-_PROMOTER = """
-import json, sys
-from flows.promotion import PushOptions, promote
-from flows.settings import PipelineSettings
-from registry.client import ReadoutRegistry
-
-name, version, endpoints, token = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
-settings = PipelineSettings()  # its own LEAP_HOME; the store, registry and lock come from the environment
-registry = ReadoutRegistry(settings.mlflow_tracking_uri, lock_path=settings.alias_lock_location)
-print("ready", flush=True)
-sys.stdin.readline()
-try:
-    outcome = promote(registry, name, version, endpoints, PushOptions(token, retries=0, timeout=30.0),
-                      settings.promotion_journal_dir)
-    print(json.dumps({"version": version, "status": outcome["status"]}), flush=True)
-except Exception as error:
-    print(json.dumps({"version": version, "status": "failed", "restored": getattr(error, "restored", None),
-                      "error": f"{type(error).__name__}: {str(error)[:300]}"}), flush=True)
-"""
-
-
-def two_promotions_two_homes(workdir: str | Path | None = None, *, push_delay_s: float = 0.3,
-                             shared_lock: bool = True, timeout_s: float = 180.0) -> dict[str, Any]:
-    """Two processes with separate state folders promote two versions at once onto the same replicas; the
-    alias lock in the fleet's PostgreSQL store takes them one after the other, so every replica ends on
-    the registry's champion and took the versions in one order. `shared_lock=False` shows what happens
-    without it: each process then takes the file lock of its own state folder."""
-    import json
-    import subprocess
-    import sys
-
-    from experiments.faults.pipeline import REPO_ROOT, TOKEN, fitted_readout, replicas
-    from flows.promotion import PushOptions, promote
-    from ops.servers import MlflowServer
-    from registry.aliases import CHAMPION
-    from registry.client import ReadoutRegistry
-
-    started = time.monotonic()
-    with _scratch(workdir) as scratch, ExitStack() as stack:
-        pg_port = free_port()
-        stack.enter_context(running_postgres(scratch / "pg" / "data", pg_port))
-        store_url = create_database(pg_port, "leap_promotions")
-        server = stack.enter_context(MlflowServer(scratch / "mlflow"))
-        targets, urls = stack.enter_context(replicas(2))
-        registry = ReadoutRegistry(server.url, lock_path=store_url)
-        logged = []
-        for day in (1, 2, 3):
-            readout, rls = fitted_readout(f"2025010{day}T000000-v{day}", seed=day)
-            logged.append(registry.log_readout(readout, rls=rls, params={"data_hash": "fault"},
-                                               metrics={"spearman": 0.5}))
-        name = logged[0].name
-        promote(registry, name, logged[0].version, urls, PushOptions(TOKEN, retries=0), scratch / "journal")
-        for target in targets:  # slow replicas: each push takes a while, so the two promotions overlap
-            target.on_push = lambda version: time.sleep(push_delay_s)
-        environment = {key: value for key, value in os.environ.items() if not key.startswith("LEAP_")}
-        children = []
-        for index, model_version in enumerate((logged[1].version, logged[2].version)):
-            env = {**environment, "LEAP_HOME": str(scratch / f"host-{index}"),
-                   "LEAP_MLFLOW_TRACKING_URI": server.url, "PYTHONPATH": str(REPO_ROOT),
-                   **({"LEAP_STORE_URL": store_url} if shared_lock else {})}
-            children.append(subprocess.Popen(
-                [sys.executable, "-c", _PROMOTER, name, str(model_version), json.dumps(urls), TOKEN],
-                cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                text=True, start_new_session=True))
-        outcomes: list[dict] = []
-        try:
-            ready = [child.stdout.readline().strip() == "ready" for child in children]
-            for child in children:  # both at once
-                child.stdin.write("go\n")
-                child.stdin.flush()
-            for child in children:
-                line = child.stdout.readline().strip()
-                outcomes.append(json.loads(line) if line.startswith("{") else {"status": "no answer", "line": line})
-                child.wait(timeout_s)
-        finally:
-            for child in children:
-                if child.poll() is None:
-                    child.kill()
-                    child.wait(10)
-        champion = registry.get_alias(name, CHAMPION)
-        versions = {str(entry.version): entry for entry in logged}
-        champion_readout = ("" if champion is None else
-                            str(registry.load_readout(name, champion).metadata.get("version", "")))
-        serving = [target.version for target in targets]
-        histories = [target.history for target in targets]
-        promoted = [o for o in outcomes if o.get("status") == "promoted"]
-        failed_cleanly = all(o.get("status") == "promoted" or (o.get("status") == "failed" and o.get("restored"))
-                             for o in outcomes)
-        consistent = serving == [champion_readout] * len(targets) and all(h == histories[0] for h in histories)
-        survived = (all(ready) and len(outcomes) == 2 and len(promoted) >= 1 and failed_cleanly and consistent
-                    and str(champion) in versions and time.monotonic() - started < timeout_s)
-        return _result("two_promotions_two_homes", started, survived, outcomes=outcomes,
-                       champion=None if champion is None else str(champion), champion_readout=champion_readout,
-                       serving=serving, push_histories=histories,
-                       lock="postgres advisory lock" if shared_lock else "a file lock in each state folder")
-
-
 def mlflow_artifacts_full(workdir: str | Path | None = None, *, timeout_s: float = 120.0) -> dict[str, Any]:
     """MLflow's artifact store is full when a readout is registered: the registration fails loudly with no
     version made and the aliases as they were; once there is room, the same registration goes through."""
@@ -404,6 +302,5 @@ def mlflow_artifacts_full(workdir: str | Path | None = None, *, timeout_s: float
 
 SCENARIOS = {"s3_down_while_shipping": s3_down_while_shipping,
              "postgres_restart_mid_ingest": postgres_restart_mid_ingest,
-             "two_promotions_two_homes": two_promotions_two_homes,
              "mlflow_artifacts_full": mlflow_artifacts_full}
 """These scenarios by name; each takes an optional `workdir` and returns its result dict."""
