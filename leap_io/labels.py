@@ -26,6 +26,9 @@ import numpy as np
 from leap_io.feedback_schema import TRAINING_FINISH_REASONS
 
 CLIENT_LENGTH_POLICIES = ("client", "oracle")
+FORCED_LENGTH_PROBLEMS = ("client_cap", "ignore_eos", "min_tokens")
+"""The problems of a length the request forced; a replay of recorded true lengths forces them on purpose
+(`LeapConfig.rls_learns_forced_lengths`)."""
 LABEL_PROBLEMS = ("client_cap", "ignore_eos", "min_tokens", *(f"policy_{p}" for p in CLIENT_LENGTH_POLICIES))
 """The reasons besides a finish reason that keep a row's length out of training."""
 

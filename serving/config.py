@@ -71,6 +71,9 @@ class LeapConfig(BaseSettings):
     aging: float = Field(0.0, ge=0.0, description="exponential aging strength (0: plain countdown)")
     rls: bool = Field(True, description="correct the readout online from finished requests")
     rls_every: int = Field(8, ge=1, description="finished requests per RLS publish")
+    rls_learns_forced_lengths: bool = Field(
+        False, description="let RLS learn lengths a request forced (ignore_eos, min_tokens, a max_tokens below the "
+                           "readout's budget): only for replays that force recorded true lengths, never for clients")
     rls_forgetting: float = Field(1.0, gt=0.0, le=1.0)
     ready_wait_ms: float = Field(200.0, ge=0.0, description="longest wait for a missing prediction")
     feedback_dir: str | None = Field(None, description="folder of feedback segments; None: no feedback")

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from leap_io.labels import LABEL_PROBLEMS, label_problem
+from leap_io.labels import FORCED_LENGTH_PROBLEMS, LABEL_PROBLEMS, label_problem
 from serving import vllm_compat
 from serving.config import LeapConfig
 from serving.readout_service import ReadoutService
@@ -60,7 +60,7 @@ class FinishedRequests:
         output_tokens = int(request.num_output_tokens)
         if feature is not None and output_tokens > 0:
             problem = self._label_problem(request, policy)
-            if problem is None:
+            if problem is None or (problem in FORCED_LENGTH_PROBLEMS and self.config.rls_learns_forced_lengths):
                 self._readouts.observe(feature, output_tokens)
             elif problem in LABEL_PROBLEMS:
                 self._telemetry.drop("rls_row", problem)

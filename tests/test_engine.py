@@ -33,7 +33,7 @@ def live(model, tmp_path_factory):
     feedback = tmp_path_factory.mktemp("feedback")
     config = LeapConfig(policy="leap", layer=LAYER, max_resident=16, decode_slots=4, waiting_cap=1000,
                         rls=False, feedback_dir=str(feedback), admin_port=0, admin_token=TOKEN,
-                        segment_max_rows=7)
+                        segment_max_rows=7, rls_learns_forced_lengths=True)  # `run` forces lengths (ignore_eos)
     engine = build_engine(EngineSettings(model=model.path, max_model_len=2048, max_num_batched_tokens=256),
                           config)
     scheduler = leap_scheduler(engine)
