@@ -28,6 +28,7 @@ from flows.tasks import (
     latest_feature_space,
     plain,
     promote_if_passed,
+    prune_feedback,
     push_champion,
     record_gate,
     recorded_gate,
@@ -88,6 +89,9 @@ def ingest_flow(feedback_dir: str | None = None, retry_failed: bool = False,
         summary = ingest_feedback(store, str(location), retry_failed, settings.s3_endpoint_url)
     seconds = time.perf_counter() - started
     summary.update(workers=workers, seconds=seconds, rows_per_s=summary["rows_read"] / seconds if seconds > 0 else 0.0)
+    if settings.feedback_retention_days is not None:
+        summary["pruned"] = prune_feedback(store, str(location), settings.feedback_retention_days,
+                                           settings.s3_endpoint_url)
     get_run_logger().info("ingest: %s", summary)
     return {"status": "ingested", **plain(summary)}
 

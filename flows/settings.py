@@ -36,6 +36,9 @@ class PipelineSettings(BaseSettings):
     store_url: str | None = Field(
         None, description="the log store: None keeps the DuckDB file (duckdb_path, one writer at a time); "
                           "a postgresql+psycopg:// URL is a store several ingest workers write at once")
+    feedback_retention_days: float | None = Field(
+        None, ge=0, description="remove a feedback segment this many days after all its rows were ingested "
+                                "(store.retention; unreadable, failed and changed segments are kept); None: keep all")
     ingest_workers: int = Field(
         2, ge=1, description="segments ingested at once by the ingest flow's mapped tasks on a PostgreSQL "
                              "store (the DuckDB file takes one writer: its ingest stays sequential)")

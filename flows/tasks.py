@@ -35,7 +35,7 @@ from registry.client import ReadoutRegistry
 from registry.locking import is_postgres_location
 from registry.lookups import ROWS_UNTIL_TAG
 from store.duckdb import TrainingFrame
-from store.ingest import IngestReport, SegmentSource, ingest_folder, ingest_segments, totals
+from store.ingest import IngestReport, SegmentSource, complete_segments, ingest_folder, ingest_segments, totals
 from store.stores import Store, open_store, store_at
 from training.fit import NotEnoughRowsError, fit_readout, select_window, time_split
 from training.spec import FeatureSpace, FitSpec, content_key, rows_until
@@ -141,6 +141,17 @@ def ingest_feedback(store_location: str, feedback_dir: str, retry_failed: bool =
         Path(feedback_dir).mkdir(parents=True, exist_ok=True)
     summary = totals(ingest_folder(store, feedback_dir, retry_failed=retry_failed, endpoint_url=s3_endpoint_url))
     return {**summary, "store": store.counts(), "finish_reasons": store.finish_reasons()}
+
+
+@task(name="prune-feedback", cache_policy=NO_CACHE)
+def prune_feedback(store_location: str, feedback_dir: str, retention_days: float,
+                   s3_endpoint_url: str | None = None) -> dict[str, int]:
+    """Remove the segments whose rows are all in the store, ingested `retention_days` ago or more
+    (`store.retention.prune_ingested`)."""
+    from store.retention import prune_ingested
+
+    sources = complete_segments(feedback_dir, endpoint_url=s3_endpoint_url)
+    return prune_ingested(store_at(store_location), sources, older_than_s=retention_days * 86_400.0)
 
 
 @task(name="ingest-segments", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE)

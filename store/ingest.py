@@ -278,8 +278,12 @@ class SegmentSource(Protocol):
 
     def read_bytes(self) -> bytes: ...
 
+    def remove(self) -> None:
+        """Delete the segment (`store.retention`, once all its rows are stored)."""
+        ...
 
-def _stamp_of(source: SegmentSource) -> str | None:
+
+def stamp_of(source: SegmentSource) -> str | None:
     """What the source says of its content without reading it (`stamp`); None when it cannot say."""
     try:
         stamp = getattr(source, "stamp", None)
@@ -312,6 +316,9 @@ class SegmentFile:
         info = self.path.stat()
         return f"file:{info.st_size}:{info.st_mtime_ns}:{info.st_ino}"
 
+    def remove(self) -> None:
+        self.path.unlink()
+
 
 @dataclass
 class _ReadSegment:
@@ -343,7 +350,7 @@ def _read_segment(source: SegmentSource, ledger: Ledger, changed: set[tuple[str,
     """
     replica = source.replica_id
     segment = source.segment
-    stamp = _stamp_of(source)
+    stamp = stamp_of(source)
     known = (stamps or {}).get(segment) if stamp is not None else None
     if known is not None and known[0] == stamp and not (retry_failed and known[2] == STATUS_FAILED):
         return _ReadSegment(segment, known[1], replica, skip_status=known[2])  # stamp already recorded

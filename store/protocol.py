@@ -119,6 +119,10 @@ class Store(Protocol):
         """One dict per ingested segment, ordered by its identity (byte order)."""
         ...
 
+    def stamps(self) -> Stamps:
+        """The stamp each checked segment had, with that content's (checksum, status)."""
+        ...
+
     def quarantine_reasons(self) -> dict[str, int]:
         """How many quarantined rows each reason holds."""
         ...

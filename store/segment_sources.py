@@ -67,6 +67,9 @@ class ObjectSegment:
         """The object's bytes; `ObjectNotFound` (a FileNotFoundError) when it is gone."""
         return store_at(self.endpoint_url).get(self.bucket, self.key)
 
+    def remove(self) -> None:
+        store_at(self.endpoint_url).delete(self.bucket, self.key)
+
 
 def _is_segment_name(name: str) -> bool:
     return name.endswith(".parquet") and not name.startswith(".")

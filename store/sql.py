@@ -300,6 +300,11 @@ class SqlStore(ABC):
         """Contents found at an already-ingested segment's path and left out (see `store.ingest`)."""
         return self._dicts(f"SELECT * FROM changed_segments ORDER BY {self.dialect.bytewise('segment')}, seen_at")
 
+    def stamps(self) -> Stamps:
+        """The stamp each checked segment had, with that content's (checksum, status) (`store.ingest`)."""
+        return {segment: (stamp, checksum, status) for segment, stamp, checksum, status
+                in self._rows("SELECT segment, stamp, checksum, status FROM segment_stamps")}
+
     def ledger(self) -> list[dict]:
         """One dict per ingested segment, ordered by its identity (byte order)."""
         return self._dicts(f"SELECT * FROM ingest_ledger ORDER BY {self.dialect.bytewise('segment')}")
