@@ -200,7 +200,7 @@ def kill9_mid_replay(replica: Replica, restart: Callable[[], Replica], n: int = 
 
 # ---------------------------------------------------------------------------- 7. full feedback disk
 
-def _mount_tmpfs(folder: Path, size: str) -> str | None:
+def mount_tmpfs(folder: Path, size: str) -> str | None:
     folder.mkdir(parents=True, exist_ok=True)
     try:
         done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
@@ -210,13 +210,13 @@ def _mount_tmpfs(folder: Path, size: str) -> str | None:
     return None if done.returncode == 0 else (done.stderr.strip() or f"mount exited {done.returncode}")
 
 
-def _remount(folder: Path, size: str) -> str | None:
+def remount(folder: Path, size: str) -> str | None:
     done = subprocess.run(["mount", "-o", f"remount,size={size}", str(folder)], capture_output=True, text=True,
                           timeout=30)
     return None if done.returncode == 0 else done.stderr.strip()
 
 
-def _unmount(folder: Path) -> None:
+def unmount(folder: Path) -> None:
     for args in (["umount", str(folder)], ["umount", "-l", str(folder)]):
         try:
             if subprocess.run(args, capture_output=True, timeout=30).returncode == 0:
@@ -236,7 +236,7 @@ def disk_full(start_replica: Callable[[Path], Replica], stop_replica: Callable[[
     leaves `free_kib` free). The replica must serve every request, keep or count every row (health shows
     the failing writes), and write the kept rows once the disk has room again."""
     started = time.monotonic()
-    mount_error = _mount_tmpfs(folder, size)
+    mount_error = mount_tmpfs(folder, size)
     if mount_error is not None:
         return result("disk_full", started, False, f"could not mount a tmpfs at {folder}: {mount_error}", ran=False)
     replica = None
@@ -267,7 +267,7 @@ def disk_full(start_replica: Callable[[Path], Replica], stop_replica: Callable[[
 
         # room again: the kept rows must reach the disk
         ballast.unlink(missing_ok=True)
-        remount_error = _remount(folder, "16m")
+        remount_error = remount(folder, "16m")
         room_deadline = time.monotonic() + 45
         room_status, room_health = _feedback_health(replica)
         while room_health.get("queue_depth", 0) > 0 and time.monotonic() < room_deadline:
@@ -304,4 +304,4 @@ def disk_full(start_replica: Callable[[Path], Replica], stop_replica: Callable[[
     finally:
         if replica is not None:
             stop_replica(replica)
-        _unmount(folder)
+        unmount(folder)

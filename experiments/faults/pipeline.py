@@ -60,13 +60,13 @@ DIM = 16
 MLFLOW_PHASES = ("fit", "gate_registration", "push", "promote")
 
 
-def _result(scenario: str, started: float, survived: bool, **figures: Any) -> dict[str, Any]:
+def scenario_result(scenario: str, started: float, survived: bool, **figures: Any) -> dict[str, Any]:
     return {"scenario": scenario, "survived": bool(survived), "seconds": round(time.monotonic() - started, 2),
             **figures}
 
 
 @contextmanager
-def _scratch(workdir: str | Path | None) -> Iterator[Path]:
+def scratch_folder(workdir: str | Path | None) -> Iterator[Path]:
     if workdir is not None:
         path = Path(workdir)
         path.mkdir(parents=True, exist_ok=True)
@@ -92,7 +92,7 @@ print("done", flush=True)
 """
 
 
-def _synthetic_feedback(scratch: Path, names: list[str], rows_per_segment: int, dim: int, seed: int,
+def synthetic_feedback(scratch: Path, names: list[str], rows_per_segment: int, dim: int, seed: int,
                         abort_fraction: float = 0.0) -> Path:
     """`scratch/feedback` holding one synthetic segment under each of `names`, their rows numbered on."""
     folder = scratch / "feedback"
@@ -105,14 +105,14 @@ def _synthetic_feedback(scratch: Path, names: list[str], rows_per_segment: int, 
     return folder
 
 
-def _segment_ids(folder: Path) -> list[str]:
+def segment_ids(folder: Path) -> list[str]:
     ids: list[str] = []
     for path in sorted(folder.glob("*.parquet")):
         ids += pq.read_table(path, columns=["request_id"]).column("request_id").to_pylist()
     return ids
 
 
-def _ledger_reconciles(store: LogStore) -> bool:
+def ledger_reconciles(store: LogStore) -> bool:
     counts = store.counts()
     return (counts["rows_read"] == counts["rows_accepted"] + counts["rows_quarantined"] + counts["rows_duplicate"]
             and counts["requests"] == counts["features"] == counts["rows_accepted"])
@@ -126,10 +126,10 @@ def ingest_kill9(workdir: str | Path | None = None, *, segments: int = 24, rows_
     ids with the segments' ids."""
     started = time.monotonic()
     kill_after = segments // 2 if kill_after_segments is None else kill_after_segments
-    with _scratch(workdir) as scratch:
-        folder = _synthetic_feedback(scratch, [f"segment-{index:05d}.parquet" for index in range(segments)],
+    with scratch_folder(workdir) as scratch:
+        folder = synthetic_feedback(scratch, [f"segment-{index:05d}.parquet" for index in range(segments)],
                                      rows_per_segment, dim, seed, abort_fraction=0.05)
-        expected = _segment_ids(folder)
+        expected = segment_ids(folder)
         store = LogStore(scratch / "store.duckdb")
         store.counts()  # the schema, outside the child's run
 
@@ -161,11 +161,11 @@ def ingest_kill9(workdir: str | Path | None = None, *, segments: int = 24, rows_
         phantom = len(stored_ids - expected_ids)
         duplicated = int(stored - distinct) + (len(expected) - len(expected_ids))
         problem = lost + phantom + duplicated
-        reconciles = _ledger_reconciles(store)
+        reconciles = ledger_reconciles(store)
         survived = (killed and not finished and problem == 0 and reconciles
                     and summary["skipped"] == before_rerun["segments"]
                     and time.monotonic() - started < timeout_s)
-        return _result("ingest_kill9", started, survived, ingest_rows_lost_or_duplicated=problem, rows_lost=lost,
+        return scenario_result("ingest_kill9", started, survived, ingest_rows_lost_or_duplicated=problem, rows_lost=lost,
                        rows_duplicated=duplicated, rows_unknown=phantom, rows_expected=len(expected),
                        segments=segments, segments_committed_before_kill=before_rerun["segments"],
                        rows_committed_before_kill=before_rerun["requests"], killed_by_sigkill=killed,
@@ -183,10 +183,10 @@ def corrupt_segments(workdir: str | Path | None = None, *, good_segments: int = 
     from leap_io.feedback_schema import segment_metadata
 
     started = time.monotonic()
-    with _scratch(workdir) as scratch:
-        folder = _synthetic_feedback(scratch, [f"seg-{2 * index:03d}-good.parquet" for index in range(good_segments)],
+    with scratch_folder(workdir) as scratch:
+        folder = synthetic_feedback(scratch, [f"seg-{2 * index:03d}-good.parquet" for index in range(good_segments)],
                                      rows_per_segment, dim, seed)
-        good_ids = set(_segment_ids(folder))
+        good_ids = set(segment_ids(folder))
 
         template = folder / "seg-000-good.parquet"
         data = template.read_bytes()
@@ -227,8 +227,8 @@ def corrupt_segments(workdir: str | Path | None = None, *, good_segments: int = 
                      if reason not in reasons_by_segment.get(name, set())}
         summary = totals(reports)
         survived = (stored == good_ids and not misjudged and all(r.skipped for r in again)
-                    and _ledger_reconciles(store))
-        return _result("corrupt_segments", started, survived, segments=len(reports),
+                    and ledger_reconciles(store))
+        return scenario_result("corrupt_segments", started, survived, segments=len(reports),
                        bad_segments=len(expected), good_rows=len(good_ids), rows_ingested=len(stored),
                        good_rows_lost=len(good_ids - stored), misjudged=misjudged,
                        quarantine_reasons=store.quarantine_reasons(), failed=summary["failed"],
@@ -408,7 +408,7 @@ def mlflow_down(phase: str, workdir: str | Path | None = None, *, n_replicas: in
     if phase not in MLFLOW_PHASES:
         raise ValueError(f"phase must be one of {MLFLOW_PHASES}, got {phase!r}")
     started = time.monotonic()
-    with _scratch(workdir) as scratch, ExitStack() as stack:
+    with scratch_folder(workdir) as scratch, ExitStack() as stack:
         server = stack.enter_context(MlflowServer(scratch / "mlflow"))
         targets, urls = stack.enter_context(replicas(n_replicas))
         settings = stack.enter_context(pipeline_environment(
@@ -438,7 +438,7 @@ def mlflow_down(phase: str, workdir: str | Path | None = None, *, n_replicas: in
                              and _gates_recorded(store) == gates_before and not journal_left
                              and aliases_after.get(CHAMPION) == first)
         survived = failed_loudly and nothing_half_done and time.monotonic() - started < timeout_s
-        return _result(f"mlflow_down_{phase}", started, survived, phase=phase, failed_loudly=failed_loudly,
+        return scenario_result(f"mlflow_down_{phase}", started, survived, phase=phase, failed_loudly=failed_loudly,
                        error=None if error is None else f"{type(error).__name__}: {str(error)[:400]}",
                        restored=restored, aliases_before=aliases_before, aliases_after=aliases_after,
                        serving_before=serving_before, serving_after=serving_after,

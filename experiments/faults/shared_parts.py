@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.faults.pipeline import _ledger_reconciles, _result, _scratch, _segment_ids, _synthetic_feedback
+from experiments.faults.pipeline import ledger_reconciles, scenario_result, scratch_folder, segment_ids, synthetic_feedback
 from ops.servers import create_database, free_port, running_postgres, running_s3, s3_environment
 from store.duckdb import LogStore
 from store.ingest import ingest_folder, totals
@@ -143,7 +143,7 @@ def s3_down_while_shipping(workdir: str | Path | None = None, *, rows: int = 300
     from serving.shipper import FeedbackShipper
 
     started = time.monotonic()
-    with _scratch(workdir) as scratch, running_s3() as endpoint, _environment(s3_environment(endpoint)):
+    with scratch_folder(workdir) as scratch, running_s3() as endpoint, _environment(s3_environment(endpoint)):
         host, port = endpoint.removeprefix("http://").split(":")
         proxy = _Proxy((host, int(port)))
         folder, url = scratch / "spool", "s3://leap-outage/fleet"
@@ -180,7 +180,7 @@ def s3_down_while_shipping(workdir: str | Path | None = None, *, rows: int = 300
         survived = (shipped_before and failing and pending_in_outage > 0 and shipped and lost == 0
                     and summary["duplicates"] == 0 and len(stored) == rows
                     and time.monotonic() - started < timeout_s)
-        return _result("s3_down_while_shipping", started, survived, feedback_rows_lost=lost, rows_written=rows,
+        return scenario_result("s3_down_while_shipping", started, survived, feedback_rows_lost=lost, rows_written=rows,
                        rows_ingested=len(stored), pending_segments_in_outage=pending_in_outage,
                        connections_dropped=proxy.dropped, shipper_failing_in_outage=failing, shipped_after=shipped,
                        duplicates=summary["duplicates"])
@@ -195,10 +195,10 @@ def postgres_restart_mid_ingest(workdir: str | Path | None = None, *, segments: 
     from store.postgres import PostgresStore
 
     started = time.monotonic()
-    with _scratch(workdir) as scratch:
-        folder = _synthetic_feedback(scratch, [f"segment-{index:05d}.parquet" for index in range(segments)],
+    with scratch_folder(workdir) as scratch:
+        folder = synthetic_feedback(scratch, [f"segment-{index:05d}.parquet" for index in range(segments)],
                                      rows_per_segment, dim, seed, abort_fraction=0.05)
-        expected = _segment_ids(folder)
+        expected = segment_ids(folder)
         data, port = scratch / "pg" / "data", free_port()
         outcome: dict[str, Any] = {}
         with running_postgres(data, port):
@@ -233,7 +233,7 @@ def postgres_restart_mid_ingest(workdir: str | Path | None = None, *, segments: 
             with psycopg.connect(libpq) as con:
                 stored, distinct = con.execute("SELECT count(*), count(DISTINCT request_id) FROM requests").fetchone()
                 stored_ids = {row[0] for row in con.execute("SELECT request_id FROM requests").fetchall()}
-            reconciles = _ledger_reconciles(store)
+            reconciles = ledger_reconciles(store)
         expected_ids = set(expected)
         lost, phantom = len(expected_ids - stored_ids), len(stored_ids - expected_ids)
         duplicated = int(stored) - int(distinct)
@@ -241,7 +241,7 @@ def postgres_restart_mid_ingest(workdir: str | Path | None = None, *, segments: 
         survived = (mid_run and failed_loudly and before["segments"] < segments and problem == 0 and reconciles
                     and time.monotonic() - started < timeout_s)
         error = outcome.get("error")
-        return _result("postgres_restart_mid_ingest", started, survived, ingest_rows_lost_or_duplicated=problem,
+        return scenario_result("postgres_restart_mid_ingest", started, survived, ingest_rows_lost_or_duplicated=problem,
                        rows_lost=lost, rows_duplicated=duplicated, rows_expected=len(expected),
                        segments_committed_before_restart=before["segments"], failed_loudly=failed_loudly,
                        error=None if error is None else f"{type(error).__name__}: {str(error)[:300]}",
@@ -252,18 +252,18 @@ def postgres_restart_mid_ingest(workdir: str | Path | None = None, *, segments: 
 def mlflow_artifacts_full(workdir: str | Path | None = None, *, timeout_s: float = 120.0) -> dict[str, Any]:
     """MLflow's artifact store is full when a readout is registered: the registration fails loudly with no
     version made and the aliases as they were; once there is room, the same registration goes through."""
-    from experiments.faults.crash import _mount_tmpfs, _unmount
+    from experiments.faults.crash import mount_tmpfs, unmount
     from experiments.faults.pipeline import fitted_readout
     from ops.servers import MlflowServer
     from registry.aliases import CHAMPION
     from registry.client import ReadoutRegistry
 
     started = time.monotonic()
-    with _scratch(workdir) as scratch:
+    with scratch_folder(workdir) as scratch:
         artifacts = scratch / "mlflow" / "artifacts"
-        mount_error = _mount_tmpfs(artifacts, "16m")
+        mount_error = mount_tmpfs(artifacts, "16m")
         if mount_error is not None:
-            return _result("mlflow_artifacts_full", started, False, error=f"could not mount a tmpfs: {mount_error}",
+            return scenario_result("mlflow_artifacts_full", started, False, error=f"could not mount a tmpfs: {mount_error}",
                            ran=False)
         try:
             with MlflowServer(scratch / "mlflow") as server:
@@ -289,12 +289,12 @@ def mlflow_artifacts_full(workdir: str | Path | None = None, *, timeout_s: float
                 ballast.unlink()
                 again = registry.log_readout(readout, rls=rls, params={"data_hash": "fault"}, metrics={"spearman": 0.5})
         finally:
-            _unmount(artifacts)
+            unmount(artifacts)
         failed_loudly = error is not None
         nothing_half_done = versions_after == versions_before and champion_after == aliases_before
         survived = (failed_loudly and nothing_half_done and again.version is not None
                     and time.monotonic() - started < timeout_s)
-        return _result("mlflow_artifacts_full", started, survived, failed_loudly=failed_loudly,
+        return scenario_result("mlflow_artifacts_full", started, survived, failed_loudly=failed_loudly,
                        error=None if error is None else f"{type(error).__name__}: {str(error)[:300]}",
                        versions_before=versions_before, versions_after=versions_after,
                        champion_before=str(aliases_before), champion_after=str(champion_after),
