@@ -186,6 +186,14 @@ def schema_version_sql(dialect: Dialect) -> str:
             "ON CONFLICT (key) DO UPDATE SET value = excluded.value")
 
 
+STAMPS_QUERY = "SELECT segment, stamp, checksum, status FROM segment_stamps"
+"""Each checked segment's (segment, stamp, checksum, status): `stamps_of` makes them `Stamps`."""
+
+
+def stamps_of(rows: Sequence[Sequence[str]]) -> Stamps:
+    return {segment: (stamp, checksum, status) for segment, stamp, checksum, status in rows}
+
+
 SCHEMA_VERSION_QUERY = "SELECT value FROM store_meta WHERE key = 'schema_version'"
 """The query of the schema version recorded in `store_meta`."""
 
@@ -302,8 +310,7 @@ class SqlStore(ABC):
 
     def stamps(self) -> Stamps:
         """The stamp each checked segment had, with that content's (checksum, status) (`store.ingest`)."""
-        return {segment: (stamp, checksum, status) for segment, stamp, checksum, status
-                in self._rows("SELECT segment, stamp, checksum, status FROM segment_stamps")}
+        return stamps_of(self._rows(STAMPS_QUERY))
 
     def ledger(self) -> list[dict]:
         """One dict per ingested segment, ordered by its identity (byte order)."""
@@ -404,8 +411,7 @@ class SqlWriter:
     def stamps(self) -> Stamps:
         """The stamp each segment had when its content was last checked, with that content's (checksum,
         status): the status a run that finds the same stamp reports without reading the segment."""
-        return {segment: (stamp, checksum, status) for segment, stamp, checksum, status
-                in self.con.execute("SELECT segment, stamp, checksum, status FROM segment_stamps").fetchall()}
+        return stamps_of(self.con.execute(STAMPS_QUERY).fetchall())
 
     def write_stamp(self, segment: str, stamp: str, checksum: str, status: str) -> None:
         m = self.dialect.mark
