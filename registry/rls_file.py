@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -50,8 +51,8 @@ def unpack(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return full
 
 
-def save(path: str | Path, arrays: Mapping[str, np.ndarray]) -> None:
-    """Write the state packed, as one `.npz` file."""
+def save(path: str | Path | BinaryIO, arrays: Mapping[str, np.ndarray]) -> None:
+    """Write the state packed, as one `.npz` file (a path or an open binary file)."""
     np.savez(path, **pack(arrays))
 
 

@@ -36,7 +36,7 @@ def registry_bytes_per_version(dim: int, seed: int = 0) -> dict[str, int]:
     X = rng.standard_normal((64, dim)).astype(np.float32)
     readout = LinearReadout(max_tokens=2048).fit(X, rng.integers(1, 2048, 64))
     state = io.BytesIO()
-    np.savez(state, **rls_file.pack(RLS.from_readout(readout, X).state_arrays()))  # as `registry.runs` stores it
+    rls_file.save(state, RLS.from_readout(readout, X).state_arrays())  # as `registry.runs` stores it
     readout_bytes = len(to_bytes(readout))
     return {"readout_bytes": readout_bytes, "rls_state_bytes": state.tell(),
             "total": readout_bytes + state.tell()}
