@@ -41,11 +41,22 @@ class _ReentrantLock:
     lock itself, and names it (`path`)."""
 
     path: Any
+    _instances: ClassVar[dict[tuple[type, str], Any]] = {}
+    _instances_guard = threading.Lock()
 
     def __init__(self) -> None:
         self._guard = threading.RLock()
         self._depth = 0
         self._handle: Any = None
+
+    @classmethod
+    def _shared(cls, key: str, *args: Any) -> Any:
+        """The one instance of `cls` for `key` in this process, made with `args` the first time."""
+        with _ReentrantLock._instances_guard:
+            lock = _ReentrantLock._instances.get((cls, key))
+            if lock is None:
+                lock = _ReentrantLock._instances[(cls, key)] = cls(*args)
+            return lock
 
     def _take(self, deadline: float, timeout_s: float) -> Any:
         raise NotImplementedError
@@ -82,9 +93,6 @@ class AliasLock(_ReentrantLock):
     path and process (`for_path`).
     """
 
-    _instances: ClassVar[dict[str, AliasLock]] = {}
-    _instances_guard = threading.Lock()
-
     def __init__(self, path: Path) -> None:
         super().__init__()
         self.path = path
@@ -95,11 +103,7 @@ class AliasLock(_ReentrantLock):
         if is_postgres_location(path):
             return PostgresAliasLock.for_url(str(path))
         path = Path(path).resolve()
-        with cls._instances_guard:
-            lock = cls._instances.get(str(path))
-            if lock is None:
-                lock = cls._instances[str(path)] = cls(path)
-            return lock
+        return cls._shared(str(path), path)
 
     def _take(self, deadline: float, timeout_s: float) -> int:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -142,20 +146,13 @@ class PostgresAliasLock(_ReentrantLock):
     """
 
     KEY = 0x4C454150_414C4941  # "LEAPALIA": every alias writer of the database's fleet takes this one
-    _instances: ClassVar[dict[str, PostgresAliasLock]] = {}
-    _instances_guard = threading.Lock()
-
     def __init__(self, url: str) -> None:
         super().__init__()
         self.url = url
 
     @classmethod
     def for_url(cls, url: str) -> PostgresAliasLock:
-        with cls._instances_guard:
-            lock = cls._instances.get(url)
-            if lock is None:
-                lock = cls._instances[url] = cls(url)
-            return lock
+        return cls._shared(url, url)
 
     @property
     def path(self) -> str:
