@@ -80,17 +80,21 @@ def excluded_by_reason(frame: TrainingFrame, max_length: int | None = None) -> d
     """How many rows the frame holds whose length is not a training label, by reason: each finish reason
     that is not a label, and each `leap_io.labels.LABEL_PROBLEMS` (others too, should a frame hold a finish
     reason the store does not know)."""
-    problems = _problems(frame, max_length)
+    return _count_problems(_problems(frame, max_length))
+
+
+def _count_problems(problems: np.ndarray) -> dict[str, int]:
     reasons, counts = np.unique(np.asarray([str(p) for p in problems if p is not None], dtype=object),
                                 return_counts=True)
     found = {str(reason): int(count) for reason, count in zip(reasons.tolist(), counts.tolist())}
     return {**{reason: 0 for reason in (*NOT_TRAINING_FINISH_REASONS, *LABEL_PROBLEMS)}, **found}
 
 
-def _training_rows(frame: TrainingFrame, max_length: int | None = None) -> TrainingFrame:
+def _training_rows(frame: TrainingFrame, max_length: int | None = None,
+                   problems: np.ndarray | None = None) -> TrainingFrame:
     """The frame without the rows whose length is not a training label (aborted, errored, cut for
-    repetition, capped or steered by the client)."""
-    usable = _usable(frame, max_length)
+    repetition, capped or steered by the client); `problems`: the frame's `_problems`, when known."""
+    usable = np.equal(_problems(frame, max_length) if problems is None else problems, None)
     return frame if usable.all() else frame.take(usable)  # no copy of the features when nothing is dropped
 
 
@@ -300,11 +304,12 @@ def _fit(frame_train: TrainingFrame, frame_test: TrainingFrame, *, alpha: float 
          max_tokens: int | None, model_id: str, model_fingerprint: str, layer: int, version: str,
          alphas: Sequence[float], recipe: Recipe, anchor: RLS | None = None) -> FitResult:
     budget = int(anchor.readout_.max_tokens) if anchor is not None else _budget(frame_train, max_tokens)
-    excluded_train, excluded_test = excluded_by_reason(frame_train, budget), excluded_by_reason(frame_test, budget)
+    problems_train, problems_test = _problems(frame_train, budget), _problems(frame_test, budget)  # once each
+    excluded_train, excluded_test = _count_problems(problems_train), _count_problems(problems_test)
     excluded = {reason: excluded_train.get(reason, 0) + excluded_test.get(reason, 0)
                 for reason in {*excluded_train, *excluded_test}}
-    train = _training_rows(frame_train, budget)
-    test = _training_rows(frame_test, budget)
+    train = _training_rows(frame_train, problems=problems_train)
+    test = _training_rows(frame_test, problems=problems_test)
     aborted = (len(frame_train.request_ids) - len(train.request_ids)
                + len(frame_test.request_ids) - len(test.request_ids))
     if len(train.request_ids) < 3 or len(test.request_ids) < 1:
