@@ -150,7 +150,7 @@ def healthy(service: Service) -> bool:
     return answers(service.health_url)
 
 
-def _spawn(service: Service, stack_dir: Path, cwd: Path) -> int:
+def _spawn(service: Service, stack_dir: Path, cwd: Path) -> subprocess.Popen:
     env = {**os.environ, **service.env}
     with open(log_file(stack_dir, service.name), "ab") as log:
         log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(service.argv)}\n".encode())
@@ -159,7 +159,17 @@ def _spawn(service: Service, stack_dir: Path, cwd: Path) -> int:
                                    stderr=subprocess.STDOUT, env=env, cwd=service.cwd or cwd,
                                    start_new_session=True, user=service.user)
     pid_file(stack_dir, service.name).write_text(f"{process.pid}\n")
-    return process.pid
+    return process
+
+
+def _note(stack_dir: Path, name: str, line: str) -> None:
+    with open(log_file(stack_dir, name), "ab") as log:
+        log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n".encode())
+
+
+def _ended(process: subprocess.Popen) -> str:
+    code = process.returncode
+    return f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
 
 
 def _names(names: Iterable[str] | None, specs: dict[str, Service]) -> list[str]:
@@ -246,6 +256,8 @@ def up(settings: PipelineSettings, names: Iterable[str] | None = None, wait: boo
     to_start = [name for name in involved if service_pid(stack_dir, name) is None]
     deadlines = {name: time.monotonic() + (timeout_s or specs[name].start_timeout_s) for name in involved}
     started: list[str] = []
+    processes: dict[str, subprocess.Popen] = {}
+    restarted: list[str] = []
     pending = set(involved)
     while to_start or (wait and pending):
         answering = {name for name in pending if healthy(specs[name])}
@@ -265,23 +277,35 @@ def up(settings: PipelineSettings, names: Iterable[str] | None = None, wait: boo
                     spec.prepare()
                 except Exception as exc:  # a database, bucket or pool that cannot be made stops `up` here
                     raise StackError(f"{name}: preparing failed: {type(exc).__name__}: {exc}") from exc
-            _spawn(spec, stack_dir, settings.home)
+            processes[name] = _spawn(spec, stack_dir, settings.home)
             deadlines[name] = time.monotonic() + (timeout_s or spec.start_timeout_s)
-            started.append(name)
+            if name not in started:
+                started.append(name)
         for name in sorted(pending):
             if name in to_start:
                 if time.monotonic() > deadlines[name]:
                     raise StackError(f"{name} waited too long for {', '.join(specs[name].after)}")
                 continue
+            process = processes.get(name)
+            if process is not None and process.poll() is not None:
+                ended = _ended(process)
+                if process.returncode < 0 and name not in restarted:
+                    # a signal from outside (the OOM killer, an operator) during start-up: one more try
+                    restarted.append(name)
+                    _note(stack_dir, name, f"{ended} while starting; starting it once more")
+                    to_start.append(name)
+                    continue
+                raise StackError(f"{name} {ended} while starting; last log lines:\n"
+                                 f"{_log_tail(log_file(stack_dir, name))}")
             if service_pid(stack_dir, name) is None:
-                tail = _log_tail(log_file(stack_dir, name))
-                raise StackError(f"{name} exited while starting; last log lines:\n{tail}")
+                raise StackError(f"{name} stopped running while starting; last log lines:\n"
+                                 f"{_log_tail(log_file(stack_dir, name))}")
             if time.monotonic() > deadlines[name]:
                 raise StackError(f"{name} did not answer {specs[name].health_url} in time; "
                                  f"see {log_file(stack_dir, name)}")
         if to_start or (wait and pending):
             time.sleep(0.5)
-    return {"started": started, **status(settings, chosen)}
+    return {"started": started, "restarted": restarted, **status(settings, chosen)}
 
 
 def group_alive(pgid: int) -> bool:

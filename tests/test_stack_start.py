@@ -1,0 +1,65 @@
+"""`ops.stack.up` when a service dies while it starts: a signal from outside gets one more start, an exit
+of its own stops `up` with the exit status and the log. Real processes (small HTTP servers), no stubs."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from flows.settings import PipelineSettings
+from ops import stack
+from ops.stack import Service, StackError
+
+SERVICE = """
+import http.server, os, signal, sys
+marker, port, exit_code = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+if not os.path.exists(marker):
+    open(marker, "w").close()
+    print("first start", flush=True)
+    if exit_code < 0:
+        os.kill(os.getpid(), -exit_code)
+    sys.exit(exit_code)
+http.server.ThreadingHTTPServer(("127.0.0.1", port), http.server.SimpleHTTPRequestHandler).serve_forever()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _one_service(monkeypatch, tmp_path: Path, first_exit: int) -> tuple[PipelineSettings, Path]:
+    script = tmp_path / "flaky.py"
+    script.write_text(textwrap.dedent(SERVICE))
+    port = _free_port()
+    spec = Service("flaky", [sys.executable, str(script), str(tmp_path / "started-once"), str(port), str(first_exit)],
+                   url=f"http://127.0.0.1:{port}", health_url=f"http://127.0.0.1:{port}/",
+                   ports=(port,), start_timeout_s=30.0, cwd=tmp_path)
+    monkeypatch.setattr(stack, "service_specs", lambda settings: {"flaky": spec})
+    monkeypatch.setattr(stack, "_single_specs", lambda settings: {"flaky": spec})
+    settings = PipelineSettings(home=tmp_path / "home")
+    return settings, settings.stack_dir
+
+
+def test_a_service_killed_by_a_signal_while_starting_is_started_once_more(monkeypatch, tmp_path):
+    settings, stack_dir = _one_service(monkeypatch, tmp_path, -int(signal.SIGKILL))
+    try:
+        result = stack.up(settings, ["flaky"])
+        assert result["started"] == ["flaky"] and result["restarted"] == ["flaky"]
+        assert result["services"]["flaky"]["healthy"] is True
+        log = (stack_dir / "flaky.log").read_text()
+        assert f"was killed by signal {int(signal.SIGKILL)} while starting; starting it once more" in log
+    finally:
+        stack.down(settings, ["flaky"])
+
+
+def test_a_service_that_exits_by_itself_while_starting_stops_up_with_its_status_and_log(monkeypatch, tmp_path):
+    settings, _ = _one_service(monkeypatch, tmp_path, 3)
+    with pytest.raises(StackError, match=r"flaky exited with status 3 while starting; last log lines:\n(.|\n)*first start"):
+        stack.up(settings, ["flaky"])
