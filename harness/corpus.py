@@ -238,7 +238,7 @@ def build_corpus(engine, runtime, prompts: Sequence[dict], folder: Path, max_tok
     collected = [0]
 
     def collect(row: dict) -> None:
-        item = meta.get(row["request_id"])
+        item = meta.get(row["client_request_id"])
         if item is None:
             return
         rows.append({"id": item["id"], "set": item.get("set"), "domain": item.get("domain"),

@@ -102,7 +102,7 @@ def _one_batch(engine: Any, runtime: Any, items: list[dict], max_tokens: int, de
 
     def collect(row: dict) -> None:
         if row.get("feature") is not None:
-            features[str(row["request_id"])] = np.asarray(row["feature"], dtype=np.float32)
+            features[str(row["client_request_id"])] = np.asarray(row["feature"], dtype=np.float32)
 
     runtime.listeners.append(collect)
     try:

@@ -7,6 +7,12 @@ covers. A segment's Parquet metadata records that dim, the recipe (`leap.recipe`
 recipes have none and hold `last@<layer>`), the serving layer and the model fingerprint. In the file
 (`segment_table`, version 2) the feature column is fixed-size binary, each row its floats' little-endian
 bytes; `read_segment_file` and ingest give it back as lists, and read version 1 files too.
+
+Identity. A row's `request_id` is made by the serving process (`serving.recorder.RowIds`: a random
+token drawn when the process starts and a counter), never by a client, so no client can make another
+request's row look like a duplicate. The id the client gave (`leap_request_id`, `X-Request-Id`, or the
+one vLLM made) is kept as data in `client_request_id`; segments written before that column existed
+held the client's id in `request_id`, and ingest copies it across.
 """
 
 import pyarrow as pa
@@ -29,7 +35,8 @@ def feedback_schema(dim: int) -> pa.Schema:
     """Arrow schema of a feedback segment whose features have `dim` floats."""
     return pa.schema(
         [
-            pa.field("request_id", pa.string(), nullable=False),
+            pa.field("request_id", pa.string(), nullable=False),  # the serving process's key (ROW_ID below)
+            pa.field("client_request_id", pa.string()),  # the client's id (leap_request_id, X-Request-Id): data
             pa.field("model_id", pa.string()),
             pa.field("model_fingerprint", pa.string()),
             pa.field("layer", pa.int32()),
@@ -53,6 +60,9 @@ def feedback_schema(dim: int) -> pa.Schema:
 
 
 COLUMNS = tuple(feedback_schema(1).names)
+
+CLIENT_ID_MAX_CHARS = 256
+"""How much of a client's request id a row keeps."""
 
 
 def segment_table(table: pa.Table) -> pa.Table:

@@ -4,7 +4,8 @@ One row per finished request that was resident and had its feature captured (the
 training input: the whole captured vector, the engine's capture recipe, whichever part the serving
 readout reads, so the fit flow can choose among every recipe the capture covers). The row carries what the engine measured (tokens, times, finish reason), what LEAP
 predicted (at admission and latest, with the readout version) and the client's validated extras; an
-extra that failed validation is simply absent (None), never a reason to lose the row.
+extra that failed validation is simply absent (None), never a reason to lose the row. Its key,
+`request_id`, is the process's own (`RowIds`); the client's id is kept as `client_request_id`.
 
 Quality by domain (`DomainQuality`): the rolling Spearman and MAE of the serving readout's prediction
 against the true length, and the MAE the anchor readout (the readout as pushed, before RLS corrected it)
@@ -19,8 +20,10 @@ is counted (`leap_thread_errors_total{thread="listener"}`) and the others still 
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -30,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from leap_core.metrics import mae, spearman
+from leap_io.feedback_schema import CLIENT_ID_MAX_CHARS
 from serving import vllm_compat
 from serving.supervise import RateLimitedLog
 from serving.telemetry import Telemetry
@@ -140,6 +144,24 @@ class DomainQuality:
         rows.append(row)
 
 
+def client_id(text: str) -> str:
+    """A client's request id as a row keeps it: at most CLIENT_ID_MAX_CHARS, NUL (which no store's text
+    holds) replaced."""
+    return text[:CLIENT_ID_MAX_CHARS].replace("\x00", "\ufffd")
+
+
+class RowIds:
+    """The serving process's row keys: `<token>-<n>`, a random 64-bit token drawn once per process and a
+    counter, so two processes (replicas, restarts) never make the same key and no client chooses one."""
+
+    def __init__(self) -> None:
+        self.token = secrets.token_hex(8)
+        self._counter = itertools.count(1)
+
+    def next(self) -> str:
+        return f"{self.token}-{next(self._counter)}"
+
+
 class FeedbackRecorder:
     """Builds each finished request's row and hands it to the feedback writer and the listeners.
 
@@ -157,6 +179,7 @@ class FeedbackRecorder:
         self._warn = RateLimitedLog(logger)
         self.rows = 0
         self.finished = 0
+        self.row_ids = RowIds()
         self.recent: deque[tuple[float, int]] = deque(maxlen=QUALITY_WINDOW)
         self.anchor = anchor
         self.quality = DomainQuality(telemetry, None if anchor is None else lambda: anchor(None)[1])
@@ -190,7 +213,8 @@ class FeedbackRecorder:
         extras = entry.extras
         arrival = extras.leap_planned_arrival if extras.leap_planned_arrival is not None else entry.arrival
         return {
-            "request_id": extras.leap_request_id or vllm_compat.external_request_id(request.request_id),
+            "request_id": self.row_ids.next(),
+            "client_request_id": client_id(extras.leap_request_id or vllm_compat.external_request_id(request.request_id)),
             "model_id": self.model_id, "model_fingerprint": self.fingerprint, "layer": self.layer,
             "policy": policy, "arrival_time": float(arrival), "first_token_time": entry.first_token_time,
             "finish_time": time.time(), "prompt_tokens": int(request.num_prompt_tokens),

@@ -28,7 +28,9 @@ and the `changed_segments` table; version 3 added `features.recipe` (NULL before
 `FLOAT[]`, converted in place chunk by chunk through Arrow; version 5 moves the vectors out to feature
 files (`features.file`, `features.file_row`), keyset page by keyset page, and drops the index on
 `features.request_id`; version 6 adds the `segment_stamps` table (empty: each segment's content is
-checked once more, then skipped by its stamp). The `gates` table is created on first use, outside
+checked once more, then skipped by its stamp); version 7 adds `requests.client_request_id` (the
+client's id as data; `request_id` is the serving process's key) and copies each older row's
+`request_id`, then the client's, into it. The `gates` table is created on first use, outside
 these versions.
 """
 
@@ -71,7 +73,7 @@ __all__ = [
     "TrainingFrame",
 ]
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """Version of the store's tables; see the module docstring for what each version added."""
 
 FEATURES_DDL = """CREATE TABLE IF NOT EXISTS {table} (
@@ -179,8 +181,12 @@ def _migrate(con: duckdb.DuckDBPyConnection, folder: Path) -> None:
     try:
         for ddl in SCHEMA_DDL:
             con.execute(ddl)
-        if "replica_id" not in _column_types(con, "requests"):  # version 1 -> 2
+        requests = _column_types(con, "requests")
+        if "replica_id" not in requests:  # version 1 -> 2
             con.execute("ALTER TABLE requests ADD COLUMN replica_id VARCHAR")
+        if "client_request_id" not in requests:  # version 6 -> 7: the key was the client's id
+            con.execute("ALTER TABLE requests ADD COLUMN client_request_id VARCHAR")
+            con.execute("UPDATE requests SET client_request_id = request_id")
         features = _column_types(con, "features")
         if "recipe" not in features:  # version 2 -> 3: NULL is last@<layer>
             con.execute("ALTER TABLE features ADD COLUMN recipe VARCHAR")
@@ -374,20 +380,6 @@ class LogStore(SqlStore):
         return frame_from_arrow(table, lambda dim: read_features(
             self.features_folder, table.column("file").to_numpy(zero_copy_only=False),
             table.column("file_row").to_numpy(zero_copy_only=False), dim))
-
-    def recorded_lengths(self, request_ids: Sequence[str],
-                         model_fingerprint: str | None = None) -> dict[str, tuple[int, float]]:
-        """(output_tokens, arrival_time) of those request ids finished by a training-label reason."""
-        query = ("SELECT r.request_id, r.output_tokens, r.arrival_time FROM requests r "
-                 "SEMI JOIN _wanted w USING (request_id) WHERE list_contains(?::VARCHAR[], r.finish_reason)")
-        params: list = [list(TRAINING_FINISH_REASONS)]
-        if model_fingerprint:
-            query += " AND r.model_fingerprint = ?"
-            params.append(model_fingerprint)
-        with self.connect(read_only=True) as con:
-            con.register("_wanted", pa.table({"request_id": pa.array(list(request_ids), pa.string())}))
-            rows = con.execute(query, params).fetchall()
-        return {rid: (int(tokens), float(arrival)) for rid, tokens, arrival in rows}
 
     @contextmanager
     def segment_writer(self) -> Iterator[DuckDBWriter]:

@@ -20,7 +20,8 @@ COPY viewed as one (n, dim) array, both read in one repeatable-read transaction.
 
 Schema versions. `POSTGRES_SCHEMA_VERSION` is written to `store_meta`; every store object creates or
 migrates the tables once, under a transaction advisory lock so that workers starting together do not
-race on the catalog.
+race on the catalog. Version 2 added `segment_stamps`; version 3 `requests.client_request_id`
+(`UPGRADES`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from leap_io.feedback_schema import TRAINING_FINISH_REASONS
 from store.frame import TrainingFrame, frame_from_arrow
 from store.postgres_copy import copy_out, feature_blobs, read_csv
 from store.postgres_writer import INCOMING_DDL, PostgresWriter
@@ -48,7 +48,7 @@ from store.sql import (
     table_ddl,
 )
 
-POSTGRES_SCHEMA_VERSION = 2
+POSTGRES_SCHEMA_VERSION = 3
 """Version of the PostgreSQL store's tables (its own line of versions: the DuckDB file's differ)."""
 
 _SCHEMA_LOCK = 0x4C454150_53544F52  # "LEAPSTOR": the advisory lock key of schema changes
@@ -79,6 +79,12 @@ SCHEMA_DDL = (
     table_ddl(POSTGRES, "gates"),
     table_ddl(POSTGRES, "store_meta"),
 )
+
+UPGRADES = {3: ("ALTER TABLE requests ADD COLUMN IF NOT EXISTS client_request_id TEXT",
+                "UPDATE requests SET client_request_id = request_id WHERE client_request_id IS NULL")}
+"""What brings the tables from the version before each key to it (a new store's tables are created at
+the latest): version 3 keeps the client's id as data beside the serving process's key, and older rows'
+key was the client's id."""
 
 _FRAME_TYPES = {"request_id": pa.string(), "dim": pa.int32(), "output_tokens": pa.int32(),
                 "finish_reason": pa.string(), "domain": pa.string(), "arrival_time": pa.float64(),
@@ -150,8 +156,14 @@ class PostgresStore(SqlStore):
         with self._raw() as con:
             if _version(con) != POSTGRES_SCHEMA_VERSION:
                 con.execute("SELECT pg_advisory_xact_lock(%s)", [_SCHEMA_LOCK])
+                version = _version(con)  # another worker may have migrated while this one waited
+                [(had_requests,)] = con.execute("SELECT to_regclass('requests') IS NOT NULL").fetchall()
                 for ddl in SCHEMA_DDL:
                     con.execute(ddl)
+                for target in sorted(UPGRADES):
+                    if had_requests and version < target:
+                        for statement in UPGRADES[target]:
+                            con.execute(statement)
                 con.execute(schema_version_sql(POSTGRES), [str(POSTGRES_SCHEMA_VERSION)])
             con.commit()
         self._schema_ready = True
@@ -201,17 +213,6 @@ class PostgresStore(SqlStore):
                     blobs = feature_blobs(data, table.num_rows, dims[0] if dims else 0)
             con.rollback()
         return frame_from_arrow(table.append_column("feature", blobs))
-
-    def recorded_lengths(self, request_ids: Sequence[str],
-                         model_fingerprint: str | None = None) -> dict[str, tuple[int, float]]:
-        """(output_tokens, arrival_time) of those request ids finished by a training-label reason."""
-        query = ("SELECT request_id, output_tokens, arrival_time FROM requests "
-                 "WHERE request_id = ANY(%s) AND finish_reason = ANY(%s)")
-        params: list[Any] = [list(request_ids), list(TRAINING_FINISH_REASONS)]
-        if model_fingerprint:
-            query += " AND model_fingerprint = %s"
-            params.append(model_fingerprint)
-        return {rid: (int(tokens), float(arrival)) for rid, tokens, arrival in self._rows(query, params)}
 
     @contextmanager
     def segment_writer(self) -> Iterator[PostgresWriter]:

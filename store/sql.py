@@ -29,7 +29,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from leap_io.feedback_schema import feedback_schema
+from leap_io.feedback_schema import TRAINING_FINISH_REASONS, feedback_schema
 from store.frame import TrainingFrame
 from store.protocol import Ledger, SpaceKey, Stamps
 
@@ -290,6 +290,20 @@ class SqlStore(ABC):
         keys = ("requests", "features", "quarantine", "segments", "segments_unreadable", "segments_failed",
                 "rows_read", "rows_accepted", "rows_quarantined", "rows_duplicate", "segments_changed")
         return {key: int(value) for key, value in zip(keys, row)}
+
+    def recorded_lengths(self, request_ids: Sequence[str],
+                         model_fingerprint: str | None = None) -> dict[str, tuple[int, float]]:
+        """(output_tokens, arrival_time) recorded for each of those client request ids, finished by a
+        training-label reason; where a client sent an id more than once, its latest row's."""
+        m, contains = self.dialect.mark, self.dialect.contains
+        query = (f"SELECT client_request_id, output_tokens, arrival_time FROM requests "
+                 f"WHERE {contains('client_request_id')} AND {contains('finish_reason')}")
+        params: list[Any] = [list(request_ids), list(TRAINING_FINISH_REASONS)]
+        if model_fingerprint:
+            query += f" AND model_fingerprint = {m}"
+            params.append(model_fingerprint)
+        rows = self._rows(query + " ORDER BY arrival_time, finish_time", params)
+        return {rid: (int(tokens), float(arrival)) for rid, tokens, arrival in rows}
 
     def _count_by(self, table: str, column: str) -> dict[str, int]:
         rows = self._rows(f"SELECT {column}, count(*) FROM {table} GROUP BY {column} "

@@ -15,6 +15,10 @@ repetition detector), not where the model would have stopped, so they are kept f
 never trained on, and every place that leaves them out counts them by reason. Any other reason is
 quarantined as unknown (`REASON_UNKNOWN_FINISH_REASON`).
 
+Identity: `request_id` is the serving process's key for the row and the store's key. A row without a
+`client_request_id` (a segment from before that column, when `request_id` was the client's id) is
+known by its `request_id` there too.
+
 Capture recipes (`store.sql`): a segment's metadata may record the recipe its features were captured
 with (`leap.recipe`, `leap_io.feedback_schema.META_RECIPE`), canonicalized by
 `leap_core.recipes.Recipe.parse`; a segment that records none means `last@<layer>`. A recipe that
@@ -185,6 +189,8 @@ class JudgedSegment:
         self._row_problems: list[tuple[np.ndarray, str]] = []  # rows a column problem touches
         for name in SCALAR_COLUMNS:
             self.columns[name] = self._conform(name, metadata, column_problems)
+        # a row without a client id (written before the key was the server's own) is known by its key
+        self.columns["client_request_id"] = pc.coalesce(self.columns["client_request_id"], self.columns["request_id"])
         self.feature = self._conform_feature(column_problems)
         self._dim_conflict_rank: int | None = None
         self._judge(column_problems)

@@ -153,6 +153,7 @@ def write_segment(
     schema = feedback_schema(dim)
     columns: dict[str, pa.Array] = {
         "request_id": pa.array(ids, pa.string(), mask=ids_null),
+        "client_request_id": pa.array([f"client-{i}" for i in range(n)], pa.string()),
         "model_id": pa.array(["fuzz-model"] * n, pa.string()),
         "model_fingerprint": pa.array([model_fingerprint] * n, pa.string()),
         "layer": pa.array(np.full(n, layer, dtype=np.int32), mask=np.arange(n) < null_layer),

@@ -88,7 +88,7 @@ def test_capture_matches_transformers_including_chunked_prefill(live, model):
         run(live, prompts, tokens=2, tag="capture")
     finally:
         runtime.listeners.remove(rows.append)
-    features = {row["request_id"]: row["feature"] for row in rows}
+    features = {row["client_request_id"]: row["feature"] for row in rows}
     hf = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32)
     long_ids = chat_ids(engine, long_prompt)
     assert len(long_ids) > 256, "the long prompt must span several prefill chunks"
@@ -217,10 +217,14 @@ def test_good_push_changes_version_and_rls_anchor_and_rls_learns(live):
 def test_every_finished_request_is_in_the_feedback_exactly_once(live):
     runtime = live["runtime"]
     runtime.feedback.flush()
-    ids = []
+    ids, keys = [], []
     for segment in sorted(glob.glob(str(live["feedback"] / "*.parquet"))):
         table = read_segment_file(segment)
-        ids.extend(table.column("request_id").to_pylist())
+        ids.extend(table.column("client_request_id").to_pylist())
+        keys.extend(table.column("request_id").to_pylist())
         assert table.schema.field("feature").type.list_size == runtime.dim
     assert len(ids) == len(set(ids))
     assert set(ids) == set(live["sent"])
+    # the store's key is the process's own, never a client's id
+    assert len(set(keys)) == len(keys) and not set(keys) & set(ids)
+    assert len({key.rsplit("-", 1)[0] for key in keys}) == 1

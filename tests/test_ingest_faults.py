@@ -219,8 +219,8 @@ def test_finish_reasons_outside_training_are_stored_counted_and_never_trained_on
 
     with pytest.raises(NotEnoughRowsError, match="repetition"):
         select_window(store, min_rows=trainable + 1)
-    recorded = recorded_lengths(store, _ids(segment))
-    ids = _ids(segment)
+    ids = segment.table.column("client_request_id").to_pylist()  # looked up by the client's id
+    recorded = recorded_lengths(store, ids)
     assert set(recorded) == {ids[i] for i, reason in enumerate(reasons) if reason in TRAINING_FINISH_REASONS}
 
 

@@ -73,7 +73,7 @@ def served(model):
             engine.add_request(rid, {"prompt_token_ids": ids[rid]}, params)
         while engine.has_unfinished_requests():
             engine.step()
-        yield {"runtime": runtime, "rows": {row["request_id"]: row for row in rows}, "ids": ids, "readout": readout}
+        yield {"runtime": runtime, "rows": {row["client_request_id"]: row for row in rows}, "ids": ids, "readout": readout}
     finally:
         engine.engine_core.shutdown()
 

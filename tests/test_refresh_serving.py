@@ -497,7 +497,7 @@ def test_engine_refreshes_requests_past_each_checkpoint_and_feedback_keeps_prefi
         i = int(name.split("-")[1])
         assert_decode_state_at(model.path, ENGINE_LAYER, prompt_ids[i], outputs[name], g, state)
 
-    by_id = {row["request_id"]: row for row in rows}
+    by_id = {row["client_request_id"]: row for row in rows}
     assert len(by_id) == 2 * len(prompts)
     for i in range(len(prompts)):
         generated, prefill = by_id[f"gen-{i}"], by_id[f"prefill-{i}"]

@@ -124,7 +124,7 @@ def test_bad_extras_in_feedback_rows_fall_back_to_what_the_engine_knows(build, s
     runtime.on_finished(finish(decode(request, 3)))
     assert len(rows) == 1
     row = rows[0]
-    assert row["request_id"] == "req" and row["domain"] is None and row["tenant"] is None
+    assert row["client_request_id"] == "req" and row["domain"] is None and row["tenant"] is None
     assert row["arrival_time"] == pytest.approx(request.arrival_time)
     assert row["predicted_latest"] == pytest.approx(30.0)
 
@@ -168,7 +168,22 @@ def test_a_request_that_ends_in_the_step_that_prefilled_it_gets_its_row(build, s
     sender_for(runtime).send([request.request_id], feature(3.0)[None])
     assert eventually(lambda: request.request_id in runtime.features)
     runtime.on_finished(finish(decode(request, 1)))
-    assert [row["request_id"] for row in rows] == ["one"] and rows[0]["output_tokens"] == 1
+    assert [row["client_request_id"] for row in rows] == ["one"] and rows[0]["output_tokens"] == 1
+
+
+def test_two_requests_with_one_client_id_get_rows_of_their_own_keyed_by_the_process(build, sender_for):
+    runtime = build(policy="leap")
+    rows = []
+    runtime.listeners.append(rows.append)
+    first, second = (make_request(f"x-0000000{i}", max_tokens=1, extra={"leap_request_id": "reused\x00"})
+                     for i in range(2))
+    sender_for(runtime).send([first.request_id, second.request_id], np.stack([feature(3.0), feature(4.0)]))
+    assert eventually(lambda: {first.request_id, second.request_id} <= set(runtime.features))
+    for request in (first, second):
+        runtime.on_finished(finish(decode(request, 1)))
+    assert [row["client_request_id"] for row in rows] == ["reused\ufffd"] * 2  # NUL: no store's text holds it
+    keys = [row["request_id"] for row in rows]
+    assert len(set(keys)) == 2 and all(key.startswith(f"{runtime.recorder.row_ids.token}-") for key in keys)
 
 
 def test_a_feature_that_lands_after_its_request_finished_still_makes_the_row(build, sender_for):

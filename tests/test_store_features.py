@@ -99,6 +99,8 @@ def _old_store(path: Path, version: int, vectors: dict[str, np.ndarray]) -> None
     """A store as version 3 (features in `FLOAT[]`) or 4 (float32 bytes in a BLOB) created it."""
     features_ddl = _OLD_FEATURES_DDL.format(type={3: "FLOAT[]", 4: "BLOB"}[version])
     ddl = [features_ddl if "TABLE IF NOT EXISTS features" in text else text for text in SCHEMA_DDL]
+    ddl = [text.replace("  client_request_id VARCHAR,\n", "") for text in ddl]  # before version 7
+    assert not any("client_request_id" in text for text in ddl)
     assert ddl != list(SCHEMA_DDL)
     con = duckdb.connect(str(path))
     for text in ddl:
@@ -133,7 +135,7 @@ def test_a_version_3_store_converts_its_features_once_and_reads_back_every_float
     wide = store.training_frame(model_fingerprint="fp-wide")  # a reader migrates once, then reads
     narrow = store.training_frame(model_fingerprint="fp-narrow", recipe="last@20")
 
-    assert store.schema_version() == SCHEMA_VERSION == 6
+    assert store.schema_version() == SCHEMA_VERSION == 7
     np.testing.assert_array_equal(wide.features, np.stack([vectors[i] for i in wide.request_ids]))
     np.testing.assert_array_equal(narrow.features, np.stack([vectors[i] for i in narrow.request_ids]))
     assert (wide.features.shape, narrow.features.shape) == ((40, 6), (25, 3))
@@ -141,7 +143,10 @@ def test_a_version_3_store_converts_its_features_once_and_reads_back_every_float
         columns = {name for (name,) in con.execute("SELECT column_name FROM information_schema.columns "
                                                    "WHERE table_name = 'features'").fetchall()}
         file, row = con.execute("SELECT file, file_row FROM features WHERE request_id = 'a-0'").fetchone()
+        moved = con.execute("SELECT count(*) FROM requests WHERE client_request_id = request_id").fetchone()[0]
     dims = store.stored_dims()
+    assert moved == len(vectors)  # the key was the client's id before version 7: it is kept as that
+    assert store.recorded_lengths(["a-0", "b-3", "nobody"]) == {"a-0": (5, 0.0), "b-3": (5 + 43, 43.0)}
     assert "feature" not in columns and {"file", "file_row"} <= columns
     stored = pq.read_table(store.features_folder / file).column("feature")
     assert stored.type == pa.binary(24)  # 6 little-endian float32 values

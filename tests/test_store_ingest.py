@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from leap_io.feedback_schema import TRAINING_FINISH_REASONS
 from store.duckdb import LogStore, StoreBusyError
 from store.ingest import (
     REASON_UNREADABLE,
@@ -126,6 +127,31 @@ def test_fuzzed_segment_reconciles_row_for_row(store: LogStore, feedback: Path, 
     nan_row = int(segment.broken_rows["nan_feature"][0])
     assert json.loads(raw[nan_row])["feature"][0] == "nan"
     assert json.loads(raw[nan_row])["request_id"] == ids[nan_row]
+    _assert_reconciles(store)
+
+
+def test_a_client_id_reused_by_another_replica_drops_no_row_and_the_latest_row_is_its_recorded_length(
+        store: LogStore, feedback: Path) -> None:
+    # two replicas' segments whose clients reused the same ids ("client-0" ...): the keys are the replicas'
+    old = write_segment(feedback / "seg-a.parquet", 60, 8, seed=1, id_prefix="replica-a-", start_time=1_700_000_000.0)
+    new = write_segment(feedback / "seg-b.parquet", 60, 8, seed=2, id_prefix="replica-b-", start_time=1_800_000_000.0)
+    assert old.table.column("client_request_id").to_pylist() == new.table.column("client_request_id").to_pylist()
+
+    reports = ingest_folder(store, feedback)
+
+    assert [(r.accepted, r.duplicates) for r in reports] == [(60, 0), (60, 0)]
+    with store.connect(read_only=True) as con:
+        [(rows, clients)] = con.execute("SELECT count(*), count(DISTINCT client_request_id) FROM requests").fetchall()
+    assert (rows, clients) == (120, 60)
+    latest = {}
+    for segment in (old, new):  # the newer replica's label wins where it has one
+        clean = segment.table.take(segment.clean_rows)
+        for cid, tokens, arrival, reason in zip(*(clean.column(name).to_pylist() for name in (
+                "client_request_id", "output_tokens", "arrival_time", "finish_reason"))):
+            if reason in TRAINING_FINISH_REASONS:
+                latest[cid] = (tokens, arrival)
+    assert any(arrival > 1_800_000_000 for _, arrival in latest.values())
+    assert store.recorded_lengths(list(latest)) == latest
     _assert_reconciles(store)
 
 

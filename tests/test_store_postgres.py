@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("psycopg")
 
+import psycopg  # noqa: E402
+
 from store.ingest import (  # noqa: E402
     STATUS_CHECKSUM_CHANGED,
     STATUS_OK,
@@ -90,9 +92,9 @@ def test_the_same_segments_give_the_same_store_in_duckdb_and_postgresql(tmp_path
     space = latest_feature_space(pg)
     assert space == latest_feature_space(duck) and space.model_fingerprint == "fp-fuzz"
     assert largest_max_tokens(pg, space) == largest_max_tokens(duck, space) == 4096
-    frame = duck.training_frame(model_fingerprint="fp-fuzz")
-    wanted = list(frame.request_ids[:40]) + ["never-served"]
-    assert recorded_lengths(pg, wanted, "fp-fuzz") == recorded_lengths(duck, wanted, "fp-fuzz")
+    wanted = [f"client-{i}" for i in range(40)] + ["never-served"]  # the fuzz segments' client ids
+    recorded = recorded_lengths(duck, wanted, "fp-fuzz")
+    assert len(recorded) > 30 and recorded_lengths(pg, wanted, "fp-fuzz") == recorded
     for store in (duck, pg):
         assert recorded_gate(store, "m", "2", "1") is None
         store.record_gate("key", GATE_TIME, "m", "2", "1", True, '{"passed": true}', "{}", "run")
@@ -203,3 +205,22 @@ def test_the_ingest_flow_maps_batches_of_segments_over_workers_on_postgresql(
     assert sorted(stored.training_frame().request_ids) == sorted(
         rid for segment in written for rid in segment.table.take(segment.clean_rows).column("request_id").to_pylist())
     assert {row["segment"].split("/")[-2] for row in stored.ledger()} == {"r1", "r2"}
+
+
+def test_a_version_2_store_keeps_its_rows_ids_as_the_clients_ids(tmp_path: Path, postgres_url: str) -> None:
+    feedback = tmp_path / "feedback"
+    feedback.mkdir()
+    write_segment(feedback / "seg-0.parquet", 30, 8, seed=0, id_prefix="old-")
+    ingest_folder(store_at(postgres_url), feedback)
+    url = postgres_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(url) as con:  # the tables as version 2 left them: the key was the client's id
+        con.execute("ALTER TABLE requests DROP COLUMN client_request_id")
+        con.execute("UPDATE store_meta SET value = '2' WHERE key = 'schema_version'")
+
+    store = store_at(postgres_url)
+    assert store.schema_version() == 3
+    with psycopg.connect(url) as con:
+        rows = con.execute("SELECT request_id, client_request_id FROM requests").fetchall()
+    assert len(rows) > 20 and all(key == client for key, client in rows)
+    assert set(store.recorded_lengths([key for key, _ in rows])) <= {key for key, _ in rows}
+    assert store.recorded_lengths([key for key, _ in rows])

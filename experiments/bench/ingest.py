@@ -59,6 +59,7 @@ def write_synthetic_segment(path: str | Path, first_row: int, n: int, weights: n
 
     columns = {
         "request_id": pc.binary_join_element_wise("bench-", pc.utf8_lpad(numbers, 9, "0"), ""),
+        "client_request_id": pc.binary_join_element_wise("client-", numbers, ""),
         "model_id": repeat(BENCH_MODEL_ID),
         "model_fingerprint": repeat(BENCH_FINGERPRINT),
         "layer": pa.array(np.full(n, BENCH_LAYER, dtype=np.int32)),

@@ -37,7 +37,8 @@ FLUSH_WINDOW_S = 0.05
 
 
 def feedback_rows(folder: str | Path) -> tuple[Counter, Counter, int]:
-    """(rows per request id in complete segments, quarantined rows per request id, unreadable segments)."""
+    """(rows per client request id in complete segments, quarantined rows per client request id,
+    unreadable segments)."""
     import pyarrow.parquet as pq
 
     rows: Counter[str] = Counter()
@@ -46,7 +47,7 @@ def feedback_rows(folder: str | Path) -> tuple[Counter, Counter, int]:
     folder = Path(folder)
     for path in sorted(folder.glob("*.parquet")):
         try:
-            rows.update(pq.read_table(path, columns=["request_id"]).column("request_id").to_pylist())
+            rows.update(pq.read_table(path, columns=["client_request_id"]).column("client_request_id").to_pylist())
         except Exception:  # noqa: BLE001 - counted: ingest would quarantine it
             unreadable += 1
     for path in sorted(folder.glob("*/quarantine/*.jsonl")):
@@ -55,8 +56,8 @@ def feedback_rows(folder: str | Path) -> tuple[Counter, Counter, int]:
                 row = json.loads(line).get("row")
             except ValueError:
                 continue
-            if isinstance(row, dict) and row.get("request_id"):
-                quarantined[str(row["request_id"])] += 1
+            if isinstance(row, dict) and row.get("client_request_id"):
+                quarantined[str(row["client_request_id"])] += 1
     return rows, quarantined, unreadable
 
 
