@@ -45,6 +45,7 @@ import httpx
 from flows.push import PushFailed, push_readout, serving_version
 from leap_io.durable import write_bytes_durably, write_text_durably
 from leap_io.model_identity import serves
+from leap_io.push_bundle import with_sequence
 from registry.aliases import ALIASES, CHAMPION
 from registry.client import ReadoutRegistry
 
@@ -212,17 +213,34 @@ def _recover(registry: ReadoutRegistry, name: str, journal: _Journal, options: P
 # ---------------------------------------------------------------------------- the operation
 
 
-def publish_champion(champion_url: str | Path | None, name: str, bundle: bytes, readout_version: str,
-                     version: str | int, registry_uri: str | None = None) -> dict[str, Any] | None:
-    """Publish `bundle` as the champion of `name` in the registry at `registry_uri` (`leap_io.champion`);
-    None without a location, and the error instead of raising: the champion already serves and is named
-    by the registry."""
+def next_publication(champion_url: str | Path | None, name: str) -> int | None:
+    """The sequence number the next champion publication of `name` takes (None without a location, or when
+    the location cannot be read now: the pushes then carry none and replicas fall back to clocks)."""
     if not champion_url:
         return None
     from leap_io.champion import ChampionPublication
 
     try:
-        return ChampionPublication(champion_url).publish(name, bundle, readout_version, version, registry_uri)
+        return ChampionPublication(champion_url).next_sequence(name)
+    except Exception:  # noqa: BLE001 - the publication itself reports the location's error later
+        return None
+
+
+def publish_champion(champion_url: str | Path | None, name: str, bundle: bytes, readout_version: str,
+                     version: str | int, registry_uri: str | None = None,
+                     sequence: int | None = None) -> dict[str, Any] | None:
+    """Publish `bundle` as the champion of `name` in the registry at `registry_uri` (`leap_io.champion`),
+    as publication `sequence` (the one its pushes carried); None without a location, and the error
+    instead of raising: the champion already serves and is named by the registry."""
+    if not champion_url:
+        return None
+    from leap_io.champion import ChampionPublication
+    from leap_io.signing import SIGNING_KEY_ENV
+
+    signing_key = os.environ.get(SIGNING_KEY_ENV, "").strip() or None  # replicas with its public key check it
+    try:
+        return ChampionPublication(champion_url).publish(name, bundle, readout_version, version, registry_uri,
+                                                         signing_key=signing_key, sequence=sequence)
     except Exception as error:  # noqa: BLE001 - reported; replicas then restore their own last push
         return {"location": str(champion_url), "error": f"{type(error).__name__}: {error}"}
 
@@ -239,6 +257,9 @@ def _change(registry: ReadoutRegistry, name: str, kind: str,
             version = str(target[CHAMPION])
             previous = before.get(CHAMPION)
             bundle, expected = registry.push_bundle(name, version, force=kind == ROLLBACK)
+            sequence = next_publication(champion_url, name)
+            if sequence is not None:  # the replicas keep it, and tell a later publication by it, not by clocks
+                bundle = with_sequence(bundle, sequence)
             previous_bundle = previous_expected = None
             if previous is not None and previous != version:  # fetched now: putting it back needs no MLflow
                 previous_bundle, previous_expected = registry.push_bundle(name, previous, force=True)
@@ -276,7 +297,7 @@ def _change(registry: ReadoutRegistry, name: str, kind: str,
                 message += f". Journal {journal.path}: the next promotion or rollback restores the rest first"
             raise PromotionFailed(message, restored=restored, state={**journal.state, **outcome}) from error
         journal.remove()
-        published = publish_champion(champion_url, name, bundle, expected, version, registry.tracking_uri)
+        published = publish_champion(champion_url, name, bundle, expected, version, registry.tracking_uri, sequence)
     return {"name": name, "version": version, "readout_version": expected, "champion": version,
             "replaced": previous if previous != version else None, "aliases": target, "aliases_changed": changed,
             "pushed": pushed, "recovered": recovered, "published": published}

@@ -22,6 +22,7 @@ _COMMAND_MODULES = (
     "leap_cli.cmd_eval",
     "leap_cli.cmd_faults",
     "leap_cli.cmd_watch",
+    "leap_cli.cmd_keys",
 )
 
 for _name in _COMMAND_MODULES:

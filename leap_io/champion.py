@@ -15,8 +15,13 @@ A publication of registered model `name` is two objects under the location (a lo
 The bundle is written first and the JSON last, each whole (`leap_io.durable` locally; an S3 put is atomic),
 and the JSON names the bundle's digest: a reader that meets a bundle of another publication (written
 between its two reads) sees the digest differ and treats the publication as absent this time, never
-serving a mix. `published_at` is compared with a replica's own `saved_at`: both clocks must agree
-(one host, or NTP), as every timestamp the stack compares.
+serving a mix. Each publication of a name takes the next `sequence` number (1, 2, ...), and the
+bundle carries the same number (`leap_io.push_bundle`), so a replica that saved a push tells which
+came later by that counter, with no clock involved. With a signing key the JSON also holds an Ed25519 `signature` over the rest of it
+(`leap_io.signing`), and a reader given the public key refuses a publication that is unsigned or whose
+signature does not verify: whoever can write the location then still cannot choose what replicas
+serve. Only a push or publication without a sequence (made by hand, or by an older LEAP) is
+compared by time, `published_at` against the replica's own `saved_at`: then both clocks must agree.
 
 A publication names the registry whose champion it is. A replica that knows its own registry
 (`LEAP_REGISTRY_URI`) leaves a publication of another registry alone (two registries may share one
@@ -39,6 +44,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from leap_io import signing
 from leap_io.durable import write_bytes_durably
 from leap_io.object_store import is_object_url
 
@@ -56,6 +62,7 @@ class Publication:
     registry_version: str
     published_at: float
     registry: str | None = None  # `registry_key` of the publishing registry; None in older publications
+    sequence: int | None = None  # 1, 2, ... per location and name; None in older publications
 
 
 def registry_key(uri: str) -> str:
@@ -131,36 +138,63 @@ class ChampionPublication:
             return None
 
     # -- publications ----------------------------------------------------------------------------
+    def next_sequence(self, name: str) -> int:
+        """The sequence number the next publication of `name` takes: one past the current one's (1 when
+        there is none, or it predates sequences or cannot be read)."""
+        raw = self._read(f"{_check_name(name)}.json")
+        try:
+            current = json.loads(raw)["sequence"] if raw is not None else 0
+        except (ValueError, KeyError, TypeError):
+            current = 0
+        return int(current) + 1 if isinstance(current, int) and not isinstance(current, bool) and current > 0 else 1
+
     def publish(self, name: str, bundle: bytes, version: str, registry_version: str | int,
-                registry: str | None = None) -> dict[str, Any]:
+                registry: str | None = None, signing_key: str | Path | None = None,
+                sequence: int | None = None) -> dict[str, Any]:
         """Write `bundle` as the champion of `name` in the registry at tracking URI `registry` (bundle
-        first, JSON last); what was written."""
+        first, JSON last) as publication `sequence` (default `next_sequence`; the promotion flow takes it
+        first, under the alias lock, and pushes it inside the bundle), signed with the Ed25519 private key
+        at `signing_key` when one is given (`leap_io.signing`); what was written."""
         name = _check_name(name)
         meta = {"version": str(version), "registry_version": str(registry_version),
                 "registry": None if registry is None else registry_key(registry), "published_at": time.time(),
-                "sha256": _digest(bundle), "bytes": len(bundle)}
+                "sha256": _digest(bundle), "bytes": len(bundle),
+                "sequence": int(sequence) if sequence is not None else self.next_sequence(name)}
+        if signing_key is not None:
+            meta["signature"] = signing.sign(meta, signing.load_private_key(signing_key))
         self._write(f"{name}.bundle", bundle)
         self._write(f"{name}.json", json.dumps(meta, indent=1).encode())
         return {"location": self.location, "name": name, **meta}
 
-    def load(self, name: str) -> Publication | None:
-        """The champion published for `name`; None when none is; PublicationDamaged when it must not serve."""
+    def load(self, name: str, public_key: str | Path | None = None) -> Publication | None:
+        """The champion published for `name`; None when none is; PublicationDamaged when it must not serve
+        (with a `public_key`: also when it is unsigned or its signature does not verify)."""
         name = _check_name(name)
         raw = self._read(f"{name}.json")
         if raw is None:
             return None
         try:
             meta = json.loads(raw)
+            if public_key is not None:
+                if not isinstance(meta, dict):
+                    raise TypeError(f"the metadata is a {type(meta).__name__}, not an object")
+                signed = {key: value for key, value in meta.items() if key != "signature"}
+                signing.verify(signed, meta.get("signature"), signing.load_public_key(public_key))
             expected, version = str(meta["sha256"]), str(meta["version"])
             published_at = float(meta["published_at"])
             registry_version = str(meta.get("registry_version", ""))
             registry = meta.get("registry")
             if registry is not None and not isinstance(registry, str):
                 raise TypeError(f"registry is {type(registry).__name__}, not a string")
+            sequence = meta.get("sequence")
+            if sequence is not None and (not isinstance(sequence, int) or isinstance(sequence, bool) or sequence < 1):
+                raise TypeError(f"sequence is {sequence!r}, not a count from 1")
+        except signing.SignatureRefused as exc:
+            raise PublicationDamaged(f"{self.location}/{name}.json is refused: {exc}") from exc
         except (ValueError, KeyError, TypeError) as exc:
             raise PublicationDamaged(f"{self.location}/{name}.json is not a publication: {exc}") from exc
         bundle = self._read(f"{name}.bundle")
         if bundle is None or _digest(bundle) != expected:
             raise PublicationDamaged(f"{self.location}/{name}.bundle is missing or is not the one {name}.json "
                                      "names (a publication in progress, or an edited file)")
-        return Publication(bundle, version, registry_version, published_at, registry)
+        return Publication(bundle, version, registry_version, published_at, registry, sequence)

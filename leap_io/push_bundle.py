@@ -1,7 +1,10 @@
 """The push bundle: what the push flow sends a replica, a readout file plus its RLS anchor arrays.
 
-A body is either a bare leap_core readout file or an npz archive with `readout_bytes`, `rls_*` arrays
-and an optional `force` flag (push even when the version is older than the serving one).
+A body is either a bare leap_core readout file or an npz archive with `readout_bytes`, `rls_*` arrays,
+an optional `force` flag (push even when the version is older than the serving one) and an optional
+`sequence`: the number of the champion publication the push belongs to (`leap_io.champion`), which a
+replica keeps with its saved state so that, at restart, it tells a newer publication from an older one
+by that counter instead of by two hosts' clocks.
 
 A body comes from the network, so nothing in it is decompressed before its size is known: each member's
 uncompressed size comes from the zip directory and its dtype and shape from the .npy header, and both
@@ -25,6 +28,7 @@ RLS_MAX_ARRAY_BYTES = (MAX_DIM + 1) ** 2 * 8
 """One RLS array: P and A are (dim + 1) x (dim + 1) float64."""
 MAX_MEMBERS = 32
 FORCE_KEY = "force"
+SEQUENCE_KEY = "sequence"
 READOUT_KEY = "readout_bytes"
 RLS_PREFIX = "rls_"
 _NPY_HEADER_MAX = 10_000
@@ -48,6 +52,7 @@ class PushBundle:
     readout_bytes: bytes
     state: dict[str, np.ndarray] | None
     force: bool = False
+    sequence: int | None = None
 
 
 def max_bundle_bytes(dim: int | None = None) -> int:
@@ -147,9 +152,10 @@ def open_bundle(body: bytes, max_dim: int = MAX_DIM) -> PushBundle:
     arrays: dict[str, zipfile.ZipInfo] = {}
     for name, info in names.items():
         key = name.removesuffix(".npy")
-        if not name.endswith(".npy") or not (key in (READOUT_KEY, FORCE_KEY) or key.startswith(RLS_PREFIX)):
-            raise BundleError(f"the bundle has an unknown member {name!r} (expected {READOUT_KEY}, {FORCE_KEY} "
-                              f"and {RLS_PREFIX}* arrays)")
+        if not name.endswith(".npy") or not (key in (READOUT_KEY, FORCE_KEY, SEQUENCE_KEY)
+                                             or key.startswith(RLS_PREFIX)):
+            raise BundleError(f"the bundle has an unknown member {name!r} (expected {READOUT_KEY}, {FORCE_KEY}, "
+                              f"{SEQUENCE_KEY} and {RLS_PREFIX}* arrays)")
         shape, dtype = _npy_header(archive, info, "the bundle")
         if key == READOUT_KEY:
             if len(shape) != 1 or dtype != np.uint8:
@@ -157,9 +163,9 @@ def open_bundle(body: bytes, max_dim: int = MAX_DIM) -> PushBundle:
             if info.file_size > READOUT_MAX_BYTES + 1024:
                 raise BundleTooLarge(f"the readout file in the bundle has {shape[0]} bytes; at most "
                                      f"{READOUT_MAX_BYTES} are accepted")
-        elif key == FORCE_KEY:
+        elif key in (FORCE_KEY, SEQUENCE_KEY):
             if int(np.prod(shape)) != 1 or dtype.kind not in "biu":
-                raise BundleError(f"bundle member {FORCE_KEY} must be one bool or integer, got {dtype} {shape}")
+                raise BundleError(f"bundle member {key} must be one bool or integer, got {dtype} {shape}")
         else:
             if len(shape) > 2 or any(s > side for s in shape):
                 raise BundleTooLarge(f"RLS array {key[len(RLS_PREFIX):]} has shape {shape}; a readout of dim up to "
@@ -175,9 +181,14 @@ def open_bundle(body: bytes, max_dim: int = MAX_DIM) -> PushBundle:
     readout_bytes = _load(archive, arrays[READOUT_KEY], "the bundle").tobytes()
     check_readout_file(readout_bytes, max_dim)
     force = bool(_load(archive, arrays[FORCE_KEY], "the bundle").reshape(-1)[0]) if FORCE_KEY in arrays else False
+    sequence = None
+    if SEQUENCE_KEY in arrays:
+        sequence = int(_load(archive, arrays[SEQUENCE_KEY], "the bundle").reshape(-1)[0])
+        if sequence < 1:
+            raise BundleError(f"bundle member {SEQUENCE_KEY} counts publications from 1, got {sequence}")
     state = {key[len(RLS_PREFIX):]: _load(archive, info, "the bundle")
              for key, info in arrays.items() if key.startswith(RLS_PREFIX)}
-    return PushBundle(readout_bytes, state or None, force)
+    return PushBundle(readout_bytes, state or None, force, sequence)
 
 
 def read_bundle(body: bytes) -> tuple[bytes, dict[str, np.ndarray] | None]:
@@ -186,17 +197,26 @@ def read_bundle(body: bytes) -> tuple[bytes, dict[str, np.ndarray] | None]:
     return bundle.readout_bytes, bundle.state
 
 
-def make_bundle(readout_bytes: bytes, rls_state: dict[str, np.ndarray] | None, force: bool = False) -> bytes:
+def make_bundle(readout_bytes: bytes, rls_state: dict[str, np.ndarray] | None, force: bool = False,
+                sequence: int | None = None) -> bytes:
     """The inverse of `open_bundle`: what the push flow sends. `force` lets an older version replace a
-    newer one (a rollback)."""
+    newer one (a rollback); `sequence` is the champion publication it belongs to."""
     arrays = {READOUT_KEY: np.frombuffer(readout_bytes, dtype=np.uint8)}
     for key, value in (rls_state or {}).items():
         arrays[f"{RLS_PREFIX}{key}"] = np.asarray(value)
     if force:
         arrays[FORCE_KEY] = np.array(True)
+    if sequence is not None:
+        arrays[SEQUENCE_KEY] = np.array(int(sequence), dtype=np.int64)
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     return buffer.getvalue()
+
+
+def with_sequence(body: bytes, sequence: int) -> bytes:
+    """The same push as part of champion publication `sequence` (a member it had is replaced)."""
+    bundle = open_bundle(body)
+    return make_bundle(bundle.readout_bytes, bundle.state, force=bundle.force, sequence=sequence)
 
 
 def with_force(body: bytes) -> bytes:
@@ -215,4 +235,4 @@ def with_force(body: bytes) -> bytes:
             out.writestr(FORCE_KEY + ".npy", member.getvalue())
         return buffer.getvalue()
     bundle = open_bundle(body)
-    return make_bundle(bundle.readout_bytes, bundle.state, force=True)
+    return make_bundle(bundle.readout_bytes, bundle.state, force=True, sequence=bundle.sequence)

@@ -100,6 +100,10 @@ class LeapConfig(BaseSettings):
         description="folder or s3://bucket/prefix where promotions publish the champion (leap_io.champion), "
                     "served at start when newer than state_dir's push; default $LEAP_CHAMPION_URL, else "
                     "$LEAP_HOME/champion when LEAP_HOME is set; an empty string: off")
+    champion_public_key: str | None = Field(
+        None, description="PEM file of the Ed25519 public key a published champion must be signed with "
+                          "(leap_io.signing; LEAP_CHAMPION_PUBLIC_KEY); None: publications are not checked "
+                          "for a signature")
     queue_max: int = Field(65_536, ge=1, description="longest predictor / RLS queue; beyond it items are "
                                                      "dropped and counted")
     finished_memory: int = Field(65_536, ge=1, description="recently finished ids remembered to drop their "

@@ -33,7 +33,7 @@ import numpy as np
 from leap_core.readout import LinearReadout
 from leap_core.readout_format import to_bytes
 from leap_core.rls import RLS
-from leap_io.push_bundle import make_bundle, read_bundle
+from leap_io.push_bundle import make_bundle, open_bundle
 from serving.config import LeapConfig
 from serving.online import OnlineLearner
 from serving.predictor import PredictorService, Readout
@@ -159,13 +159,15 @@ class ReadoutService:
         logger.info("LEAP readout %s replaced %s", version, previous)
         return {"version": version, "previous": previous, "rls": self.learner.stats(), "persisted": persisted}
 
-    def persist(self, body: bytes, version: str) -> bool:
-        """Keep the bundle as this replica's state (a restart serves it again); False when not kept."""
+    def persist(self, body: bytes, version: str, sequence: int | None = None) -> bool:
+        """Keep the bundle as this replica's state (a restart serves it again), with the champion
+        publication it belongs to (`sequence`, else the one the bundle carries); False when not kept."""
         if self.state is None:
             return False
         try:
-            readout_bytes, rls_state = read_bundle(body)
-            self.state.save(readout_bytes, rls_state, version)
+            bundle = open_bundle(body)
+            self.state.save(bundle.readout_bytes, bundle.state, version,
+                            sequence if sequence is not None else bundle.sequence)
         except Exception:
             self._telemetry.drop("state", "write_error")
             logger.exception("LEAP could not persist readout %s to %s; it serves, but a restart will not "

@@ -1,7 +1,8 @@
 """Where the readout a replica serves at start comes from (`source` in `describe()`), in this order:
 
 0. "champion": the champion the last promotion published (`leap_io.champion`, at `champion_url`),
-   when it was published after this replica's last saved push and is another version: a replica that
+   when it was published after this replica's last saved push (by the publication sequence both carry;
+   by the clocks only for a push that carries none) and is another version: a replica that
    was down or not yet started during a promotion, a rollback or a fleet merge takes the champion
    without talking to the registry (validated like a push, then saved as its state);
 1. "state": the last push this replica accepted, from `state_dir` (`serving.readout_state`; a torn
@@ -27,12 +28,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from leap_io.champion import ChampionPublication, registry_key
+from leap_io.champion import ChampionPublication, Publication, registry_key
 from leap_io.model_identity import registered_model_name
 from leap_io.push_bundle import make_bundle
 from leap_io.redact import redact_text, redact_url
 from serving.readout_service import ReadoutService
-from serving.readout_state import StateDamaged
+from serving.readout_state import Saved, StateDamaged
 from serving.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,16 @@ logger = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "leap.readout_sources"
 REGISTRY_ENTRY_POINT = "mlflow"  # `registry_uri` is an MLflow tracking URI
 
+
+
+def published_is_newer(saved: Saved, published: Publication) -> bool:
+    """Whether a publication came after a replica's saved push: by their publication sequence when both
+    have one (no clock involved), else by the publisher's clock against this host's."""
+    if saved.version == published.version:
+        return False
+    if saved.sequence is not None and published.sequence is not None:
+        return published.sequence > saved.sequence
+    return published.published_at > saved.saved_at
 
 class RegistrySource(Protocol):
     """The registry a replica's champion is loaded from at start."""
@@ -112,7 +123,7 @@ class ReadoutSources:
         state = self.service.state
         try:
             name = self.model_name()
-            published = ChampionPublication(location).load(name)
+            published = ChampionPublication(location).load(name, public_key=self.config.champion_public_key)
             if published is None:
                 self.champion_status = {"state": "none", "location": redact_url(location), "model": name}
                 return False
@@ -125,7 +136,7 @@ class ReadoutSources:
                             "is %s", redact_url(location), redact_url(published.registry), redact_url(own))
                 return False
             saved = state.saved() if state is not None else None
-            if saved is not None and (saved[0] == published.version or saved[1] >= published.published_at):
+            if saved is not None and not published_is_newer(saved, published):
                 try:
                     state.load()  # the saved push serves, unless it is damaged
                     self.champion_status = {"state": "older-than-state", "version": published.version}
@@ -141,8 +152,8 @@ class ReadoutSources:
         self.service.serve(readout, rls, "champion")
         version = self.service.version
         self.champion_status = {"state": "loaded", "version": version, "model": name,
-                                "registry_version": published.registry_version}
-        self.service.persist(published.bundle, version)
+                                "registry_version": published.registry_version, "sequence": published.sequence}
+        self.service.persist(published.bundle, version, published.sequence)
         logger.info("LEAP serves the published champion %s of %s", version, name)
         return True
 

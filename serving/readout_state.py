@@ -11,6 +11,7 @@ import hashlib
 import json
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,6 +27,14 @@ def _digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+class Saved(NamedTuple):
+    """What a replica's saved push says of itself."""
+
+    version: str
+    saved_at: float  # this host's clock
+    sequence: int | None  # the champion publication it belongs to; None: a push that named none
+
+
 class ReadoutState:
     """The last accepted push of a replica, kept in one folder so a restart serves it again."""
 
@@ -36,8 +45,10 @@ class ReadoutState:
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
 
-    def save(self, readout_bytes: bytes, rls_state: dict[str, np.ndarray] | None, version: str) -> None:
-        """Write the push; `readout.json` goes last and names the digests of what it belongs to."""
+    def save(self, readout_bytes: bytes, rls_state: dict[str, np.ndarray] | None, version: str,
+             sequence: int | None = None) -> None:
+        """Write the push; `readout.json` goes last and names the digests of what it belongs to, and the
+        champion publication the push belongs to (`sequence`, when it came with one)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         write_bytes_durably(self.folder / self.READOUT, readout_bytes)
         rls_bytes = None
@@ -45,7 +56,7 @@ class ReadoutState:
             rls_bytes = make_bundle(b"", rls_state)  # an npz of the rls_* arrays (and an empty readout)
             write_bytes_durably(self.folder / self.RLS, rls_bytes)
         meta = {"version": version, "saved_at": time.time(), "readout_sha256": _digest(readout_bytes),
-                "rls_sha256": _digest(rls_bytes) if rls_bytes is not None else None}
+                "rls_sha256": _digest(rls_bytes) if rls_bytes is not None else None, "sequence": sequence}
         write_text_durably(self.folder / self.META, json.dumps(meta, indent=1))
         if rls_bytes is None:  # the anchor of an earlier push must not look like this one's
             (self.folder / self.RLS).unlink(missing_ok=True)
@@ -70,10 +81,13 @@ class ReadoutState:
             raise StateDamaged(f"unreadable state in {self.folder}: {exc}") from exc
         return readout_bytes, rls_state, meta
 
-    def saved(self) -> tuple[str, float] | None:
-        """(version, saved_at) of the last saved push, from its metadata alone; None when none is readable."""
+    def saved(self) -> Saved | None:
+        """The last saved push's version, time and publication sequence, from its metadata alone; None when
+        none is readable."""
         try:
             meta = json.loads((self.folder / self.META).read_text())
-            return str(meta["version"]), float(meta["saved_at"])
-        except (OSError, ValueError, KeyError, TypeError):
+            sequence = meta.get("sequence")
+            return Saved(str(meta["version"]), float(meta["saved_at"]),
+                         int(sequence) if isinstance(sequence, int) and not isinstance(sequence, bool) else None)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None

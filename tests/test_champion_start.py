@@ -4,6 +4,8 @@ replica down."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 
 import numpy as np
@@ -170,3 +172,122 @@ def test_a_replica_leaves_another_registrys_champion_alone(build, tmp_path):
 
     same = _start(build, tmp_path, registry_uri="http://registry-a:5000/")
     assert (same.describe()["source"], same.version) == ("champion", "20250106T000000-new00001")
+
+
+# -- signed publications ---------------------------------------------------------------------------------
+
+def test_a_signed_publication_reads_back_with_its_key_and_a_forged_one_never(tmp_path):
+    from leap_io.signing import generate_key_pair
+
+    keys = generate_key_pair(tmp_path / "keys")
+    other = generate_key_pair(tmp_path / "other-keys")
+    assert (tmp_path / "keys" / "champion.key").stat().st_mode & 0o777 == 0o600
+    publication = ChampionPublication(tmp_path / "champion")
+    publication.publish(NAME, b"the champion", "v7", 3, signing_key=keys["private_key"])
+    assert publication.load(NAME, public_key=keys["public_key"]).bundle == b"the champion"
+    with pytest.raises(PublicationDamaged, match="does not verify"):
+        publication.load(NAME, public_key=other["public_key"])
+
+    # whoever can write the folder, but holds no key: a new bundle with its digest, the old signature kept
+    meta_path = tmp_path / "champion" / f"{NAME}.json"
+    signed = json.loads(meta_path.read_text())
+    (tmp_path / "champion" / f"{NAME}.bundle").write_bytes(b"a forged champion")
+    meta_path.write_text(json.dumps({**signed, "sha256": "sha256:" + hashlib.sha256(b"a forged champion").hexdigest(),
+                                     "bytes": 17}))
+    assert publication.load(NAME).bundle == b"a forged champion"  # without a key, only the digest is checked
+    with pytest.raises(PublicationDamaged, match="does not verify"):
+        publication.load(NAME, public_key=keys["public_key"])
+    publication.publish(NAME, b"unsigned", "v8", 4)
+    with pytest.raises(PublicationDamaged, match="not signed"):
+        publication.load(NAME, public_key=keys["public_key"])
+    with pytest.raises(FileExistsError):
+        generate_key_pair(tmp_path / "keys")  # a key is never overwritten
+
+
+def test_a_replica_with_a_public_key_refuses_an_unsigned_champion_and_serves_a_signed_one(build, tmp_path):
+    from leap_io.signing import generate_key_pair
+
+    keys = generate_key_pair(tmp_path / "keys")
+    first = _start(build, tmp_path, champion_public_key=keys["public_key"])
+    first.push_readout(_bundle("20250101T000000-old00001"))
+    first.close()
+    publication = ChampionPublication(tmp_path / "champion")
+    publication.publish(NAME, _bundle("20250106T000000-new00001", 1), "20250106T000000-new00001", 5)
+
+    refused = _start(build, tmp_path, champion_public_key=keys["public_key"])
+    described = refused.describe()
+    assert (described["source"], described["version"]) == ("state", "20250101T000000-old00001")
+    assert described["champion"]["state"] == "failed" and "not signed" in described["champion"]["error"]
+    assert refused.telemetry.dropped("champion", "unusable") == 1
+    refused.close()
+
+    publication.publish(NAME, _bundle("20250106T000000-new00001", 1), "20250106T000000-new00001", 5,
+                        signing_key=keys["private_key"])
+    signed = _start(build, tmp_path, champion_public_key=keys["public_key"])
+    assert (signed.describe()["source"], signed.version) == ("champion", "20250106T000000-new00001")
+
+
+# -- publication sequence: which came later, without clocks ----------------------------------------------
+
+def test_a_bundle_carries_its_publication_sequence_and_refuses_a_bad_one():
+    from leap_io.push_bundle import BundleError, make_bundle, open_bundle, with_force, with_sequence
+
+    bundle = _bundle("v1")
+    assert open_bundle(bundle).sequence is None
+    numbered = with_sequence(bundle, 7)
+    assert open_bundle(numbered).sequence == 7 and open_bundle(with_force(numbered)).sequence == 7
+    assert open_bundle(with_sequence(numbered, 8)).sequence == 8
+    readout = open_bundle(bundle).readout_bytes
+    with pytest.raises(BundleError, match="counts publications from 1"):
+        open_bundle(make_bundle(readout, None, sequence=0))
+
+
+def test_publications_count_up_and_the_count_is_signed(tmp_path):
+    from leap_io.signing import generate_key_pair
+
+    keys = generate_key_pair(tmp_path / "keys")
+    publication = ChampionPublication(tmp_path / "champion")
+    assert publication.next_sequence(NAME) == 1
+    assert publication.publish(NAME, b"a", "v1", 1)["sequence"] == 1
+    assert publication.publish(NAME, b"b", "v2", 2, signing_key=keys["private_key"])["sequence"] == 2
+    assert publication.load(NAME, public_key=keys["public_key"]).sequence == 2
+    meta_path = tmp_path / "champion" / f"{NAME}.json"
+    meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), "sequence": 99}))
+    with pytest.raises(PublicationDamaged, match="does not verify"):  # the count cannot be raised unseen
+        publication.load(NAME, public_key=keys["public_key"])
+    assert publication.next_sequence(NAME) == 100
+
+
+def test_the_sequence_decides_between_a_saved_push_and_a_publication_whatever_the_clocks_say():
+    from leap_io.champion import Publication
+    from serving.readout_sources import published_is_newer
+    from serving.readout_state import Saved
+
+    now = time.time()
+    ahead = Saved("v5", now + 3600, 5)  # this host's clock runs an hour ahead of the publisher's
+    assert published_is_newer(ahead, Publication(b"", "v6", "6", now, sequence=6))
+    behind = Saved("v7", now - 3600, 7)  # a push that came after publication 6, on a slow clock
+    assert not published_is_newer(behind, Publication(b"", "v6", "6", now, sequence=6))
+    assert not published_is_newer(Saved("v6", now - 3600, None), Publication(b"", "v6", "6", now, sequence=6))
+    # a push without a sequence (by hand, or from an older LEAP): only the clocks can tell
+    assert not published_is_newer(Saved("v5", now + 3600, None), Publication(b"", "v6", "6", now, sequence=6))
+    assert published_is_newer(Saved("v5", now - 1, None), Publication(b"", "v6", "6", now, sequence=6))
+
+
+def test_a_replica_whose_clock_runs_ahead_takes_the_champion_published_after_its_push(build, tmp_path):
+    from leap_io.push_bundle import with_sequence
+
+    first = _start(build, tmp_path)
+    first.push_readout(with_sequence(_bundle("20250101T000000-old00001"), 1))  # a promotion's push
+    first.close()
+    meta_path = tmp_path / "state" / "readout.json"
+    saved = json.loads(meta_path.read_text())
+    assert saved["sequence"] == 1
+    meta_path.write_text(json.dumps({**saved, "saved_at": time.time() + 3600}))  # this host: an hour ahead
+    ChampionPublication(tmp_path / "champion").publish(
+        NAME, with_sequence(_bundle("20250106T000000-new00001", 1), 2), "20250106T000000-new00001", 5, sequence=2)
+
+    restarted = _start(build, tmp_path)
+
+    assert (restarted.describe()["source"], restarted.version) == ("champion", "20250106T000000-new00001")
+    assert restarted.readouts.state.saved().sequence == 2

@@ -95,6 +95,8 @@ def test_the_merged_champion_is_the_refit_on_all_feedback_and_serves_everywhere_
     assert registry.get_alias(name, CHAMPION) == merged_version
     assert result["versions_equal"] and set(result["versions"].values()) == {result["readout_version"]}
     assert result["promotion"]["published"]["version"] == result["readout_version"]
+    sequence = result["promotion"]["published"]["sequence"]  # the pushes carried the publication's number
+    assert sequence >= 1 and [r.readouts.state.saved().sequence for r in fleet["runtimes"]] == [sequence] * 3
     tags = registry.client.get_model_version(name, merged_version).tags
     assert json.loads(tags["merge_rows"]) == dict(zip(fleet["urls"], [24, 40, 14]))
     assert tags["merged_from"] == "1" and float(tags["merge_rows_until"]) <= time.time()

@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from leap_io.durable import write_text_durably
 from ops.stack import group_alive
 
 LOOPBACK = "127.0.0.1"
@@ -92,8 +93,7 @@ class ServeProcess:
                     "LEAP_FEEDBACK_DIR", "LEAP_REPLICA_ID"):
             env.pop(key, None)  # the replica serves what this suite gives it, nothing from the caller
         token_file = self.workdir / "admin.token"
-        token_file.write_text(self.token)
-        token_file.chmod(0o600)
+        write_text_durably(token_file, self.token, mode=0o600)  # never readable by others, not even briefly
         env.update({"LEAP_ADMIN_TOKEN_FILE": str(token_file), "LEAP_ADMIN_TOKEN": self.token,
                     "LEAP_STATE_DIR": str(self.state_dir), "PYTHONUNBUFFERED": "1"})
         return env
