@@ -228,7 +228,8 @@ def run_demo(n_prompts: int = 240, max_tokens: int = 1024, concurrency: int = 25
         if verdict.get("passed"):
             say("pushing and promoting the challenger")
             push = push_flow(version=fit["version"], name=fit["name"], promote=True)
-        served = httpx.get(f"{admin}/leap/readout", timeout=30).json()
+        served = httpx.get(f"{admin}/leap/readout", headers={"Authorization": f"Bearer {settings.token()}"},
+                           timeout=30).json()
         store = open_store(settings)
         counts, capped = store.counts(), _capped_fraction(store)
     finally:

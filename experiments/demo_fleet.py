@@ -107,14 +107,15 @@ def _kill_and_restart(settings: Any, rid: str) -> dict[str, Any]:
     return {"replica": rid, "killed": True, "restart_s": round(time.monotonic() - started, 1)}
 
 
-def _wait_versions(endpoints: list[str], want: str | None, timeout_s: float = 120.0) -> dict[str, str | None]:
+def _wait_versions(endpoints: list[str], token: str, want: str | None,
+                   timeout_s: float = 120.0) -> dict[str, str | None]:
     """The versions the replicas report, once all report `want` (or the timeout passes)."""
     from flows.fleet import replica_versions
     from leap_io.model_identity import serves
 
     deadline = time.monotonic() + timeout_s
     while True:
-        versions = replica_versions(endpoints)
+        versions = replica_versions(endpoints, token)
         if want is not None and all(v is not None and serves(v, want) for v in versions.values()):
             return versions
         if time.monotonic() > deadline:
@@ -169,7 +170,7 @@ def run_fleet_demo(replicas: int = 2, n_prompts: int = 160, max_tokens: int = 10
         os.environ.setdefault("LEAP_REGISTRY_URI", settings.mlflow_tracking_uri)  # a starting replica's champion
         say(f"starting {replicas} serving replicas (vLLM + LEAP)")
         stack.up(settings, rids)
-        champion = _wait_versions(endpoints, bootstrap.get("version") and _champion_readout(settings, bootstrap))
+        champion = _wait_versions(endpoints, token, bootstrap.get("version") and _champion_readout(settings, bootstrap))
         summary["versions_at_start"] = champion
 
         say(f"sending {len(prompts)} real prompts round-robin to {replicas} replicas")
@@ -191,7 +192,7 @@ def run_fleet_demo(replicas: int = 2, n_prompts: int = 160, max_tokens: int = 10
         drift = drift_flow()
         time.sleep(3.0)  # the writer fsyncs its open segment within a second of a request finishing
         restart = _kill_and_restart(settings, victim)
-        restart["versions"] = _wait_versions(endpoints, merge.get("readout_version"))
+        restart["versions"] = _wait_versions(endpoints, token, merge.get("readout_version"))
         for url in endpoints:
             _flush(url, token)
         ingest2 = ingest_flow()
@@ -208,7 +209,7 @@ def run_fleet_demo(replicas: int = 2, n_prompts: int = 160, max_tokens: int = 10
             if (gate.get("verdict") or {}).get("passed"):
                 say("promoting the challenger to every replica")
                 push = push_flow(version=fit["version"], name=fit["name"], promote=True)
-        versions = replica_versions(endpoints)
+        versions = replica_versions(endpoints, token)
         capped = _capped_fraction(store)
     finally:
         if not keep_serving:

@@ -332,12 +332,12 @@ def decide(state: DriftState, baseline: Baseline, policy: DriftPolicy, now: floa
 
 
 @task(name="scrape-replica", cache_policy=NO_CACHE)
-def scrape_replica(endpoint: str, timeout: float, now: float) -> dict[str, Any]:
+def scrape_replica(endpoint: str, token: str, timeout: float, now: float) -> dict[str, Any]:
     """One replica's readout (version, model, layer) and per-domain observations, stamped `now` (the
     watch's pass, so its decisions judge exactly what this pass saw); `error` when it fails."""
     try:
         with httpx.Client(timeout=timeout) as client:
-            described = client.get(f"{endpoint}/leap/readout")
+            described = client.get(f"{endpoint}/leap/readout", headers={"Authorization": f"Bearer {token}"})
             described.raise_for_status()
             info = described.json()
             if not isinstance(info, dict):
@@ -445,7 +445,8 @@ def drift_flow(name: str | None = None, act: bool = True) -> dict[str, Any]:
     settings = PipelineSettings()
     policy = DriftPolicy.from_settings(settings)
     now = time.time()
-    scrapes = [scrape_replica(endpoint, settings.drift_scrape_timeout_s, now) for endpoint in settings.endpoints]
+    token = settings.token()
+    scrapes = [scrape_replica(endpoint, token, settings.drift_scrape_timeout_s, now) for endpoint in settings.endpoints]
     unreachable = {s["endpoint"]: s["error"] for s in scrapes if "error" in s}
     name = _model_name(scrapes, name)
     result: dict[str, Any] = {"status": "watched", "name": name, "replicas": len(settings.endpoints),

@@ -234,7 +234,7 @@ def reconcile_replicas(tracking_uri: str, name: str, endpoints: Sequence[str], t
                                   "unreachable": {}, "failed": {}}
         for endpoint in endpoints:
             try:
-                reported = serving_version(endpoint, timeout=min(timeout, 10.0))
+                reported = serving_version(endpoint, token, timeout=min(timeout, 10.0))
             except (httpx.HTTPError, ValueError) as exc:
                 report["unreachable"][endpoint] = f"{type(exc).__name__}: {exc}"
                 continue
@@ -252,14 +252,14 @@ def reconcile_replicas(tracking_uri: str, name: str, endpoints: Sequence[str], t
         return report
 
 
-def replica_versions(endpoints: Sequence[str], timeout: float = 10.0) -> dict[str, str | None]:
+def replica_versions(endpoints: Sequence[str], token: str, timeout: float = 10.0) -> dict[str, str | None]:
     """The version each replica reports now (None: it does not answer)."""
     from flows.push import serving_version
 
     versions: dict[str, str | None] = {}
     for endpoint in endpoints:
         try:
-            versions[endpoint] = serving_version(endpoint, timeout=timeout)
+            versions[endpoint] = serving_version(endpoint, token, timeout=timeout)
         except (httpx.HTTPError, ValueError):
             versions[endpoint] = None
     return versions
@@ -309,7 +309,7 @@ def merge_flow(name: str | None = None) -> dict[str, Any]:
     if name:
         result["reconcile"] = reconcile_replicas(registry_uri(settings), name, settings.endpoints, token, lock,
                                                  settings.push_retries, settings.push_timeout_s)
-    versions = replica_versions(settings.endpoints)
+    versions = replica_versions(settings.endpoints, settings.token())
     result["versions"] = versions
     reported = [v for v in versions.values() if v is not None]
     result["versions_equal"] = bool(reported) and len(set(reported)) == 1 and len(reported) == len(versions)

@@ -77,7 +77,7 @@ def _reported(endpoint: str, options: PushOptions) -> str | None:
     """The version a replica reports, or None when it does not answer (after a few tries)."""
     for attempt in range(3):
         try:
-            return serving_version(endpoint, timeout=min(options.timeout, 10.0))
+            return serving_version(endpoint, options.token, timeout=min(options.timeout, 10.0))
         except (httpx.HTTPError, ValueError):
             time.sleep(options.backoff_s * 2 ** attempt)
     return None

@@ -35,9 +35,14 @@ def _error_text(response: httpx.Response) -> str:
     return str(body)[:500]
 
 
-def serving_version(endpoint: str, timeout: float = 10.0) -> str:
+def admin_headers(token: str) -> dict[str, str]:
+    """What every admin API request but health and metrics carries."""
+    return {"Authorization": f"Bearer {token}"}
+
+
+def serving_version(endpoint: str, token: str, timeout: float = 10.0) -> str:
     """The readout version a replica reports now ('' when it serves none)."""
-    response = httpx.get(endpoint.rstrip("/") + READOUT_PATH, timeout=timeout)
+    response = httpx.get(endpoint.rstrip("/") + READOUT_PATH, headers=admin_headers(token), timeout=timeout)
     response.raise_for_status()
     return str(response.json().get("version", ""))
 
@@ -50,7 +55,7 @@ def push_readout(endpoint: str, token: str, bundle_bytes: bytes, expected_versio
     refuses the bundle or does not report `expected_version` after `retries` further attempts.
     """
     url = endpoint.rstrip("/") + READOUT_PATH
-    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/octet-stream"}
+    headers = {**admin_headers(token), "Content-Type": "application/octet-stream"}
     last_problem = ""
     attempts = 0
     with httpx.Client(timeout=timeout) as client:
@@ -72,7 +77,7 @@ def push_readout(endpoint: str, token: str, bundle_bytes: bytes, expected_versio
                 continue
             previous = response.json().get("previous")
             try:
-                check = client.get(url)
+                check = client.get(url, headers=admin_headers(token))
                 check.raise_for_status()
                 reported = str(check.json().get("version", ""))
             except (httpx.HTTPError, ValueError) as exc:

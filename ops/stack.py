@@ -203,7 +203,7 @@ def status(settings: PipelineSettings, names: Iterable[str] | None = None) -> di
                           "log": str(log_file(settings.stack_dir, name))}
         if spec.admin_url is not None:
             replicas.append({"name": name, "url": spec.url, "up": up_now,
-                             **fleet.replica_report(spec.admin_url, name)})
+                             **fleet.replica_report(spec.admin_url, settings.token(), name)})
     layout = fleet.read_layout(settings)
     versions = sorted({str(r["version"]) for r in replicas if r.get("version")})  # "": no readout served
     return {"services": services, "replicas": replicas, "versions": versions,

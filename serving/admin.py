@@ -1,11 +1,12 @@
 """The admin API of a serving process: readout push, current version and RLS stats, Prometheus metrics.
 
 A small threaded HTTP server inside the engine-core process, beside the scheduler that uses the readout,
-so a push takes effect at the next step without touching the OpenAI front end. Writes need
-`Authorization: Bearer <token>`; every refusal is a JSON error and leaves the old readout serving.
+so a push takes effect at the next step without touching the OpenAI front end. Everything but
+`/leap/health` and `/metrics` needs `Authorization: Bearer <token>` (no token configured: refused with 403);
+every refusal is a JSON error and leaves the old readout serving.
 
   GET  /leap/health            200 while the target reports healthy (target.health(), when it has one), else 503
-  GET  /leap/readout           current readout metadata, version, capture and readout recipes, RLS stats
+  GET  /leap/readout           (token) current readout metadata, version, capture and readout recipes, RLS stats
   POST /leap/readout           body: a leap_core readout file, or a bundle (readout + RLS anchor);
                                `?force=1` lets an older version replace a newer one (a rollback)
   POST /leap/feedback/flush    close the open feedback segment so ingest sees every finished request
@@ -194,7 +195,8 @@ class _AdminHandler(BaseHTTPRequestHandler):
         if path == "/leap/health":
             self._health()
         elif path == "/leap/readout":
-            self._reply(200, self.target.describe())
+            if self._authorized():  # versions, recipes, sources and RLS figures are the operators' business
+                self._reply(200, self.target.describe())
         elif path == "/metrics":
             self._reply(200, generate_latest(self.target.metrics_registry), CONTENT_TYPE_LATEST)
         elif path == RLS_PATH:
@@ -208,7 +210,7 @@ class _AdminHandler(BaseHTTPRequestHandler):
     def _authorized(self) -> bool:
         """Whether the request carries the admin token; answers 403/401 itself when not."""
         if not self.token:
-            self._reply(403, {"error": "pushes are disabled: no admin token is configured "
+            self._reply(403, {"error": "this needs the admin token, and none is configured "
                                        "(set LEAP_ADMIN_TOKEN or LEAP_ADMIN_TOKEN_FILE)"})
             return False
         given = self.headers.get("Authorization", "")

@@ -20,6 +20,7 @@ from serving.feedback import FeedbackFlushError
 from serving.push import validate_push
 
 TOKEN = "admin-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 DIM = 8
 
 
@@ -108,7 +109,7 @@ def test_a_content_length_that_is_not_a_count_is_400_and_the_server_carries_on(s
     _, server, url = serve()
     status, body = _raw(server.port, _post_head(f"Content-Length: {value}\r\n"))
     assert status == 400 and "Content-Length" in body["error"]
-    assert httpx.get(f"{url}/leap/readout").status_code == 200
+    assert httpx.get(f"{url}/leap/readout", headers=AUTH).status_code == 200
 
 
 def test_a_push_without_a_length_or_with_a_chunked_body_is_411(serve):
@@ -143,7 +144,7 @@ def test_a_stalled_body_times_out_with_408_instead_of_holding_a_thread(serve):
     status, body = _raw(server.port, _post_head("Content-Length: 100\r\n"), b"PK" + b"x" * 8, timeout=10)
     assert status == 408 and "10 of 100 bytes" in body["error"]
     assert time.monotonic() - started < 5
-    assert httpx.get(f"{url}/leap/readout").status_code == 200
+    assert httpx.get(f"{url}/leap/readout", headers=AUTH).status_code == 200
 
 
 def test_concurrent_requests_beyond_the_cap_get_503_and_the_slots_come_back(serve):
@@ -151,10 +152,10 @@ def test_concurrent_requests_beyond_the_cap_get_503_and_the_slots_come_back(serv
     hogs = []
     for _ in range(2):  # two clients that send half a request and wait
         hog = socket.create_connection(("127.0.0.1", server.port), timeout=10)
-        hog.sendall(b"GET /leap/readout HTTP/1.1\r\nHost: x\r\n")
+        hog.sendall(b"GET /leap/readout HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\n")
         hogs.append(hog)
     time.sleep(0.3)
-    refused = httpx.get(f"{url}/leap/readout", timeout=5)
+    refused = httpx.get(f"{url}/leap/readout", headers=AUTH, timeout=5)
     assert refused.status_code == 503 and "busy" in refused.json()["error"]
     assert refused.headers["Retry-After"] == "1"
     assert server.refused_busy >= 1
@@ -163,7 +164,7 @@ def test_concurrent_requests_beyond_the_cap_get_503_and_the_slots_come_back(serv
         assert b"200" in hog.recv(100)
         hog.close()
     deadline = time.monotonic() + 5
-    while httpx.get(f"{url}/leap/readout", timeout=5).status_code != 200:
+    while httpx.get(f"{url}/leap/readout", headers=AUTH, timeout=5).status_code != 200:
         assert time.monotonic() < deadline
         time.sleep(0.05)
 
@@ -174,7 +175,7 @@ def test_many_clients_at_once_never_take_the_server_down(serve):
 
     def hit():
         try:
-            statuses.append(httpx.get(f"{url}/leap/readout", timeout=10).status_code)
+            statuses.append(httpx.get(f"{url}/leap/readout", headers=AUTH, timeout=10).status_code)
         except httpx.HTTPError:
             statuses.append(-1)
 
@@ -184,7 +185,7 @@ def test_many_clients_at_once_never_take_the_server_down(serve):
     for thread in threads:
         thread.join()
     assert set(statuses) <= {200, 503} and 200 in statuses
-    assert httpx.get(f"{url}/leap/readout", timeout=5).status_code == 200
+    assert httpx.get(f"{url}/leap/readout", headers=AUTH, timeout=5).status_code == 200
 
 
 def test_health_follows_the_targets_own_health(serve):
@@ -212,7 +213,7 @@ def test_a_failed_flush_is_an_error_answer_not_a_dropped_connection(serve):
 def test_an_error_in_describe_is_a_500_answer(serve):
     target, _, url = serve()
     target.describe_error = KeyError("version")
-    response = httpx.get(f"{url}/leap/readout")
+    response = httpx.get(f"{url}/leap/readout", headers=AUTH)
     assert response.status_code == 500 and "KeyError" in response.json()["error"]
 
 
@@ -229,7 +230,7 @@ def _trickle(port: int, stop: threading.Event, answers: list, every_s: float) ->
     """A client that sends one header line every `every_s` seconds, as a slow-loris attacker does."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
-            conn.sendall(b"GET /leap/readout HTTP/1.1\r\nHost: x\r\n")
+            conn.sendall(b"GET /leap/readout HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\n")
             while not stop.is_set():
                 conn.sendall(b"X-Trickle: 1\r\n")
                 stop.wait(every_s)
@@ -275,16 +276,16 @@ def test_trickling_clients_are_cut_off_at_the_head_deadline_and_health_is_answer
     registry = CollectorRegistry()
     registry.register(AdminRefusalCollector(server))
     assert 'leap_admin_refused_total{reason="head_deadline"} 4.0' in generate_latest(registry).decode()
-    assert httpx.get(f"{url}/leap/readout", timeout=5).status_code == 200
+    assert httpx.get(f"{url}/leap/readout", headers=AUTH, timeout=5).status_code == 200
 
 
 def test_one_address_holds_at_most_its_share_of_the_handlers(serve):
     _, server, url = serve(max_handlers=4, max_per_address=2, request_timeout=10)
     hogs = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(2)]
     for hog in hogs:
-        hog.sendall(b"GET /leap/readout HTTP/1.1\r\nHost: x\r\n")
+        hog.sendall(b"GET /leap/readout HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\n")
     time.sleep(0.3)
-    refused = httpx.get(f"{url}/leap/readout", timeout=5)
+    refused = httpx.get(f"{url}/leap/readout", headers=AUTH, timeout=5)
     assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
     assert server.refusals() == {"per_address": 1}
     for hog in hogs:
@@ -301,4 +302,20 @@ def test_a_request_line_that_never_ends_is_408_at_the_head_deadline(serve):
         answer = conn.recv(4096)
     assert answer.startswith(b"HTTP/1.0 408") and time.monotonic() - started < 5
     assert server.refusals() == {"head_deadline": 1}
-    assert httpx.get(f"{url}/leap/readout", timeout=5).status_code == 200
+    assert httpx.get(f"{url}/leap/readout", headers=AUTH, timeout=5).status_code == 200
+
+
+def test_every_read_but_health_and_metrics_needs_the_token(serve):
+    _, _, url = serve()
+    assert httpx.get(f"{url}/leap/readout").status_code == 401
+    assert httpx.get(f"{url}/leap/readout", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(f"{url}/leap/rls").status_code == 401
+    assert httpx.get(f"{url}/leap/readout", headers=AUTH).status_code == 200
+    assert httpx.get(f"{url}/leap/health").status_code == 200 and httpx.get(f"{url}/metrics").status_code == 200
+    tokenless = AdminServer(Target(), "127.0.0.1", 0, None)  # no token: nothing but health and metrics
+    try:
+        bare = f"http://127.0.0.1:{tokenless.port}"
+        assert httpx.get(f"{bare}/leap/readout").status_code == 403
+        assert httpx.get(f"{bare}/metrics").status_code == 200
+    finally:
+        tokenless.close()

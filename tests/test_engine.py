@@ -151,7 +151,8 @@ def test_waiting_cap_holds_and_nothing_starves(live):
 
 
 def _get(runtime, path="/leap/readout"):
-    return httpx.get(f"http://127.0.0.1:{runtime.admin.port}{path}", timeout=10)
+    return httpx.get(f"http://127.0.0.1:{runtime.admin.port}{path}", headers={"Authorization": f"Bearer {TOKEN}"},
+                     timeout=10)
 
 
 def _push(runtime, body: bytes, token: str | None = TOKEN):

@@ -87,7 +87,7 @@ def test_push_swaps_the_readout_and_verifies_the_reported_version(replica):
     readout, rls = _readout(DIM, "v-one", seed=0)
     result = push_readout(url, TOKEN, _bundle(readout, rls), "v-one", retries=0)
     assert result["version"] == "v-one" and result["attempts"] == 1
-    assert serving_version(url) == "v-one"
+    assert serving_version(url, TOKEN) == "v-one"
     np.testing.assert_allclose(target.readout.coef_, readout.coef_)
 
 
@@ -100,7 +100,7 @@ def test_wrong_token_is_refused_at_once_and_the_old_readout_keeps_serving(replic
         push_readout(url, "wrong", _bundle(second, rls2), "v-two", retries=3, backoff_s=5.0)
     assert failure.value.status == 401
     assert "token" in str(failure.value)
-    assert serving_version(url) == "v-one"
+    assert serving_version(url, TOKEN) == "v-one"
 
 
 def test_wrong_dim_is_refused_with_the_reason(replica):
@@ -110,7 +110,7 @@ def test_wrong_dim_is_refused_with_the_reason(replica):
         push_readout(url, TOKEN, _bundle(readout, rls), "v-wide", retries=0)
     assert failure.value.status == 409
     assert "dim" in str(failure.value)
-    assert serving_version(url) == ""
+    assert serving_version(url, TOKEN) == ""
 
 
 def test_server_errors_are_retried_until_the_version_serves():

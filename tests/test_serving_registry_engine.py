@@ -30,7 +30,9 @@ def _free_port() -> int:
 
 def _described(port: int) -> dict | None:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/leap/readout", timeout=5) as answer:
+        asked = urllib.request.Request(f"http://127.0.0.1:{port}/leap/readout",
+                                       headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(asked, timeout=5) as answer:
             return json.loads(answer.read())
     except OSError:
         return None

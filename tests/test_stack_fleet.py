@@ -242,7 +242,8 @@ def test_status_reports_each_replica_version_and_live_figures(tmp_path):
     targets[0].domain["mae"].labels(domain="code").set(12.0)  # its other figures not computed yet: left out
     servers = _admin_pair(targets)
     try:
-        settings = PipelineSettings(home=tmp_path, admin_port=servers[0].port, serving_port=servers[0].port + 100)
+        settings = PipelineSettings(home=tmp_path, admin_port=servers[0].port, serving_port=servers[0].port + 100,
+                                    admin_token="token")
         fleet.write_layout(settings, fleet.FleetLayout(replicas=2, postgres_port=1, s3_port=2))
         status = stack.status(settings, ["serving-0", "serving-1"])
     finally:
@@ -260,6 +261,6 @@ def test_status_reports_each_replica_version_and_live_figures(tmp_path):
     assert (two["version"], two["spearman"], two["mae"], two["finished"]) == ("7+rls3", None, None, 5)
     assert "by_domain" not in two
 
-    gone = fleet.replica_report(one["admin_url"])  # the server is closed now
+    gone = fleet.replica_report(one["admin_url"], "token")  # the server is closed now
     assert gone["admin_up"] is False and gone["version"] is None and "error" in gone
     assert "metrics_error" in fleet.parse_gauges("leap_rolling_mae{ not prometheus")

@@ -190,13 +190,16 @@ def run_http(kind: str, spec: dict, timeout_s: float = 600.0) -> dict:
     """Start the server in its own process group, replay the trace through /v1/completions, stop it."""
     import asyncio
     import os
+    import secrets
     import signal
 
     import httpx
 
     port, admin_port = _free_port(), _free_port()
     # a user's server: engine core in its own process, and a LEAP home of its own (no earlier push restored)
-    env = dict(os.environ, LEAP_HOME=tempfile.mkdtemp(prefix=f"leap-bench-{kind}-"), VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    token = secrets.token_urlsafe(24)
+    env = dict(os.environ, LEAP_HOME=tempfile.mkdtemp(prefix=f"leap-bench-{kind}-"), VLLM_ENABLE_V1_MULTIPROCESSING="1",
+               LEAP_ADMIN_TOKEN=token)
     log = open(Path(env["LEAP_HOME"]) / "server.log", "w")
     server = subprocess.Popen(server_command(kind, spec, port, admin_port), stdout=log, stderr=subprocess.STDOUT,
                               env=env, start_new_session=True)
@@ -239,7 +242,8 @@ def run_http(kind: str, spec: dict, timeout_s: float = 600.0) -> dict:
                   "mean_latency_s": float(latency.mean()), "output_tokens": tokens, "latency_s": latency.tolist(),
                   "ready_before_decode": None}
         if kind == LEAP:
-            stats = httpx.get(f"http://127.0.0.1:{admin_port}/leap/readout", timeout=10).json().get("stats", {})
+            stats = httpx.get(f"http://127.0.0.1:{admin_port}/leap/readout", headers={"Authorization": f"Bearer {token}"},
+                              timeout=10).json().get("stats", {})
             result["ready_before_decode"] = stats.get("ready_before_decode")
         return result
     finally:

@@ -244,7 +244,8 @@ def malformed_admin(replica: Replica, slow: bool = True) -> dict[str, Any]:
 
     def hit() -> None:
         try:
-            flood[str(httpx.get(f"{replica.admin.url}/leap/readout", timeout=30).status_code)] += 1
+            flood[str(httpx.get(f"{replica.admin.url}/leap/readout", timeout=30,
+                                headers={"Authorization": f"Bearer {replica.admin.token}"}).status_code)] += 1
         except httpx.HTTPError as exc:
             flood[type(exc).__name__] += 1
 

@@ -91,8 +91,9 @@ class Traffic:
 class VersionPoller:
     """GET /leap/readout every `interval_s`; records (time the request was sent, version, generation)."""
 
-    def __init__(self, url: str, interval_s: float = 0.025) -> None:
+    def __init__(self, url: str, token: str, interval_s: float = 0.025) -> None:
         self.url = url
+        self.headers = {"Authorization": f"Bearer {token}"}
         self.interval_s = interval_s
         self.observations: list[tuple[float, str, int]] = []
         self.errors = 0
@@ -104,7 +105,7 @@ class VersionPoller:
             while not self._stop.is_set():
                 sent = time.monotonic()
                 try:
-                    described = client.get(f"{self.url}/leap/readout").json()
+                    described = client.get(f"{self.url}/leap/readout", headers=self.headers).json()
                     self.observations.append((sent, str(described.get("version", "")),
                                               int(described.get("generation", -1))))
                 except (httpx.HTTPError, ValueError):
@@ -135,7 +136,7 @@ def push_during_rls(replica: Replica, pushes: int = 3, wait_for_publish_s: float
     number = first_version or ((int(key[1]) + 1) if key is not None and key[0] == "v" else 11)
     _, health = replica.admin.health()
     stale_before = health.get("counters", {}).get("dropped", {}).get("readout/stale_generation", 0)
-    poller = VersionPoller(replica.admin.url).start()
+    poller = VersionPoller(replica.admin.url, replica.admin.token).start()
     traffic = Traffic(replica, concurrency=8, limit=3000, tag="rls", seed=4).start()
     acks: list[dict[str, Any]] = []
     publishes_before_push: list[int] = []

@@ -144,7 +144,7 @@ class ServeProcess:
 
     def admin_answers(self, timeout: float = 2.0) -> bool:
         try:
-            return httpx.get(f"{self.admin_url}/leap/readout", timeout=timeout).status_code == 200
+            return httpx.get(f"{self.admin_url}/metrics", timeout=timeout).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -280,7 +280,8 @@ class Admin:
         self.timeout = timeout
 
     def readout(self) -> dict:
-        response = httpx.get(f"{self.url}/leap/readout", timeout=self.timeout)
+        response = httpx.get(f"{self.url}/leap/readout", timeout=self.timeout,
+                             headers={"Authorization": f"Bearer {self.token}"})
         response.raise_for_status()
         return response.json()
 
