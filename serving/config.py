@@ -75,6 +75,11 @@ class LeapConfig(BaseSettings):
         False, description="let RLS learn lengths a request forced (ignore_eos, min_tokens, a max_tokens below the "
                            "readout's budget): only for replays that force recorded true lengths, never for clients")
     rls_forgetting: float = Field(1.0, gt=0.0, le=1.0)
+    rls_tenant_max_share: float | None = Field(
+        0.5, gt=0.0, le=1.0, description="most of the last rls_tenant_window label rows one tenant (leap_tenant) "
+                                         "may teach RLS while more than one tenant sends; None: no cap "
+                                         "(serving/tenant_share.py)")
+    rls_tenant_window: int = Field(256, ge=1, description="label rows the tenant cap looks back over")
     ready_wait_ms: float = Field(200.0, ge=0.0, description="longest wait for a missing prediction")
     feedback_dir: str | None = Field(None, description="folder of feedback segments; None: no feedback")
     segment_max_rows: int = Field(5000, ge=1)

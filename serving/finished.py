@@ -5,7 +5,8 @@ can land after the finish: then the row waits for it, up to `LATE_FEATURE_S`, an
 feature arrives (settled every step) or without it once the wait is over (counted as
 `feature_never_arrived`). Only lengths that say how long the answer really was teach RLS
 (`leap_io.labels`: not aborted, not capped below the readout's budget or otherwise steered by the
-client); the others are counted as dropped `rls_row`s by reason.
+client); the others are counted as dropped `rls_row`s by reason, and so are the rows of a tenant past its
+share of what RLS learns (`serving.tenant_share`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from serving.config import LeapConfig
 from serving.readout_service import ReadoutService
 from serving.recorder import FeedbackRecorder
 from serving.telemetry import Telemetry
+from serving.tenant_share import TenantShare
 from serving.tracking import RequestTracker
 
 LATE_FEATURE_S = 5.0  # how long a finished request's row waits for a feature still on its way
@@ -36,6 +38,7 @@ class FinishedRequests:
         self._recorder = recorder
         self._telemetry = telemetry
         self._late_rows: dict[str, tuple] = {}  # finished, waiting for their feature (engine thread only)
+        self._tenants = TenantShare(config.rls_tenant_max_share, config.rls_tenant_window)
 
     def finish(self, request: Any) -> None:
         """Forget the request, write its feedback row once and hand (feature, true length) to RLS."""
@@ -61,7 +64,10 @@ class FinishedRequests:
         if feature is not None and output_tokens > 0:
             problem = self._label_problem(request, policy)
             if problem is None or (problem in FORCED_LENGTH_PROBLEMS and self.config.rls_learns_forced_lengths):
-                self._readouts.observe(feature, output_tokens)
+                if self._tenants.admit(entry.extras.leap_tenant if entry is not None else None):
+                    self._readouts.observe(feature, output_tokens)
+                else:
+                    self._telemetry.drop("rls_row", "tenant_share")
             elif problem in LABEL_PROBLEMS:
                 self._telemetry.drop("rls_row", problem)
         if feature is None and output_tokens > 0:

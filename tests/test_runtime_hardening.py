@@ -398,3 +398,38 @@ def test_the_configured_readout_file_serves_when_there_is_no_state(build, tmp_pa
     path.write_bytes(to_bytes(first_value_readout("from-file")))
     runtime = build(policy="leap", readout_path=str(path), state_dir=str(tmp_path / "state"))
     assert runtime.describe()["source"] == "config" and runtime.version == "from-file"
+
+
+# -- one tenant cannot fill what RLS learns -------------------------------------------------------------
+def test_a_tenant_past_its_share_of_the_label_rows_teaches_rls_no_more_while_others_send(build, sender_for):
+    runtime = build(policy="leap", rls=True, rls_every=1000, rls_tenant_max_share=0.5, rls_tenant_window=8)
+    readout = first_value_readout("tenants-1")
+    runtime.push_readout(make_bundle(to_bytes(readout), _anchor(readout)))
+    sender = sender_for(runtime)
+    tenants = ["big"] * 6 + ["small"] + ["big"] * 5  # big alone first: no cap while it is the only tenant
+    requests = [make_request(f"t{i}-0000000{i % 10}", max_tokens=1, extra={"leap_tenant": tenant})
+                for i, tenant in enumerate(tenants)]
+    for request in requests:
+        sender.send([request.request_id], feature(2.0)[None])
+    assert eventually(lambda: all(r.request_id in runtime.features for r in requests))
+    for request in requests:
+        runtime.on_finished(finish(decode(request, 1), RequestStatus.FINISHED_STOPPED))
+    # big: 6 learned alone; once small sends, big's rows wait until fewer than 4 of the last 8 are its own
+    # learned rows: the 4 next are refused, the 5th (the window has moved past 4 of its early rows) learned
+    assert eventually(lambda: runtime.learner.stats()["observed"] == 6 + 1 + 1)
+    assert sample(runtime, "leap_dropped_total", what="rls_row", reason="tenant_share") == 4
+
+
+def test_one_tenant_alone_teaches_rls_every_row(build, sender_for):
+    runtime = build(policy="leap", rls=True, rls_every=1000, rls_tenant_max_share=0.5, rls_tenant_window=4)
+    readout = first_value_readout("tenants-2")
+    runtime.push_readout(make_bundle(to_bytes(readout), _anchor(readout)))
+    sender = sender_for(runtime)
+    requests = [make_request(f"solo{i}-0000000{i}", max_tokens=1) for i in range(9)]
+    for request in requests:
+        sender.send([request.request_id], feature(2.0)[None])
+    assert eventually(lambda: all(r.request_id in runtime.features for r in requests))
+    for request in requests:
+        runtime.on_finished(finish(decode(request, 1), RequestStatus.FINISHED_STOPPED))
+    assert eventually(lambda: runtime.learner.stats()["observed"] == 9)
+    assert sample(runtime, "leap_dropped_total", what="rls_row", reason="tenant_share") == 0

@@ -1,0 +1,49 @@
+"""How much of what RLS learns one tenant may supply.
+
+RLS corrects the serving readout with every honest label (`leap_io.labels`), so a tenant that sends most
+of the traffic would decide most of the correction, and a tenant that floods could steer it for everyone.
+`TenantShare` keeps the tenants of the last `window` label rows and lets one tenant supply at most
+`max_share` x `window` of the rows RLS learns from among them; its rows beyond that are counted and not
+learned. The cap binds only while more than one tenant is in the window: a replica that serves one tenant
+(or none named) learns from every row, and a stray row of another tenant stops binding once `window`
+rows have passed. Rows without
+`leap_tenant` count as one tenant of their own.
+
+A tenant is whatever the request's `leap_tenant` extra says; it protects one tenant from another only
+where a gateway sets that extra and clients cannot.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+
+
+class TenantShare:
+    """Admits a row to RLS unless its tenant already supplied `max_share` x `window` of the rows admitted
+    from the last `window` rows seen, while those rows came from more than one tenant."""
+
+    def __init__(self, max_share: float | None, window: int) -> None:
+        if max_share is not None and not 0.0 < max_share <= 1.0:
+            raise ValueError(f"max_share is a fraction in (0, 1], not {max_share}")
+        if window < 1:
+            raise ValueError(f"window counts rows, at least 1, not {window}")
+        self.max_share, self.window = max_share, int(window)
+        self._recent: deque[tuple[str, bool]] = deque()  # (tenant, admitted) of the last `window` rows seen
+        self._seen: Counter[str] = Counter()
+        self._admitted: Counter[str] = Counter()
+
+    def admit(self, tenant: str | None) -> bool:
+        """Whether this tenant's row may teach RLS now (every row seen joins the window)."""
+        key = tenant or ""
+        admitted = (self.max_share is None or not (set(self._seen) - {key})
+                    or self._admitted[key] + 1 <= self.max_share * self.window)
+        self._recent.append((key, admitted))
+        self._seen[key] += 1
+        self._admitted[key] += admitted
+        if len(self._recent) > self.window:
+            oldest, was_admitted = self._recent.popleft()
+            self._seen[oldest] -= 1
+            self._admitted[oldest] -= was_admitted
+            if not self._seen[oldest]:
+                del self._seen[oldest], self._admitted[oldest]
+        return admitted
