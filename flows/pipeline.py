@@ -29,6 +29,7 @@ from flows.tasks import (
     plain,
     promote_if_passed,
     prune_feedback,
+    prune_registry,
     push_champion,
     record_gate,
     recorded_gate,
@@ -204,18 +205,25 @@ def rollback_flow(name: str | None = None) -> dict[str, Any]:
 
 @flow(name="leap-retrain")
 def retrain_flow(force_gate: bool = False) -> dict[str, Any]:
-    """Ingest new feedback, fit, gate the challenger, and push and promote it when it passes."""
+    """Ingest new feedback, fit, gate the challenger, and push and promote it when it passes; then prune
+    the registry's old versions (`registry_keep_versions`)."""
     summary: dict[str, Any] = {"ingest": ingest_flow()}
     fit = fit_flow()
     summary["fit"] = fit
     if fit["status"] not in ("fitted", "reused"):
         return {"status": fit["status"], **summary}
     if fit["version"] == fit.get("champion"):
-        return {"status": "unchanged", **summary}
-    gate = gate_flow(version=fit["version"], name=fit["name"], force=force_gate)
-    summary["gate"] = gate
-    verdict = gate.get("verdict") or {}
-    if not verdict.get("passed"):
-        return {"status": "rejected", **summary}
-    summary["push"] = push_flow(version=fit["version"], name=fit["name"], promote=True)
-    return {"status": summary["push"]["status"], **summary}
+        status = "unchanged"
+    else:
+        gate = gate_flow(version=fit["version"], name=fit["name"], force=force_gate)
+        summary["gate"] = gate
+        if (gate.get("verdict") or {}).get("passed"):
+            summary["push"] = push_flow(version=fit["version"], name=fit["name"], promote=True)
+            status = summary["push"]["status"]
+        else:
+            status = "rejected"
+    settings = PipelineSettings()
+    if settings.registry_keep_versions is not None:
+        summary["registry_pruned"] = prune_registry(registry_uri(settings), fit["name"],
+                                                    settings.registry_keep_versions, settings.alias_lock_location)
+    return {"status": status, **summary}

@@ -39,6 +39,10 @@ class PipelineSettings(BaseSettings):
     feedback_retention_days: float | None = Field(
         None, ge=0, description="remove a feedback segment this many days after all its rows were ingested "
                                 "(store.retention; unreadable, failed and changed segments are kept); None: keep all")
+    registry_keep_versions: int | None = Field(
+        20, ge=1, description="after each retrain, delete the registered versions (and their runs' artifacts) "
+                              "that no alias names and that are not among the newest N (registry.retention); "
+                              "None: keep all")
     ingest_workers: int = Field(
         2, ge=1, description="segments ingested at once by the ingest flow's mapped tasks on a PostgreSQL "
                              "store (the DuckDB file takes one writer: its ingest stays sequential)")

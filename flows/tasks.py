@@ -143,6 +143,12 @@ def ingest_feedback(store_location: str, feedback_dir: str, retry_failed: bool =
     return {**summary, "store": store.counts(), "finish_reasons": store.finish_reasons()}
 
 
+@task(name="prune-registry", cache_policy=NO_CACHE)
+def prune_registry(tracking_uri: str, name: str, keep_last: int, lock_path: str | None = None) -> dict[str, Any]:
+    """Delete the versions of `name` no alias names beyond the newest `keep_last`, with their artifacts."""
+    return registry_at(tracking_uri, lock_path).prune_versions(name, keep_last)
+
+
 @task(name="prune-feedback", cache_policy=NO_CACHE)
 def prune_feedback(store_location: str, feedback_dir: str, retention_days: float,
                    s3_endpoint_url: str | None = None) -> dict[str, int]:

@@ -6,7 +6,8 @@ against it, and `previous-champion` keeps the last good version one step away fo
 
 `ReadoutRegistry` is the one door to MLflow, put together from its roles: writing runs
 (`registry.runs`), loading readouts (`registry.loading`), finding versions and earlier runs
-(`registry.lookups`) and moving aliases under the alias lock (`registry.aliases`, `registry.locking`).
+(`registry.lookups`), moving aliases under the alias lock (`registry.aliases`, `registry.locking`) and
+pruning old versions with their files (`registry.retention`).
 Everything is logged through `MlflowClient` with explicit run ids: the fluent API keeps a global
 active run, which a Prefect task or a second thread would otherwise share or leak. Every call is
 retried while the server may come back and then fails as `RegistryUnavailable`; a call MLflow refuses
@@ -35,6 +36,7 @@ from registry.calls import (
 from registry.loading import LoadingMixin
 from registry.locking import DEFAULT_LOCK_TIMEOUT_S, AliasLock, AliasLockHandle, AliasLockTimeout, default_lock_path
 from registry.lookups import LookupMixin
+from registry.retention import RetentionMixin
 from registry.runs import RunsMixin
 from registry.tracking import ensure_db, sqlite_path
 
@@ -42,7 +44,7 @@ __all__ = ["ALIASES", "CHALLENGER", "CHAMPION", "PREVIOUS_CHAMPION", "AliasLockT
            "RegistryError", "RegistryUnavailable", "ensure_db"]
 
 
-class ReadoutRegistry(RunsMixin, LoadingMixin, LookupMixin, AliasMixin):
+class ReadoutRegistry(RunsMixin, LoadingMixin, LookupMixin, AliasMixin, RetentionMixin):
     """Log, register, promote and load LEAP readouts in one MLflow tracking store.
 
     `artifact_location` defaults to an `artifacts` folder next to a sqlite database, so a store is

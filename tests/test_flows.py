@@ -244,6 +244,8 @@ def test_passing_gate_is_pushed_then_promoted_and_retrain_then_has_nothing_to_do
     assert rerun["status"] == "unchanged"
     assert rerun["ingest"]["accepted"] == 0 and rerun["fit"]["status"] == "reused"
     assert registry.get_alias(name, CHAMPION) == version
+    # the retrain ends by pruning the registry: the champion stays, there is nothing else to drop yet
+    assert rerun["registry_pruned"] == {"name": name, "kept": [version], "pruned": [], "dry_run": False}
 
 
 # ---------------------------------------------------------------------------- the CLI: promote, rollback
