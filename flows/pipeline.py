@@ -114,10 +114,11 @@ def fit_flow(since: float | None = None, until: float | None = None, alpha: str 
         since = time.time() - 3600.0 * settings.train_window_hours
     try:
         frame = select_training_window(store_location(settings), space, since, until, settings.domains,
-                                       settings.min_rows)
+                                       settings.min_rows, settings.train_max_rows)
         result = fit_and_register(frame, registry_uri(settings), space, alpha or settings.alpha,
                                   settings.target, settings.max_tokens, settings.test_fraction,
-                                  window={"since": since, "until": until, "domains": settings.domains},
+                                  window={"since": since, "until": until, "domains": settings.domains,
+                                          "max_rows": settings.train_max_rows},
                                   fallback_max_tokens=largest_max_tokens(store, space),
                                   lock_path=settings.alias_lock_location,
                                   anchor=anchor or settings.fit_anchor,

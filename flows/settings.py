@@ -77,6 +77,10 @@ class PipelineSettings(BaseSettings):
     max_tokens: int | None = Field(None, ge=1, description="output budget M (default: the champion's, "
                                                            "else the largest max_tokens in the window)")
     train_window_hours: float | None = Field(None, gt=0.0, description="fit on the last N hours; None: all")
+    train_max_rows: int | None = Field(
+        200_000, ge=2, description="fit on at most about the newest N rows of the window (rows sharing the "
+                                   "oldest kept arrival time all come along), so a fit's cost stops growing "
+                                   "with history; None: the whole window")
     domains: Annotated[list[str] | None, NoDecode] = None
     min_rows: int = Field(200, ge=2)
     test_fraction: float = Field(0.2, gt=0.0, lt=1.0)

@@ -176,12 +176,16 @@ def store_summary(store_location: str) -> dict[str, Any]:
 
 @task(name="select-training-window", cache_policy=NO_CACHE)
 def select_training_window(store_location: str, space: FeatureSpace, since: float | None, until: float | None,
-                           domains: list[str] | None, min_rows: int) -> TrainingFrame:
+                           domains: list[str] | None, min_rows: int, max_rows: int | None = None) -> TrainingFrame:
     """The finished requests of one feature space (fingerprint, layer and capture recipe) arriving in
-    [since, until)."""
-    return select_window(store_at(store_location), since=since, until=until, domains=domains,
-                         model_fingerprint=space.model_fingerprint, layer=space.layer, recipe=space.recipe,
-                         min_rows=min_rows)
+    [since, until), at most about the newest `max_rows` of them."""
+    store = store_at(store_location)
+    filters = dict(until=until, domains=domains, model_fingerprint=space.model_fingerprint, layer=space.layer,
+                   recipe=space.recipe)
+    if max_rows is not None:
+        cutoff = store.newest_since(max_rows, since=since, **filters)
+        since = cutoff if cutoff is not None and (since is None or cutoff > since) else since
+    return select_window(store, since=since, min_rows=min_rows, **filters)
 
 
 def _output_budget(registry: ReadoutRegistry, name: str, target: str, max_tokens: int | None,

@@ -146,6 +146,12 @@ class Store(Protocol):
         """The largest output budget among the stored requests of one feature space."""
         ...
 
+    def newest_since(self, rows: int, *, since: float | None = None, until: float | None = None,
+                     domains: Sequence[str] | None = None, model_fingerprint: str | None = None,
+                     layer: int | None = None, recipe: str | None = None) -> float | None:
+        """The arrival time of the `rows`-th newest row of the selection, or None when it has fewer."""
+        ...
+
     def recorded_lengths(self, request_ids: Sequence[str],
                          model_fingerprint: str | None = None) -> dict[str, tuple[int, float]]:
         """(output_tokens, arrival_time) of those request ids finished by a training-label reason."""

@@ -349,6 +349,17 @@ class SqlStore(ABC):
         return self._frame(*selection(self.dialect, since=since, until=until, domains=domains,
                                       model_fingerprint=model_fingerprint, layer=layer, recipe=recipe))
 
+    def newest_since(self, rows: int, *, since: float | None = None, until: float | None = None,
+                     domains: Sequence[str] | None = None, model_fingerprint: str | None = None,
+                     layer: int | None = None, recipe: str | None = None) -> float | None:
+        """The arrival time of the `rows`-th newest row `training_frame` would select with these filters
+        (the `since` that keeps about the newest `rows`), or None when it selects fewer."""
+        where, params = selection(self.dialect, since=since, until=until, domains=domains,
+                                  model_fingerprint=model_fingerprint, layer=layer, recipe=recipe)
+        found = self._rows(f"SELECT r.arrival_time FROM requests r JOIN features f USING (request_id){where} "
+                           f"ORDER BY r.arrival_time DESC LIMIT 1 OFFSET {int(rows) - 1}", params)
+        return float(found[0][0]) if found else None
+
     # ------------------------------------------------------------------ what the pipeline's tasks ask
 
     def latest_feature_space(self, model_fingerprint: str | None = None, layer: int | None = None,

@@ -468,3 +468,20 @@ def test_process_killed_while_large_segments_bypass_the_wal_loses_only_that_segm
     assert [report.accepted for report in reports] == [0, 5000, 5000]
     assert store.counts()["features"] == 15000
     _assert_reconciles(store)
+
+
+def test_a_fit_window_capped_at_the_newest_rows_holds_exactly_those(store: LogStore, feedback: Path) -> None:
+    from flows.tasks import select_training_window
+    from training.spec import FeatureSpace
+
+    write_segment(feedback / "seg-a.parquet", 120, 8, seed=1)
+    ingest_folder(store, feedback)
+    everything = store.training_frame()
+    space = FeatureSpace(None, "fp-fuzz", 20, "last@20")
+
+    capped = select_training_window.fn(str(store.path), space, None, None, None, min_rows=2, max_rows=40)
+
+    newest = np.sort(everything.arrival_time)[-40:]
+    assert np.array_equal(np.sort(capped.arrival_time), newest)  # distinct arrival times: exactly 40
+    whole = select_training_window.fn(str(store.path), space, None, None, None, min_rows=2, max_rows=None)
+    assert len(whole.request_ids) == len(everything.request_ids) > 40

@@ -95,6 +95,9 @@ def test_the_same_segments_give_the_same_store_in_duckdb_and_postgresql(tmp_path
     wanted = [f"client-{i}" for i in range(40)] + ["never-served"]  # the fuzz segments' client ids
     recorded = recorded_lengths(duck, wanted, "fp-fuzz")
     assert len(recorded) > 30 and recorded_lengths(pg, wanted, "fp-fuzz") == recorded
+    newest = duck.newest_since(50, model_fingerprint="fp-fuzz")
+    assert newest is not None and pg.newest_since(50, model_fingerprint="fp-fuzz") == newest
+    assert duck.newest_since(10**9) is None and pg.newest_since(10**9) is None
     for store in (duck, pg):
         assert recorded_gate(store, "m", "2", "1") is None
         store.record_gate("key", GATE_TIME, "m", "2", "1", True, '{"passed": true}', "{}", "run")
