@@ -319,7 +319,7 @@ def pipeline_environment(**values: Any) -> Iterator[PipelineSettings]:
         os.environ.update(saved)
 
 
-def _record_passing_gate(store: Store, name: str, challenger: str, champion: str | None) -> None:
+def record_passing_gate(store: Store, name: str, challenger: str, champion: str | None) -> None:
     """A passing gate of `challenger` against `champion` in the log store, where the push flow looks for
     one before it promotes: the gate flow's replay needs the serving engine, which these scenarios run
     without."""
@@ -362,12 +362,12 @@ def _champion_and_challenger(settings: PipelineSettings) -> tuple[str, str, str]
         logged.append(registry.log_readout(readout, rls=rls, params={"data_hash": "fault"},
                                            metrics={"spearman": 0.5}))
     name, first, second = logged[0].name, logged[0].version, logged[1].version
-    _record_passing_gate(store, name, first, None)
+    record_passing_gate(store, name, first, None)
     promoted = push_flow(version=first, name=name, promote=True)
     if promoted.get("status") != "promoted":
         raise RuntimeError(f"the push flow did not promote the first champion: {promoted}")
     registry.set_challenger(name, second)
-    _record_passing_gate(store, name, second, first)
+    record_passing_gate(store, name, second, first)
     return name, first, second
 
 

@@ -60,11 +60,12 @@ SUMMARY_KEYS = ("scenarios", "survived", "requests_lost", "feedback_rows_lost", 
 
 
 def flows_scenarios() -> dict[str, Callable[..., dict[str, Any]]]:
-    """The pipeline's fault scenarios (experiments/faults/pipeline.py, shared_parts.py), by name."""
+    """The pipeline's fault scenarios (experiments/faults/pipeline.py, shared_parts.py, control_plane.py), by name."""
+    from experiments.faults.control_plane import SCENARIOS as CONTROL_PLANE
     from experiments.faults.pipeline import SCENARIOS
     from experiments.faults.shared_parts import SCENARIOS as SHARED_PARTS
 
-    return {**SCENARIOS, **SHARED_PARTS}
+    return {**SCENARIOS, **SHARED_PARTS, **CONTROL_PLANE}
 
 
 def make_replica(serve: ServeProcess, token: str, pushed: list[str] | None = None) -> Replica:
