@@ -18,7 +18,9 @@ small state file that outlives the run (bounded per replica and domain), and dec
 - rollback, when the champion itself is the problem: its anchor MAE over the window is worse by
   `drift_margin` than the previous champion's was on the same replica and domain (from the
   observations kept): the aliases move back and the restored champion is pushed to every replica
-  (`flows.promotion.rollback`, all or nothing).
+  (`flows.promotion.rollback`, all or nothing). Only the figures over every request (domain "all") can
+  roll the fleet back: a domain is whatever `leap_domain` its clients send, so a rollback found on one
+  domain alone is recorded and held back.
 
 A rollback takes precedence over resets (it re-anchors every replica) and a reset over a retrain for
 that replica and domain. Resets and rollbacks have their own cooldowns of the same length. A replica
@@ -52,6 +54,7 @@ from leap_io.jsonable import dumps, to_jsonable
 
 STATE_VERSION = 1
 RETRAIN, RESET, ROLLBACK = "retrain", "reset", "rollback"
+ALL = "all"  # the figures over every request, whatever domain its client named
 GAUGES = {"leap_domain_rolling_spearman": "spearman", "leap_domain_rolling_mae": "mae",
           "leap_domain_anchor_mae": "anchor_mae", "leap_domain_rolling_rows": "rows"}
 MAX_DECISIONS_KEPT = 200
@@ -304,13 +307,16 @@ def decide(state: DriftState, baseline: Baseline, policy: DriftPolicy, now: floa
                 f"live MAE exceeds champion v{baseline.champion}'s validation MAE"
                 f"{' on this domain' if bar != baseline.validation_mae else ''} ({bar:.1f}) by more than "
                 f"{policy.margin:.0%} in each of the last {policy.window} observations")})
-    rollback_due = (any(f["action"] == ROLLBACK for f in findings)
+    rollback_due = (any(f["action"] == ROLLBACK and f["domain"] == ALL for f in findings)
                     and not _cooling(state.last_rollback_at, now, policy))
     taken: set[tuple[str, str]] = set()
     for finding in findings:
         action, replica = finding["action"], finding["replica"]
         key = (action, replica if action == RESET else "")
-        if action == ROLLBACK:
+        if action == ROLLBACK and finding["domain"] != ALL:
+            held = ("a fleet-wide rollback needs the champion worse on every request (domain 'all'), "
+                    "not on one domain a client names")
+        elif action == ROLLBACK:
             held = "rollback cooldown" if not rollback_due else None
         elif rollback_due:
             held = "a rollback this run re-anchors every replica"

@@ -225,3 +225,18 @@ def test_the_replica_keeps_figures_per_domain_since_its_anchor_and_caps_the_doma
     assert scraped[("leap_domain_anchor_mae", "math")] == quality.figures("math")["anchor_mae"]
     generation[0] = 2  # a push: the next scrape reports nothing of the previous readout
     assert quality.domains() == [] and quality.generation == 2
+
+
+def test_a_champion_worse_on_one_client_named_domain_alone_is_not_rolled_back_fleet_wide():
+    before = recorded([80, 82, 84, 81, 80], version="r1", start=0.0, generation=0, domain="tenant-named")
+    after = recorded([120, 125, 130], version="r2", start=1000.0, generation=1, domain="tenant-named")
+    state = state_of(before + after)
+    [decision] = decide(state, BASE, POLICY, now_of(state))
+    assert decision["action"] == ROLLBACK and not decision["acted"]
+    assert "domain 'all'" in decision["held_back"]
+    # the same evidence over every request rolls back, and the domain's finding rides along unacted
+    everyone = recorded([80, 82, 84, 81, 80], version="r1", start=0.0, generation=0) + recorded(
+        [120, 125, 130], version="r2", start=1000.0, generation=1)
+    state = state_of(before + after + everyone)
+    acted = [(d["domain"], d["acted"]) for d in decide(state, BASE, POLICY, now_of(state))]
+    assert sorted(acted) == [("all", True), ("tenant-named", False)]
