@@ -135,8 +135,11 @@ def two_promotions_separate_homes(workdir: str | Path | None = None) -> dict[str
     survived = (seeded.get("status") == "promoted" and any(o.get("status") == "promoted" for o in outcomes)
                 and all(o.get("status") in settled or o.get("restored") for o in outcomes)
                 and versions == [serving, serving] and histories[0] == histories[1])
-    return scenario_result("two_promotions_separate_homes", started, survived, seeded=seeded, outcomes=outcomes,
-                           champion=champion, replicas_serve=versions, same_order=histories[0] == histories[1])
+    detail = (f"two homes promoted at once: {', '.join(str(o.get('status')) for o in outcomes)}; champion v{champion}, "
+              f"replicas serve {versions}, {'the same' if histories[0] == histories[1] else 'different'} order")
+    return scenario_result("two_promotions_separate_homes", started, survived, detail=detail, seeded=seeded,
+                           outcomes=outcomes, champion=champion, replicas_serve=versions,
+                           same_order=histories[0] == histories[1])
 
 
 def _runtime(state_dir: Path, champion_url: Path) -> Any:
@@ -189,7 +192,10 @@ def clock_skew(workdir: str | Path | None = None) -> dict[str, Any]:
     survived = (pushed.get("status") == "promoted" and published.get("status") == "promoted"
                 and before == "20250101T000000-v1" and clocks_say_saved_is_newer
                 and after == "20250102T000000-v2" and source == "champion")
-    return scenario_result("clock_skew", started, survived, skew_s=SKEW_S, first=pushed, second=published,
+    detail = (f"the promoting host {SKEW_S:.0f} s behind: the replica saved v1 (publication "
+              f"{saved.get('sequence')}) {'after' if clocks_say_saved_is_newer else 'before'} publication "
+              f"{publication.get('sequence')} by the clocks; restarted, it serves {after} from {source}")
+    return scenario_result("clock_skew", started, survived, detail=detail, skew_s=SKEW_S, first=pushed, second=published,
                            saved_sequence=saved.get("sequence"), published_sequence=publication.get("sequence"),
                            clocks_say_saved_is_newer=clocks_say_saved_is_newer, served_before=before,
                            served_after_restart=after, source_after_restart=source)

@@ -68,6 +68,11 @@ def flows_scenarios() -> dict[str, Callable[..., dict[str, Any]]]:
     return {**SCENARIOS, **SHARED_PARTS, **CONTROL_PLANE}
 
 
+def scenario_source(scenario: Callable[..., Any]) -> str:
+    """The file a scenario is written in, as the report names it (experiments/faults/<module>.py)."""
+    return scenario.__module__.replace(".", "/") + ".py"
+
+
 def make_replica(serve: ServeProcess, token: str, pushed: list[str] | None = None) -> Replica:
     admin = Admin(serve.admin_url, token)
     client = httpx.Client(timeout=120.0, limits=httpx.Limits(max_connections=16))
@@ -196,20 +201,21 @@ class Suite:
             try:
                 available = flows_scenarios()
             except Exception as exc:  # noqa: BLE001 - reported per scenario below
-                available, reason = {}, f"experiments.faults.pipeline did not load: {type(exc).__name__}: {exc}"
+                available, reason = {}, f"the pipeline's fault scenarios did not load: {type(exc).__name__}: {exc}"
             else:
-                reason = "not in experiments.faults.pipeline.SCENARIOS"
+                reason = "not among the pipeline's fault scenarios (flows_scenarios)"
             for name in flows:
                 key = name[len(FLOWS_PREFIX):]
                 scenario = available.get(key)
                 if scenario is None:
                     results.append(not_run(key, reason))
                     continue
-                self.say(f"scenario {key} (experiments/faults/pipeline.py)")
+                source = scenario_source(scenario)
+                self.say(f"scenario {key} ({source})")
                 folder = self.workdir / "flows" / key
                 outcome = _guarded(key, lambda scenario=scenario, folder=folder: scenario(workdir=folder))
                 outcome.setdefault("detail", _flows_detail(outcome))
-                outcome["source"] = "experiments/faults/pipeline.py"
+                outcome["source"] = source
                 results.append(outcome)
                 self.say(f"  {'survived' if outcome['survived'] else 'FAILED'} in {outcome.get('seconds')}s")
         return results
