@@ -1,9 +1,11 @@
-"""Pid files of the stack's services: `<stack dir>/<service>.pid`, one line with the process id.
+"""Pid files of the stack's services: `<stack dir>/<service>.pid`, one line with the process id and the
+process's start time (older files: the id alone).
 
 The stack writes them when it starts a service; the stack, the CLI and the pipeline settings (which
 point at the stack's MLflow server while it runs) read them. A pid file only counts while its process
-is alive and still runs the service's program, so a stale file from a reboot or a reused pid never
-passes for a running service.
+is alive, still runs the service's program and started when the file says, so a stale file from a
+reboot, or a pid another process reuses (the number wraps at 32768 here), never passes for a running
+service, and no `stack down` ever signals another home's process.
 """
 
 from __future__ import annotations
@@ -49,10 +51,31 @@ def runs_program(pid: int, name: str) -> bool:
     return any(marker in cmdline for marker in PROGRAM_MARKERS.get(kind, (kind,)))
 
 
-def service_pid(stack_dir: str | Path, name: str) -> int | None:
-    """The pid of a running service started by the stack, or None (a stale pid file counts as none)."""
+def start_ticks(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22), None without /proc:
+    with the pid it names one process, never a later one that reuses the number."""
     try:
-        pid = int(pid_file(stack_dir, name).read_text().strip())
-    except (OSError, ValueError):
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
         return None
-    return pid if alive(pid) and runs_program(pid, name) else None
+
+
+def pid_line(pid: int) -> str:
+    """What a pid file holds: the pid and, where /proc tells it, the process's start time."""
+    ticks = start_ticks(pid)
+    return f"{pid}\n" if ticks is None else f"{pid} {ticks}\n"
+
+
+def service_pid(stack_dir: str | Path, name: str) -> int | None:
+    """The pid of a running service started by the stack, or None (a stale pid file counts as none: its
+    process gone, or its number reused by a process that started at another time)."""
+    try:
+        fields = pid_file(stack_dir, name).read_text().split()
+        pid, ticks = int(fields[0]), (int(fields[1]) if len(fields) > 1 else None)
+    except (OSError, ValueError, IndexError):
+        return None
+    if not alive(pid) or not runs_program(pid, name):
+        return None
+    if ticks is not None and start_ticks(pid) not in (None, ticks):
+        return None  # another process that reuses the number: never signalled for the service
+    return pid

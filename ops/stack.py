@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from flows.settings import PipelineSettings
-from leap_io.pidfiles import alive, pid_file, service_pid
+from leap_io.pidfiles import alive, pid_file, pid_line, service_pid
 from ops.servers import MLFLOW_ENVIRONMENT, mlflow_command, program
 
 SERVICES = ("mlflow", "prefect", "serving")
@@ -158,7 +158,7 @@ def _spawn(service: Service, stack_dir: Path, cwd: Path) -> subprocess.Popen:
         process = subprocess.Popen(list(service.argv), stdin=subprocess.DEVNULL, stdout=log,
                                    stderr=subprocess.STDOUT, env=env, cwd=service.cwd or cwd,
                                    start_new_session=True, user=service.user)
-    pid_file(stack_dir, service.name).write_text(f"{process.pid}\n")
+    pid_file(stack_dir, service.name).write_text(pid_line(process.pid))
     return process
 
 

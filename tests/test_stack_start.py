@@ -4,6 +4,7 @@ of its own stops `up` with the exit status and the log. Real processes (small HT
 from __future__ import annotations
 
 import signal
+import subprocess
 import socket
 import sys
 import textwrap
@@ -63,3 +64,23 @@ def test_a_service_that_exits_by_itself_while_starting_stops_up_with_its_status_
     settings, _ = _one_service(monkeypatch, tmp_path, 3)
     with pytest.raises(StackError, match=r"flaky exited with status 3 while starting; last log lines:\n(.|\n)*first start"):
         stack.up(settings, ["flaky"])
+
+
+def test_a_pid_file_names_one_process_and_never_a_later_one_that_reuses_its_number(tmp_path):
+    from leap_io.pidfiles import pid_file, pid_line, service_pid, start_ticks
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "flaky"])
+    try:
+        path = pid_file(tmp_path, "flaky")
+        path.write_text(pid_line(sleeper.pid))
+        assert service_pid(tmp_path, "flaky") == sleeper.pid and len(path.read_text().split()) == 2
+        path.write_text(f"{sleeper.pid} {start_ticks(sleeper.pid) + 1}\n")  # the number, another start
+        assert service_pid(tmp_path, "flaky") is None
+        path.write_text(f"{sleeper.pid}\n")  # a file from before start times: the program still decides
+        assert service_pid(tmp_path, "flaky") == sleeper.pid
+        path.write_text(pid_line(sleeper.pid))
+        assert service_pid(tmp_path, "other") is None  # no such file
+    finally:
+        sleeper.kill()
+        sleeper.wait(10)
+    assert service_pid(tmp_path, "flaky") is None
