@@ -185,7 +185,8 @@ def push_flow(version: str | None = None, name: str | None = None, promote: bool
                 "reason": reason}
     promoted = promote_if_passed(registry_uri(settings), name, candidate, recorded["verdict"],
                                  settings.endpoints, settings.token(), str(settings.promotion_journal_dir), lock,
-                                 settings.push_retries, settings.push_timeout_s, settings.champion_url)
+                                 settings.push_retries, settings.push_timeout_s, settings.champion_url,
+                                 gated_against=champion)
     get_run_logger().info("push: %s v%s serving on %d replicas, promoted", name, candidate, len(promoted["pushed"]))
     return plain({**promoted, "status": "promoted"})
 

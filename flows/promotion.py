@@ -213,6 +213,10 @@ def _recover(registry: ReadoutRegistry, name: str, journal: _Journal, options: P
 # ---------------------------------------------------------------------------- the operation
 
 
+class ChampionMoved(RuntimeError):
+    """Another promotion changed the champion after the gate this one rests on."""
+
+
 def next_publication(champion_url: str | Path | None, name: str) -> int | None:
     """The sequence number the next champion publication of `name` takes (None without a location, or when
     the location cannot be read now: the pushes then carry none and replicas fall back to clocks)."""
@@ -303,13 +307,27 @@ def _change(registry: ReadoutRegistry, name: str, kind: str,
             "pushed": pushed, "recovered": recovered, "published": published}
 
 
+UNCHECKED = object()
+"""`promote(gated_against=...)` default: promote whatever the champion is now."""
+
+
 def promote(registry: ReadoutRegistry, name: str, version: str | int, endpoints: Sequence[str],
-            options: PushOptions, journal_dir: str | Path, champion_url: str | Path | None = None) -> dict[str, Any]:
+            options: PushOptions, journal_dir: str | Path, champion_url: str | Path | None = None,
+            gated_against: object = UNCHECKED) -> dict[str, Any]:
     """Make `version` the champion on every replica and in the registry, or fail with the earlier state
     restored (see the module docstring), then publish it at `champion_url`. Returns the pushes, the
-    aliases written and the publication."""
-    result = _change(registry, name, PROMOTE, lambda current: registry.promotion_target(current, version),
-                     endpoints, options, journal_dir, champion_url)
+    aliases written and the publication.
+
+    `gated_against`: the champion (a version, or None for none) the gate judged `version` against. Under
+    the alias lock the champion must still be that one, else nothing is changed and PromotionFailed says
+    so: another promotion went first, and this gate's verdict is not about the champion it would replace."""
+    def target(current: Mapping[str, str]) -> dict[str, str | None]:
+        if gated_against is not UNCHECKED and current.get(CHAMPION) != gated_against:
+            raise ChampionMoved(f"the champion is v{current.get(CHAMPION)} now; v{version}'s gate was against "
+                                f"{'no champion' if gated_against is None else f'v{gated_against}'}: gate it again")
+        return registry.promotion_target(current, version)
+
+    result = _change(registry, name, PROMOTE, target, endpoints, options, journal_dir, champion_url)
     return {"status": "promoted", **result}
 
 

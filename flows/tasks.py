@@ -23,6 +23,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.gate import gate_verdict, replay_gate
 from flows.promotion import PushOptions
+from flows.promotion import UNCHECKED
 from flows.promotion import promote as promote_everywhere
 from flows.promotion import rollback as rollback_everywhere
 from flows.push import PushFailed, push_readout
@@ -347,11 +348,12 @@ def record_gate(store_location: str, tracking_uri: str, name: str, challenger: s
 def promote_if_passed(tracking_uri: str, name: str, version: str, verdict: Mapping[str, Any],
                       endpoints: Sequence[str] = (), token: str = "", journal_dir: str | None = None,
                       lock_path: str | None = None, push_retries: int = 3, push_timeout: float = 30.0,
-                      champion_url: str | None = None) -> dict[str, Any]:
+                      champion_url: str | None = None, gated_against: object = UNCHECKED) -> dict[str, Any]:
     """On a passing verdict, make `version` the champion on every replica of `endpoints` and in the
     registry, all or nothing (`flows.promotion.promote`, which raises PromotionFailed with the
     earlier state restored), and publish it at `champion_url`; otherwise leave every alias and
-    replica alone."""
+    replica alone. `gated_against`: the champion the verdict judged against, which must still be the
+    champion when the alias lock is held."""
     registry = registry_at(tracking_uri, lock_path)
     if not verdict.get("passed", False):
         return {"promoted": False, "champion": registry.get_alias(name, CHAMPION),
@@ -359,7 +361,7 @@ def promote_if_passed(tracking_uri: str, name: str, version: str, verdict: Mappi
     journal = journal_dir or str(_journal_home(lock_path, registry) / "promotions")
     result = promote_everywhere(registry, name, version, list(endpoints),
                                 PushOptions(token, retries=push_retries, timeout=push_timeout), journal,
-                                champion_url)
+                                champion_url, gated_against)
     return {"promoted": True, **result}
 
 

@@ -78,6 +78,20 @@ def test_promotion_moves_every_replica_and_the_aliases_together(setup):
     assert not list(setup["journal"].glob("*"))
 
 
+def test_a_promotion_whose_gate_judged_another_champion_changes_nothing(setup):
+    registry, name, (v1, v2) = setup["registry"], setup["name"], setup["versions"]
+    before, pushes = registry.aliases(name), [list(target.history) for target in setup["targets"]]
+
+    with pytest.raises(PromotionFailed, match="did not start, nothing was changed.*gate it again") as failure:
+        promote(registry, name, v2, setup["urls"], OPTIONS, setup["journal"], gated_against=None)
+
+    assert failure.value.restored is True
+    assert registry.aliases(name) == before and [list(t.history) for t in setup["targets"]] == pushes
+    assert _serving(setup["targets"]) == [V1, V1]
+    result = promote(registry, name, v2, setup["urls"], OPTIONS, setup["journal"], gated_against=v1)
+    assert result["status"] == "promoted" and registry.get_alias(name, CHAMPION) == v2
+
+
 def test_a_replica_refusing_the_challenger_puts_the_others_back_and_moves_no_alias(setup):
     registry, name, (v1, v2) = setup["registry"], setup["name"], setup["versions"]
     setup["targets"][1].dim += 1  # a replica of another model: it refuses every readout of this one

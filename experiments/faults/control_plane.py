@@ -3,7 +3,8 @@
 - `two_promotions_separate_homes`: two processes, each with a `$LEAP_HOME` of its own (as two hosts would
   have), promote different versions onto the same slow replicas at the same moment. Their alias lock is
   the PostgreSQL store's advisory lock, so they go one after the other: every replica ends on the
-  registry's champion and every replica took the versions in the same order.
+  registry's champion and every replica took the versions in the same order. The one that goes second
+  finds the champion its gate judged against replaced, and promotes nothing.
 - `clock_skew`: the host that promotes runs an hour behind the replica's host. A promotion pushes v1 to
   the replica (which saves it, stamped by its own clock) and publishes it; the replica stops; a second
   promotion publishes v2 while the replica is away. By the clocks the replica's saved push looks newer
@@ -130,7 +131,8 @@ def two_promotions_separate_homes(workdir: str | Path | None = None) -> dict[str
             serving = str(registry.load_readout(name, champion).metadata["version"]) if champion else None
             histories = [list(target.history) for target in targets]
             versions = [target.version for target in targets]
-    # the second to take the lock finds another champion than its gate was passed against: not promoted
+    # the second finds another champion than its gate was passed against: not promoted when it reads it
+    # before asking for the lock, refused with nothing changed (restored) when it finds it under the lock
     settled = ("promoted", "not-promoted")
     survived = (seeded.get("status") == "promoted" and any(o.get("status") == "promoted" for o in outcomes)
                 and all(o.get("status") in settled or o.get("restored") for o in outcomes)
