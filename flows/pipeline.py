@@ -28,6 +28,7 @@ from flows.tasks import (
     latest_feature_space,
     plain,
     promote_if_passed,
+    compact_feature_files,
     prune_feedback,
     prune_registry,
     push_champion,
@@ -93,6 +94,8 @@ def ingest_flow(feedback_dir: str | None = None, retry_failed: bool = False,
     if settings.feedback_retention_days is not None:
         summary["pruned"] = prune_feedback(store, str(location), settings.feedback_retention_days,
                                            settings.s3_endpoint_url)
+    if settings.feature_compact_below_rows is not None and not is_postgres(store):
+        summary["compacted"] = compact_feature_files(store, settings.feature_compact_below_rows)
     get_run_logger().info("ingest: %s", summary)
     return {"status": "ingested", **plain(summary)}
 

@@ -39,6 +39,10 @@ class PipelineSettings(BaseSettings):
     feedback_retention_days: float | None = Field(
         None, ge=0, description="remove a feedback segment this many days after all its rows were ingested "
                                 "(store.retention; unreadable, failed and changed segments are kept); None: keep all")
+    feature_compact_below_rows: int | None = Field(
+        20_000, ge=1, description="after each ingest into the DuckDB file, rewrite its feature files holding "
+                                  "fewer rows than this into files of about 200,000 rows (store.compaction); "
+                                  "None: never")
     registry_keep_versions: int | None = Field(
         20, ge=1, description="after each retrain, delete the registered versions (and their runs' artifacts) "
                               "that no alias names and that are not among the newest N (registry.retention); "

@@ -150,6 +150,14 @@ def prune_registry(tracking_uri: str, name: str, keep_last: int, lock_path: str 
     return registry_at(tracking_uri, lock_path).prune_versions(name, keep_last)
 
 
+@task(name="compact-feature-files", cache_policy=NO_CACHE)
+def compact_feature_files(store_location: str, below_rows: int) -> dict[str, Any]:
+    """Rewrite the DuckDB store's small feature files into large ones (`store.compaction`)."""
+    from store.compaction import compact_features
+
+    return compact_features(store_at(store_location), small_rows=below_rows, target_rows=max(10 * below_rows, 2))
+
+
 @task(name="prune-feedback", cache_policy=NO_CACHE)
 def prune_feedback(store_location: str, feedback_dir: str, retention_days: float,
                    s3_endpoint_url: str | None = None) -> dict[str, int]:
