@@ -48,6 +48,7 @@ import httpx
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from flows.push import admin_headers
 from flows.settings import PipelineSettings
 from leap_io.durable import write_text_durably
 from leap_io.jsonable import dumps, to_jsonable
@@ -343,7 +344,7 @@ def scrape_replica(endpoint: str, token: str, timeout: float, now: float) -> dic
     watch's pass, so its decisions judge exactly what this pass saw); `error` when it fails."""
     try:
         with httpx.Client(timeout=timeout) as client:
-            described = client.get(f"{endpoint}/leap/readout", headers={"Authorization": f"Bearer {token}"})
+            described = client.get(f"{endpoint}/leap/readout", headers=admin_headers(token))
             described.raise_for_status()
             info = described.json()
             if not isinstance(info, dict):

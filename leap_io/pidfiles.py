@@ -34,11 +34,16 @@ def alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    fields = _stat_fields(pid)
+    return fields is None or fields[0] != "Z"
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat after the program's name (field 3, the state, first), None without it."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return True
-    return state != "Z"
+        return None
 
 
 def runs_program(pid: int, name: str) -> bool:
@@ -54,9 +59,10 @@ def runs_program(pid: int, name: str) -> bool:
 def start_ticks(pid: int) -> int | None:
     """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22), None without /proc:
     with the pid it names one process, never a later one that reuses the number."""
+    fields = _stat_fields(pid)
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+        return int(fields[19]) if fields is not None else None
+    except (IndexError, ValueError):
         return None
 
 

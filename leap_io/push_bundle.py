@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -213,26 +214,33 @@ def make_bundle(readout_bytes: bytes, rls_state: dict[str, np.ndarray] | None, f
     return buffer.getvalue()
 
 
+def _with_member(body: bytes, key: str, value: np.ndarray, rebuilt: Callable[[PushBundle], bytes]) -> bytes:
+    """`body` with member `key` set to `value`: appended when the archive lacks it, so the rest (an RLS
+    state of up to 134 MB) is kept byte for byte; else the bundle as `rebuilt` makes it again."""
+    if not _is_zip(body):
+        return rebuilt(PushBundle(body, None))
+    names = _open_zip(body, "the push body").namelist()
+    if READOUT_KEY + ".npy" not in names:
+        return rebuilt(PushBundle(body, None))
+    if key + ".npy" in names:
+        return rebuilt(open_bundle(body))
+    buffer = io.BytesIO(body)
+    with zipfile.ZipFile(buffer, "a") as out:
+        member = io.BytesIO()
+        np.lib.format.write_array(member, value, allow_pickle=False)
+        out.writestr(key + ".npy", member.getvalue())
+    return buffer.getvalue()
+
+
 def with_sequence(body: bytes, sequence: int) -> bytes:
     """The same push as part of champion publication `sequence` (a member it had is replaced)."""
-    bundle = open_bundle(body)
-    return make_bundle(bundle.readout_bytes, bundle.state, force=bundle.force, sequence=sequence)
+    return _with_member(body, SEQUENCE_KEY, np.array(int(sequence), dtype=np.int64),
+                        lambda bundle: make_bundle(bundle.readout_bytes, bundle.state, force=bundle.force,
+                                                   sequence=sequence))
 
 
 def with_force(body: bytes) -> bytes:
     """The same push with the force flag set (the admin API's `?force=1`)."""
-    if not _is_zip(body):
-        return make_bundle(body, None, force=True)
-    archive = _open_zip(body, "the push body")
-    names = archive.namelist()
-    if READOUT_KEY + ".npy" not in names:
-        return make_bundle(body, None, force=True)
-    if FORCE_KEY + ".npy" not in names:  # append one member; the rest of the archive is kept byte for byte
-        buffer = io.BytesIO(body)
-        with zipfile.ZipFile(buffer, "a") as out:
-            member = io.BytesIO()
-            np.lib.format.write_array(member, np.array(True), allow_pickle=False)
-            out.writestr(FORCE_KEY + ".npy", member.getvalue())
-        return buffer.getvalue()
-    bundle = open_bundle(body)
-    return make_bundle(bundle.readout_bytes, bundle.state, force=True, sequence=bundle.sequence)
+    return _with_member(body, FORCE_KEY, np.array(True),
+                        lambda bundle: make_bundle(bundle.readout_bytes, bundle.state, force=True,
+                                                   sequence=bundle.sequence))

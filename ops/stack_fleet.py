@@ -394,9 +394,11 @@ def _finite(value: float) -> float | None:
 def replica_report(url: str, token: str, name: str = "", timeout: float = 3.0) -> dict[str, Any]:
     """What one replica's admin API says: its readout version and live figures; errors are reported, not
     raised, so one replica that does not answer leaves the others' report intact."""
+    from flows.push import admin_headers
+
     report: dict[str, Any] = {"admin_url": url, "admin_up": False, "version": None, "spearman": None, "mae": None}
     try:
-        readout = httpx.get(f"{url}/leap/readout", headers={"Authorization": f"Bearer {token}"}, timeout=timeout)
+        readout = httpx.get(f"{url}/leap/readout", headers=admin_headers(token), timeout=timeout)
         metrics = httpx.get(f"{url}/metrics", timeout=timeout)
     except httpx.HTTPError as error:
         report["error"] = f"{type(error).__name__}: {error}"
