@@ -20,7 +20,14 @@ small state file that outlives the run (bounded per replica and domain), and dec
   observations kept): the aliases move back and the restored champion is pushed to every replica
   (`flows.promotion.rollback`, all or nothing). Only the figures over every request (domain "all") can
   roll the fleet back: a domain is whatever `leap_domain` its clients send, so a rollback found on one
-  domain alone is recorded and held back.
+  domain alone is recorded and held back. And a rollback needs the gate's evidence too
+  (`drift_rollback_gate`, on by default): the gate replays the previous champion as the challenger
+  against the champion, and the fleet is rolled back only when that replay finds it no slower (margin 0)
+  and fair to long requests; otherwise the rollback is held back with the verdict, which is recorded like
+  any gate. A gate that cannot replay holds the rollback back: it fails closed.
+
+The figures weigh tenants: no `leap_tenant` carries more than its cap of a replica's MAEs
+(`serving.recorder.DomainQuality`), so one tenant's traffic alone cannot trigger an action for everyone.
 
 A rollback takes precedence over resets (it re-anchors every replica) and a reset over a retrain for
 that replica and domain. Resets and rollbacks have their own cooldowns of the same length. A replica
@@ -244,6 +251,7 @@ class Baseline:
     validation_mae: float | None
     previous_readout: str | None = None  # the previous champion's readout version
     validation_mae_by_domain: Mapping[str, float] | None = None  # where the fit had enough rows of one
+    previous_champion: str | None = None  # its registered version
 
     def bar(self, domain: str) -> float | None:
         """The validation MAE a domain's live MAE is judged against: the domain's own, else the overall."""
@@ -381,7 +389,7 @@ def champion_baseline(settings: PipelineSettings, name: str) -> dict[str, Any]:
     mae = metrics.get("mae")
     by_domain = {key: float(value) for key, value in metrics.items() if key.startswith("mae_domain_")}
     return asdict(Baseline(str(champion), readout, float(mae) if mae is not None else None, previous_readout,
-                           by_domain or None))
+                           by_domain or None, None if previous is None else str(previous)))
 
 
 @task(name="start-retrain", cache_policy=NO_CACHE)
@@ -412,8 +420,27 @@ def _model_name(scrapes: Sequence[Mapping[str, Any]], name: str | None) -> str |
     return None
 
 
+def rollback_evidence(settings: PipelineSettings, name: str, baseline: Baseline) -> dict[str, Any]:
+    """The gate's verdict on a rollback: the previous champion replayed as the challenger against the
+    champion, passed when no slower (margin 0) within the long-request bound; recorded like any gate."""
+    from flows.gate import gate_verdict
+    from flows.tasks import record_gate, registry_uri, run_gate
+    from store.stores import store_location
+
+    if baseline.previous_champion is None or baseline.champion is None:
+        return {"passed": False, "reason": "no previous champion is registered"}
+    try:
+        gate = run_gate(settings, name, baseline.previous_champion, baseline.champion)
+    except Exception as exc:  # noqa: BLE001 - no replay, no evidence: the rollback waits
+        return {"passed": False, "reason": f"the gate could not replay: {type(exc).__name__}: {exc}"}
+    verdict = gate_verdict(gate["results"], margin=0.0, p95_bound=settings.gate_p95_bound)
+    logged = record_gate(store_location(settings), registry_uri(settings), name, baseline.previous_champion,
+                         baseline.champion, gate["results"], verdict)
+    return {**verdict, "gate_run_id": logged["gate_run_id"]}
+
+
 def _carry_out(decision: dict[str, Any], settings: PipelineSettings, name: str, state: DriftState,
-               now: float) -> None:
+               now: float, baseline: Baseline) -> None:
     """Act on one decision; its outcome (or the error) is written into it. Never raises."""
     action = decision["action"]
     try:
@@ -429,7 +456,13 @@ def _carry_out(decision: dict[str, Any], settings: PipelineSettings, name: str, 
                                                 timeout=settings.push_timeout_s,
                                                 lock_path=settings.alias_lock_location)
         elif action == ROLLBACK:
-            state.last_rollback_at = now
+            state.last_rollback_at = now  # a replay that holds it back is not repeated before the cooldown
+            if settings.drift_rollback_gate:
+                decision["gate"] = rollback_evidence(settings, name, baseline)
+                if not decision["gate"]["passed"]:
+                    decision["acted"] = False
+                    decision["held_back"] = f"the gate's evidence does not support it: {decision['gate']['reason']}"
+                    return
             decision["outcome"] = rollback_champion(registry_uri(settings), name, settings.endpoints,
                                                     settings.token(), str(settings.promotion_journal_dir),
                                                     settings.alias_lock_location, settings.push_retries,
@@ -478,7 +511,7 @@ def drift_flow(name: str | None = None, act: bool = True) -> dict[str, Any]:
         for decision in decisions:
             decision["time"] = now
             if act and decision["acted"]:
-                _carry_out(decision, settings, name, state, now)
+                _carry_out(decision, settings, name, state, now, baseline)
         state.decisions.extend(decisions)
         result.update(notes)
     done = [d for d in decisions if d.get("done")]

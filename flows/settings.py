@@ -116,6 +116,9 @@ class PipelineSettings(BaseSettings):
     drift_min_rows: int = Field(64, ge=2, description="finished requests each observation must be over")
     drift_cooldown_s: float = Field(3600.0, ge=0.0, description="no second retrain (reset of one replica, "
                                     "rollback) within this many seconds of the last")
+    drift_rollback_gate: bool = Field(True, description="a fleet-wide rollback first replays the gate: the "
+                                      "previous champion (as challenger) against the champion, and rolls back "
+                                      "only when it is no slower (margin 0) and spares long requests")
     drift_scrape_timeout_s: float = Field(5.0, gt=0.0)
     drift_history: int = Field(64, ge=1, description="observations kept per replica and domain")
     drift_state_path: Path | None = Field(None, description="the watch's state (default <home>/drift/watch.json)")

@@ -77,8 +77,9 @@ class LeapConfig(BaseSettings):
     rls_forgetting: float = Field(1.0, gt=0.0, le=1.0)
     rls_tenant_max_share: float | None = Field(
         0.5, gt=0.0, le=1.0, description="most of the last rls_tenant_window label rows one tenant (leap_tenant) "
-                                         "may teach RLS while more than one tenant sends; None: no cap "
-                                         "(serving/tenant_share.py)")
+                                         "may teach RLS while more than one tenant sends, and most of the weight "
+                                         "one tenant carries in the quality figures the drift watch judges; "
+                                         "None: no cap (serving/tenant_share.py)")
     rls_tenant_window: int = Field(256, ge=1, description="label rows the tenant cap looks back over")
     ready_wait_ms: float = Field(200.0, ge=0.0, description="longest wait for a missing prediction")
     feedback_dir: str | None = Field(None, description="folder of feedback segments; None: no feedback")

@@ -12,7 +12,10 @@ against the true length, and the MAE the anchor readout (the readout as pushed, 
 would have had on the same requests, for every request ("all") and by the client's `leap_domain`. The
 figures cover the requests finished since the current anchor, so a push or a reset starts them afresh
 and a drift watch never blames a new readout for its predecessor's errors; the domains are capped,
-and rows of domains beyond the cap count in "all" only (dropped from their own, and counted).
+and rows of domains beyond the cap count in "all" only (dropped from their own, and counted). The MAEs
+weigh tenants (`leap_tenant`) so that none carries more than `tenant_max_share` of a figure
+(`serving.tenant_share.capped_weights`): a tenant that floods a replica cannot by itself push the
+figures the drift watch acts on. The Spearman is over the rows as they came.
 
 Listeners are in-process consumers (the harness collects its corpus through one); a listener that raises
 is counted (`leap_thread_errors_total{thread="listener"}`) and the others still get the row.
@@ -37,6 +40,7 @@ from leap_io.feedback_schema import CLIENT_ID_MAX_CHARS
 from serving import vllm_compat
 from serving.supervise import RateLimitedLog
 from serving.telemetry import Telemetry
+from serving.tenant_share import capped_weights
 from serving.tracking import Tracked
 
 logger = logging.getLogger(__name__)
@@ -66,17 +70,19 @@ class DomainQuality:
     """
 
     def __init__(self, telemetry: Telemetry, generation: Callable[[], int] | None = None,
-                 window: int = QUALITY_WINDOW, max_domains: int = MAX_DOMAINS) -> None:
+                 window: int = QUALITY_WINDOW, max_domains: int = MAX_DOMAINS,
+                 tenant_max_share: float | None = None) -> None:
         self._telemetry = telemetry
         self._generation_now = generation
-        self.window, self.max_domains = window, max_domains
+        self.window, self.max_domains, self.tenant_max_share = window, max_domains, tenant_max_share
         self.generation = 0
-        self._rows: dict[str, deque[tuple[float, float, float]]] = {}
+        self._rows: dict[str, deque[tuple[float, float, float, str | None]]] = {}
         self._lock = threading.Lock()
         telemetry.registry.register(self)
 
-    def add(self, predicted: float, anchor: float, output_tokens: int, domain: str | None, generation: int) -> None:
-        row = (float(predicted), float(anchor), float(output_tokens))
+    def add(self, predicted: float, anchor: float, output_tokens: int, domain: str | None, generation: int,
+            tenant: str | None = None) -> None:
+        row = (float(predicted), float(anchor), float(output_tokens), tenant)
         with self._lock:
             if generation != self.generation:
                 self._reset(generation)
@@ -124,20 +130,22 @@ class DomainQuality:
                 if current != self.generation:
                     self._reset(current)
             generation = self.generation
-            copies = {domain: np.asarray(rows, dtype=np.float64) for domain, rows in self._rows.items()}
+            copies = {domain: list(rows) for domain, rows in self._rows.items()}
         figures = {}
-        for domain, values in copies.items():
+        for domain, rows in copies.items():
+            values = np.asarray([row[:3] for row in rows], dtype=np.float64)
+            weight = capped_weights([row[3] for row in rows], self.tenant_max_share)
             true = values[:, 2]
             figures[domain] = {"spearman": spearman(true, values[:, 0]) if len(values) > 1 else float("nan"),
-                               "mae": mae(true, values[:, 0]), "anchor_mae": mae(true, values[:, 1]),
-                               "rows": len(values)}
+                               "mae": float(weight @ np.abs(true - values[:, 0])),
+                               "anchor_mae": float(weight @ np.abs(true - values[:, 1])), "rows": len(values)}
         return generation, figures
 
     def _reset(self, generation: int) -> None:
         self.generation = generation
         self._rows.clear()
 
-    def _append(self, domain: str, row: tuple[float, float, float]) -> None:
+    def _append(self, domain: str, row: tuple[float, float, float, str | None]) -> None:
         rows = self._rows.get(domain)
         if rows is None:
             rows = self._rows[domain] = deque(maxlen=self.window)
@@ -171,7 +179,7 @@ class FeedbackRecorder:
     """
 
     def __init__(self, writer: Any, model_id: str, fingerprint: str, layer: int, telemetry: Telemetry,
-                 anchor: Anchor | None = None) -> None:
+                 anchor: Anchor | None = None, tenant_max_share: float | None = None) -> None:
         self.writer = writer
         self.model_id, self.fingerprint, self.layer = model_id, fingerprint, layer
         self.listeners: list[Callable[[dict], None]] = []
@@ -182,7 +190,8 @@ class FeedbackRecorder:
         self.row_ids = RowIds()
         self.recent: deque[tuple[float, int]] = deque(maxlen=QUALITY_WINDOW)
         self.anchor = anchor
-        self.quality = DomainQuality(telemetry, None if anchor is None else lambda: anchor(None)[1])
+        self.quality = DomainQuality(telemetry, None if anchor is None else lambda: anchor(None)[1],
+                                     tenant_max_share=tenant_max_share)
 
     def record(self, request: Any, entry: Tracked | None, feature: np.ndarray | None, predicted: float | None,
                version: str, policy: str) -> dict | None:
@@ -192,7 +201,7 @@ class FeedbackRecorder:
         self._telemetry.finished.inc()
         if entry is not None and predicted is not None and output_tokens > 0:
             self._quality(predicted, output_tokens)
-            self._domain_quality(predicted, output_tokens, feature, entry.extras.leap_domain)
+            self._domain_quality(predicted, output_tokens, feature, entry.extras.leap_domain, entry.extras.leap_tenant)
         if feature is None or entry is None or (self.writer is None and not self.listeners):
             return None
         row = self.row(request, entry, feature, predicted, version, policy)
@@ -233,7 +242,7 @@ class FeedbackRecorder:
             self._telemetry.mae.set(mae(pairs[:, 1], pairs[:, 0]))
 
     def _domain_quality(self, predicted: float, output_tokens: int, feature: np.ndarray | None,
-                        domain: str | None) -> None:
+                        domain: str | None, tenant: str | None) -> None:
         anchored, generation = None, self.quality.generation
         if self.anchor is not None:
             if feature is None:  # the anchor's prediction is unknown: the comparison needs both
@@ -245,7 +254,8 @@ class FeedbackRecorder:
                 self._telemetry.drop("quality_row", "anchor_error")
                 self._warn.warning("anchor", "LEAP: the anchor readout could not predict", exc_info=True)
                 return
-        self.quality.add(predicted, predicted if anchored is None else anchored, output_tokens, domain, generation)
+        self.quality.add(predicted, predicted if anchored is None else anchored, output_tokens, domain, generation,
+                         tenant)
 
     # -- the writer --------------------------------------------------------------------------------
     def flush(self) -> dict:

@@ -103,7 +103,8 @@ class LeapRuntime:
                                       orphan_ttl_s=self.config.orphan_ttl_s)
         self.readouts = ReadoutService(self.config, self._expect(), self.tracker, self.telemetry, self.capture)
         self.recorder = FeedbackRecorder(self._feedback_writer(), self.model_id, self.fingerprint, self.layer,
-                                         self.telemetry, anchor=self.readouts.anchor_prediction)
+                                         self.telemetry, anchor=self.readouts.anchor_prediction,
+                                         tenant_max_share=self.config.rls_tenant_max_share)
         self.finished = FinishedRequests(self.config, self.tracker, self.readouts, self.recorder, self.telemetry)
         self.steps = DecodeSteps(self.config, self.tracker, self.telemetry, self.readouts)
         self.refresher, self.refresh_error = configured_refresher(self.config, self._expect(), self.capture)

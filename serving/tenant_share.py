@@ -16,6 +16,9 @@ where a gateway sets that extra and clients cannot.
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Sequence
+
+import numpy as np
 
 
 class TenantShare:
@@ -47,3 +50,35 @@ class TenantShare:
             if not self._seen[oldest]:
                 del self._seen[oldest], self._admitted[oldest]
         return admitted
+
+
+def capped_weights(tenants: Sequence[str | None], max_share: float | None) -> np.ndarray:
+    """Row weights (summing to 1) under which no tenant carries more than `max_share` of the total.
+
+    Each tenant's weight is its share of the rows, except that a tenant above `max_share` is cut to
+    it and the weight it loses goes to the others in proportion to their shares (water-filling,
+    repeated until no tenant exceeds the cap); a tenant's weight is spread evenly over its rows. With
+    one tenant, or no cap, every row weighs the same. Where the cap cannot hold (fewer than
+    1 / `max_share` tenants) every tenant weighs the same. Rows without a tenant are one tenant.
+    """
+    keys = ["" if tenant is None else tenant for tenant in tenants]
+    if not keys:
+        return np.zeros(0)
+    counts = Counter(keys)
+    if max_share is None or len(counts) == 1:
+        return np.full(len(keys), 1.0 / len(keys))
+    if len(counts) * max_share < 1.0:
+        weight = {tenant: 1.0 / len(counts) for tenant in counts}
+    else:
+        share = {tenant: n / len(keys) for tenant, n in counts.items()}
+        capped: set[str] = set()
+        scale = 1.0
+        while len(capped) < len(counts):
+            free = [t for t in counts if t not in capped]
+            scale = (1.0 - max_share * len(capped)) / sum(share[t] for t in free)
+            over = {t for t in free if scale * share[t] > max_share * (1 + 1e-12)}
+            if not over:
+                break
+            capped |= over
+        weight = {t: max_share if t in capped else scale * share[t] for t in counts}
+    return np.array([weight[key] / counts[key] for key in keys])

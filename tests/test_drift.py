@@ -227,6 +227,42 @@ def test_the_replica_keeps_figures_per_domain_since_its_anchor_and_caps_the_doma
     assert quality.domains() == [] and quality.generation == 2
 
 
+def test_no_tenant_carries_more_than_its_cap_of_the_quality_weight():
+    from serving.tenant_share import capped_weights
+
+    def tenant_weight(tenants, cap):
+        weights = capped_weights(tenants, cap)
+        assert weights.sum() == pytest.approx(1.0)
+        return {t: pytest.approx(sum(w for u, w in zip(tenants, weights) if u == t)) for t in set(tenants)}
+
+    assert tenant_weight(["a"] * 9 + ["b"], 0.5) == {"a": 0.5, "b": 0.5}
+    # the cap's excess goes to the others in proportion to their shares
+    assert tenant_weight(["a"] * 6 + ["b"] * 3 + ["c"], 0.5) == {"a": 0.5, "b": 0.375, "c": 0.125}
+    assert tenant_weight(["a"] * 2 + ["b"] * 3 + [None] * 5, 0.6) == {"a": 0.2, "b": 0.3, None: 0.5}
+    # one tenant, no cap, or a cap that cannot hold with so few tenants
+    assert list(capped_weights(["a"] * 4, 0.5)) == [0.25] * 4
+    assert list(capped_weights(["a", "a", "a", "b"], None)) == [0.25] * 4
+    assert tenant_weight(["a"] * 8 + ["b"] * 2, 0.3) == {"a": 0.5, "b": 0.5}
+    assert capped_weights([], 0.5).size == 0
+
+
+def test_a_flooding_tenant_moves_the_replica_figures_by_at_most_its_cap():
+    from serving.recorder import DomainQuality
+    from serving.telemetry import Telemetry
+
+    honest, flood = (100, 100, 110), (100, 100, 400)  # (predicted, anchor-predicted, true length)
+    capped = DomainQuality(Telemetry(), window=64, tenant_max_share=0.5)
+    uncapped = DomainQuality(Telemetry(), window=64)
+    for quality in (capped, uncapped):
+        for _ in range(8):
+            quality.add(*honest, None, 0, tenant="steady")
+        for _ in range(56):
+            quality.add(*flood, None, 0, tenant="flooder")
+    assert uncapped.figures()["mae"] == pytest.approx((8 * 10 + 56 * 300) / 64)
+    assert capped.figures()["mae"] == pytest.approx(0.5 * 10 + 0.5 * 300)
+    assert capped.figures()["anchor_mae"] == capped.figures()["mae"] and capped.figures()["rows"] == 64
+
+
 def test_a_champion_worse_on_one_client_named_domain_alone_is_not_rolled_back_fleet_wide():
     before = recorded([80, 82, 84, 81, 80], version="r1", start=0.0, generation=0, domain="tenant-named")
     after = recorded([120, 125, 130], version="r2", start=1000.0, generation=1, domain="tenant-named")

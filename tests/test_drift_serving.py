@@ -155,9 +155,10 @@ def test_an_online_correction_worse_than_its_anchor_is_reset_to_the_champion(rep
     assert runtime.recorder.quality.figures(FITTED_ON) is None
 
 
-def test_a_champion_worse_than_its_predecessor_on_the_same_traffic_is_rolled_back(replica, domains):
+def _worse_champion_on_the_first_domain(replica, domains, **settings) -> tuple[dict, dict, ReadoutRegistry]:
+    """The first champion observed on its own domain, then one fitted on the other domain promoted while
+    the traffic stays; returns the replica, the fourth watch pass's result and the registry."""
     from flows.promotion import PushOptions, promote
-    from registry.client import PREVIOUS_CHAMPION
 
     home, start = replica
     r = start(rls=False)
@@ -168,7 +169,7 @@ def test_a_champion_worse_than_its_predecessor_on_the_same_traffic_is_rolled_bac
     logged = registry.log_readout(readout, rls=rls, params={"data_hash": SHIFTED_TO},
                                   metrics={"mae": mae(shifted.lengths[200:250], readout.predict(shifted.features[200:250]))})
     traffic, held_out = r["traffic"], r["held_out"]
-    with pipeline_home(home, **watch_env(home, r["url"])):
+    with pipeline_home(home, **watch_env(home, r["url"], **settings)):
         for part in (held_out.part(0, 32), held_out.part(32, 48)):  # the first champion on its own domain
             traffic.serve(part)
             assert drift_flow()["drift_events"] == 0
@@ -180,9 +181,29 @@ def test_a_champion_worse_than_its_predecessor_on_the_same_traffic_is_rolled_bac
         traffic.serve(held_out.part(32, 48))
         fourth = drift_flow()
     assert third["drift_events"] == 0  # one observation of the new champion is not a window
+    return r, fourth, registry
+
+
+def test_a_champion_worse_than_its_predecessor_on_the_same_traffic_is_rolled_back(replica, domains):
+    from registry.client import PREVIOUS_CHAMPION
+
+    r, fourth, registry = _worse_champion_on_the_first_domain(replica, domains, rollback_gate="false")
     rollbacks = [d for d in fourth["decisions"] if d["action"] == ROLLBACK and d["domain"] == "all"]
     assert rollbacks and rollbacks[0]["acted"] and rollbacks[0]["done"], fourth["decisions"]
     assert rollbacks[0]["previous_anchor_mae"] < min(rollbacks[0]["anchor_mae"]) / 1.25
     assert fourth["rollbacks"] == 1 and fourth["retrains"] == 0
     assert registry.get_alias(r["name"], CHAMPION) == "1" and registry.get_alias(r["name"], PREVIOUS_CHAMPION) == "2"
     assert r["runtime"].version == r["version"]
+
+
+def test_a_fleet_wide_rollback_waits_for_the_gates_evidence(replica, domains):
+    """With the gate on (the default) the rollback replays first; with no served prompt to replay here,
+    the gate has no evidence and the rollback is held back: the champion stays, on the replica too."""
+    r, fourth, registry = _worse_champion_on_the_first_domain(replica, domains)
+    rollbacks = [d for d in fourth["decisions"] if d["action"] == ROLLBACK and d["domain"] == "all"]
+    assert rollbacks and not rollbacks[0]["acted"] and "done" not in rollbacks[0], fourth["decisions"]
+    assert rollbacks[0]["gate"]["passed"] is False and "LookupError" in rollbacks[0]["gate"]["reason"]
+    assert rollbacks[0]["held_back"].startswith("the gate's evidence does not support it")
+    assert fourth["rollbacks"] == 0 and fourth["baseline"]["previous_champion"] == "1"
+    assert registry.get_alias(r["name"], CHAMPION) == "2"
+    assert r["runtime"].version != r["version"]  # still the promoted champion
