@@ -23,6 +23,7 @@ _COMMAND_MODULES = (
     "leap_cli.cmd_faults",
     "leap_cli.cmd_watch",
     "leap_cli.cmd_keys",
+    "leap_cli.cmd_s3",
 )
 
 for _name in _COMMAND_MODULES:

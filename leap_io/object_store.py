@@ -51,6 +51,10 @@ class ObjectNotFound(ObjectStoreError, FileNotFoundError):
     """The object (or its bucket) does not exist."""
 
 
+class ObjectAccessDenied(ObjectStoreError):
+    """The store refused the credentials this operation (a least-privilege key, docs/security.md)."""
+
+
 def is_object_url(location: Any) -> bool:
     """Whether `location` names object storage (an `s3://` URL) rather than a local folder."""
     return isinstance(location, str) and location.strip().lower().startswith(SCHEME)
@@ -192,6 +196,8 @@ class ObjectStore:
             message = f"{what} {where} at {self.endpoint_url or 'AWS'}: {code or status}: {error}"
             if code in ("NoSuchKey", "NoSuchBucket", "404", "NotFound"):
                 return ObjectNotFound(message)
+            if code in ("AccessDenied", "403", "Forbidden"):
+                return ObjectAccessDenied(message)
             return ObjectStoreError(message)
         return ObjectStoreError(f"{what} {where} at {self.endpoint_url or 'AWS'}: {type(error).__name__}: {error}")
 

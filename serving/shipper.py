@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from leap_io.durable import fsync_dir
-from leap_io.object_store import ObjectStore, ObjectStoreError, check_key_part, parse_s3_url
+from leap_io.object_store import ObjectAccessDenied, ObjectStore, ObjectStoreError, check_key_part, parse_s3_url
 from serving.supervise import SupervisedThread
 
 logger = logging.getLogger(__name__)
@@ -124,6 +124,10 @@ class FeedbackShipper:
                 try:
                     self._store.ensure_bucket(self.location.bucket)
                     self._bucket_ready = True
+                except ObjectAccessDenied:  # a replica's least-privilege key may neither check nor create it
+                    self._bucket_ready = True
+                    logger.info("feedback shipper: this key may not check bucket %s; shipping without",
+                                self.location.bucket)
                 except ObjectStoreError as error:  # the upload below says whether it matters
                     logger.warning("feedback shipper: could not check bucket %s: %s", self.location.bucket, error)
             shipped = 0
