@@ -103,6 +103,10 @@ class PipelineSettings(BaseSettings):
     mlflow_retries: int = Field(3, ge=0, description="retries of a failed MLflow call (backoff doubling "
                                                      "from mlflow_backoff_s), then the command fails")
     mlflow_backoff_s: float = Field(0.5, ge=0.0, description="first backoff between MLflow retries")
+    mlflow_username: str | None = Field(None, description="the MLflow account of a server with authentication "
+                                        "(basic-auth, infra/compose.yaml); its password is in mlflow_password_file")
+    mlflow_password_file: Path | None = Field(None, description="file holding the MLflow account's password (a "
+                                              "compose secret), read each time a registry client is made")
     push_retries: int = Field(3, ge=0, description="retries of a failed push to one replica")
     push_timeout_s: float = Field(30.0, gt=0.0)
 

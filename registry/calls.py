@@ -18,8 +18,16 @@ from collections.abc import Callable
 from typing import Any
 
 from mlflow.exceptions import MlflowException
-from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, RESOURCE_DOES_NOT_EXIST, ErrorCode
+from mlflow.protos.databricks_pb2 import (
+    PERMISSION_DENIED,
+    RESOURCE_ALREADY_EXISTS,
+    RESOURCE_DOES_NOT_EXIST,
+    UNAUTHENTICATED,
+    ErrorCode,
+)
 from mlflow.tracking import MlflowClient
+
+from leap_io.redact import redact_text
 
 DEFAULT_RETRIES = 3
 DEFAULT_BACKOFF_S = 0.5
@@ -52,9 +60,22 @@ class RegistryError(RuntimeError):
         """What the call would create is there already (another process made it first)."""
         return self.error_code == ErrorCode.Name(RESOURCE_ALREADY_EXISTS)
 
+    @property
+    def unauthenticated(self) -> bool:
+        """The server asks for an account (HTTP 401): none was given, or its password is wrong."""
+        return self.error_code == ErrorCode.Name(UNAUTHENTICATED)
+
+
+_HINTS = {
+    ErrorCode.Name(UNAUTHENTICATED): " (HTTP 401: the server wants an MLflow account: set LEAP_MLFLOW_USERNAME and "
+                                     "LEAP_MLFLOW_PASSWORD_FILE, and check the password in that file)",
+    ErrorCode.Name(PERMISSION_DENIED): " (HTTP 403: the MLflow account LEAP_MLFLOW_USERNAME may not do this)",
+}
+
 
 def _refused(error: MlflowException, what: str, where: str) -> RegistryError:
-    return RegistryError(f"{where} refused {what}: {error}", str(error.error_code))
+    code = str(error.error_code)
+    return RegistryError(redact_text(f"{where} refused {what}{_HINTS.get(code, '')}: {error}"), code)
 
 
 def _transient(error: BaseException) -> bool:
@@ -85,9 +106,9 @@ def call_with_retry(call: Callable[[], Any], what: str, *, retries: int = DEFAUL
                     raise _refused(error, what, where) from error
                 raise
             if attempt == retries:
-                raise RegistryUnavailable(
+                raise RegistryUnavailable(redact_text(
                     f"{where} did not answer {what} after {retries + 1} attempts: "
-                    f"{type(error).__name__}: {str(error)[:500]}") from error
+                    f"{type(error).__name__}: {str(error)[:500]}")) from error
             time.sleep(backoff_s * 2 ** attempt)
     raise AssertionError("unreachable")  # pragma: no cover
 

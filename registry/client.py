@@ -8,6 +8,9 @@ against it, and `previous-champion` keeps the last good version one step away fo
 (`registry.runs`), loading readouts (`registry.loading`), finding versions and earlier runs
 (`registry.lookups`), moving aliases under the alias lock (`registry.aliases`, `registry.locking`) and
 pruning old versions with their files (`registry.retention`).
+A server that asks for an account (MLflow's basic-auth app, infra/compose.yaml) gets the one named by
+`LEAP_MLFLOW_USERNAME`, with the password read from the file `LEAP_MLFLOW_PASSWORD_FILE`
+(`apply_credentials`, when a registry on an http URI is made).
 Everything is logged through `MlflowClient` with explicit run ids: the fluent API keeps a global
 active run, which a Prefect task or a second thread would otherwise share or leak. Every call is
 retried while the server may come back and then fails as `RegistryUnavailable`; a call MLflow refuses
@@ -24,6 +27,7 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 from leap_io.model_identity import registered_model_name
+from leap_io.redact import redact_url
 from registry.aliases import ALIASES, CHALLENGER, CHAMPION, PREVIOUS_CHAMPION, AliasMixin
 from registry.calls import (
     DEFAULT_BACKOFF_S,
@@ -41,7 +45,38 @@ from registry.runs import RunsMixin
 from registry.tracking import ensure_db, sqlite_path
 
 __all__ = ["ALIASES", "CHALLENGER", "CHAMPION", "PREVIOUS_CHAMPION", "AliasLockTimeout", "ReadoutRegistry",
-           "RegistryError", "RegistryUnavailable", "ensure_db"]
+           "RegistryError", "RegistryUnavailable", "apply_credentials", "ensure_db"]
+
+USERNAME_VARIABLE = "LEAP_MLFLOW_USERNAME"
+PASSWORD_FILE_VARIABLE = "LEAP_MLFLOW_PASSWORD_FILE"
+
+
+def apply_credentials() -> str | None:
+    """Hand MLflow's client the account of `$LEAP_MLFLOW_USERNAME`, its password read from the file
+    `$LEAP_MLFLOW_PASSWORD_FILE` (a compose secret; surrounding whitespace dropped), as the
+    MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD variables it reads on every request; returns the
+    username, or None (and changes nothing) when no password file is set. The file is read anew each time,
+    so a registry made after a rotation uses the new password. The password itself is never in a message.
+    Raises RegistryError (UNAUTHENTICATED) when the file cannot be read or is empty, or no username is set."""
+    path = os.environ.get(PASSWORD_FILE_VARIABLE)
+    if not path:
+        return None
+    username = os.environ.get(USERNAME_VARIABLE, "").strip()
+    if not username:
+        raise RegistryError(f"{PASSWORD_FILE_VARIABLE} is set but {USERNAME_VARIABLE} is not: "
+                            "name the MLflow account whose password the file holds", "UNAUTHENTICATED")
+    try:
+        password = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) else "not text"
+        raise RegistryError(f"cannot read the MLflow password file {path} ({PASSWORD_FILE_VARIABLE}): {reason}",
+                            "UNAUTHENTICATED") from None
+    if not password:
+        raise RegistryError(f"the MLflow password file {path} ({PASSWORD_FILE_VARIABLE}) is empty",
+                            "UNAUTHENTICATED")
+    os.environ["MLFLOW_TRACKING_USERNAME"] = username
+    os.environ["MLFLOW_TRACKING_PASSWORD"] = password
+    return username
 
 
 class ReadoutRegistry(RunsMixin, LoadingMixin, LookupMixin, AliasMixin, RetentionMixin):
@@ -71,14 +106,21 @@ class ReadoutRegistry(RunsMixin, LoadingMixin, LookupMixin, AliasMixin, Retentio
         if tracking_uri.startswith(("http://", "https://")):
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # ours are bounded; see above
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+            self.username = apply_credentials()  # the account asked for by a server with authentication
+        else:
+            self.username = None
         self.alias_lock = AliasLockHandle(AliasLock.for_path(lock_path or default_lock_path(tracking_uri)),
                                           lock_timeout_s)
-        where = f"MLflow at {tracking_uri}"
+        where = f"MLflow at {redact_url(tracking_uri)}"  # never a password in an error message
         # before the client: MLflow creates a sqlite schema in each process that opens it, and two collide
         call_with_retry(lambda: ensure_db(tracking_uri), "creating the sqlite schema", retries=self.retries,
                         backoff_s=self.backoff_s, where=where)
         self.client = RetryingClient(MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri),
                                      self.retries, self.backoff_s, where)
+
+    def __repr__(self) -> str:
+        account = f", username={self.username!r}" if self.username else ""
+        return f"ReadoutRegistry({redact_url(self.tracking_uri)!r}{account})"
 
     @staticmethod
     def model_name(model_id: str, layer: int) -> str:
