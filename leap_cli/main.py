@@ -24,6 +24,7 @@ _COMMAND_MODULES = (
     "leap_cli.cmd_watch",
     "leap_cli.cmd_keys",
     "leap_cli.cmd_s3",
+    "leap_cli.cmd_fcfs",
 )
 
 for _name in _COMMAND_MODULES:

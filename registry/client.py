@@ -40,6 +40,7 @@ from registry.calls import (
 from registry.loading import LoadingMixin
 from registry.locking import DEFAULT_LOCK_TIMEOUT_S, AliasLock, AliasLockHandle, AliasLockTimeout, default_lock_path
 from registry.lookups import LookupMixin
+from registry.operations import OperationsMixin
 from registry.retention import RetentionMixin
 from registry.runs import RunsMixin
 from registry.tracking import ensure_db, sqlite_path
@@ -79,7 +80,7 @@ def apply_credentials() -> str | None:
     return username
 
 
-class ReadoutRegistry(RunsMixin, LoadingMixin, LookupMixin, AliasMixin, RetentionMixin):
+class ReadoutRegistry(RunsMixin, LoadingMixin, LookupMixin, AliasMixin, RetentionMixin, OperationsMixin):
     """Log, register, promote and load LEAP readouts in one MLflow tracking store.
 
     `artifact_location` defaults to an `artifacts` folder next to a sqlite database, so a store is

@@ -10,6 +10,8 @@ every refusal is a JSON error and leaves the old readout serving.
   POST /leap/readout           body: a leap_core readout file, or a bundle (readout + RLS anchor);
                                `?force=1` lets an older version replace a newer one (a rollback)
   POST /leap/feedback/flush    close the open feedback segment so ingest sees every finished request
+  POST /leap/fcfs              (token) the kill switch: body {"on": true|false, "reason": "..."} orders
+                               decodes FCFS from the next step, or by the policy again (serving/fcfs_fallback.py)
   GET  /leap/rls               (token) the RLS state learned since the last push (rows waiting for a batch
                                learned first), as a push bundle; the header X-Leap-Rls holds its base
                                version and rows folded (JSON); 409
@@ -52,6 +54,8 @@ _CHUNK = 1 << 20
 _DIGITS = re.compile(r"^[0-9]{1,19}$")
 _TRUE = ("1", "true", "yes", "on")
 RLS_PATH = "/leap/rls"
+FCFS_PATH = "/leap/fcfs"
+MAX_SWITCH_BODY = 4096
 RLS_INFO_HEADER = "X-Leap-Rls"
 
 
@@ -72,11 +76,28 @@ class AdminTarget(Protocol):
 
     def flush_feedback(self) -> dict: ...
 
+    def set_fcfs(self, on: bool, reason: str = "") -> dict: ...
+
 
 class _Refusal(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+def parse_switch(body: bytes) -> tuple[bool, str]:
+    """(on, reason) of a kill-switch body: a JSON object with a boolean "on" and an optional string
+    "reason"; anything else is refused (400)."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _Refusal(400, f"the body is not JSON: {exc}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("on"), bool):
+        raise _Refusal(400, 'send {"on": true|false, "reason": "..."}')
+    reason = data.get("reason", "")
+    if not isinstance(reason, str):
+        raise _Refusal(400, '"reason" must be a string')
+    return data["on"], reason
 
 
 def health_answer(target: Any) -> tuple[int, dict]:
@@ -235,7 +256,7 @@ class _AdminHandler(BaseHTTPRequestHandler):
 
     def _post(self) -> None:
         split = urlsplit(self.path)
-        if split.path not in ("/leap/readout", "/leap/feedback/flush"):
+        if split.path not in ("/leap/readout", "/leap/feedback/flush", FCFS_PATH):
             self._reply(404, {"error": f"no such endpoint: {split.path}"})
             return
         if not self._authorized():
@@ -247,7 +268,10 @@ class _AdminHandler(BaseHTTPRequestHandler):
                 logger.error("admin: feedback flush failed: %s", exc)
                 self._reply(500, {"flushed": False, "error": f"feedback flush failed: {exc}"})
             return
-        body = self._read_body()
+        body = self._read_body(MAX_SWITCH_BODY if split.path == FCFS_PATH else None)
+        if split.path == FCFS_PATH:
+            self._reply(200, self.target.set_fcfs(*parse_switch(body)))
+            return
         force = parse_qs(split.query).get("force", [""])[-1].strip().lower() in _TRUE
         if force:
             from leap_io.push_bundle import BundleError, with_force
@@ -264,7 +288,7 @@ class _AdminHandler(BaseHTTPRequestHandler):
             logger.exception("admin: push failed")
             self._reply(500, {"error": f"push failed: {exc}", "serving": self._serving()})
 
-    def _read_body(self) -> bytes:
+    def _read_body(self, limit: int | None = None) -> bytes:
         if self.headers.get("Transfer-Encoding", "").strip():
             raise _Refusal(411, "send the readout with a Content-Length; chunked bodies are not accepted")
         raw = self.headers.get("Content-Length")
@@ -274,7 +298,7 @@ class _AdminHandler(BaseHTTPRequestHandler):
         if not _DIGITS.match(raw):
             raise _Refusal(400, f"Content-Length must be a non-negative integer, got {raw[:40]!r}")
         length = int(raw)
-        limit = body_limit(self.target, self.max_body)
+        limit = limit or body_limit(self.target, self.max_body)
         if length == 0:
             raise _Refusal(400, "the body is empty; send a readout file or bundle")
         if length > limit:

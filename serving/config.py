@@ -81,6 +81,12 @@ class LeapConfig(BaseSettings):
                                          "one tenant carries in the quality figures the drift watch judges; "
                                          "None: no cap (serving/tenant_share.py)")
     rls_tenant_window: int = Field(256, ge=1, description="label rows the tenant cap looks back over")
+    fcfs_below_spearman: float | None = Field(
+        None, ge=-1.0, le=1.0, description="fall back to FCFS by itself when the live Spearman of prediction "
+                                           "against true length drops below this (serving/fcfs_fallback.py); "
+                                           "None: only by command")
+    fcfs_min_rows: int = Field(128, ge=16, le=256, description="finished requests the live Spearman must be "
+                                                              "over before the fallback may act")
     ready_wait_ms: float = Field(200.0, ge=0.0, description="longest wait for a missing prediction")
     feedback_dir: str | None = Field(None, description="folder of feedback segments; None: no feedback")
     segment_max_rows: int = Field(5000, ge=1)

@@ -22,6 +22,7 @@ import numpy as np
 from leap_core.policy import DecodePolicy, make_policy
 from serving import vllm_compat
 from serving.config import LeapConfig
+from serving.fcfs_fallback import FcfsFallback
 from serving.readout_service import ReadoutService
 from serving.telemetry import Telemetry
 from serving.tracking import RequestTracker, Tracked
@@ -46,11 +47,12 @@ class DecodeSteps:
     """Chooses each step's decodes by the policy of `config` and counts what the engine ran."""
 
     def __init__(self, config: LeapConfig, tracker: RequestTracker, telemetry: Telemetry,
-                 readouts: ReadoutService) -> None:
+                 readouts: ReadoutService, fallback: FcfsFallback | None = None) -> None:
         self.config = config
         self._tracker = tracker
         self._telemetry = telemetry
         self._readouts = readouts
+        self._fallback = fallback
         self.policy: DecodePolicy = self._make_policy()
         self.counters = Counters()
         self.last_held: set[str] = set()
@@ -59,6 +61,7 @@ class DecodeSteps:
 
     def _make_policy(self) -> DecodePolicy:
         c = self.config
+        self._fcfs = make_policy("fcfs", k=c.decode_slots, waiting_cap=c.waiting_cap, aging=c.aging)
         return make_policy(c.decode_order, k=c.decode_slots, waiting_cap=c.waiting_cap, aging=c.aging)
 
     def reset(self) -> None:
@@ -87,7 +90,9 @@ class DecodeSteps:
         track, predictions = self._tracker.track, self._tracker.predictions
         candidates, entries, missing = [], [], []
         source = self.config.length_source
-        needs_prediction = self._readouts.readout is not None and source in ("predicted", "client")
+        fcfs = self._fallback is not None and self._fallback.on  # the kill switch: FCFS from this step
+        policy = self._fcfs if fcfs else self.policy
+        needs_prediction = not fcfs and self._readouts.readout is not None and source in ("predicted", "client")
         for request in running:
             entry = track(request)
             if not vllm_compat.past_prefill(request):
@@ -115,7 +120,7 @@ class DecodeSteps:
             held_out = np.fromiter((e.held_out for e in entries), dtype=np.int64, count=n)
             arrival = np.fromiter((e.arrival for e in entries), dtype=np.float64, count=n)
             chosen = np.zeros(n, dtype=bool)
-            chosen[self.policy.select(predicted, generated, held_out, arrival)] = True
+            chosen[policy.select(predicted, generated, held_out, arrival)] = True
             for request, keep in zip(candidates, chosen):
                 if not keep:
                     vllm_compat.hold_out_next_step(request, current_step)

@@ -39,6 +39,7 @@ from leap_core.metrics import mae, spearman
 from leap_io.feedback_schema import CLIENT_ID_MAX_CHARS
 from serving import vllm_compat
 from serving.supervise import RateLimitedLog
+from serving.fcfs_fallback import FcfsFallback
 from serving.telemetry import Telemetry
 from serving.tenant_share import capped_weights
 from serving.tracking import Tracked
@@ -179,7 +180,8 @@ class FeedbackRecorder:
     """
 
     def __init__(self, writer: Any, model_id: str, fingerprint: str, layer: int, telemetry: Telemetry,
-                 anchor: Anchor | None = None, tenant_max_share: float | None = None) -> None:
+                 anchor: Anchor | None = None, tenant_max_share: float | None = None,
+                 fallback: FcfsFallback | None = None) -> None:
         self.writer = writer
         self.model_id, self.fingerprint, self.layer = model_id, fingerprint, layer
         self.listeners: list[Callable[[dict], None]] = []
@@ -190,6 +192,8 @@ class FeedbackRecorder:
         self.row_ids = RowIds()
         self.recent: deque[tuple[float, int]] = deque(maxlen=QUALITY_WINDOW)
         self.anchor = anchor
+        self.fallback = fallback
+        self._recent_generation = 0
         self.quality = DomainQuality(telemetry, None if anchor is None else lambda: anchor(None)[1],
                                      tenant_max_share=tenant_max_share)
 
@@ -235,11 +239,20 @@ class FeedbackRecorder:
         }
 
     def _quality(self, predicted: float, output_tokens: int) -> None:
+        generation = self.anchor(None)[1] if self.anchor is not None else 0
+        if generation != self._recent_generation:  # a new readout: its ranking is judged afresh
+            self._recent_generation = generation
+            self.recent.clear()
+            if self.fallback is not None:
+                self.fallback.new_anchor()
         self.recent.append((predicted, output_tokens))
         if self.finished % 16 == 0 and len(self.recent) >= 16:
             pairs = np.asarray(self.recent)
-            self._telemetry.spearman.set(spearman(pairs[:, 1], pairs[:, 0]))
+            ranking = spearman(pairs[:, 1], pairs[:, 0])
+            self._telemetry.spearman.set(ranking)
             self._telemetry.mae.set(mae(pairs[:, 1], pairs[:, 0]))
+            if self.fallback is not None:
+                self.fallback.observe(ranking, len(pairs))
 
     def _domain_quality(self, predicted: float, output_tokens: int, feature: np.ndarray | None,
                         domain: str | None, tenant: str | None) -> None:

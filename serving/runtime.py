@@ -42,6 +42,7 @@ from serving.config import (
     register_predictor_policy,
 )
 from serving.decode_steps import DecodeSteps
+from serving.fcfs_fallback import FcfsFallback
 from serving.finished import FinishedRequests
 from serving.online import OnlineLearner
 from serving.predictor import PredictorService
@@ -102,11 +103,12 @@ class LeapRuntime:
         self.tracker = RequestTracker(self.telemetry, finished_memory=self.config.finished_memory,
                                       orphan_ttl_s=self.config.orphan_ttl_s)
         self.readouts = ReadoutService(self.config, self._expect(), self.tracker, self.telemetry, self.capture)
+        self.fallback = FcfsFallback(self.telemetry, self.config.fcfs_below_spearman, self.config.fcfs_min_rows)
         self.recorder = FeedbackRecorder(self._feedback_writer(), self.model_id, self.fingerprint, self.layer,
                                          self.telemetry, anchor=self.readouts.anchor_prediction,
-                                         tenant_max_share=self.config.rls_tenant_max_share)
+                                         tenant_max_share=self.config.rls_tenant_max_share, fallback=self.fallback)
         self.finished = FinishedRequests(self.config, self.tracker, self.readouts, self.recorder, self.telemetry)
-        self.steps = DecodeSteps(self.config, self.tracker, self.telemetry, self.readouts)
+        self.steps = DecodeSteps(self.config, self.tracker, self.telemetry, self.readouts, self.fallback)
         self.refresher, self.refresh_error = configured_refresher(self.config, self._expect(), self.capture)
         self.readouts.start()
         self.sources = ReadoutSources(self.readouts, self.telemetry, self.model_id, self.layer,
@@ -262,6 +264,7 @@ class LeapRuntime:
             self.config.waiting_cap = waiting_cap
         if rls is not None:
             self.config.rls = rls
+        self.fallback.release()  # a replay's policy is the one it asks for
         self.steps.reset()
 
     def serve_predictor(self, predictor: Any, version: str) -> None:
@@ -284,6 +287,10 @@ class LeapRuntime:
     def push_readout(self, body: bytes) -> dict:
         """Validate and hot-swap a pushed readout; raise PushRefused and keep the old one otherwise."""
         return self.readouts.push(body)
+
+    def set_fcfs(self, on: bool, reason: str = "") -> dict:
+        """The kill switch (POST /leap/fcfs): order decodes FCFS from the next step, or by the policy again."""
+        return self.fallback.engage(reason) if on else self.fallback.release()
 
     def rls_state(self) -> tuple[bytes, dict]:
         """The RLS state learned since the last anchor, as a bundle, and what it is (GET /leap/rls)."""
@@ -333,7 +340,8 @@ class LeapRuntime:
             threads["feedback_shipper"] = self.shipper.stats()
             healthy = healthy and threads["feedback_shipper"]["healthy"]
         counters = {**self.telemetry.snapshot(), "state": self.tracker.sizes()}
-        return {"healthy": bool(healthy), "threads": threads, "counters": counters}
+        return {"healthy": bool(healthy), "threads": threads, "counters": counters,
+                "fcfs_fallback": self.fallback.state()}
 
     def stats(self) -> dict:
         c = self.steps.counters

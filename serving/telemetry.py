@@ -44,6 +44,8 @@ class Telemetry:
         self.decoding = Gauge("leap_decode_candidates", "Resident requests past prefill", registry=r)
         self.held = Gauge("leap_held_out_requests", "Requests held out this step", registry=r)
         self.max_held = Gauge("leap_max_steps_held_out", "Longest hold-out seen", registry=r)
+        self.fcfs_fallback = Gauge("leap_fcfs_fallback", "1 while decodes are ordered FCFS by the kill switch "
+                                   "or the live-ranking fallback (serving/fcfs_fallback.py)", registry=r)
         self.pending = Gauge("leap_predictor_queue", "Features waiting for a prediction", registry=r)
         self.tracked = Gauge("leap_tracked_state", "Per-request entries held, by kind", ["kind"], registry=r)
         self.readout = Info("leap_readout", "The readout serving now and where it came from", registry=r)
