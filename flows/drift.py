@@ -22,9 +22,10 @@ small state file that outlives the run (bounded per replica and domain), and dec
   roll the fleet back: a domain is whatever `leap_domain` its clients send, so a rollback found on one
   domain alone is recorded and held back. And a rollback needs the gate's evidence too
   (`drift_rollback_gate`, on by default): the gate replays the previous champion as the challenger
-  against the champion, and the fleet is rolled back only when that replay finds it no slower (margin 0)
-  and fair to long requests; otherwise the rollback is held back with the verdict, which is recorded like
-  any gate. A gate that cannot replay holds the rollback back: it fails closed.
+  against the champion, and the fleet is rolled back only when that replay finds it better or no slower
+  within `gate_noninferiority` (the upper end of the interval), and fair to long requests; otherwise
+  the rollback is held back with the verdict, which is recorded like any gate. A gate that cannot
+  replay holds the rollback back: it fails closed.
 
 The figures weigh tenants: no `leap_tenant` carries more than its cap of a replica's MAEs
 (`serving.recorder.DomainQuality`), so one tenant's traffic alone cannot trigger an action for everyone.
@@ -422,8 +423,9 @@ def _model_name(scrapes: Sequence[Mapping[str, Any]], name: str | None) -> str |
 
 def rollback_evidence(settings: PipelineSettings, name: str, baseline: Baseline) -> dict[str, Any]:
     """The gate's verdict on a rollback: the previous champion replayed as the challenger against the
-    champion, passed when no slower (margin 0) within the long-request bound; recorded like any gate."""
-    from flows.gate import gate_verdict
+    champion, passed when better or no worse within `gate_noninferiority`, and fair to long requests;
+    recorded like any gate."""
+    from leap_core.gate_verdict import gate_verdict
     from flows.tasks import record_gate, registry_uri, run_gate
     from store.stores import store_location
 
@@ -433,7 +435,8 @@ def rollback_evidence(settings: PipelineSettings, name: str, baseline: Baseline)
         gate = run_gate(settings, name, baseline.previous_champion, baseline.champion)
     except Exception as exc:  # noqa: BLE001 - no replay, no evidence: the rollback waits
         return {"passed": False, "reason": f"the gate could not replay: {type(exc).__name__}: {exc}"}
-    verdict = gate_verdict(gate["results"], margin=0.0, p95_bound=settings.gate_p95_bound)
+    verdict = gate_verdict(gate["results"], margin=0.0, p95_bound=settings.gate_p95_bound,
+                           on_no_difference="noninferior", noninferiority=settings.gate_noninferiority)
     logged = record_gate(store_location(settings), registry_uri(settings), name, baseline.previous_champion,
                          baseline.champion, gate["results"], verdict)
     return {**verdict, "gate_run_id": logged["gate_run_id"]}

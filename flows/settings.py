@@ -69,8 +69,21 @@ class PipelineSettings(BaseSettings):
                                description="challenger mean PTL must be this fraction below the bar's")
     gate_p95_bound: float = Field(1.10, gt=0.0,
                                   description="challenger P95 PTL of the longest quartile over the bar's, at most")
+    gate_repeats: int = Field(2, ge=1, description="replays of each arm, fresh arrivals each, order reversed "
+                                                "each repeat (harness/gate_replay.py)")
+    gate_on_no_difference: Literal["keep", "noninferior"] = Field(
+        "keep", description="what an interval that shows no difference does: keep the champion, or promote a "
+                            "challenger non-inferior within gate_noninferiority")
+    gate_noninferiority: float = Field(0.02, ge=0.0, lt=1.0, description="how much slower (mean PTL ratio - 1) "
+                                                                      "the interval's upper end may be for "
+                                                                      "a non-inferior challenger")
     replay_slice: int = Field(64, ge=4, description="requests replayed per policy by the gate")
-    replay_rate: float = Field(4.0, gt=0.0, description="Poisson arrivals per second of the gate replay")
+    replay_rate: float = Field(4.0, gt=0.0, description="Poisson arrivals per second of the gate replay when "
+                                                       "gate_load is unset")
+    gate_load: float | None = Field(1.2, gt=0.0, description="the gate's arrivals as a fraction of the engine's "
+                                                            "FCFS capacity on the replayed requests (step clock)")
+    gate_decode_slots: int = Field(8, ge=1, description="K of the gate's engine: the slice must queue for slots "
+                                                       "for schedules to differ (harness/gate_replay.py)")
     replay_seed: int = 0
     gate_prompts: Path | None = Field(None, description="JSONL prompts of the gate (default: shipped prompts)")
     model_path: Path | None = Field(None, description="serving model folder (default: the prepared SmolLM2)")
@@ -122,7 +135,8 @@ class PipelineSettings(BaseSettings):
                                     "rollback) within this many seconds of the last")
     drift_rollback_gate: bool = Field(True, description="a fleet-wide rollback first replays the gate: the "
                                       "previous champion (as challenger) against the champion, and rolls back "
-                                      "only when it is no slower (margin 0) and spares long requests")
+                                      "only when it is no slower within gate_noninferiority and spares long "
+                                      "requests")
     drift_scrape_timeout_s: float = Field(5.0, gt=0.0)
     drift_history: int = Field(64, ge=1, description="observations kept per replica and domain")
     drift_state_path: Path | None = Field(None, description="the watch's state (default <home>/drift/watch.json)")

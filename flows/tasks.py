@@ -21,7 +21,8 @@ import numpy as np
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from flows.gate import gate_verdict, replay_gate
+from harness.gate_replay import replay_gate
+from leap_core.gate_verdict import gate_verdict
 from flows.promotion import PushOptions
 from flows.promotion import UNCHECKED
 from flows.promotion import promote as promote_everywhere
@@ -306,7 +307,8 @@ def _readout_pair(registry: ReadoutRegistry, name: str, version: str):
 
 @task(name="run-gate", cache_policy=NO_CACHE)
 def run_gate(settings: PipelineSettings, name: str, challenger: str, champion: str | None) -> dict[str, Any]:
-    """Replay one slice of served prompts with recorded lengths under FCFS, champion and challenger."""
+    """Replay one slice of served prompts with recorded lengths under FCFS, champion and challenger, on the
+    step clock with counterbalanced repeats, and decide (`harness.gate_replay`, `leap_core.gate_verdict`)."""
     from harness.engine import EngineSettings
 
     registry = registry_of(settings)
@@ -325,9 +327,12 @@ def run_gate(settings: PipelineSettings, name: str, challenger: str, champion: s
                                  settings.replay_seed, fingerprint, held_out_fraction=settings.test_fraction)
     engine = EngineSettings(model=str(settings.resolved_model_path()), max_model_len=settings.max_model_len,
                             seed=settings.replay_seed)
-    replayed = replay_gate(engine, chosen, lengths, readouts, settings.replay_rate, settings.replay_seed)
-    verdict = gate_verdict(replayed["results"], settings.gate_margin, settings.gate_p95_bound)
-    return {**replayed, "verdict": verdict}
+    replayed = replay_gate(engine, chosen, lengths, readouts, settings.replay_rate, settings.replay_seed,
+                           repeats=settings.gate_repeats, load=settings.gate_load,
+                           decode_slots=settings.gate_decode_slots)
+    verdict = gate_verdict(replayed["results"], settings.gate_margin, settings.gate_p95_bound,
+                           settings.gate_on_no_difference, settings.gate_noninferiority)
+    return {**replayed, "verdict": {**verdict, "step_model": replayed["step_model"]}}
 
 
 @task(name="record-gate", cache_policy=NO_CACHE)

@@ -1,0 +1,125 @@
+"""The promotion gate's verdict: challenger against bar on paired replays, with an interval and three outcomes.
+
+The replays (`harness.gate_replay`) give each arm's per-request PTL over the same (request, repeat)
+pairs. The verdict is the ratio of the challenger's mean PTL to the bar's (the champion, or FCFS when
+there is none) with a bootstrap interval over requests, each request resampled with all its repeats.
+It has three outcomes:
+
+- **better**: the interval lies below 1 and the ratio is at least `margin` below 1;
+- **worse**: the interval lies above 1, or the longest quartile's P95 PTL exceeds `p95_bound` x the bar's
+  (shortest-predicted-first schedules can starve long requests, and a mean alone would hide that);
+- **no difference**: anything else.
+
+What each does is the rule (`passed`, which promotes): better passes, worse fails, and no difference
+fails unless `on_no_difference` is "noninferior", which passes a challenger whose interval's upper end
+is within `noninferiority` of 1 (a fresher readout no worse within that bound). Anything that makes the
+comparison meaningless fails: the gate fails closed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from leap_core.metrics import bootstrap_ci, ratio_of_means
+
+LONG_QUANTILE = 0.75
+BETTER, NO_DIFFERENCE, WORSE = "better", "no-difference", "worse"
+ON_NO_DIFFERENCE = ("keep", "noninferior")
+
+
+def _figures(summary: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray, int]:
+    ptl = np.asarray(summary["ptl"], dtype=np.float64).reshape(-1)
+    tokens = np.asarray(summary["output_tokens"], dtype=np.float64).reshape(-1)
+    return ptl, tokens, int(summary.get("repeats", 1))
+
+
+def _failed(reason: str, bar: str, margin: float, p95_bound: float) -> dict[str, Any]:
+    return {"passed": False, "outcome": None, "reason": reason, "bar": bar, "margin": margin,
+            "p95_bound": p95_bound}
+
+
+def gate_verdict(results: Mapping[str, Mapping[str, Any] | None], margin: float = 0.02,
+                 p95_bound: float = 1.10, on_no_difference: str = "keep", noninferiority: float = 0.02,
+                 level: float = 0.95, n_boot: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """The outcome (better, no difference, worse) of the challenger against the bar, its paired ratio
+    with a bootstrap interval, and whether the rule passes it (module docstring).
+
+    `results` maps "fcfs", "champion" (None or absent when there is none) and "challenger" to replay
+    summaries with per-request `ptl` and `output_tokens`, in one order, and `repeats` (default 1): the
+    figures are the repeats one after another, so entry i is request i % (size / repeats). Missing or
+    non-finite figures, or replays of different requests, fail the gate rather than raise.
+    """
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin must be in [0, 1), got {margin}")
+    if not p95_bound > 0.0:
+        raise ValueError(f"p95_bound must be > 0, got {p95_bound}")
+    if on_no_difference not in ON_NO_DIFFERENCE:
+        raise ValueError(f"on_no_difference is one of {ON_NO_DIFFERENCE}, not {on_no_difference!r}")
+    bar = "champion" if results.get("champion") is not None else "fcfs"
+    if results.get("challenger") is None:
+        return _failed("no challenger replay", bar, margin, p95_bound)
+    if results.get(bar) is None:
+        return _failed(f"no {bar} replay to compare with", bar, margin, p95_bound)
+
+    bar_ptl, bar_tokens, repeats = _figures(results[bar])
+    ch_ptl, ch_tokens, ch_repeats = _figures(results["challenger"])
+    if (bar_ptl.size == 0 or bar_ptl.shape != ch_ptl.shape or not np.array_equal(bar_tokens, ch_tokens)
+            or repeats != ch_repeats or repeats < 1 or bar_ptl.size % repeats):
+        return _failed(f"the {bar} and challenger replays are not the same requests with the same lengths",
+                       bar, margin, p95_bound)
+    if not np.isfinite(np.concatenate([bar_ptl, ch_ptl])).all() or bar_ptl.sum() <= 0:
+        return _failed("a replay has missing or non-finite latencies", bar, margin, p95_bound)
+
+    n_requests = bar_ptl.size // repeats
+    by_request = np.arange(bar_ptl.size) % n_requests  # paired over requests: each keeps all its repeats
+    ch_sums, bar_sums = np.bincount(by_request, ch_ptl), np.bincount(by_request, bar_ptl)
+    ratio = bootstrap_ci(ratio_of_means, ch_sums, bar_sums, n_boot=n_boot, seed=seed, level=level,
+                         vectorized=True)
+    long = bar_tokens >= np.quantile(bar_tokens, LONG_QUANTILE)
+    bar_long_p95 = float(np.percentile(bar_ptl[long], 95))
+    ch_long_p95 = float(np.percentile(ch_ptl[long], 95))
+    long_ratio = ch_long_p95 / bar_long_p95 if bar_long_p95 > 0 else float("inf")
+    long_ok = long_ratio <= p95_bound
+    if ratio["ci_low"] > 1.0 or not long_ok:
+        outcome = WORSE
+    elif ratio["ci_high"] < 1.0 and ratio["value"] <= 1.0 - margin:
+        outcome = BETTER
+    else:
+        outcome = NO_DIFFERENCE
+    passed = outcome == BETTER or (outcome == NO_DIFFERENCE and on_no_difference == "noninferior"
+                                   and ratio["ci_high"] <= 1.0 + noninferiority)
+    interval = f"{level:.0%} interval x{ratio['ci_low']:.3f}..x{ratio['ci_high']:.3f}"
+    reason = (f"{outcome}: mean PTL x{ratio['value']:.3f} of {bar}'s ({interval}; better needs the interval "
+              f"below x1 and at most x{1 - margin:.3f}); longest-quartile P95 PTL x{long_ratio:.3f} of {bar}'s "
+              f"(allowed <= x{p95_bound:.3f}); rule on no difference: {on_no_difference}")
+    verdict: dict[str, Any] = {
+        "passed": bool(passed),
+        "outcome": outcome,
+        "reason": ("passed, " if passed else "failed, ") + reason,
+        "bar": bar,
+        "margin": margin,
+        "p95_bound": p95_bound,
+        "on_no_difference": on_no_difference,
+        "noninferiority": noninferiority,
+        "mean_ptl_ratio": ratio["value"],
+        "ci_low": ratio["ci_low"],
+        "ci_high": ratio["ci_high"],
+        "level": level,
+        "long_p95_ratio": float(long_ratio),
+        "challenger_mean_ptl": float(ch_ptl.mean()),
+        "bar_mean_ptl": float(bar_ptl.mean()),
+        "challenger_long_p95_ptl": ch_long_p95,
+        "bar_long_p95_ptl": bar_long_p95,
+        "n_requests": int(n_requests),
+        "repeats": int(repeats),
+        "n_long": int(long[:n_requests].sum()),
+    }
+    fcfs = results.get("fcfs")
+    if bar != "fcfs" and fcfs is not None:
+        fcfs_ptl = np.asarray(fcfs["ptl"], dtype=np.float64)
+        if fcfs_ptl.size and fcfs_ptl.mean() > 0:
+            verdict["fcfs_mean_ptl_ratio"] = float(ch_ptl.mean() / fcfs_ptl.mean())
+    return verdict
