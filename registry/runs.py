@@ -247,6 +247,7 @@ class RunsMixin:
             self.client.log_text(run_id, dumps(results, nonfinite="keep", sort_keys=True), RESULTS_FILE)
             for path in (plots or {}).values():
                 self.client.log_artifact(run_id, str(path), PLOTS_ARTIFACT_PATH)
+            self._log_gate_report(run_id, name, str(challenger_version), champion_version, results, verdict)
             self.client.set_model_version_tag(name, str(challenger_version), "gate_run_id", run_id)
             self.client.set_model_version_tag(name, str(challenger_version), "gate_verdict",
                                               verdict_json[:_MAX_TAG_LENGTH])
@@ -255,3 +256,22 @@ class RunsMixin:
             raise
         self.client.set_terminated(run_id, "FINISHED")
         return run_id
+
+    def _log_gate_report(self, run_id: str, name: str, version: str, champion_version: str | int | None,
+                         results: Mapping[str, Mapping[str, Any]], verdict: Mapping[str, Any]) -> None:
+        """The paired table, the arms' latency CDF and the verdict paragraph of the version's description."""
+        from registry import gate_report
+
+        table = gate_report.paired_table(results, str(verdict.get("bar", "")))
+        if table is not None:
+            self.client.log_table(run_id, data=table, artifact_file=gate_report.PAIRED_TABLE_FILE)
+        latencies = {policy: figures["ptl"] for policy, figures in results.items() if figures.get("ptl")}
+        if latencies and plotting.available():
+            with tempfile.TemporaryDirectory() as tmp:
+                cdf = plotting.latency_cdf(latencies, tmp, gate_report.CDF_FILE,
+                                           xlabel="per-token latency (s per token, every repeat)")
+                self.client.log_artifact(run_id, str(cdf), PLOTS_ARTIFACT_PATH)
+        paragraph = gate_report.verdict_paragraph(verdict, None if champion_version is None else str(champion_version))
+        if paragraph is not None:
+            current = self.client.get_model_version(name, version).description
+            self.client.update_model_version(name, version, description=gate_report.with_verdict(current, paragraph))

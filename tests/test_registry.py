@@ -254,6 +254,38 @@ def test_gate_run_links_both_versions_and_stores_the_verdict(store, tmp_path):
     assert registry.client.get_model_version(name, "2").tags["gate_run_id"] == run_id
 
 
+def test_a_gate_run_shows_its_paired_table_cdf_and_the_verdict_on_the_version_page(store, tmp_path):
+    """The real verdict of paired replays: the run holds the per-request table and the CDF, and the
+    challenger version's description states the outcome with its interval (what the MLflow UI shows)."""
+    from leap_core.gate_verdict import gate_verdict
+    from registry.gate_report import CDF_FILE, PAIRED_TABLE_FILE
+
+    registry, name = store["registry"], store["logged"]["1"].name
+    rng = np.random.default_rng(7)
+    tokens = np.tile(rng.integers(10, 400, 40), 2)
+    bar = rng.lognormal(0.0, 0.4, 80)
+    results = {policy: {"mean_ptl": float(ptl.mean()), "ptl": ptl.tolist(), "output_tokens": tokens.tolist(),
+                        "repeats": 2} for policy, ptl in (("champion", bar), ("challenger", 0.8 * bar))}
+    verdict = gate_verdict(results)
+    registry.client.update_model_version(name, "2", description="Fitted on 240 rows.")
+    run_id = registry.log_gate(name, 2, 1, results, verdict)
+    artifacts = registry.list_artifacts(run_id)
+    assert PAIRED_TABLE_FILE in artifacts
+    if plots.available():
+        assert f"plots/{CDF_FILE}" in artifacts
+    table = json.loads(Path(registry.client.download_artifacts(run_id, PAIRED_TABLE_FILE, str(tmp_path))).read_text())
+    assert table["columns"][:5] == ["request", "repeat", "output_tokens", "champion_ptl", "challenger_ptl"]
+    assert len(table["data"]) == 80 and table["data"][41][:2] == [1, 1]
+    description = registry.client.get_model_version(name, "2").description
+    assert description.startswith("Fitted on 240 rows.\n\nGate: better against champion v1. Mean PTL x0.800")
+    assert f"x{verdict['ci_low']:.3f} to x{verdict['ci_high']:.3f}" in description
+    # a second gate replaces the paragraph, the fit's words stay
+    registry.log_gate(name, 2, 1, results, gate_verdict(results, margin=0.5))
+    again = registry.client.get_model_version(name, "2").description
+    assert again.count("Gate:") == 1 and "no-difference against champion v1" in again
+    assert again.startswith("Fitted on 240 rows.")
+
+
 def test_ensure_db_is_idempotent_and_safe_from_two_processes(tmp_path):
     import multiprocessing
 
