@@ -221,7 +221,7 @@ def run_demo(n_prompts: int = 240, max_tokens: int = 1024, concurrency: int = 25
         fit = fit_flow()
         if fit.get("status") not in ("fitted", "reused"):
             raise RuntimeError(f"fit did not produce a readout: {fit}")
-        say("gating the challenger by live replay (FCFS, champion, challenger)")
+        say("gating the challenger: FCFS, champion, challenger on the step clock, counterbalanced")
         gate = gate_flow(version=fit["version"], name=fit["name"])
         verdict = gate.get("verdict") or {}
         push: dict[str, Any] = {"status": "not-pushed"}
@@ -241,8 +241,7 @@ def run_demo(n_prompts: int = 240, max_tokens: int = 1024, concurrency: int = 25
         max_tokens=max_tokens, capped_fraction=capped,
         quarantined_rows=int(counts.get("quarantine", ingest.get("quarantined", 0))),
         model_version=str(fit["version"]), registered_model=fit["name"],
-        gate={policy: {"mean_ptl": figures.get("mean_ptl"), "p95_ptl": figures.get("p95_ptl")}
-              for policy, figures in results.items()},
+        gate=gate_summary(verdict, results),
         gate_verdict=verdict.get("reason"), promoted=push.get("status") == "promoted",
         pushed=push.get("status") == "promoted" and served.get("version") == _served_version(push),
         serving_version=served.get("version"), seconds=round(time.time() - started, 1),
@@ -250,6 +249,18 @@ def run_demo(n_prompts: int = 240, max_tokens: int = 1024, concurrency: int = 25
                   f"{settings.mlflow_sqlite_uri} --port 5000",
     )
     return summary
+
+
+def gate_summary(verdict: dict, results: dict) -> dict[str, Any]:
+    """The gate's outcome, paired mean PTL ratio and its interval, the step clock's error, and each arm's
+    mean PTL (step-clock seconds per token, over every repeat)."""
+    step_model = verdict.get("step_model") or {}
+    return {"outcome": verdict.get("outcome"), "ratio": verdict.get("mean_ptl_ratio"),
+            "ci_low": verdict.get("ci_low"), "ci_high": verdict.get("ci_high"), "bar": verdict.get("bar"),
+            "passed": bool(verdict.get("passed")), "repeats": verdict.get("repeats"),
+            "n_requests": verdict.get("n_requests"),
+            "step_model_error_median": step_model.get("median_abs_rel_error"),
+            "arms": {policy: {"mean_ptl": figures.get("mean_ptl")} for policy, figures in results.items()}}
 
 
 def _capped_fraction(store: Any) -> float | None:

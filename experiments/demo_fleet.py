@@ -143,7 +143,7 @@ def run_fleet_demo(replicas: int = 2, n_prompts: int = 160, max_tokens: int = 10
     from ops import stack
     from ops import stack_fleet as fleet
     from ops.fleet_env import apply_environment
-    from experiments.demo import _capped_fraction, bootstrap_champion
+    from experiments.demo import _capped_fraction, bootstrap_champion, gate_summary
     from flows.drift import base_version, drift_flow
     from flows.fleet import merge_flow, replica_versions
     from flows.pipeline import fit_flow, gate_flow, ingest_flow, push_flow
@@ -204,7 +204,7 @@ def run_fleet_demo(replicas: int = 2, n_prompts: int = 160, max_tokens: int = 10
         gate: dict[str, Any] = {}
         push: dict[str, Any] = {"status": "not-pushed"}
         if fit.get("status") in ("fitted", "reused"):
-            say("gating the challenger by live replay (FCFS, champion, challenger)")
+            say("gating the challenger: FCFS, champion, challenger on the step clock, counterbalanced")
             gate = gate_flow(version=fit["version"], name=fit["name"])
             if (gate.get("verdict") or {}).get("passed"):
                 say("promoting the challenger to every replica")
@@ -233,6 +233,7 @@ def run_fleet_demo(replicas: int = 2, n_prompts: int = 160, max_tokens: int = 10
         drift_observations=len(drift.get("observations") or []),
         drift_decisions=drift.get("decisions"),
         model_version=str(fit.get("version")), registered_model=fit.get("name"),
+        gate=gate_summary(gate.get("verdict") or {}, gate.get("results") or {}),
         gate_verdict=(gate.get("verdict") or {}).get("reason"), promoted=push.get("status") == "promoted",
         capped_fraction=capped, seconds=round(time.time() - started, 1))
     return summary

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import typer
 
 from leap_cli import cmd_ingest_growth_bench  # noqa: F401  (registers `leap bench ingest-growth`)
+from leap_cli import cmd_gate_bench  # noqa: F401  (registers `leap bench gate`)
 from leap_cli import cmd_pipeline_bench  # noqa: F401  (registers `leap bench pipeline`)
 from leap_cli.apps import app, stack_app
 from leap_cli.output import console, emit, json_stdout

@@ -1,0 +1,37 @@
+"""`leap bench gate`: the promotion gate's error rates on a worse, a better and an equal challenger.
+
+Figures, not pass/fail: the goals are worse promoted <= 5%, better promoted >= 80%, equal called "no
+difference" >= 90%, each over >= 20 trials (experiments/bench/gate.py).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from leap_cli.apps import bench_app
+from leap_cli.output import emit
+
+
+@bench_app.command("gate")
+def bench_gate(
+    trials: Annotated[int, typer.Option(help="Trials of each case, each its own requests and arrivals.")] = 20,
+    quick: Annotated[bool, typer.Option(help="Recorded lengths divided by 4 (the same order, a quarter of "
+                                             "the decoding work).")] = False,
+    slice_size: Annotated[int, typer.Option("--slice", help="Requests one trial replays (as the gate's "
+                                                           "replay_slice).")] = 64,
+    repeats: Annotated[int, typer.Option(help="Replays of each arm per trial (counterbalanced).")] = 2,
+    load: Annotated[float, typer.Option(help="Arrivals as a fraction of the FCFS capacity.")] = 1.2,
+    seed: int = 0,
+    model: Annotated[str | None, typer.Option(help="HF model folder (default: the prepared SmolLM2).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+) -> None:
+    """Promoted rates (with Wilson intervals) of a worse, a better and an equal challenger, and the gate's time."""
+    if trials < 1 or slice_size < 4 or repeats < 1 or load <= 0:
+        raise typer.BadParameter("--trials and --repeats at least 1, --slice at least 4, --load positive")
+    from experiments.bench.gate import bench_gate as run
+
+    emit(run(trials=trials, quick=quick, slice_size=slice_size, repeats=repeats, load=load, seed=seed,
+             model_path=model, on_progress=lambda message: typer.echo(message, err=True)),
+         as_json, title="gate error rates")
