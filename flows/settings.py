@@ -77,6 +77,9 @@ class PipelineSettings(BaseSettings):
     gate_noninferiority: float = Field(0.02, ge=0.0, lt=1.0, description="how much slower (mean PTL ratio - 1) "
                                                                       "the interval's upper end may be for "
                                                                       "a non-inferior challenger")
+    gate_shadow_min_rows: int = Field(64, ge=2, description="labelled rows a challenger held in shadow needs "
+                                                            "before its live figures join the verdict "
+                                                            "(flows/shadow.py)")
     replay_slice: int = Field(64, ge=4, description="requests replayed per policy by the gate")
     replay_rate: float = Field(4.0, gt=0.0, description="Poisson arrivals per second of the gate replay when "
                                                        "gate_load is unset")

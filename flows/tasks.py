@@ -29,6 +29,7 @@ from flows.promotion import promote as promote_everywhere
 from flows.promotion import rollback as rollback_everywhere
 from flows.push import PushFailed, push_readout
 from flows.settings import PipelineSettings
+from flows.shadow import shadow_evidence
 from leap_core.rls import RLS
 from leap_io.jsonable import dumps, to_jsonable
 from leap_io.object_store import is_object_url
@@ -308,7 +309,8 @@ def _readout_pair(registry: ReadoutRegistry, name: str, version: str):
 @task(name="run-gate", cache_policy=NO_CACHE)
 def run_gate(settings: PipelineSettings, name: str, challenger: str, champion: str | None) -> dict[str, Any]:
     """Replay one slice of served prompts with recorded lengths under FCFS, champion and challenger, on the
-    step clock with counterbalanced repeats, and decide (`harness.gate_replay`, `leap_core.gate_verdict`)."""
+    step clock with counterbalanced repeats, and decide (`harness.gate_replay`, `leap_core.gate_verdict`),
+    with the challenger's live figures where replicas held it in shadow (`flows.shadow`)."""
     from harness.engine import EngineSettings
 
     registry = registry_of(settings)
@@ -330,9 +332,14 @@ def run_gate(settings: PipelineSettings, name: str, challenger: str, champion: s
     replayed = replay_gate(engine, chosen, lengths, readouts, settings.replay_rate, settings.replay_seed,
                            repeats=settings.gate_repeats, load=settings.gate_load,
                            decode_slots=settings.gate_decode_slots)
+    shadow = {"figures": None, "reason": "no champion served beside a shadow"}
+    if champion is not None:
+        shadow = shadow_evidence(open_store(settings), readouts["challenger"][0], settings.gate_shadow_min_rows,
+                                 seed=settings.replay_seed)
     verdict = gate_verdict(replayed["results"], settings.gate_margin, settings.gate_p95_bound,
-                           settings.gate_on_no_difference, settings.gate_noninferiority)
-    return {**replayed, "verdict": {**verdict, "step_model": replayed["step_model"]}}
+                           settings.gate_on_no_difference, settings.gate_noninferiority, shadow=shadow["figures"])
+    return {**replayed, "verdict": {**verdict, "step_model": replayed["step_model"],
+                                    "shadow_evidence": {k: v for k, v in shadow.items() if k != "figures"}}}
 
 
 @task(name="record-gate", cache_policy=NO_CACHE)

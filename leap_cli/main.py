@@ -25,6 +25,7 @@ _COMMAND_MODULES = (
     "leap_cli.cmd_keys",
     "leap_cli.cmd_s3",
     "leap_cli.cmd_fcfs",
+    "leap_cli.cmd_shadow",
 )
 
 for _name in _COMMAND_MODULES:

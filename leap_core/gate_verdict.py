@@ -12,7 +12,9 @@ It has three outcomes:
 
 What each does is the rule (`passed`, which promotes): better passes, worse fails, and no difference
 fails unless `on_no_difference` is "noninferior", which passes a challenger whose interval's upper end
-is within `noninferiority` of 1 (a fresher readout no worse within that bound). Anything that makes the
+is within `noninferiority` of 1 (a fresher readout no worse within that bound). Live evidence comes
+first: when the challenger was held in shadow (`shadow`, from `leap_core.shadow_figures`) and an interval
+there finds it worse than the champion on the same requests, nothing passes. Anything that makes the
 comparison meaningless fails: the gate fails closed.
 """
 
@@ -43,7 +45,8 @@ def _failed(reason: str, bar: str, margin: float, p95_bound: float) -> dict[str,
 
 def gate_verdict(results: Mapping[str, Mapping[str, Any] | None], margin: float = 0.02,
                  p95_bound: float = 1.10, on_no_difference: str = "keep", noninferiority: float = 0.02,
-                 level: float = 0.95, n_boot: int = 2000, seed: int = 0) -> dict[str, Any]:
+                 level: float = 0.95, n_boot: int = 2000, seed: int = 0,
+                 shadow: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The outcome (better, no difference, worse) of the challenger against the bar, its paired ratio
     with a bootstrap interval, and whether the rule passes it (module docstring).
 
@@ -91,10 +94,15 @@ def gate_verdict(results: Mapping[str, Mapping[str, Any] | None], margin: float 
         outcome = NO_DIFFERENCE
     passed = outcome == BETTER or (outcome == NO_DIFFERENCE and on_no_difference == "noninferior"
                                    and ratio["ci_high"] <= 1.0 + noninferiority)
+    shadow_worse = shadow is not None and bool(shadow.get("shadow_worse"))
     interval = f"{level:.0%} interval x{ratio['ci_low']:.3f}..x{ratio['ci_high']:.3f}"
     reason = (f"{outcome}: mean PTL x{ratio['value']:.3f} of {bar}'s ({interval}; better needs the interval "
               f"below x1 and at most x{1 - margin:.3f}); longest-quartile P95 PTL x{long_ratio:.3f} of {bar}'s "
               f"(allowed <= x{p95_bound:.3f}); rule on no difference: {on_no_difference}")
+    if shadow is not None:
+        reason += (f"; in shadow on {shadow.get('n')} live requests: "
+                   + (f"worse on {', '.join(shadow.get('worse_on', []))}" if shadow_worse else "not worse"))
+    passed = passed and not shadow_worse
     verdict: dict[str, Any] = {
         "passed": bool(passed),
         "outcome": outcome,
@@ -116,6 +124,7 @@ def gate_verdict(results: Mapping[str, Mapping[str, Any] | None], margin: float 
         "n_requests": int(n_requests),
         "repeats": int(repeats),
         "n_long": int(long[:n_requests].sum()),
+        "shadow": None if shadow is None else dict(shadow),
     }
     fcfs = results.get("fcfs")
     if bar != "fcfs" and fcfs is not None:

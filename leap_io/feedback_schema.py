@@ -54,6 +54,8 @@ def feedback_schema(dim: int) -> pa.Schema:
             pa.field("predicted_at_admission", pa.float32()),
             pa.field("predicted_latest", pa.float32()),
             pa.field("readout_version", pa.string()),
+            pa.field("shadow_predicted", pa.float32()),  # a readout held in shadow, same vector (serving.shadow)
+            pa.field("shadow_version", pa.string()),
             pa.field("feature", pa.list_(pa.float32(), dim)),
         ]
     )

@@ -3,7 +3,8 @@
 The gate's run (`RunsMixin.log_gate`) carries the verdict and each arm's figures; these add the table of
 per-request PTL of the bar and the challenger side by side (each request of each repeat, with their
 ratio), a latency CDF of the arms (`registry.plots.latency_cdf`), and one paragraph for the challenger
-version's description, so the model-version page states the outcome and its interval.
+version's description, so the model-version page states the outcome and its interval (and, where the
+challenger was held in shadow on live traffic, its paired figures there: `shadow_metrics`).
 """
 
 from __future__ import annotations
@@ -51,8 +52,40 @@ def verdict_paragraph(verdict: Mapping[str, Any], champion_version: str | None) 
             f"{bar}'s ({level:.0%} interval x{verdict['ci_low']:.3f} to x{verdict['ci_high']:.3f}; "
             f"{verdict.get('n_requests')} requests x {verdict.get('repeats')} repeats on the step clock); "
             f"longest-quartile P95 PTL x{verdict['long_p95_ratio']:.3f}. "
+            f"{_shadow_sentence(verdict.get('shadow'))}"
             f"{'Passed' if verdict.get('passed') else 'Not passed'} under the rule "
             f"'{verdict.get('on_no_difference', 'keep')}' on no difference.")
+
+
+def _shadow_sentence(shadow: Mapping[str, Any] | None) -> str:
+    """What the challenger did in shadow on live traffic, or nothing when it was not held there."""
+    if not shadow:
+        return ""
+    spearman = shadow.get("spearman", {})
+    difference = spearman.get("difference", {})
+    return (f"In shadow on {shadow.get('n')} live requests: Spearman {spearman.get('shadow', float('nan')):.3f} "
+            f"against the champion's {spearman.get('served', float('nan')):.3f} (difference "
+            f"{difference.get('value', float('nan')):+.3f}, interval {difference.get('ci_low', float('nan')):+.3f} "
+            f"to {difference.get('ci_high', float('nan')):+.3f}); "
+            + (f"worse on {', '.join(shadow.get('worse_on', []))}. " if shadow.get("shadow_worse") else "not worse. "))
+
+
+def shadow_metrics(shadow: Mapping[str, Any] | None) -> dict[str, float]:
+    """The shadow figures as MLflow metrics: `shadow.<figure>.served|shadow|difference[.ci_low|.ci_high]`,
+    `shadow.n` and `shadow.worse` (none when the challenger was not held in shadow)."""
+    if not shadow:
+        return {}
+    metrics = {"shadow.n": float(shadow.get("n", 0)), "shadow.worse": float(bool(shadow.get("shadow_worse")))}
+    for figure in ("spearman", "mae", "order_accuracy"):
+        values = shadow.get(figure) or {}
+        for arm in ("served", "shadow"):
+            if arm in values:
+                metrics[f"shadow.{figure}.{arm}"] = float(values[arm])
+        difference = values.get("difference") or {}
+        for key, suffix in (("value", ""), ("ci_low", ".ci_low"), ("ci_high", ".ci_high")):
+            if key in difference:
+                metrics[f"shadow.{figure}.difference{suffix}"] = float(difference[key])
+    return {key: value for key, value in metrics.items() if np.isfinite(value)}
 
 
 def with_verdict(description: str | None, paragraph: str) -> str:

@@ -22,6 +22,7 @@ from mlflow.entities import Metric, Param
 from leap_io.jsonable import dumps
 from leap_io.model_identity import registered_model_name
 from registry import plots as plotting
+from registry.gate_report import shadow_metrics
 from registry import rls_file as rls_file_format
 from registry.calls import RegistryError
 from registry.model import READOUT_FILE, RLS_STATE_FILE, save_readout_model
@@ -241,6 +242,7 @@ class RunsMixin:
             for key, value in verdict.items():
                 if is_number(value) or isinstance(value, bool):
                     metrics[f"verdict.{key}"] = float(value)
+            metrics.update(shadow_metrics(verdict.get("shadow")))
             self._log_params(run_id, params)
             self._log_metrics(run_id, metrics)
             self.client.log_text(run_id, verdict_json, VERDICT_FILE)

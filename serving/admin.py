@@ -12,6 +12,8 @@ every refusal is a JSON error and leaves the old readout serving.
   POST /leap/feedback/flush    close the open feedback segment so ingest sees every finished request
   POST /leap/fcfs              (token) the kill switch: body {"on": true|false, "reason": "..."} orders
                                decodes FCFS from the next step, or by the policy again (serving/fcfs_fallback.py)
+  POST /leap/shadow            (token) body: a push bundle held in shadow (predicts each finished request
+                               from the same vector, never schedules; serving/shadow.py); empty: let it go
   GET  /leap/rls               (token) the RLS state learned since the last push (rows waiting for a batch
                                learned first), as a push bundle; the header X-Leap-Rls holds its base
                                version and rows folded (JSON); 409
@@ -55,6 +57,7 @@ _DIGITS = re.compile(r"^[0-9]{1,19}$")
 _TRUE = ("1", "true", "yes", "on")
 RLS_PATH = "/leap/rls"
 FCFS_PATH = "/leap/fcfs"
+SHADOW_PATH = "/leap/shadow"
 MAX_SWITCH_BODY = 4096
 RLS_INFO_HEADER = "X-Leap-Rls"
 
@@ -77,6 +80,8 @@ class AdminTarget(Protocol):
     def flush_feedback(self) -> dict: ...
 
     def set_fcfs(self, on: bool, reason: str = "") -> dict: ...
+
+    def hold_shadow(self, body: bytes) -> dict: ...
 
 
 class _Refusal(Exception):
@@ -256,7 +261,7 @@ class _AdminHandler(BaseHTTPRequestHandler):
 
     def _post(self) -> None:
         split = urlsplit(self.path)
-        if split.path not in ("/leap/readout", "/leap/feedback/flush", FCFS_PATH):
+        if split.path not in ("/leap/readout", "/leap/feedback/flush", FCFS_PATH, SHADOW_PATH):
             self._reply(404, {"error": f"no such endpoint: {split.path}"})
             return
         if not self._authorized():
@@ -268,7 +273,7 @@ class _AdminHandler(BaseHTTPRequestHandler):
                 logger.error("admin: feedback flush failed: %s", exc)
                 self._reply(500, {"flushed": False, "error": f"feedback flush failed: {exc}"})
             return
-        body = self._read_body(MAX_SWITCH_BODY if split.path == FCFS_PATH else None)
+        body = self._read_body(MAX_SWITCH_BODY if split.path == FCFS_PATH else None, empty_ok=split.path == SHADOW_PATH)
         if split.path == FCFS_PATH:
             self._reply(200, self.target.set_fcfs(*parse_switch(body)))
             return
@@ -281,14 +286,17 @@ class _AdminHandler(BaseHTTPRequestHandler):
             except BundleError as exc:
                 raise _Refusal(exc.status, f"refused: {exc}") from exc
         try:
-            self._reply(200, self.target.push_readout(body))
+            if split.path == SHADOW_PATH:
+                self._reply(200, self.target.hold_shadow(body))
+            else:
+                self._reply(200, self.target.push_readout(body))
         except PushRefused as exc:
             self._reply(exc.status, {"error": str(exc), "serving": self._serving()})
         except Exception as exc:  # anything unexpected is still a refusal, never a half swap
             logger.exception("admin: push failed")
             self._reply(500, {"error": f"push failed: {exc}", "serving": self._serving()})
 
-    def _read_body(self, limit: int | None = None) -> bytes:
+    def _read_body(self, limit: int | None = None, empty_ok: bool = False) -> bytes:
         if self.headers.get("Transfer-Encoding", "").strip():
             raise _Refusal(411, "send the readout with a Content-Length; chunked bodies are not accepted")
         raw = self.headers.get("Content-Length")
@@ -300,6 +308,8 @@ class _AdminHandler(BaseHTTPRequestHandler):
         length = int(raw)
         limit = limit or body_limit(self.target, self.max_body)
         if length == 0:
+            if empty_ok:  # a shadow let go
+                return b""
             raise _Refusal(400, "the body is empty; send a readout file or bundle")
         if length > limit:
             raise _Refusal(413, f"the body has {length} bytes; this replica accepts at most {limit}")

@@ -3,7 +3,8 @@
 One row per finished request that was resident and had its feature captured (the feature is the row's
 training input: the whole captured vector, the engine's capture recipe, whichever part the serving
 readout reads, so the fit flow can choose among every recipe the capture covers). The row carries what the engine measured (tokens, times, finish reason), what LEAP
-predicted (at admission and latest, with the readout version) and the client's validated extras; an
+predicted (at admission and latest, with the readout version; and a shadow readout's prediction of the
+same vector while one is held, `serving.shadow`) and the client's validated extras; an
 extra that failed validation is simply absent (None), never a reason to lose the row. Its key,
 `request_id`, is the process's own (`RowIds`); the client's id is kept as `client_request_id`.
 
@@ -40,6 +41,7 @@ from leap_io.feedback_schema import CLIENT_ID_MAX_CHARS
 from serving import vllm_compat
 from serving.supervise import RateLimitedLog
 from serving.fcfs_fallback import FcfsFallback
+from serving.shadow import ShadowReadout
 from serving.telemetry import Telemetry
 from serving.tenant_share import capped_weights
 from serving.tracking import Tracked
@@ -181,7 +183,7 @@ class FeedbackRecorder:
 
     def __init__(self, writer: Any, model_id: str, fingerprint: str, layer: int, telemetry: Telemetry,
                  anchor: Anchor | None = None, tenant_max_share: float | None = None,
-                 fallback: FcfsFallback | None = None) -> None:
+                 fallback: FcfsFallback | None = None, shadow: ShadowReadout | None = None) -> None:
         self.writer = writer
         self.model_id, self.fingerprint, self.layer = model_id, fingerprint, layer
         self.listeners: list[Callable[[dict], None]] = []
@@ -193,6 +195,7 @@ class FeedbackRecorder:
         self.recent: deque[tuple[float, int]] = deque(maxlen=QUALITY_WINDOW)
         self.anchor = anchor
         self.fallback = fallback
+        self.shadow = shadow
         self._recent_generation = 0
         self.quality = DomainQuality(telemetry, None if anchor is None else lambda: anchor(None)[1],
                                      tenant_max_share=tenant_max_share)
@@ -206,9 +209,14 @@ class FeedbackRecorder:
         if entry is not None and predicted is not None and output_tokens > 0:
             self._quality(predicted, output_tokens)
             self._domain_quality(predicted, output_tokens, feature, entry.extras.leap_domain, entry.extras.leap_tenant)
+        shadow: tuple[float | None, str | None] = (None, None)
+        if self.shadow is not None and entry is not None:
+            shadow = self.shadow.predict(feature)
+            self.shadow.observe(entry.predicted_at_admission, shadow[0], output_tokens)
         if feature is None or entry is None or (self.writer is None and not self.listeners):
             return None
         row = self.row(request, entry, feature, predicted, version, policy)
+        row["shadow_predicted"], row["shadow_version"] = shadow
         if self.writer is not None and self.writer.write(row) is not False:  # the writer counts its drops
             self.rows += 1
         for listener in list(self.listeners):
@@ -235,7 +243,7 @@ class FeedbackRecorder:
             "max_tokens": int(request.max_tokens), "decoding": json.dumps(decoding, default=str),
             "domain": extras.leap_domain, "tenant": extras.leap_tenant,
             "predicted_at_admission": entry.predicted_at_admission, "predicted_latest": predicted,
-            "readout_version": version, "feature": feature,
+            "readout_version": version, "shadow_predicted": None, "shadow_version": None, "feature": feature,
         }
 
     def _quality(self, predicted: float, output_tokens: int) -> None:

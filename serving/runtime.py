@@ -52,6 +52,7 @@ from serving.readout_sources import ReadoutSources, RegistrySourceFactory
 from serving.receiver import CaptureReceiver
 from serving.recorder import FeedbackRecorder
 from serving.refresh import configured_refresher
+from serving.shadow import ShadowReadout
 from serving.supervise import RateLimitedLog
 from serving.telemetry import Telemetry
 from serving.tracking import RequestTracker, Tracked
@@ -104,9 +105,11 @@ class LeapRuntime:
                                       orphan_ttl_s=self.config.orphan_ttl_s)
         self.readouts = ReadoutService(self.config, self._expect(), self.tracker, self.telemetry, self.capture)
         self.fallback = FcfsFallback(self.telemetry, self.config.fcfs_below_spearman, self.config.fcfs_min_rows)
+        self.shadow = ShadowReadout(self._expect(), self.capture, self.telemetry)
         self.recorder = FeedbackRecorder(self._feedback_writer(), self.model_id, self.fingerprint, self.layer,
                                          self.telemetry, anchor=self.readouts.anchor_prediction,
-                                         tenant_max_share=self.config.rls_tenant_max_share, fallback=self.fallback)
+                                         tenant_max_share=self.config.rls_tenant_max_share, fallback=self.fallback,
+                                         shadow=self.shadow)
         self.finished = FinishedRequests(self.config, self.tracker, self.readouts, self.recorder, self.telemetry)
         self.steps = DecodeSteps(self.config, self.tracker, self.telemetry, self.readouts, self.fallback)
         self.refresher, self.refresh_error = configured_refresher(self.config, self._expect(), self.capture)
@@ -288,6 +291,11 @@ class LeapRuntime:
         """Validate and hot-swap a pushed readout; raise PushRefused and keep the old one otherwise."""
         return self.readouts.push(body)
 
+    def hold_shadow(self, body: bytes) -> dict:
+        """Hold a pushed readout in shadow (POST /leap/shadow): predicted beside the serving one, never
+        scheduling; an empty body lets it go. PushRefused as for a push."""
+        return self.shadow.hold(body)
+
     def set_fcfs(self, on: bool, reason: str = "") -> dict:
         """The kill switch (POST /leap/fcfs): order decodes FCFS from the next step, or by the policy again."""
         return self.fallback.engage(reason) if on else self.fallback.release()
@@ -315,7 +323,7 @@ class LeapRuntime:
             "target": getattr(readout, "target", None), "max_tokens": getattr(readout, "max_tokens", None),
             "readout": {k: v for k, v in meta.items() if isinstance(v, (str, int, float, bool))},
             **self.readouts.describe(), **self.sources.describe(), "rls": self.learner.stats(), "refresh": self.describe_refresh(),
-            "stats": self.stats(), "healthy": self.health()["healthy"],
+            "shadow": self.shadow.describe(), "stats": self.stats(), "healthy": self.health()["healthy"],
         }
 
     def describe_refresh(self) -> dict:
@@ -341,7 +349,7 @@ class LeapRuntime:
             healthy = healthy and threads["feedback_shipper"]["healthy"]
         counters = {**self.telemetry.snapshot(), "state": self.tracker.sizes()}
         return {"healthy": bool(healthy), "threads": threads, "counters": counters,
-                "fcfs_fallback": self.fallback.state()}
+                "fcfs_fallback": self.fallback.state(), "shadow": self.shadow.describe()}
 
     def stats(self) -> dict:
         c = self.steps.counters

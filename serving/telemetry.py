@@ -46,6 +46,10 @@ class Telemetry:
         self.max_held = Gauge("leap_max_steps_held_out", "Longest hold-out seen", registry=r)
         self.fcfs_fallback = Gauge("leap_fcfs_fallback", "1 while decodes are ordered FCFS by the kill switch "
                                    "or the live-ranking fallback (serving/fcfs_fallback.py)", registry=r)
+        self.shadow_rows = Gauge("leap_shadow_rows", "Finished requests paired in the shadow's live figures "
+                                 "(serving/shadow.py)", registry=r)
+        self.shadow_figure = Gauge("leap_shadow_figure", "Rolling figure of the served and the shadow readout on "
+                                   "the same finished requests", ["readout", "figure"], registry=r)
         self.pending = Gauge("leap_predictor_queue", "Features waiting for a prediction", registry=r)
         self.tracked = Gauge("leap_tracked_state", "Per-request entries held, by kind", ["kind"], registry=r)
         self.readout = Info("leap_readout", "The readout serving now and where it came from", registry=r)

@@ -30,8 +30,9 @@ files (`features.file`, `features.file_row`), keyset page by keyset page, and dr
 `features.request_id`; version 6 adds the `segment_stamps` table (empty: each segment's content is
 checked once more, then skipped by its stamp); version 7 adds `requests.client_request_id` (the
 client's id as data; `request_id` is the serving process's key) and copies each older row's
-`request_id`, then the client's, into it. The `gates` table is created on first use, outside
-these versions.
+`request_id`, then the client's, into it; version 8 adds `requests.shadow_predicted` and
+`requests.shadow_version` (a readout held in shadow, `serving.shadow`; NULL before). The `gates` table is
+created on first use, outside these versions.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ __all__ = [
     "TrainingFrame",
 ]
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """Version of the store's tables; see the module docstring for what each version added."""
 
 FEATURES_DDL = """CREATE TABLE IF NOT EXISTS {table} (
@@ -187,6 +188,9 @@ def _migrate(con: duckdb.DuckDBPyConnection, folder: Path) -> None:
         if "client_request_id" not in requests:  # version 6 -> 7: the key was the client's id
             con.execute("ALTER TABLE requests ADD COLUMN client_request_id VARCHAR")
             con.execute("UPDATE requests SET client_request_id = request_id")
+        if "shadow_version" not in requests:  # version 7 -> 8: a shadow readout's prediction (NULL before)
+            con.execute("ALTER TABLE requests ADD COLUMN shadow_predicted FLOAT")
+            con.execute("ALTER TABLE requests ADD COLUMN shadow_version VARCHAR")
         features = _column_types(con, "features")
         if "recipe" not in features:  # version 2 -> 3: NULL is last@<layer>
             con.execute("ALTER TABLE features ADD COLUMN recipe VARCHAR")

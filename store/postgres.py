@@ -20,8 +20,8 @@ COPY viewed as one (n, dim) array, both read in one repeatable-read transaction.
 
 Schema versions. `POSTGRES_SCHEMA_VERSION` is written to `store_meta`; every store object creates or
 migrates the tables once, under a transaction advisory lock so that workers starting together do not
-race on the catalog. Version 2 added `segment_stamps`; version 3 `requests.client_request_id`
-(`UPGRADES`).
+race on the catalog. Version 2 added `segment_stamps`; version 3 `requests.client_request_id`; version 4
+`requests.shadow_predicted` and `requests.shadow_version` (`UPGRADES`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from store.sql import (
     table_ddl,
 )
 
-POSTGRES_SCHEMA_VERSION = 3
+POSTGRES_SCHEMA_VERSION = 4
 """Version of the PostgreSQL store's tables (its own line of versions: the DuckDB file's differ)."""
 
 _SCHEMA_LOCK = 0x4C454150_53544F52  # "LEAPSTOR": the advisory lock key of schema changes
@@ -81,10 +81,12 @@ SCHEMA_DDL = (
 )
 
 UPGRADES = {3: ("ALTER TABLE requests ADD COLUMN IF NOT EXISTS client_request_id TEXT",
-                "UPDATE requests SET client_request_id = request_id WHERE client_request_id IS NULL")}
+                "UPDATE requests SET client_request_id = request_id WHERE client_request_id IS NULL"),
+            4: ("ALTER TABLE requests ADD COLUMN IF NOT EXISTS shadow_predicted REAL",
+                "ALTER TABLE requests ADD COLUMN IF NOT EXISTS shadow_version TEXT")}
 """What brings the tables from the version before each key to it (a new store's tables are created at
 the latest): version 3 keeps the client's id as data beside the serving process's key, and older rows'
-key was the client's id."""
+key was the client's id; version 4 keeps a shadow readout's prediction (`serving.shadow`)."""
 
 _FRAME_TYPES = {"request_id": pa.string(), "dim": pa.int32(), "output_tokens": pa.int32(),
                 "finish_reason": pa.string(), "domain": pa.string(), "arrival_time": pa.float64(),

@@ -152,6 +152,10 @@ class Store(Protocol):
         """The arrival time of the `rows`-th newest row of the selection, or None when it has fewer."""
         ...
 
+    def shadow_rows(self, shadow_version: str, since: float | None = None) -> dict[str, np.ndarray]:
+        """The stored rows a readout held in shadow predicted, as arrays (`store.sql.SqlStore.shadow_rows`)."""
+        ...
+
     def recorded_lengths(self, request_ids: Sequence[str],
                          model_fingerprint: str | None = None) -> dict[str, tuple[int, float]]:
         """(output_tokens, arrival_time) of those request ids finished by a training-label reason."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from leap_io.feedback_schema import TRAINING_FINISH_REASONS, feedback_schema
@@ -304,6 +305,27 @@ class SqlStore(ABC):
             params.append(model_fingerprint)
         rows = self._rows(query + " ORDER BY arrival_time, finish_time", params)
         return {rid: (int(tokens), float(arrival)) for rid, tokens, arrival in rows}
+
+    def shadow_rows(self, shadow_version: str, since: float | None = None) -> dict[str, np.ndarray]:
+        """The stored rows a readout held in shadow predicted (`serving.shadow`), oldest first, as arrays:
+        `output_tokens`, `served` (the serving readout's prediction at admission), `shadow`,
+        `finish_reason`, `max_tokens`, `policy`, `decoding`, `readout_version`; only rows finished after
+        `since` (unix seconds) when given. Which lengths are labels is the caller's rule
+        (`leap_io.labels.label_problems`)."""
+        m = self.dialect.mark
+        query = (f"SELECT output_tokens, predicted_at_admission, shadow_predicted, finish_reason, max_tokens, "
+                 f"policy, decoding, readout_version FROM requests WHERE shadow_version = {m} "
+                 f"AND shadow_predicted IS NOT NULL AND predicted_at_admission IS NOT NULL")
+        params: list[Any] = [shadow_version]
+        if since is not None:
+            query += f" AND finish_time > {m}"
+            params.append(float(since))
+        rows = self._rows(query + f" ORDER BY arrival_time, {self.dialect.bytewise('request_id')}", params)
+        names = ("output_tokens", "served", "shadow", "finish_reason", "max_tokens", "policy", "decoding",
+                 "readout_version")
+        kinds = (np.int64, np.float64, np.float64, object, np.float64, object, object, object)
+        columns = list(zip(*rows)) if rows else [()] * len(names)
+        return {name: np.asarray(column, dtype=kind) for name, column, kind in zip(names, columns, kinds)}
 
     def _count_by(self, table: str, column: str) -> dict[str, int]:
         rows = self._rows(f"SELECT {column}, count(*) FROM {table} GROUP BY {column} "

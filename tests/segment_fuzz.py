@@ -170,6 +170,8 @@ def write_segment(
         "predicted_at_admission": pa.array(rng.uniform(1, 500, n).astype(np.float32)),
         "predicted_latest": pa.array(rng.uniform(1, 500, n).astype(np.float32)),
         "readout_version": pa.array(["v1"] * n, pa.string()),
+        "shadow_predicted": pa.nulls(n, pa.float32()),  # no readout held in shadow
+        "shadow_version": pa.nulls(n, pa.string()),
         "finish_reason": pa.array(finish_reason, pa.string()),
     }
     if "nan_output_tokens" in broken:

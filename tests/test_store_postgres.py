@@ -26,7 +26,7 @@ from store.ingest import (  # noqa: E402
     totals,
 )
 from store.duckdb import LogStore  # noqa: E402
-from store.postgres import PostgresStore  # noqa: E402
+from store.postgres import POSTGRES_SCHEMA_VERSION, PostgresStore  # noqa: E402
 from store.stores import store_at  # noqa: E402
 from flows.tasks import largest_max_tokens, latest_feature_space, recorded_gate, recorded_lengths  # noqa: E402
 from tests.postgres_fixtures import postgres_port, postgres_url  # noqa: E402,F401  (fixtures)
@@ -218,10 +218,13 @@ def test_a_version_2_store_keeps_its_rows_ids_as_the_clients_ids(tmp_path: Path,
     url = postgres_url.replace("postgresql+psycopg://", "postgresql://")
     with psycopg.connect(url) as con:  # the tables as version 2 left them: the key was the client's id
         con.execute("ALTER TABLE requests DROP COLUMN client_request_id")
+        con.execute("ALTER TABLE requests DROP COLUMN shadow_predicted")
+        con.execute("ALTER TABLE requests DROP COLUMN shadow_version")
         con.execute("UPDATE store_meta SET value = '2' WHERE key = 'schema_version'")
 
     store = store_at(postgres_url)
-    assert store.schema_version() == 3
+    assert store.schema_version() == POSTGRES_SCHEMA_VERSION == 4
+    assert store.shadow_rows("any")["shadow"].size == 0  # version 4's columns are there, NULL for old rows
     with psycopg.connect(url) as con:
         rows = con.execute("SELECT request_id, client_request_id FROM requests").fetchall()
     assert len(rows) > 20 and all(key == client for key, client in rows)

@@ -78,6 +78,8 @@ def write_synthetic_segment(path: str | Path, first_row: int, n: int, weights: n
         "predicted_at_admission": pa.nulls(n, pa.float32()),
         "predicted_latest": pa.nulls(n, pa.float32()),
         "readout_version": pa.nulls(n, pa.string()),
+        "shadow_predicted": pa.nulls(n, pa.float32()),
+        "shadow_version": pa.nulls(n, pa.string()),
         "feature": pa.FixedSizeListArray.from_arrays(pa.array(features.reshape(-1)), dim),
     }
     table = segment_table(pa.table(columns, schema=schema))

@@ -1,0 +1,120 @@
+"""A challenger held in shadow: it predicts every finished request from the vector already captured, and never
+schedules.
+
+`POST /leap/shadow` (admin token) with a push bundle holds that readout beside the serving one; an empty
+body lets it go. The bundle is validated exactly as a push (`serving.push.validate_push`: the model
+fingerprint, the capture recipe, finite weights), but no version order applies: a shadow may be older or
+newer than what serves. From then on, each finished request whose vector was captured is predicted by the
+shadow from that same vector (one dot product on the thread that writes the row: no extra capture, no
+work on the engine's step), and its feedback row carries `shadow_predicted` and `shadow_version` beside
+the served `predicted_at_admission`.
+
+The live figures are paired: over the last `window` finished requests that both predicted, the rolling
+Spearman and MAE of each readout against the true length, on `/metrics` as
+`leap_shadow_figure{readout="served"|"shadow", figure="spearman"|"mae"}` and `leap_shadow_rows`. The
+delayed-label figures with intervals are the flows' (`leap_core.shadow_figures` over the stored rows),
+since those see every replica's rows and only honest labels.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from leap_core.metrics import mae, spearman
+from serving.push import CaptureSpace, validate_push
+from serving.telemetry import Telemetry
+
+logger = logging.getLogger(__name__)
+
+FIGURES_EVERY = 16
+
+
+@dataclass(frozen=True)
+class _Held:
+    readout: object
+    columns: np.ndarray | None
+    version: str
+
+
+class ShadowReadout:
+    """The readout a replica holds in shadow (none until `hold`), its predictions and live paired figures."""
+
+    def __init__(self, expect: dict, capture: CaptureSpace | None, telemetry: Telemetry, window: int = 256) -> None:
+        self.expect = dict(expect)
+        self.capture = capture
+        self._telemetry = telemetry
+        self._lock = threading.Lock()
+        self._held: _Held | None = None
+        self._pairs: deque[tuple[float, float, int]] = deque(maxlen=window)
+        self.predicted = 0
+        self.errors = 0
+
+    @property
+    def version(self) -> str | None:
+        held = self._held
+        return None if held is None else held.version
+
+    def hold(self, body: bytes) -> dict:
+        """Hold the bundle's readout in shadow (PushRefused when it could not serve here); an empty body
+        lets the shadow go."""
+        if not body:
+            with self._lock:
+                previous, self._held = self.version, None
+                self._pairs.clear()
+            self._telemetry.shadow_rows.set(0)
+            logger.info("LEAP shadow %s let go", previous)
+            return {"shadow": None, "previous": previous}
+        readout, _ = validate_push(body, self.expect, None, self.capture)
+        columns = None if self.capture is None else self.capture.check(readout)
+        held = _Held(readout, columns, str(readout.metadata.get("version", "")))
+        with self._lock:
+            previous, self._held = self.version, held
+            self._pairs.clear()
+        self._telemetry.shadow_rows.set(0)
+        logger.info("LEAP shadow %s held (was %s)", held.version, previous)
+        return {"shadow": held.version, "previous": previous}
+
+    def predict(self, feature: np.ndarray | None) -> tuple[float | None, str | None]:
+        """(the shadow's predicted length of one captured vector, its version); (None, None) while no
+        shadow is held. A shadow that cannot predict costs its figure, never the row."""
+        held = self._held
+        if held is None or feature is None:
+            return None, None
+        try:
+            vector = np.asarray(feature)
+            if held.columns is not None:
+                vector = np.take(vector, held.columns, axis=-1)
+            value = float(np.asarray(held.readout.predict(vector[None, :])).reshape(-1)[0])
+        except Exception:  # noqa: BLE001 - the row is written without the shadow's figure
+            self.errors += 1
+            self._telemetry.drop("shadow_prediction", "error")
+            logger.warning("LEAP: the shadow readout could not predict", exc_info=True)
+            return None, held.version
+        self.predicted += 1
+        return value, held.version
+
+    def observe(self, served: float | None, shadow: float | None, output_tokens: int) -> None:
+        """Pair one finished request's two predictions with its true length for the live figures."""
+        if served is None or shadow is None or output_tokens <= 0:
+            return
+        with self._lock:
+            self._pairs.append((served, shadow, output_tokens))
+            n = len(self._pairs)
+            pairs = np.asarray(self._pairs, dtype=np.float64) if n % FIGURES_EVERY == 0 else None
+        self._telemetry.shadow_rows.set(n)
+        if pairs is None:
+            return
+        truth = pairs[:, 2]
+        for index, name in ((0, "served"), (1, "shadow")):
+            self._telemetry.shadow_figure.labels(readout=name, figure="spearman").set(spearman(truth, pairs[:, index]))
+            self._telemetry.shadow_figure.labels(readout=name, figure="mae").set(mae(truth, pairs[:, index]))
+
+    def describe(self) -> dict:
+        with self._lock:
+            rows = len(self._pairs)
+        return {"version": self.version, "predicted": self.predicted, "errors": self.errors, "paired_rows": rows}
