@@ -32,6 +32,8 @@ from typing import Self
 
 import httpx
 
+from leap_io.durable import write_text_durably
+
 PG_USER = "postgres"
 """The superuser `initdb` creates; the stack's databases belong to it."""
 _PG_SYSTEM_USER = "embedded_postgres"
@@ -285,18 +287,13 @@ def write_auth_config(path: str | Path, auth: MlflowAuth, database_uri: str) -> 
     """The settings file of MLflow's basic-auth app (MLFLOW_AUTH_CONFIG_PATH) at `path`, holding the admin
     password: created anew with mode 0600, so it is never readable by others, not even while written."""
     path = Path(path)
-    path.unlink(missing_ok=True)  # O_EXCL below: a file left by someone else never keeps its mode
     lines = ["[mlflow]", f"default_permission = {auth.default_permission}", f"database_uri = {database_uri}",
              f"admin_username = {auth.admin_username}", f"admin_password = {auth.admin_password}",
              "authorization_function = mlflow.server.auth:authenticate_request_basic_auth",
              f"auth_cache_ttl_seconds = {int(auth.auth_cache_ttl_s)}"]
     # MLflow reads the file with configparser's interpolation, to which `%` is special
     text = "\n".join(line.replace("%", "%%") for line in lines) + "\n"
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(descriptor, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
+    write_text_durably(path, text, mode=0o600)  # a new file made 0600 and renamed over: never readable by others
     return path
 
 

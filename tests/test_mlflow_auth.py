@@ -185,12 +185,29 @@ def test_the_password_never_shows_in_the_registry_its_errors_or_logs(server: Mlf
     assert WRONG not in str(unavailable.value) and "***" in str(unavailable.value)
 
 
-def _app_client(server: MlflowServer, username: str, password: str):
-    """MLflow's client of the basic-auth app's own API (users, passwords), signed in as `username`."""
-    from mlflow.server import get_app_client
+class _AccountsApi:
+    """The basic-auth app's own REST API (users, passwords), signed in as one account. Spoken over HTTP:
+    importing MLflow's client of it (`mlflow.server`) would load Flask into this process, whose context
+    proxies break vLLM's kernel registration in later engine tests."""
 
-    os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"] = username, password
-    return get_app_client("basic-auth", tracking_uri=server.url)
+    def __init__(self, server: MlflowServer, username: str, password: str) -> None:
+        self.url, self.auth = server.url, (username, password)
+
+    def _call(self, method: str, path: str, body: dict) -> None:
+        answer = httpx.request(method, f"{self.url}/api/2.0/mlflow/users/{path}", json=body, auth=self.auth,
+                               timeout=30)
+        answer.raise_for_status()
+
+    def create_user(self, username: str, password: str) -> None:
+        self._call("POST", "create", {"username": username, "password": password})
+
+    def update_user_password(self, username: str, password: str, current_password: str) -> None:
+        self._call("PATCH", "update-password",
+                   {"username": username, "password": password, "current_password": current_password})
+
+
+def _app_client(server: MlflowServer, username: str, password: str) -> _AccountsApi:
+    return _AccountsApi(server, username, password)
 
 
 def test_a_reader_account_reads_the_champion_but_cannot_move_it(server: MlflowServer, tmp_path: Path):
