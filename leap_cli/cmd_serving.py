@@ -224,6 +224,8 @@ def bench_serving_command(
     max_tokens: int = typer.Option(1024, help="output budget M of the recorded lengths"),
     seed: int = typer.Option(0, help="arrival seed"),
     via: str = typer.Option("engine", help="engine: in-process engines; http: the OpenAI servers and a client"),
+    shadow: bool = typer.Option(False, help="a third arm: LEAP holding a challenger in shadow (its throughput "
+                                            "over LEAP's alone under 'shadow'; --via engine)"),
     model: Optional[str] = typer.Option(None),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -234,7 +236,7 @@ def bench_serving_command(
 
     result = bench_serving(_prompts(None, requests + train, seed=0), n_requests=requests, n_train=train,
                            repeats=repeats, load=load, rate=rate, model=model, max_tokens=max_tokens, seed=seed,
-                           via=via,
+                           via=via, shadow=shadow,
                            say=lambda m: console.print(f"[bold]bench serving[/]: {m}"))
     emit(result if as_json else {k: v for k, v in result.items() if k != "runs"}, as_json,
          "stock vLLM against LEAP, each with its defaults")

@@ -239,3 +239,17 @@ def test_the_gate_report_carries_the_shadow_figures_as_metrics_and_in_its_senten
     paragraph = verdict_paragraph(gate_verdict(results, shadow=figures), "3")
     assert "In shadow on 64 live requests: Spearman" in paragraph and "worse on spearman" in paragraph
     assert paragraph.endswith("Not passed under the rule 'keep' on no difference.")
+
+
+def test_the_serving_bench_reports_the_shadow_arms_throughput_over_leaps_by_repeat():
+    from experiments.bench.serving import LEAP, SHADOW, shadow_cost
+
+    runs = {LEAP: [{"tok_s": 100.0}, {"tok_s": 110.0}, {"tok_s": 90.0}],
+            SHADOW: [{"tok_s": 99.0, "shadow_predicted": 40}, {"tok_s": 110.0, "shadow_predicted": 40},
+                     {"tok_s": 90.9, "shadow_predicted": 40}]}
+    cost = shadow_cost(runs)
+    assert cost["throughput_ratio_per_repeat"] == pytest.approx([0.99, 1.0, 1.01])
+    assert cost["throughput_ratio"] == pytest.approx(1.0) and cost["repeats"] == 3
+    low, high = cost["throughput_ratio_ci"]
+    assert low < 1.0 < high and high - low == pytest.approx(2 * 4.302653 * 0.01 / np.sqrt(3), rel=1e-4)
+    assert shadow_cost({LEAP: [{"tok_s": 1.0}], SHADOW: [{"tok_s": 1.0}]})["throughput_ratio_ci"] == [None, None]

@@ -8,7 +8,9 @@ figures are paired per request, so drift on a shared machine hits both sides ali
 
 - stock: `EngineArgs(model, max_model_len)` and nothing else, i.e. what `vllm serve MODEL` runs;
 - LEAP: the same plus LEAP's scheduler, worker and settings (R = 512 resident, K = 64 decode slots, the
-  readout fitted on training prompts that the trace does not contain, RLS on).
+  readout fitted on training prompts that the trace does not contain, RLS on);
+- with `shadow`, a third arm: LEAP holding a challenger in shadow (`serving.shadow`: the same readout held
+  a second time, so every finished request is predicted twice), and its throughput over LEAP's alone.
 
 The arrival rate is `load` times the capacity measured while building the corpus (generated tok/s with
 every slot open, divided by the mean recorded length). The default, 3x, is chosen so that the stock engine
@@ -33,7 +35,7 @@ import numpy as np
 from leap_core.readout_format import to_bytes
 from leap_core.simulator import poisson_arrivals
 
-STOCK, LEAP = "stock", "leap"
+STOCK, LEAP, SHADOW = "stock", "leap", "leap-shadow"
 
 
 # -- the parent: prepare once, then one fresh process per engine run --------------------------------------
@@ -96,14 +98,17 @@ def _capacity(folder: Path, corpus, cached: set, build_s: float, min_new: int = 
 
 def bench_serving(prompts: list[dict], n_requests: int = 200, n_train: int = 300, repeats: int = 2,
                   load: float = 3.0, rate: float | None = None, model: str | None = None, max_tokens: int = 1024,
-                  seed: int = 0, via: str = "engine",
+                  seed: int = 0, via: str = "engine", shadow: bool = False,
                   say: Callable[[str], None] = lambda m: None) -> dict:
     """Run the comparison; figures are ratios LEAP / stock, paired by request within each repeat.
 
     `via="engine"`: each engine in-process in a fresh Python process (`LLMEngine.step`); `via="http"`:
     the OpenAI servers a user starts (stock `vllm.entrypoints.openai.api_server` and `leap serve`),
-    each in its own process, driven by an async HTTP client on loopback.
+    each in its own process, driven by an async HTTP client on loopback. `shadow` adds the arm that holds
+    a challenger in shadow (in-process engines only); the arms rotate order between repeats.
     """
+    if shadow and via != "engine":
+        raise ValueError("the shadow arm runs on in-process engines (via='engine')")
     folder = Path(tempfile.mkdtemp(prefix="leap-bench-serving-"))
     spec = prepare(prompts, n_requests, n_train, folder, model, max_tokens, say)
     lengths = np.array([r["fixed_length"] for r in spec["requests"]], dtype=np.float64)
@@ -114,9 +119,13 @@ def bench_serving(prompts: list[dict], n_requests: int = 200, n_train: int = 300
         rate = load * tok_s / float(lengths.mean())
     spec["arrivals"] = poisson_arrivals(len(lengths), rate, seed=seed).tolist()
     (folder / "spec.json").write_text(json.dumps(spec))
-    runs: dict[str, list[dict]] = {STOCK: [], LEAP: []}
+    kinds = (STOCK, LEAP, SHADOW) if shadow else (STOCK, LEAP)
+    runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
     for repeat in range(repeats):
-        order = (STOCK, LEAP) if repeat % 2 == 0 else (LEAP, STOCK)
+        shift = repeat % len(kinds)
+        order = kinds[shift:] + kinds[:shift]
+        if len(kinds) == 2 and repeat % 2:
+            order = (LEAP, STOCK)
         for kind in order:
             say(f"{kind} engine, repeat {repeat + 1}/{repeats} ({len(lengths)} requests at {rate:.2f}/s)")
             runs[kind].append(_run_in_subprocess(kind, folder / "spec.json", folder / f"{kind}-{repeat}.json", via))
@@ -162,8 +171,25 @@ def summarize(runs: dict[str, list[dict]], rate: float, spec: dict) -> dict:
         "latency_ratio": float(leap_lat.mean() / stock_lat.mean()), "latency_ratio_ci": [low, high],
         "latency_ratio_per_repeat": lat_ratios,
         "ready_before_decode": min(ready) if ready else None,
+        **({"shadow": shadow_cost(runs)} if runs.get(SHADOW) else {}),
         "runs": {kind: [{k: v for k, v in r.items() if k != "latency_s"} for r in rs] for kind, rs in runs.items()},
     }
+
+
+def shadow_cost(runs: dict[str, list[dict]]) -> dict:
+    """Throughput of LEAP holding a shadow over LEAP alone, paired by repeat (each repeat the same trace);
+    the interval is a t interval over the repeats' ratios (none with one repeat)."""
+    from scipy import stats
+
+    ratios = np.array([s["tok_s"] / l["tok_s"] for s, l in zip(runs[SHADOW], runs[LEAP])])
+    interval = [None, None]
+    if ratios.size > 1:
+        half = stats.t.ppf(0.975, ratios.size - 1) * ratios.std(ddof=1) / np.sqrt(ratios.size)
+        interval = [float(ratios.mean() - half), float(ratios.mean() + half)]
+    return {"leap_shadow_tok_s": statistics.mean(r["tok_s"] for r in runs[SHADOW]),
+            "throughput_ratio": float(ratios.mean()), "throughput_ratio_ci": interval,
+            "throughput_ratio_per_repeat": ratios.tolist(), "repeats": int(ratios.size),
+            "shadow_predictions": [r.get("shadow_predicted") for r in runs[SHADOW]]}
 
 
 # -- through the OpenAI API: the servers a user starts, driven by an HTTP client ------------------------------
@@ -268,7 +294,7 @@ def run_engine(kind: str, spec: dict) -> dict:
     from vllm.v1.engine.llm_engine import LLMEngine
 
     runtime = None
-    if kind == LEAP:
+    if kind in (LEAP, SHADOW):
         leap = LeapConfig(readout_path=spec["readout_path"], rls_state_path=spec["rls_state_path"],
                           layer=spec["layer"])
         engine = LLMEngine.from_engine_args(EngineArgs(model=spec["model"], max_model_len=4096,
@@ -276,10 +302,14 @@ def run_engine(kind: str, spec: dict) -> dict:
     else:
         engine = build_stock_default_engine(spec["model"])
     try:
-        if kind == LEAP:
+        if kind in (LEAP, SHADOW):
             from harness.engine import leap_scheduler
 
             runtime = leap_scheduler(engine).leap
+        if kind == SHADOW:
+            from leap_io.push_bundle import make_bundle
+
+            runtime.hold_shadow(make_bundle(Path(spec["readout_path"]).read_bytes(), None))
         requests = [ReplayRequest(id=r["id"], prompt_token_ids=r["prompt_token_ids"], max_tokens=spec["max_tokens"],
                                   fixed_length=r["fixed_length"]) for r in spec["requests"]]
         warm = requests[:8]
@@ -296,6 +326,7 @@ def run_engine(kind: str, spec: dict) -> dict:
                 "max_num_batched_tokens": engine.vllm_config.scheduler_config.max_num_batched_tokens,
                 "compilation_mode": str(engine.vllm_config.compilation_config.mode),
                 "dtype": str(engine.vllm_config.model_config.dtype),
+                "shadow_predicted": None if runtime is None else runtime.shadow.predicted,
                 "latency_s": latency.tolist()}
     finally:
         engine.engine_core.shutdown()
