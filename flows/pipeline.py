@@ -17,6 +17,8 @@ from typing import Any
 from prefect import flow, get_run_logger, unmapped
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from flows.canary import canary_promote
+from flows.promotion import PushOptions
 from flows.settings import PipelineSettings
 from store.ingest import complete_segments, deal_segments, totals
 from store.stores import is_postgres, open_store, shown_location, store_location
@@ -164,10 +166,12 @@ def gate_flow(version: str | None = None, name: str | None = None, force: bool =
 
 
 @flow(name="leap-push")
-def push_flow(version: str | None = None, name: str | None = None, promote: bool = False) -> dict[str, Any]:
+def push_flow(version: str | None = None, name: str | None = None, promote: bool = False,
+              canary: int = 0) -> dict[str, Any]:
     """Push the champion to every replica; with `promote`, make the challenger (or `version`) the
     champion on every replica and in the registry, all or nothing, which needs a passing gate recorded
-    against the current champion."""
+    against the current champion. With `canary` N, the challenger serves on N replicas first and their
+    live figures against the rest's promote it or roll them back (`flows.canary`)."""
     settings = PipelineSettings()
     name = model_name_for(settings, name)
     lock = settings.alias_lock_location
@@ -186,12 +190,32 @@ def push_flow(version: str | None = None, name: str | None = None, promote: bool
         reason = "no gate recorded against the current champion" if recorded is None else recorded["verdict"]["reason"]
         return {"status": "not-promoted", "name": name, "challenger": candidate, "champion": champion,
                 "reason": reason}
+    if canary:
+        return plain(_canary(settings, registry, name, candidate, champion, canary))
     promoted = promote_if_passed(registry_uri(settings), name, candidate, recorded["verdict"],
                                  settings.endpoints, settings.token(), str(settings.promotion_journal_dir), lock,
                                  settings.push_retries, settings.push_timeout_s, settings.champion_url,
                                  gated_against=champion)
     get_run_logger().info("push: %s v%s serving on %d replicas, promoted", name, candidate, len(promoted["pushed"]))
     return plain({**promoted, "status": "promoted"})
+
+
+def _canary(settings: PipelineSettings, registry: ReadoutRegistry, name: str, candidate: str,
+            champion: str | None, canaries: int) -> dict[str, Any]:
+    if champion is None:
+        return {"status": "not-promoted", "name": name, "challenger": candidate, "champion": None,
+                "reason": "a canary is judged against the champion on the rest of the fleet, and there is none"}
+    location = str(settings.feedback_url or settings.feedback_dir)
+    store = store_location(settings)
+    result = canary_promote(
+        registry, open_store(settings), name, candidate, champion, settings.endpoints, canaries,
+        PushOptions(settings.token(), retries=settings.push_retries, timeout=settings.push_timeout_s),
+        str(settings.promotion_journal_dir),
+        lambda: ingest_feedback(store, location, False, settings.s3_endpoint_url)["accepted"],
+        window_s=settings.canary_window_s, min_rows=settings.canary_min_rows, poll_s=settings.canary_poll_s,
+        ptl_bound=settings.canary_ptl_bound, champion_url=settings.champion_url)
+    get_run_logger().info("canary: %s v%s %s: %s", name, candidate, result["status"], result["reason"])
+    return result
 
 
 @flow(name="leap-rollback")

@@ -126,6 +126,15 @@ class PipelineSettings(BaseSettings):
     push_retries: int = Field(3, ge=0, description="retries of a failed push to one replica")
     push_timeout_s: float = Field(30.0, gt=0.0)
 
+    # canary promotion (flows.canary): N replicas first, compared with the rest over one window
+    canary_window_s: float = Field(1800.0, gt=0.0, description="longest a canary waits for its rows before "
+                                                               "it is rolled back (fails closed)")
+    canary_min_rows: int = Field(64, ge=2, description="labelled rows each group (canaries, rest) needs before "
+                                                       "the canary is judged")
+    canary_poll_s: float = Field(30.0, gt=0.0, description="seconds between ingests while a canary runs")
+    canary_ptl_bound: float = Field(0.05, ge=0.0, description="a canary whose mean PTL is surely more than this "
+                                                              "fraction above the rest's is worse")
+
     # the drift watch (flows.drift): when live quality calls for a retrain, an RLS reset or a rollback
     drift_margin: float = Field(0.25, gt=0.0, description="retrain when live MAE exceeds the champion's "
                                 "validation MAE by this fraction (and roll back when the champion's anchor "

@@ -176,10 +176,14 @@ def push_command(
     name: Optional[str] = typer.Option(None, help="registered model (default: the latest feedback's)"),
     promote: bool = typer.Option(False, help="make a challenger whose recorded gate passed the champion on "
                                              "every replica and in the registry, all or nothing"),
+    canary: int = typer.Option(0, min=0, help="with --promote: serve it on N replicas first and promote or "
+                                              "roll them back by their live figures against the rest's"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Push a readout to every serving replica ($LEAP_ENDPOINTS) and verify the version each reports."""
-    _run(_flow("push_flow", version=version, name=name, promote=promote), as_json, "push")
+    if canary and not promote:
+        raise typer.BadParameter("--canary goes with --promote", param_hint="--canary")
+    _run(_flow("push_flow", version=version, name=name, promote=promote, canary=canary), as_json, "push")
 
 
 @app.command("rollback")

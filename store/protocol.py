@@ -156,6 +156,10 @@ class Store(Protocol):
         """The stored rows a readout held in shadow predicted, as arrays (`store.sql.SqlStore.shadow_rows`)."""
         ...
 
+    def served_rows(self, readout_versions: Sequence[str], since: float) -> dict[str, np.ndarray]:
+        """The rows finished after `since` while one of `readout_versions` served (the canary's window)."""
+        ...
+
     def recorded_lengths(self, request_ids: Sequence[str],
                          model_fingerprint: str | None = None) -> dict[str, tuple[int, float]]:
         """(output_tokens, arrival_time) of those request ids finished by a training-label reason."""

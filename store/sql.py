@@ -327,6 +327,26 @@ class SqlStore(ABC):
         columns = list(zip(*rows)) if rows else [()] * len(names)
         return {name: np.asarray(column, dtype=kind) for name, column, kind in zip(names, columns, kinds)}
 
+    def served_rows(self, readout_versions: Sequence[str], since: float) -> dict[str, np.ndarray]:
+        """The stored rows that finished after `since` (unix seconds) while one of `readout_versions` served,
+        oldest first, as arrays: `readout_version`, `output_tokens`, `predicted` (at admission),
+        `arrival_time`, `finish_time`, `finish_reason`, `max_tokens`, `policy`, `decoding`. The canary
+        flow compares the versions' live figures over one window (`flows.canary`)."""
+        m = self.dialect.mark
+        versions = list(readout_versions)
+        if not versions:
+            raise ValueError("name at least one readout version")
+        query = (f"SELECT readout_version, output_tokens, predicted_at_admission, arrival_time, finish_time, "
+                 f"finish_reason, max_tokens, policy, decoding FROM requests WHERE finish_time > {m} "
+                 f"AND readout_version IN ({', '.join([m] * len(versions))})")
+        rows = self._rows(query + f" ORDER BY arrival_time, {self.dialect.bytewise('request_id')}",
+                          [float(since), *versions])
+        names = ("readout_version", "output_tokens", "predicted", "arrival_time", "finish_time", "finish_reason",
+                 "max_tokens", "policy", "decoding")
+        kinds = (object, np.int64, np.float64, np.float64, np.float64, object, np.float64, object, object)
+        columns = list(zip(*rows)) if rows else [()] * len(names)
+        return {name: np.asarray(column, dtype=kind) for name, column, kind in zip(names, columns, kinds)}
+
     def _count_by(self, table: str, column: str) -> dict[str, int]:
         rows = self._rows(f"SELECT {column}, count(*) FROM {table} GROUP BY {column} "
                           f"ORDER BY {self.dialect.bytewise(column)}")
