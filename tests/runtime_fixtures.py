@@ -41,6 +41,15 @@ def first_value_readout(version: str = "v1", dim: int = DIM, layer: int = LAYER,
                                       metadata={"model_id": MODEL, "layer": layer, "version": version})
 
 
+def scaled_readout(version: str, scale: float, intercept: float = 0.0) -> LinearReadout:
+    """A readout predicting `intercept` plus `scale` times the vector's first value (raw target, M 4096)."""
+    coef = np.zeros(DIM)
+    coef[0] = scale
+    return LinearReadout.from_weights(mean=np.zeros(DIM), scale=np.ones(DIM), coef=coef, intercept=intercept,
+                                      alpha=1.0, target="raw", max_tokens=4096,
+                                      metadata={"model_id": MODEL, "layer": LAYER, "version": version})
+
+
 def eventually(condition, timeout: float = 10.0) -> bool:
     """Whether `condition()` holds within `timeout` seconds (polled every 10 ms)."""
     deadline = time.monotonic() + timeout

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from leap_core.canary_figures import canary_figures
-from leap_core.readout import LinearReadout
 
 pytest.importorskip("vllm")
 
@@ -25,7 +24,7 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from serving.capture import FeatureSender  # noqa: E402
-from tests.runtime_fixtures import DIM, LAYER, MODEL, build, eventually  # noqa: E402,F401
+from tests.runtime_fixtures import DIM, build, eventually, scaled_readout  # noqa: E402,F401
 
 TOKEN = "canary-token"
 
@@ -48,14 +47,6 @@ def test_the_figures_find_worse_canaries_by_ranking_error_or_latency_and_not_equ
         canary_figures(([1.0], [1.0], [1.0]), (tokens, good, ptl))
 
 
-def _readout(version: str, scale: float, intercept: float = 0.0) -> LinearReadout:
-    coef = np.zeros(DIM)
-    coef[0] = scale
-    return LinearReadout.from_weights(mean=np.zeros(DIM), scale=np.ones(DIM), coef=coef, intercept=intercept,
-                                      alpha=1.0, target="raw", max_tokens=4096,
-                                      metadata={"model_id": MODEL, "layer": LAYER, "version": version})
-
-
 def _traffic(runtime, prefix: str, n: int) -> None:
     """`n` requests finished on `runtime` whose true length is their vector's first value."""
     sender = FeatureSender(runtime.config.channel)
@@ -76,8 +67,8 @@ def _traffic(runtime, prefix: str, n: int) -> None:
 
 
 @pytest.mark.parametrize(("challenger", "expected"), [
-    (_readout("inverted", -1.0, 400.0), "rolled-back"),  # predicts long for short: ranks upside down
-    (_readout("fresher", 1.0), "promoted"),  # ranks and errs as the champion does
+    (scaled_readout("inverted", -1.0, 400.0), "rolled-back"),  # predicts long for short: ranks upside down
+    (scaled_readout("fresher", 1.0), "promoted"),  # ranks and errs as the champion does
 ])
 def test_the_canary_is_judged_on_live_rows_and_promoted_or_rolled_back_by_itself(build, tmp_path: Path,
                                                                                   challenger, expected):
@@ -94,7 +85,7 @@ def test_the_canary_is_judged_on_live_rows_and_promoted_or_rolled_back_by_itself
                 for i in range(2)]
     endpoints = {f"http://127.0.0.1:{r.admin.port}": r for r in replicas}
     registry = ReadoutRegistry(f"sqlite:///{tmp_path}/mlflow.db", lock_path=tmp_path / "alias.lock")
-    champion = registry.log_readout(_readout("champion", 1.0), params={}, metrics={})
+    champion = registry.log_readout(scaled_readout("champion", 1.0), params={}, metrics={})
     candidate = registry.log_readout(challenger, params={}, metrics={})
     registry.set_alias(champion.name, CHAMPION, champion.version)
     bundle, expected_version = registry.push_bundle(champion.name, champion.version)
@@ -147,8 +138,8 @@ def test_a_canary_without_rows_fails_closed_when_its_window_is_over(build, tmp_p
     replicas = [build(policy="leap", admin_port=0, admin_token=TOKEN) for _ in range(3)]
     endpoints = [f"http://127.0.0.1:{r.admin.port}" for r in replicas]
     registry = ReadoutRegistry(f"sqlite:///{tmp_path}/mlflow.db", lock_path=tmp_path / "alias.lock")
-    champion = registry.log_readout(_readout("champion", 1.0), params={}, metrics={})
-    candidate = registry.log_readout(_readout("quiet", 1.0, 2.0), params={}, metrics={})
+    champion = registry.log_readout(scaled_readout("champion", 1.0), params={}, metrics={})
+    candidate = registry.log_readout(scaled_readout("quiet", 1.0, 2.0), params={}, metrics={})
     registry.set_alias(champion.name, CHAMPION, champion.version)
     bundle, version = registry.push_bundle(champion.name, champion.version)
     for endpoint in endpoints:

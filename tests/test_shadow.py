@@ -19,7 +19,6 @@ import pytest
 from prometheus_client import generate_latest
 
 from leap_core.gate_verdict import BETTER, gate_verdict
-from leap_core.readout import LinearReadout
 from leap_core.readout_format import to_bytes
 from leap_core.shadow_figures import pairwise_order_accuracy, shadow_figures
 from leap_io.push_bundle import make_bundle
@@ -30,18 +29,9 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from serving.capture import FeatureSender  # noqa: E402
-from tests.runtime_fixtures import DIM, LAYER, MODEL, build, eventually, first_value_readout  # noqa: E402,F401
+from tests.runtime_fixtures import DIM, build, eventually, first_value_readout, scaled_readout  # noqa: E402,F401
 
 TOKEN = "shadow-token"
-
-
-def scaled_readout(scale: float, version: str, intercept: float = 0.0) -> LinearReadout:
-    """A readout predicting `intercept` plus `scale` times the vector's first value."""
-    coef = np.zeros(DIM)
-    coef[0] = scale
-    return LinearReadout.from_weights(mean=np.zeros(DIM), scale=np.ones(DIM), coef=coef, intercept=intercept,
-                                      alpha=1.0, target="raw", max_tokens=4096,
-                                      metadata={"model_id": MODEL, "layer": LAYER, "version": version})
 
 
 def finished(runtime, sender: FeatureSender, rid: str, first: float, tokens: int) -> None:
@@ -65,7 +55,7 @@ def test_a_shadow_held_over_http_predicts_each_row_from_the_same_vector_and_neve
     runtime.listeners.append(rows.append)
     sender = FeatureSender(runtime.config.channel)
     url, auth = f"http://127.0.0.1:{runtime.admin.port}/leap/shadow", {"Authorization": f"Bearer {TOKEN}"}
-    body = make_bundle(to_bytes(scaled_readout(3.0, "shadow-1")), None)
+    body = make_bundle(to_bytes(scaled_readout("shadow-1", 3.0)), None)
 
     assert httpx.post(url, content=body, timeout=10).status_code == 401
     answer = httpx.post(url, content=body, headers=auth, timeout=10)
@@ -99,7 +89,7 @@ def test_a_bundle_that_could_not_serve_here_is_refused_and_nothing_is_held(build
 def test_the_live_figures_on_metrics_pair_both_readouts_on_the_same_requests(build):
     runtime = build(policy="leap", admin_port=0, admin_token=TOKEN)
     runtime.reset_readout(first_value_readout("served-1"), None)
-    runtime.hold_shadow(make_bundle(to_bytes(scaled_readout(-1.0, "inverted", intercept=300.0)), None))
+    runtime.hold_shadow(make_bundle(to_bytes(scaled_readout("inverted", -1.0, intercept=300.0)), None))
     sender = FeatureSender(runtime.config.channel)
     for i in range(16):  # a multiple of the figures' refresh period
         finished(runtime, sender, f"m{i:02d}-00000001", float(10 + 5 * i), 10 + 5 * i)
@@ -183,7 +173,7 @@ def test_shadow_rows_survive_the_segment_and_the_store_and_give_the_flows_their_
     assert len(rows["shadow"]) == n - n // 10 and np.all(rows["served"] > 0)
     assert store.shadow_rows("v2", since=1_750_000_000.0 + n).get("shadow").size == 0
     assert store.shadow_rows("v9")["shadow"].size == 0
-    challenger = scaled_readout(1.0, "v2")
+    challenger = scaled_readout("v2", 1.0)
     evidence = shadow_evidence(store, challenger, min_rows=32)
     assert evidence["rows"] == 72 and evidence["labelled_rows"] == 72 - 5  # i = 1..5 were capped
     assert evidence["figures"]["shadow_worse"] and evidence["reason"] is None
@@ -202,7 +192,7 @@ def test_leap_shadow_reaches_every_replica_and_is_recorded_in_the_registry(build
     token_file.write_text(TOKEN)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     registry = ReadoutRegistry(uri)
-    logged = registry.log_readout(scaled_readout(2.0, "candidate"), params={}, metrics={})
+    logged = registry.log_readout(scaled_readout("candidate", 2.0), params={}, metrics={})
     name, version = logged.name, logged.version
     monkeypatch.setenv("LEAP_HOME", str(tmp_path))
     monkeypatch.setenv("LEAP_ENDPOINTS", ",".join(f"http://127.0.0.1:{r.admin.port}" for r in replicas))
