@@ -297,7 +297,9 @@ def up(settings: PipelineSettings, names: Iterable[str] | None = None, wait: boo
                     continue
                 raise StackError(f"{name} {ended} while starting; last log lines:\n"
                                  f"{_log_tail(log_file(stack_dir, name))}")
-            if service_pid(stack_dir, name) is None:
+            # our own child is judged by its exit status alone: reading its pid file would reap it
+            # (`leap_io.pidfiles.alive`) and lose the status, and with it the one restart a signal earns
+            if process is None and service_pid(stack_dir, name) is None:
                 raise StackError(f"{name} stopped running while starting; last log lines:\n"
                                  f"{_log_tail(log_file(stack_dir, name))}")
             if time.monotonic() > deadlines[name]:
