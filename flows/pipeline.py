@@ -233,9 +233,10 @@ def rollback_flow(name: str | None = None) -> dict[str, Any]:
 
 
 @flow(name="leap-retrain")
-def retrain_flow(force_gate: bool = False) -> dict[str, Any]:
-    """Ingest new feedback, fit, gate the challenger, and push and promote it when it passes; then prune
-    the registry's old versions (`registry_keep_versions`)."""
+def retrain_flow(force_gate: bool = False, canary: int = 0) -> dict[str, Any]:
+    """Ingest new feedback, fit, gate the challenger, and push and promote it when it passes (on `canary`
+    replicas first, judged live, when set: `flows.canary`); then prune the registry's old versions
+    (`registry_keep_versions`)."""
     summary: dict[str, Any] = {"ingest": ingest_flow()}
     fit = fit_flow()
     summary["fit"] = fit
@@ -247,7 +248,7 @@ def retrain_flow(force_gate: bool = False) -> dict[str, Any]:
         gate = gate_flow(version=fit["version"], name=fit["name"], force=force_gate)
         summary["gate"] = gate
         if (gate.get("verdict") or {}).get("passed"):
-            summary["push"] = push_flow(version=fit["version"], name=fit["name"], promote=True)
+            summary["push"] = push_flow(version=fit["version"], name=fit["name"], promote=True, canary=canary)
             status = summary["push"]["status"]
         else:
             status = "rejected"

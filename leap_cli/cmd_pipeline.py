@@ -199,10 +199,11 @@ def rollback_command(
 @app.command("retrain")
 def retrain_command(
     force_gate: bool = typer.Option(False, help="replay the gate even if a verdict is recorded"),
+    canary: int = typer.Option(0, min=0, help="promote on N replicas first, judged by their live figures"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Ingest, fit, gate, and push and promote the challenger when it passes."""
-    _run(_flow("retrain_flow", force_gate=force_gate), as_json, "retrain")
+    _run(_flow("retrain_flow", force_gate=force_gate, canary=canary), as_json, "retrain")
 
 
 def _fleet_flow(flow_name: str, /, **kwargs: Any) -> Callable[[], dict[str, Any]]:
