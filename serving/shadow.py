@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -53,6 +54,7 @@ class ShadowReadout:
         self._pairs: deque[tuple[float, float, int]] = deque(maxlen=window)
         self.predicted = 0
         self.errors = 0
+        self.seconds = 0.0  # spent predicting and pairing: what holding the shadow costs this process
 
     @property
     def version(self) -> str | None:
@@ -85,6 +87,7 @@ class ShadowReadout:
         held = self._held
         if held is None or feature is None:
             return None, None
+        started = time.perf_counter()
         try:
             vector = np.asarray(feature)
             if held.columns is not None:
@@ -95,6 +98,8 @@ class ShadowReadout:
             self._telemetry.drop("shadow_prediction", "error")
             logger.warning("LEAP: the shadow readout could not predict", exc_info=True)
             return None, held.version
+        finally:
+            self.seconds += time.perf_counter() - started
         self.predicted += 1
         return value, held.version
 
@@ -102,6 +107,13 @@ class ShadowReadout:
         """Pair one finished request's two predictions with its true length for the live figures."""
         if served is None or shadow is None or output_tokens <= 0:
             return
+        started = time.perf_counter()
+        try:
+            self._pair(served, shadow, output_tokens)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _pair(self, served: float, shadow: float, output_tokens: int) -> None:
         with self._lock:
             self._pairs.append((served, shadow, output_tokens))
             n = len(self._pairs)
@@ -117,4 +129,5 @@ class ShadowReadout:
     def describe(self) -> dict:
         with self._lock:
             rows = len(self._pairs)
-        return {"version": self.version, "predicted": self.predicted, "errors": self.errors, "paired_rows": rows}
+        return {"version": self.version, "predicted": self.predicted, "errors": self.errors, "paired_rows": rows,
+                "seconds": self.seconds}

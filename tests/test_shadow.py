@@ -68,6 +68,7 @@ def test_a_shadow_held_over_http_predicts_each_row_from_the_same_vector_and_neve
     assert all(row["readout_version"] == "served-1" for row in rows)  # the served readout still schedules
     health = httpx.get(f"http://127.0.0.1:{runtime.admin.port}/leap/health", timeout=10).json()
     assert health["shadow"]["version"] == "shadow-1" and health["shadow"]["predicted"] == 3
+    assert 0.0 < health["shadow"]["seconds"] < 1.0  # what holding it cost, measured
     assert runtime.metrics_registry.get_sample_value("leap_shadow_rows") == 3.0
 
     released = httpx.post(url, content=b"", headers=auth, timeout=10)
@@ -235,11 +236,13 @@ def test_the_serving_bench_reports_the_shadow_arms_throughput_over_leaps_by_repe
     from experiments.bench.serving import LEAP, SHADOW, shadow_cost
 
     runs = {LEAP: [{"tok_s": 100.0}, {"tok_s": 110.0}, {"tok_s": 90.0}],
-            SHADOW: [{"tok_s": 99.0, "shadow_predicted": 40}, {"tok_s": 110.0, "shadow_predicted": 40},
+            SHADOW: [{"tok_s": 99.0, "shadow_predicted": 40, "shadow_seconds": 0.02, "makespan_s": 100.0},
+                     {"tok_s": 110.0, "shadow_predicted": 40, "shadow_seconds": 0.01, "makespan_s": 100.0},
                      {"tok_s": 90.9, "shadow_predicted": 40}]}
     cost = shadow_cost(runs)
     assert cost["throughput_ratio_per_repeat"] == pytest.approx([0.99, 1.0, 1.01])
     assert cost["throughput_ratio"] == pytest.approx(1.0) and cost["repeats"] == 3
+    assert cost["shadow_seconds_over_makespan"] == pytest.approx([2e-4, 1e-4])  # a run without the figure: left out
     low, high = cost["throughput_ratio_ci"]
     assert low < 1.0 < high and high - low == pytest.approx(2 * 4.302653 * 0.01 / np.sqrt(3), rel=1e-4)
     assert shadow_cost({LEAP: [{"tok_s": 1.0}], SHADOW: [{"tok_s": 1.0}]})["throughput_ratio_ci"] == [None, None]
