@@ -28,7 +28,8 @@ import numpy as np
 from flows.promotion import PushOptions, promote
 from flows.push import PushFailed, push_readout
 from leap_core.canary_figures import canary_figures
-from leap_io.labels import label_problems
+from leap_core.metrics import ptl
+from leap_io.labels import label_mask
 from registry.client import ReadoutRegistry
 
 
@@ -45,12 +46,9 @@ def canary_evidence(store: Any, canary_version: str, rest_version: str, since: f
     """The canaries' figures against the rest's over the labelled rows finished after `since`;
     `figures` None (with the reason) while either group has fewer than `min_rows`."""
     rows = store.served_rows([canary_version, rest_version], since)
-    max_tokens = np.where(np.isfinite(rows["max_tokens"]), rows["max_tokens"], max_length)
-    problems = label_problems(rows["finish_reason"], max_tokens, max_length, rows["policy"], rows["decoding"])
-    labelled = np.asarray([problem is None for problem in problems], dtype=bool) & np.isfinite(rows["predicted"])
+    labelled = label_mask(rows, max_length) & np.isfinite(rows["predicted"])
     tokens = rows["output_tokens"].astype(np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ptl = (rows["finish_time"] - rows["arrival_time"]) / tokens
+    latency = ptl(rows["arrival_time"], rows["finish_time"], rows["output_tokens"])  # stored rows have >= 1 token
     groups = {name: labelled & (rows["readout_version"] == version)
               for name, version in (("canary", canary_version), ("rest", rest_version))}
     counts = {name: int(mask.sum()) for name, mask in groups.items()}
@@ -58,7 +56,7 @@ def canary_evidence(store: Any, canary_version: str, rest_version: str, since: f
     if min(counts.values()) < min_rows:
         return {**report, "figures": None,
                 "reason": f"labelled rows canary {counts['canary']}, rest {counts['rest']}; {min_rows} each needed"}
-    figures = canary_figures(*[(tokens[mask], rows["predicted"][mask], ptl[mask]) for mask in groups.values()],
+    figures = canary_figures(*[(tokens[mask], rows["predicted"][mask], latency[mask]) for mask in groups.values()],
                              ptl_bound=ptl_bound, seed=seed)
     return {**report, "figures": figures, "reason": None}
 

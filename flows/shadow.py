@@ -16,12 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-import numpy as np
 
 from flows.push import admin_headers
 from flows.settings import PipelineSettings
 from leap_core.shadow_figures import shadow_figures
-from leap_io.labels import label_problems
+from leap_io.labels import label_mask
 
 SHADOW_PATH = "/leap/shadow"
 
@@ -80,11 +79,9 @@ def shadow_evidence(store: Any, readout: Any, min_rows: int, since: float | None
     version = str(readout.metadata.get("version", ""))
     rows = store.shadow_rows(version, since=since)
     budget = int(readout.max_tokens)
-    max_tokens = np.where(np.isfinite(rows["max_tokens"]), rows["max_tokens"], budget)  # none recorded: M
-    problems = label_problems(rows["finish_reason"], max_tokens, budget, rows["policy"], rows["decoding"])
-    labelled = np.asarray([problem is None for problem in problems], dtype=bool)
+    labelled = label_mask(rows, budget)
     n = int(labelled.sum())
-    report: dict[str, Any] = {"readout_version": version, "rows": int(len(problems)), "labelled_rows": n}
+    report: dict[str, Any] = {"readout_version": version, "rows": int(labelled.size), "labelled_rows": n}
     if n < min_rows:
         return {**report, "figures": None,
                 "reason": f"{n} labelled rows in shadow, {min_rows} needed for shadow figures"}

@@ -75,3 +75,12 @@ def label_problems(finish_reason: np.ndarray, max_tokens: np.ndarray | None, max
                                policy=None if policy is None else policy[i], ignore_eos=settings.get("ignore_eos"),
                                min_tokens=settings.get("min_tokens", 0))
     return out
+
+
+def label_mask(columns: Mapping[str, np.ndarray], max_length: int) -> np.ndarray:
+    """Which rows of stored columns (`finish_reason`, `max_tokens`, `policy`, `decoding`) have a length that
+    is a label (`label_problems`), as a bool array; a row that recorded no `max_tokens` had the whole M."""
+    max_tokens = np.asarray(columns["max_tokens"], dtype=np.float64)
+    max_tokens = np.where(np.isfinite(max_tokens), max_tokens, max_length)
+    problems = label_problems(columns["finish_reason"], max_tokens, max_length, columns["policy"], columns["decoding"])
+    return np.asarray([problem is None for problem in problems], dtype=bool)
