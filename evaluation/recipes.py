@@ -53,6 +53,8 @@ SAMPLED = {"temperature": 0.7, "top_p": 0.9, "frequency_penalty": 0.5}  # harnes
 GREEDY_DECODING = {"temperature": 0.0, "frequency_penalty": 0.5}  # harness.replay.DEFAULT_DECODING
 COSTS = Path(__file__).resolve().parent.parent / "docs" / "results" / "recipe-costs.json"
 N_SPLITS = 5
+TARGETS = ("sqrt", "log")  # the regression targets validated with every recipe (leap_core.targets)
+TARGET_SETS = ("sharegpt", "sharegpt@sampled")  # where each (recipe, target) pair is scored with intervals
 
 
 # ------------------------------------------------------------------------------------ the rows
@@ -117,8 +119,8 @@ def capture_rows(corpus: Corpus, capture: Recipe, decoding: dict, lengths: np.nd
 
 # ------------------------------------------------------------------------------------ figures
 
-def _fit(rows: RecipeRows, recipe: str, alpha: float) -> LinearReadout:
-    return LinearReadout(alpha=alpha, target="sqrt", max_tokens=rows.max_tokens,
+def _fit(rows: RecipeRows, recipe: str, alpha: float, target: str = "sqrt") -> LinearReadout:
+    return LinearReadout(alpha=alpha, target=target, max_tokens=rows.max_tokens,
                          metadata={"recipe": recipe}).fit(rows.X(recipe), rows.lengths)
 
 
@@ -163,6 +165,23 @@ def _per_set(rows: RecipeRows, pred: np.ndarray, n_boot: int) -> dict[str, Any]:
         out["mae"][name] = fig["mae"]
         out["n"][name] = fig["n"]
     out["within_set_spearman"] = figures["within_set_spearman"]
+    return out
+
+
+def target_figures(rows: RecipeRows, pred: np.ndarray, sqrt_pred: np.ndarray, n_boot: int) -> dict[str, Any]:
+    """Per set of TARGET_SETS present: the held-out Spearman of `pred` with its interval, and its paired
+    difference from the same recipe's sqrt-target prediction (both resampled together)."""
+    values, _ = metrics.censor(rows.lengths, rows.max_tokens, rows.censored)
+    out: dict[str, Any] = {"spearman": {}, "spearman_vs_sqrt": {}, "n": {}}
+    for name in TARGET_SETS:
+        mask = rows.sets == name
+        if not mask.any():
+            continue
+        out["spearman"][name] = metrics.bootstrap_ci(metrics.spearman_batch, values[mask], pred[mask],
+                                                     n_boot=n_boot, vectorized=True)
+        out["spearman_vs_sqrt"][name] = metrics.bootstrap_ci(metrics.spearman_difference, values[mask], pred[mask],
+                                                             sqrt_pred[mask], n_boot=n_boot, vectorized=True)
+        out["n"][name] = int(mask.sum())
     return out
 
 
@@ -217,12 +236,14 @@ def run_recipes(train: RecipeRows, held: RecipeRows, candidates: Sequence[str], 
                 costs: dict[str, Any], say: Say = lambda message: None, groups: np.ndarray | None = None) -> dict:
     """Validate every candidate on the training window, choose, and score each on the held-out rows."""
     candidates = list(dict.fromkeys([DEFAULT_RECIPE, *candidates]))  # today's recipe is always compared
-    say(f"validating {len(candidates)} recipes on {len(train)} training rows ({N_SPLITS}-fold, grouped by prompt)")
-    table = validate_recipes({name: train.X(name) for name in candidates}, train.lengths,
+    say(f"validating {len(candidates)} recipes x targets {', '.join(TARGETS)} on {len(train)} training rows "
+        f"({N_SPLITS}-fold, grouped by prompt)")
+    table = validate_recipes({name: train.X(name) for name in candidates}, train.lengths, targets=TARGETS,
                              max_tokens=train.max_tokens, cv=GroupKFold(N_SPLITS),
                              groups=train.ids if groups is None else groups)
     chosen = choose_recipe(table)
-    alphas = {row["recipe"]: row["alpha"] for row in table}
+    by_pair = {(row["recipe"], row["target"]): row for row in table}
+    alphas = {name: by_pair[(name, "sqrt")]["alpha"] for name in candidates}  # the sqrt figures below
     recipes = {}
     predictions = {}
     for name in candidates:
@@ -231,7 +252,7 @@ def run_recipes(train: RecipeRows, held: RecipeRows, candidates: Sequence[str], 
         readout = _fit(train, name, alphas[name])
         predictions[name] = readout.predict(held.X(name))
         figures = _per_set(held, predictions[name], n_boot)
-        row = next(r for r in table if r["recipe"] == name)
+        row = by_pair[(name, "sqrt")]
         predict = predict_ms(readout, held.X(name))
         capture = capture_ms(recipe, costs)
         recipes[name] = {
@@ -244,13 +265,23 @@ def run_recipes(train: RecipeRows, held: RecipeRows, candidates: Sequence[str], 
     for name in candidates:
         recipes[name]["spearman_vs_default"] = _paired_difference(held, predictions[name],
                                                                   predictions[DEFAULT_RECIPE], n_boot)
+    say(f"held-out figures per target on {', '.join(TARGET_SETS)}")
+    targets: dict[str, dict[str, Any]] = {}
+    for name in candidates:
+        targets[name] = {}
+        for target in TARGETS:
+            row = by_pair[(name, target)]
+            pred = predictions[name] if target == "sqrt" else _fit(train, name, row["alpha"], target).predict(held.X(name))
+            targets[name][target] = {**target_figures(held, pred, predictions[name], n_boot), "alpha": row["alpha"],
+                                     "validation_spearman": row["spearman"], "validation_mae": row["mae"]}
     default_and_chosen = list(dict.fromkeys([DEFAULT_RECIPE, chosen["recipe"]]))
     with_domains = [f"{name}+domain={'/'.join(train.capture.domains)}" for name in default_and_chosen]
     say("RLS with and without per-domain intercepts")
     for name in with_domains:
         alphas[name] = alphas[name.split("+domain=")[0]]
     return {
-        "recipes": recipes, "chosen": chosen["recipe"], "default": DEFAULT_RECIPE,
+        "recipes": recipes, "chosen": chosen["recipe"], "chosen_target": chosen["target"], "default": DEFAULT_RECIPE,
+        "targets": targets, "target_sets": list(TARGET_SETS), "rls_target": "sqrt",
         "validation": table, "validation_split": f"{N_SPLITS}-fold grouped by prompt, training window only",
         "n_train": len(train), "n_held_out": {name: int((held.sets == name).sum()) for name in sorted(set(held.sets))},
         "sets_held_out": sorted(set(held.sets.tolist())),

@@ -40,6 +40,30 @@ def plot_recipes(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _target_choice(result: dict) -> str:
+    return f" with the `{result['chosen_target']}` target" if result.get("chosen_target") else ""
+
+
+def _target_lines(result: dict) -> list[str]:
+    """Per recipe and regression target: the validation Spearman and the held-out Spearman on ShareGPT
+    (greedy and sampled labels) with intervals, and the paired difference from the sqrt target."""
+    by_target = result.get("targets") or {}
+    if not by_target:
+        return []
+    sets = result.get("target_sets", [])
+    lines = ["", "Regression targets, validated with each recipe (the fit flow chooses the pair): validation "
+             "Spearman, held-out Spearman and its paired difference from the same recipe's sqrt target:", "",
+             "| Recipe | target | validation Spearman | " + " | ".join(f"{s} Spearman" for s in sets) + " | "
+             + " | ".join(f"{s} minus sqrt" for s in sets) + " |", "|---|---|---|" + "---|" * (2 * len(sets))]
+    for name, per in by_target.items():
+        for target, fig in per.items():
+            chosen = name == result["chosen"] and target == result.get("chosen_target")
+            lines.append(f"| `{name}`{' (chosen)' if chosen else ''} | {target} | {_corr(fig['validation_spearman'])} | "
+                         + " | ".join(_ci(fig["spearman"].get(s)) for s in sets) + " | "
+                         + " | ".join(_ci(fig["spearman_vs_sqrt"].get(s), "+.3f", "+.3f") for s in sets) + " |")
+    return lines
+
+
 def section_recipes(result: dict, image: str) -> str:
     recipes = result["recipes"]
     sets = [s for s in result["sets_held_out"]]
@@ -51,7 +75,7 @@ def section_recipes(result: dict, image: str) -> str:
         f"decoding settings and domain columns). Every recipe is fitted on the chat training window "
         f"({result['n_train']} rows, greedy and sampled labels) with the penalty its validation chose, and "
         f"scored on held-out rows per set. The fit flow's choice, by {result['validation_split']}: "
-        f"**`{result['chosen']}`** (today's recipe: `{result['default']}`).",
+        f"**`{result['chosen']}`**{_target_choice(result)} (today's recipe: `{result['default']}`).",
         "",
         "| Recipe | dim | bytes / feedback row | cost ms / request (capture + predict) | validation Spearman | "
         "ShareGPT Spearman | pooled Spearman | pooled MAE (uncensored) |",
@@ -90,6 +114,7 @@ def section_recipes(result: dict, image: str) -> str:
                   "the same rows (paired bootstrap interval):", "",
                   "| " + " | ".join([*sets, "pooled"]) + " |", "|" + "---|" * (len(sets) + 1),
                   "| " + " | ".join(_ci(gain.get(s), "+.3f", "+.2f") for s in [*sets, "pooled"]) + " |"]
+    lines += _target_lines(result)
     rls = result.get("rls") or {}
     if rls:
         domains = sorted({d for per in rls.values() for d in per})

@@ -104,12 +104,14 @@ def ingest_flow(feedback_dir: str | None = None, retry_failed: bool = False,
 
 @flow(name="leap-fit")
 def fit_flow(since: float | None = None, until: float | None = None, alpha: str | None = None,
-             anchor: str | None = None, recipes: list[str] | None = None) -> dict[str, Any]:
+             anchor: str | None = None, recipes: list[str] | None = None,
+             targets: list[str] | None = None) -> dict[str, Any]:
     """Fit a readout on the feedback window [since, until) (unix seconds) and register it as challenger
     (`anchor` "champion": as a correction of the champion's RLS state, see `fit_and_register`).
 
     The window is the latest feature space's: one model fingerprint, layer and capture recipe.
-    `recipes` (default `LEAP_RECIPES`): candidate recipes the fit chooses among by validation."""
+    `recipes` (default `LEAP_RECIPES`): candidate recipes the fit chooses among by validation; `targets`
+    (default `LEAP_TARGETS`): candidate regression targets, chosen with the recipe."""
     settings = PipelineSettings()
     store = open_store(settings)
     space = latest_feature_space(store, settings.model_fingerprint, settings.layer)
@@ -127,7 +129,8 @@ def fit_flow(since: float | None = None, until: float | None = None, alpha: str 
                                   fallback_max_tokens=largest_max_tokens(store, space),
                                   lock_path=settings.alias_lock_location,
                                   anchor=anchor or settings.fit_anchor,
-                                  recipes=settings.recipes if recipes is None else recipes)
+                                  recipes=settings.recipes if recipes is None else recipes,
+                                  targets=settings.targets if targets is None else targets)
     except NotEnoughRowsError as exc:
         return {"status": "not-enough-data", "reason": str(exc), "min_rows": settings.min_rows}
     get_run_logger().info("fit: %s v%s (reused: %s)", result["name"], result["version"], result["reused"])

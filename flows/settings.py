@@ -105,7 +105,11 @@ class PipelineSettings(BaseSettings):
     min_rows: int = Field(200, ge=2)
     test_fraction: float = Field(0.2, gt=0.0, lt=1.0)
     alpha: str = Field("auto", description="ridge penalty, or 'auto' for cross-validation")
-    target: str = "sqrt"
+    target: str = Field("sqrt", description="regression target of the readout (leap_core.targets.TARGETS)")
+    targets: Annotated[list[str] | None, NoDecode] = Field(
+        None, description="candidate regression targets, comma-separated or a JSON list (e.g. 'sqrt,log'): "
+                          "chosen with the recipe by the same validation while no champion fixes the target "
+                          "(serving keeps the champion's); None: `target`, no choice")
     fit_anchor: Literal["none", "champion"] = Field(
         "none", description="'champion': the fit corrects the champion's RLS state with the window's rows "
                             "(one ridge solve on both) instead of fitting on the window alone")
@@ -163,7 +167,7 @@ class PipelineSettings(BaseSettings):
     serving_port: int = 8000
     admin_port: int = 8011
 
-    @field_validator("endpoints", "domains", "recipes", mode="before")
+    @field_validator("endpoints", "domains", "recipes", "targets", mode="before")
     @classmethod
     def _split_list(cls, value: Any) -> Any:
         if not isinstance(value, str):
@@ -183,6 +187,20 @@ class PipelineSettings(BaseSettings):
 
         names = list(dict.fromkeys(str(Recipe.parse(item)) for item in value))
         return names or None
+
+    @field_validator("target", mode="after")
+    @classmethod
+    def _known_target(cls, value: str) -> str:
+        from leap_core.targets import check_target
+
+        return check_target(value)
+
+    @field_validator("targets", mode="after")
+    @classmethod
+    def _known_targets(cls, value: list[str] | None) -> list[str] | None:
+        from leap_core.targets import check_target
+
+        return list(dict.fromkeys(check_target(str(item)) for item in value)) or None if value is not None else None
 
     @model_validator(mode="after")
     def _derive_paths(self) -> PipelineSettings:

@@ -199,6 +199,21 @@ def select_training_window(store_location: str, space: FeatureSpace, since: floa
     return select_window(store, since=since, min_rows=min_rows, **filters)
 
 
+def _target_candidates(registry: ReadoutRegistry, name: str, target: str,
+                       targets: Sequence[str] | None) -> tuple[str, tuple[str, ...]]:
+    """(the target, the candidates to validate): with a champion its target, no choice (a candidate list
+    without it is refused: serving would refuse the challenger); without one, `targets` as given."""
+    if not targets:
+        return target, ()
+    if registry.get_alias(name, CHAMPION) is None:
+        return targets[0], tuple(dict.fromkeys(targets))
+    champion_target = str(registry.load_readout(name, CHAMPION).target)
+    if champion_target not in targets:
+        raise ValueError(f"the champion's target is {champion_target!r}, not a candidate of {list(targets)}: "
+                         "a challenger in another target would be refused")
+    return champion_target, ()
+
+
 def _output_budget(registry: ReadoutRegistry, name: str, target: str, max_tokens: int | None,
                    fallback_max_tokens: int | None) -> int:
     """The budget asked for, else the champion's, else the window's: serving refuses a readout whose
@@ -232,7 +247,7 @@ def fit_and_register(frame: TrainingFrame, tracking_uri: str, space: FeatureSpac
                      target: str = "sqrt", max_tokens: int | None = None, test_fraction: float = 0.2,
                      window: Mapping[str, Any] | None = None, fallback_max_tokens: int | None = None,
                      lock_path: str | None = None, anchor: str = "none",
-                     recipes: Sequence[str] | None = None) -> dict[str, Any]:
+                     recipes: Sequence[str] | None = None, targets: Sequence[str] | None = None) -> dict[str, Any]:
     """Fit a readout on `frame`, register it and point `challenger` at it.
 
     anchor "champion": correct the champion's RLS state with the window's training rows (one exact
@@ -244,6 +259,9 @@ def fit_and_register(frame: TrainingFrame, tracking_uri: str, space: FeatureSpac
     The run logs them (`recipe_candidates`, and `recipe_candidates_not_covered`), the validation table
     (`recipe_validation.json`, an MLflow table) and the chosen recipe's `validation_spearman`. None,
     none covered, or an anchored fit (the champion fixes the recipe): the capture recipe, no choice.
+    targets: candidate regression targets, validated with the recipes (each pair a row of the table) while
+    no champion exists; a champion fixes the target (serving refuses another), so then it is used if it is
+    a candidate and the fit is refused if it is not. None: `target`.
 
     A fit of the same rows with the same settings returns the version registered then (the alias is
     set again unless that version is already the champion). The output budget defaults to the
@@ -252,6 +270,7 @@ def fit_and_register(frame: TrainingFrame, tracking_uri: str, space: FeatureSpac
     alpha = "auto" if str(alpha).strip().lower() == "auto" else float(alpha)
     registry = registry_at(tracking_uri, lock_path)
     name = registry.model_name(space.model_id, space.layer)
+    target, targets = _target_candidates(registry, name, target, targets)
     budget = _output_budget(registry, name, target, max_tokens, fallback_max_tokens)
     if anchor not in ("none", "champion"):
         raise ValueError(f"anchor must be 'none' or 'champion', got {anchor!r}")
@@ -260,7 +279,7 @@ def fit_and_register(frame: TrainingFrame, tracking_uri: str, space: FeatureSpac
     if anchored is not None:  # the champion's RLS state already holds the rows up to its cut: add only later ones
         frame = _rows_after(registry, name, anchored, frame)
     spec = FitSpec.of(frame, space, alpha=alpha, target=target, max_tokens=budget, test_fraction=test_fraction,
-                      anchor=anchored, recipes=recipes)
+                      anchor=anchored, recipes=recipes, targets=targets)
     found = registry.find_fit(name, spec.key)
     if found is not None:
         if found.version != champion:
@@ -285,7 +304,7 @@ def _fit_new(registry: ReadoutRegistry, name: str, frame: TrainingFrame, spec: F
     fit = fit_readout(train, test, alpha=spec.alpha, target=spec.target, max_tokens=spec.max_tokens,
                       model_id=space.model_id, model_fingerprint=space.model_fingerprint, layer=space.layer,
                       version=readout_version, anchor=anchor_rls, capture_recipe=space.recipe,
-                      recipes=list(spec.recipes) or None)
+                      recipes=list(spec.recipes) or None, targets=list(spec.targets) or None)
     record = spec.record(fit, window)
     until = {ROWS_UNTIL_TAG: cut} if (cut := rows_until(train)) else {}
     logged = registry.log_readout(fit.readout, rls=RLS.from_state_arrays(fit.readout, dict(fit.rls_state)),

@@ -135,7 +135,7 @@ class RunsMixin:
             self._log_params(run_id, all_params)
             self._log_metrics(run_id, metrics)
             if validation:
-                self._log_validation(run_id, validation, recipe)
+                self._log_validation(run_id, validation, recipe, str(readout.target))
             self._log_model_files(run_id, readout, rls, eval_arrays)
             self._ensure_registered_model(name, {"model_id": identity_tags["model_id"],
                                                  "layer": identity_tags["layer"]})
@@ -177,13 +177,17 @@ class RunsMixin:
                                            input_example=example)
             self.client.log_artifacts(run_id, str(model_dir), MODEL_ARTIFACT_PATH)
 
-    def _log_validation(self, run_id: str, validation: Sequence[Mapping[str, Any]], recipe: str) -> None:
+    def _log_validation(self, run_id: str, validation: Sequence[Mapping[str, Any]], recipe: str,
+                        target: str | None = None) -> None:
+        """The validation table (one row per candidate recipe and target), the served row marked `chosen`."""
         import pandas as pd
 
-        columns = ["recipe", "alpha", "spearman", "mae", "n", "dim"]
+        columns = ["recipe", "target", "alpha", "spearman", "mae", "n", "dim"]
         table = pd.DataFrame([dict(row) for row in validation])
         table = table[[c for c in columns if c in table.columns] + [c for c in table.columns if c not in columns]]
         table["chosen"] = table["recipe"].astype(str) == recipe
+        if target is not None and "target" in table.columns:
+            table["chosen"] &= table["target"].astype(str) == target
         self.client.log_table(run_id, data=table, artifact_file=RECIPE_VALIDATION_FILE)
 
     def _log_params(self, run_id: str, params: Mapping[str, Any]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from evaluation.recipes import RecipeRows, capture_ms, capture_of, capture_rows, run_recipes
 from harness.corpus import Corpus
@@ -69,6 +70,18 @@ def test_the_study_chooses_on_training_rows_and_scores_every_recipe_per_set():
     assert set(result["rls"]) == {"last@22", result["chosen"], "last@22+domain=chat/math",
                                   f"{result['chosen']}+domain=chat/math"}
     assert result["rls"]["last@22"]["math"]["feedback"] == 30
+    # every recipe in every target: validated, and scored on ShareGPT with an interval and the paired
+    # difference from its sqrt target; the served pair is the best validated one
+    assert result["chosen_target"] in ("sqrt", "log")
+    assert set(result["targets"]) == set(candidates)
+    for name, per in result["targets"].items():
+        assert set(per) == {"sqrt", "log"}
+        assert set(per["log"]["spearman"]) == {"sharegpt"} and per["log"]["n"]["sharegpt"] == 60
+        assert per["sqrt"]["spearman_vs_sqrt"]["sharegpt"]["value"] == 0
+        assert per["sqrt"]["spearman"]["sharegpt"] == pytest.approx(result["recipes"][name]["spearman"]["sharegpt"])
+    best = max((row["spearman"], row["recipe"], row["target"]) for row in result["validation"])
+    chosen = result["targets"][result["chosen"]][result["chosen_target"]]
+    assert chosen["validation_spearman"] == best[0]
 
 
 def test_domain_intercepts_correct_two_domains_shifted_apart_where_one_intercept_cannot():

@@ -304,3 +304,53 @@ def test_the_fit_key_holds_the_candidates(fitted):
     assert "validation_spearman" not in run.data.metrics
     assert RECIPE_VALIDATION_FILE not in registry.list_artifacts(capture["run_id"])
     assert registry.load_readout(capture["name"], capture["version"]).metadata["recipe"] == CAPTURE
+
+
+def test_settings_read_candidate_targets_and_refuse_unknown_ones(monkeypatch):
+    monkeypatch.setenv("LEAP_TARGETS", "log, sqrt,log")
+    assert PipelineSettings().targets == ["log", "sqrt"]
+    monkeypatch.setenv("LEAP_TARGETS", "")
+    assert PipelineSettings().targets is None
+    monkeypatch.setenv("LEAP_TARGETS", "sqrt,cube")
+    with pytest.raises(ValidationError, match="cube"):
+        PipelineSettings()
+    monkeypatch.delenv("LEAP_TARGETS")
+    monkeypatch.setenv("LEAP_TARGET", "square")
+    with pytest.raises(ValidationError, match="square"):
+        PipelineSettings()
+
+
+def test_the_fit_chooses_the_target_with_the_recipe_until_a_champion_fixes_it(fitted, monkeypatch):
+    """Lengths here are exp(linear drive): each (recipe, target) pair is one validation row, the served pair
+    is the best one, and the readout regresses in its target. A champion then fixes the target: candidates
+    with it fit in it, candidates without it are refused (serving would refuse the challenger)."""
+    from registry.aliases import CHAMPION
+
+    registry = ReadoutRegistry(fitted["uri"])
+    chosen = fit_flow(targets=["sqrt", "log"])
+    assert chosen["status"] == "fitted" and chosen["recipe"] == "mean@1"
+    run = registry.client.get_run(chosen["run_id"])
+    params = run.data.params
+    assert params["target_candidates"] == "sqrt,log" and params["target_choice"] == "validation"
+    experiment = registry.client.get_experiment_by_name(READOUT_EXPERIMENT)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", fitted["uri"])
+    table = registry.client.load_table(experiment.experiment_id, artifact_file=RECIPE_VALIDATION_FILE,
+                                       run_ids=[chosen["run_id"]]).to_dict("records")
+    assert sorted((row["recipe"], row["target"]) for row in table) == [
+        ("last@1", "log"), ("last@1", "sqrt"), ("mean@1", "log"), ("mean@1", "sqrt")]
+    served = [row for row in table if row["chosen"]]
+    assert len(served) == 1 and served[0]["spearman"] == max(row["spearman"] for row in table)
+    assert params["target"] == served[0]["target"] and params["recipe"] == served[0]["recipe"]
+    assert run.data.metrics["validation_spearman"] == pytest.approx(served[0]["spearman"])
+    assert registry.load_readout(chosen["name"], chosen["version"]).target == served[0]["target"]
+
+    registry.set_alias(chosen["name"], CHAMPION, chosen["version"])
+    try:
+        fixed = fit_flow(targets=["log", "sqrt"])
+        fixed_params = registry.client.get_run(fixed["run_id"]).data.params
+        assert fixed_params["target"] == served[0]["target"] and fixed_params["target_choice"] == "given"
+        other = "log" if served[0]["target"] == "sqrt" else "sqrt"
+        with pytest.raises(Exception, match="champion's target"):
+            fit_flow(targets=[other])
+    finally:
+        registry.client.delete_registered_model_alias(chosen["name"], CHAMPION)

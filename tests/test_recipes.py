@@ -144,6 +144,28 @@ def test_the_choice_prefers_the_recipe_whose_columns_carry_the_signal():
     assert choose_recipe(table, tolerance=1.0)["dim"] == 3
 
 
+def test_each_recipe_and_target_is_one_validation_row_and_a_tie_goes_to_the_first_target():
+    rng = np.random.default_rng(3)
+    n = 400
+    X = rng.normal(size=(n, 3)) * np.array([1.0, 0.3, 0.1])
+    lengths = np.clip(np.exp(4.0 + X @ np.array([1.0, 0.5, 0.2]) + rng.normal(scale=0.2, size=n)), 1, 1024)
+    table = validate_recipes({"x": X, "first": X[:, :1]}, lengths, max_tokens=1024, targets=["sqrt", "log", "sqrt"])
+    assert sorted((row["recipe"], row["target"]) for row in table) == [
+        ("first", "log"), ("first", "sqrt"), ("x", "log"), ("x", "sqrt")]
+    assert [row["spearman"] for row in table] == sorted((row["spearman"] for row in table), reverse=True)
+    assert choose_recipe(table) is table[0]
+    # the same score: the smaller recipe, then the target listed first in leap_core.targets.TARGETS
+    tied = [{"recipe": "a", "target": "log", "spearman": 0.5, "dim": 3},
+            {"recipe": "a", "target": "sqrt", "spearman": 0.5, "dim": 3},
+            {"recipe": "b", "target": "log", "spearman": 0.5, "dim": 2}]
+    assert choose_recipe(tied[:2])["target"] == "sqrt"
+    assert choose_recipe(tied)["recipe"] == "b"
+    with pytest.raises(ValueError, match="unknown target"):
+        validate_recipes({"x": X}, lengths, max_tokens=1024, targets=["cube"])
+    # without candidates every row is in `target`
+    assert {row["target"] for row in validate_recipes({"x": X}, lengths, max_tokens=1024, target="log")} == {"log"}
+
+
 def test_a_newest_rows_split_scores_only_the_newest_rows():
     from leap_core.alpha import newest_split
 

@@ -230,6 +230,7 @@ def fit_readout(
     anchor: RLS | None = None,
     capture_recipe: str | None = None,
     recipes: Sequence[str] | None = None,
+    targets: Sequence[str] | None = None,
 ) -> FitResult:
     """Fit a readout on `frame_train`, score it on `frame_test`, and anchor RLS at the training rows.
 
@@ -249,6 +250,9 @@ def fit_readout(
         newest rows of `frame_train` only (`choose_recipe`); the readout is fitted on the chosen one and
         the table is returned as `FitResult.validation`. None: the whole capture recipe, no choice.
         Not with `anchor` (the anchor fixes the recipe).
+    targets: candidate regression targets (`leap_core.targets.TARGETS`), chosen with the recipe by the same
+        validation: each (recipe, target) pair is a row of the table. None: `target`, no choice. Not with
+        `anchor` (RLS corrects in the anchor's target space).
     blas_threads: BLAS threads for the fit (None: the library's default). One by default: the fit
         shares its host with the serving process, and on a loaded 2-core machine two BLAS threads
         made the fit on 100k rows at d = 576 2-4x slower than one (36-70 s against 16-21 s).
@@ -257,12 +261,14 @@ def fit_readout(
     with threadpool_limits(limits=blas_threads, user_api="blas"):
         capture = Recipe.parse(capture_recipe) if capture_recipe else Recipe.last(layer)
         validation = None
-        if recipes:
+        if recipes or targets:
             if anchor is not None:
-                raise ValueError("an anchored fit keeps the anchor's recipe; choose recipes without an anchor")
-            validation = validate_window(frame_train, capture, recipes, target=target,
+                raise ValueError("an anchored fit keeps the anchor's recipe and target; choose them without "
+                                 "an anchor")
+            validation = validate_window(frame_train, capture, recipes or [str(capture)], targets=targets or [target],
                                          max_tokens=_budget(frame_train, max_tokens), alphas=alphas)
-            chosen = Recipe.parse(choose_recipe(validation)["recipe"])
+            row = choose_recipe(validation)
+            chosen, target = Recipe.parse(row["recipe"]), row["target"]
             columns = chosen.columns(capture, capture.hidden_for(np.asarray(frame_train.features).shape[1]))
             frame_train, frame_test = _columns(frame_train, columns), _columns(frame_test, columns)
             capture = chosen
@@ -281,11 +287,12 @@ def _columns(frame: TrainingFrame, columns: np.ndarray) -> TrainingFrame:
     return frame._replace(features=np.asarray(frame.features)[:, columns])
 
 
-def validate_window(frame_train: TrainingFrame, capture: Recipe, recipes: Sequence[str], *, target: str,
-                    max_tokens: int, alphas: Sequence[float] = ALPHA_GRID,
+def validate_window(frame_train: TrainingFrame, capture: Recipe, recipes: Sequence[str], *,
+                    targets: Sequence[str], max_tokens: int, alphas: Sequence[float] = ALPHA_GRID,
                     validation_fraction: float = VALIDATION_FRACTION) -> list[dict[str, Any]]:
-    """`leap_core.recipe_choice.validate_recipes` over the candidates the capture covers, on the training
-    rows in arrival order: the newest `validation_fraction` scores, the older rows fit."""
+    """`leap_core.recipe_choice.validate_recipes` over the candidates the capture covers and the candidate
+    targets, on the training rows in arrival order: the newest `validation_fraction` scores, the older rows
+    fit."""
     train = _training_rows(frame_train, max_tokens)
     X = np.asarray(train.features)
     hidden = capture.hidden_for(X.shape[1])
@@ -296,7 +303,7 @@ def validate_window(frame_train: TrainingFrame, capture: Recipe, recipes: Sequen
     order = np.argsort(arrival, kind="stable")
     lengths = np.asarray(train.output_tokens, dtype=np.float64)[order]
     matrices = {str(r): X[order][:, r.columns(capture, hidden)] for r in covered}
-    return validate_recipes(matrices, lengths, max_tokens=int(max_tokens), target=target, alphas=alphas,
+    return validate_recipes(matrices, lengths, max_tokens=int(max_tokens), targets=targets, alphas=alphas,
                             cv=alpha_path.newest_split(len(order), validation_fraction))
 
 

@@ -99,15 +99,19 @@ class FitSpec:
     anchor: str | None = None
     recipes: tuple[str, ...] = ()
     recipes_not_covered: tuple[str, ...] = ()
+    targets: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, frame: TrainingFrame, space: FeatureSpace, *, alpha: str | float, target: str, max_tokens: int,
-           test_fraction: float, anchor: str | None = None, recipes: Sequence[str] | None = None) -> FitSpec:
-        """The spec of fitting `frame` (its candidate `recipes` narrowed to those the capture covers)."""
+           test_fraction: float, anchor: str | None = None, recipes: Sequence[str] | None = None,
+           targets: Sequence[str] | None = None) -> FitSpec:
+        """The spec of fitting `frame` (its candidate `recipes` narrowed to those the capture covers; candidate
+        `targets` only without an anchor, whose target is fixed)."""
         covered, not_covered = covered_recipes(recipes, space.recipe, np.asarray(frame.features).shape[1])
         return cls(space=space, rows_hash=window_hash(frame), alpha=alpha, target=target, max_tokens=int(max_tokens),
                    test_fraction=float(test_fraction), anchor=anchor,
-                   recipes=() if anchor is not None else tuple(covered), recipes_not_covered=tuple(not_covered))
+                   recipes=() if anchor is not None else tuple(covered), recipes_not_covered=tuple(not_covered),
+                   targets=() if anchor is not None else tuple(dict.fromkeys(targets or ())))
 
     @property
     def key(self) -> str:
@@ -119,7 +123,8 @@ class FitSpec:
             "model_fingerprint": space.model_fingerprint, "layer": space.layer,
             **({"anchor": f"champion-{self.anchor}"} if self.anchor is not None else {}),
             **({"capture_recipe": space.recipe} if space.recipe != str(Recipe.last(space.layer)) else {}),
-            **({"recipes": list(self.recipes)} if self.recipes else {})})
+            **({"recipes": list(self.recipes)} if self.recipes else {}),
+            **({"targets": list(self.targets)} if self.targets else {})})
 
     def readout_version(self) -> str:
         """A new readout's version: when it was fitted, and which fit it is."""
@@ -135,11 +140,16 @@ class FitSpec:
                   "test_fraction": float(self.test_fraction), "capture_recipe": self.space.recipe,
                   "recipe": recipe, "recipe_candidates": ",".join(self.recipes),
                   "recipe_choice": "anchor" if self.anchor is not None else "validation" if self.recipes else "capture",
+                  "target": fit.params.get("target", self.target), "target_candidates": ",".join(self.targets),
+                  "target_choice": ("anchor" if self.anchor is not None else "validation" if self.targets
+                                    else "given"),
                   **({"recipe_candidates_not_covered": ",".join(self.recipes_not_covered)}
                      if self.recipes_not_covered else {})}
         metrics = dict(fit.metrics)
         validation = [dict(row) for row in fit.validation] if fit.validation else None
-        chosen = next((row for row in validation or () if row["recipe"] == recipe), None)
+        target = params["target"]
+        chosen = next((row for row in validation or ()
+                       if row["recipe"] == recipe and row.get("target", target) == target), None)
         if chosen is not None:
             metrics["validation_spearman"] = float(chosen["spearman"])
         return FitRecord(params=params, metrics=metrics, validation=validation)
