@@ -118,24 +118,28 @@ def load_or_build_recipe_corpus(prompts: Sequence[dict], max_tokens: int = 1024,
 
 def load_or_build_sampled_labels(prompts: Sequence[dict], max_tokens: int = 1024, model: str | None = None,
                                  say: Callable[[str], None] = lambda message: None, build: bool = True,
-                                 samples: int = 4):
-    """The sampled labels (harness.sampled_labels: `samples` outputs per prompt under SAMPLED_DECODING, label
-    = their median) of `prompts`, in prompt order, generating only the prompts the snapshot and the cache
-    lack (`build=False`: only the rows already recorded)."""
+                                 samples: int = 4, decoding: dict | None = None, max_resident: int = 256):
+    """The sampled labels (harness.sampled_labels: `samples` outputs per prompt under `decoding`, default
+    SAMPLED_DECODING, label = their median) of `prompts`, in prompt order, generating only the prompts the
+    snapshot and the cache lack (`build=False`: only the rows already recorded). Missing prompts are queued
+    in the given order with `max_resident` requests decoded together: the order and the resident count set
+    the batch compositions the outputs were generated in (which moves greedy outputs, see
+    evaluation.ceiling)."""
     from harness.experiment import open_live
     from harness.sampled_labels import (SAMPLED_DECODING, build_sampled_labels, load_sampled_labels,
                                         missing_sampled, sampled_key)
 
+    decoding = dict(SAMPLED_DECODING if decoding is None else decoding)
     info = model_info(model)
-    folder = corpus_dir(sampled_key(info.fingerprint, max_tokens, SAMPLED_DECODING, samples))
+    folder = corpus_dir(sampled_key(info.fingerprint, max_tokens, decoding, samples))
     wanted = [p["id"] for p in prompts]
     missing = set(missing_sampled(folder, max_tokens, wanted))
     if missing and not build:
         say(f"sampled labels: {len(missing)} prompts not recorded yet: left out (no build)")
     elif missing:
         say(f"sampled labels: running {len(missing)} prompts x {samples} samples through the engine")
-        live = open_live(model, LeapConfig(policy="fcfs", rls=False, max_resident=256), max_tokens=max_tokens,
-                         decoding=SAMPLED_DECODING)
+        live = open_live(model, LeapConfig(policy="fcfs", rls=False, max_resident=max_resident),
+                         max_tokens=max_tokens, decoding=decoding)
         try:
             live.runtime.configure(policy="fcfs", rls=False, decode_slots=live.runtime.config.max_resident)
             started = time.monotonic()
@@ -253,31 +257,66 @@ def recipes_snapshot_part(max_tokens: int = 1024, model: str | None = None,
 def sampled_snapshot_part(max_tokens: int = 1024, model: str | None = None,
                           say: Callable[[str], None] = lambda message: None, build: bool = True,
                           samples: int = 4, prompts_record: dict | None = None) -> dict | None:
-    """Generate what the cache lacks for the sampled pool (evaluation.selections.sampled_pool), write its
-    rows into the committed snapshot with a manifest entry of kind "sampled"; return the manifest (None
-    when no row is recorded yet). `prompts_record` as in harness.snapshot.write_manifest."""
-    from evaluation.selections import SAMPLED_POOL, sampled_pool
+    """Generate what the cache lacks for the sampled pool (evaluation.selections.sampled_pool) and the label
+    ceiling's pool (evaluation.ceiling), write their rows into the committed snapshot with a manifest entry
+    of kind "sampled", then the ceiling's greedy rerun under its own key; return the manifest (None when no
+    row is recorded yet). `prompts_record` as in harness.snapshot.write_manifest."""
+    from evaluation.ceiling import RERUN_RESIDENT, rerun_order
+    from evaluation.selections import CEILING_POOL, SAMPLED_POOL, ceiling_pool, sampled_pool
+    from harness.sampled_labels import SAMPLED_DECODING
+
+    train, held = sampled_pool()
+    ceiling = ceiling_pool()
+    prompts = list({p["id"]: p for p in train + held + ceiling}.values())
+    say(f"sampled labels: {len(prompts)} prompts (the sampled pool and the ceiling pool), {samples} samples each")
+    spec = (f"sampled pool: {SAMPLED_POOL} ShareGPT of the training window + {SAMPLED_POOL} held out; "
+            f"ceiling pool: {CEILING_POOL} held out")
+    manifest = _sampled_key_part(prompts, spec, SAMPLED_DECODING, samples, 256, max_tokens, model, say, build,
+                                 prompts_record)
+    say(f"greedy rerun: {len(ceiling)} prompts (the ceiling pool)")
+    spec = f"greedy rerun of the ceiling pool ({CEILING_POOL} held out; shuffled, {RERUN_RESIDENT} resident)"
+    return _sampled_key_part(rerun_order(ceiling), spec, DEFAULT_DECODING, 1, RERUN_RESIDENT, max_tokens, model,
+                             say, build, prompts_record) or manifest
+
+
+def _sampled_key_part(prompts: Sequence[dict], spec: str, decoding: dict, samples: int, max_resident: int,
+                      max_tokens: int, model: str | None, say: Callable[[str], None], build: bool,
+                      prompts_record: dict | None) -> dict | None:
+    """One sampled-label key of the snapshot: build what is missing, write the rows the snapshot already
+    held for the key and those of `prompts`, and its manifest entry (with `extends` when the old rows are
+    kept unchanged, so results recorded on them stay current)."""
     from harness import snapshot
     from harness.corpus import noted_skipped
-    from harness.sampled_labels import SAMPLED_DECODING, sampled_entry, sampled_key, write_sampled_rows
+    from harness.sampled_labels import (content_hash, load_sampled_labels, sampled_entry, sampled_key,
+                                        write_sampled_rows)
 
     info = model_info(model)
-    train, held = sampled_pool()
-    prompts = train + held
-    key = sampled_key(info.fingerprint, max_tokens, SAMPLED_DECODING, samples)
-    say(f"sampled labels: {len(prompts)} prompts (the sampled pool), {samples} samples each")
-    rows = load_or_build_sampled_labels(prompts, max_tokens, model, say, build, samples)
+    key = sampled_key(info.fingerprint, max_tokens, decoding, samples)
+    old = (snapshot.read_manifest() or {"corpora": {}})["corpora"].get(key, {})
+    load_or_build_sampled_labels(prompts, max_tokens, model, say, build, samples, decoding, max_resident)
+    wanted = list(dict.fromkeys([*old.get("ids", []), *(p["id"] for p in prompts)]))
+    rows = load_sampled_labels(corpus_dir(key), max_tokens, ids=wanted)
     if not len(rows):
         say(f"snapshot {key}: no rows recorded yet, left out")
         return None
-    wanted = {p["id"] for p in prompts}
-    skipped = (noted_skipped(corpus_dir(key)) | snapshot.skipped_ids(key)) & wanted
+    skipped = (noted_skipped(corpus_dir(key)) | snapshot.skipped_ids(key)) & set(wanted)
+    entry = sampled_entry(rows, spec, decoding, samples, skipped)
+    entry["extends"] = extended_hashes(old, entry, lambda ids: content_hash(rows.subset(np.isin(rows.ids, ids))))
     write_sampled_rows(rows, key)
-    spec = f"sampled pool: {SAMPLED_POOL} ShareGPT of the training window + {SAMPLED_POOL} held out"
-    entry = sampled_entry(rows, spec, SAMPLED_DECODING, samples, skipped)
     manifest = snapshot.write_manifest({key: entry}, info, DEFAULT_DECODING, max_tokens, prompts=prompts_record)
     say(f"snapshot {key}: {len(rows)} rows, {len(skipped)} prompts too long for the engine")
     return manifest
+
+
+def extended_hashes(old: dict, new: dict, hash_of_ids: Callable[[list[str]], str]) -> list[str]:
+    """The content hashes a rewritten key's rows still contain unchanged: the old entry's (and those it
+    extended) when every old id is kept and the new rows of those ids hash to the old entry's hash."""
+    if not old or old.get("content_hash") == new.get("content_hash"):
+        return list(old.get("extends", []))
+    ids = list(old.get("ids", []))
+    if not set(ids) <= set(new.get("ids", [])) or hash_of_ids(ids) != old.get("content_hash"):
+        return []
+    return [*old.get("extends", []), old["content_hash"]]
 
 
 def _stored_prompts(specs: Sequence[str], seeded: Callable[[str], list[dict]]) -> dict[str, list[dict]]:

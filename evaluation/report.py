@@ -10,7 +10,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from evaluation import corpus_report, live, offline, recipes_report, simulated, transfer
+from evaluation import ceiling_report, corpus_report, live, offline, recipes_report, simulated, transfer
 
 Renderer = tuple[Callable[[dict, Path], None], Callable[[dict, str], str]]
 SINGLE: dict[str, Renderer] = {
@@ -18,11 +18,12 @@ SINGLE: dict[str, Renderer] = {
     "targets": (offline.plot_targets, offline.section_targets),
     "layers": (offline.plot_layers, offline.section_layers),
     "recipes": (recipes_report.plot_recipes, recipes_report.section_recipes),
+    "ceiling": (ceiling_report.plot_ceiling, ceiling_report.section_ceiling),
     "live": (live.plot_live, live.section_live),
     "refresh": (simulated.plot_refresh, simulated.section_refresh),
     "tail": (simulated.plot_tail, simulated.section_tail),
 }
-ORDER = ("corpus", "targets", "layers", "recipes", "transfer", "live", "live-quick", "load", "refresh", "tail")
+ORDER = ("corpus", "targets", "layers", "recipes", "ceiling", "transfer", "live", "live-quick", "load", "refresh", "tail")
 
 HEADER = """# Results
 
@@ -44,6 +45,7 @@ RERUN: tuple[tuple[str, ...], ...] = (
     ("eval", "layers"),
     ("bench", "recipes"),
     ("eval", "recipes"),
+    ("eval", "ceiling"),
     ("eval", "transfer", "--test", "arena_hard", "--name", "transfer-chat", *BASELINES),
     ("eval", "transfer", "--test", "alpaca", "--test", "alpaca_eval", "--test", "self_instruct",
      "--name", "transfer-instruction", *BASELINES),

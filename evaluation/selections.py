@@ -98,3 +98,14 @@ def sampled_pool() -> tuple[list[dict], list[dict]]:
     train = select(CHAT_TRAIN)
     held = select(CHAT_TEST, exclude={p["id"] for p in train})
     return [p for p in train if p.get("set") == "sharegpt"][:SAMPLED_POOL], held[:SAMPLED_POOL]
+
+
+# The label-ceiling pool (evaluation.ceiling): the first CEILING_POOL held-out ShareGPT prompts of CHAT_TEST.
+# It starts with the sampled pool's held-out prompts, so their sampled rows are reused.
+CEILING_POOL = 600
+
+
+def ceiling_pool() -> list[dict]:
+    """The first CEILING_POOL prompts of CHAT_TEST without CHAT_TRAIN's ids (all ShareGPT)."""
+    train = select(CHAT_TRAIN)
+    return select(CHAT_TEST, exclude={p["id"] for p in train})[:CEILING_POOL]

@@ -180,11 +180,13 @@ def write_manifest(entries: dict[str, dict], model: Any, decoding: dict, max_tok
 
 def _superseded(old: dict, corpora: dict[str, dict], prompts: dict | None, corpus_hash: str) -> list[str]:
     """Earlier corpus hashes whose rows this snapshot still holds unchanged: a rewrite that only adds corpus
-    keys keeps every result recorded on the earlier snapshot current (it read the same rows). A changed key
-    or prompt file clears the list."""
+    keys, or rows to a key (the key's entry lists the old content hash in `extends`), keeps every result
+    recorded on the earlier snapshot current (it read the same rows). A changed key or prompt file clears
+    the list."""
     if not old or old.get("corpus_hash") in (None, corpus_hash):
         return list(old.get("supersedes", []))
-    same = all(corpora.get(key, {}).get("content_hash") == entry.get("content_hash")
+    same = all(entry.get("content_hash") == corpora.get(key, {}).get("content_hash")
+               or entry.get("content_hash") in corpora.get(key, {}).get("extends", [])
                for key, entry in old.get("corpora", {}).items())
     same = same and (old.get("prompts") or {}).get("content_hash") == (prompts or {}).get("content_hash")
     return [*old.get("supersedes", []), old["corpus_hash"]] if same else []

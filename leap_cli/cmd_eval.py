@@ -18,7 +18,23 @@ from leap_io.jsonable import dumps
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
 JSON = typer.Option(False, "--json", help="one JSON object on stdout")
-SAVE = typer.Option(False, "--save", help="also write the result to docs/results/ for `leap eval report`")
+
+
+def _clean_tree(save: bool) -> bool:
+    """--save only from a checkout whose tracked files match its commit: a published result names the code
+    that produced it (checked before the study runs, not after hours of it)."""
+    if save:
+        from harness.snapshot import git_commit
+
+        commit = git_commit()
+        if commit.endswith("-dirty"):
+            raise typer.BadParameter(f"tracked files differ from {commit[:12]}: commit them (or stash) before "
+                                     "saving a result, so it names the code that produced it")
+    return save
+
+
+SAVE = typer.Option(False, "--save", callback=_clean_tree,
+                    help="also write the result to docs/results/ for `leap eval report` (from a clean checkout)")
 BUILD = typer.Option(True, "--build/--no-build",
                      help="run prompts missing from the corpus (--no-build: leave them out)")
 MODEL = typer.Option(None, help="HF model folder (default: the prepared SmolLM2)")
@@ -106,6 +122,17 @@ def corpus(
 
     result = corpus_study(select or STUDY_SELECTIONS, max_tokens, model, _say(as_json), build)
     _finish(result, "corpus", "corpus", as_json, save)
+
+
+@eval_app.command("ceiling")
+def ceiling(max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
+            build: bool = BUILD,
+            n_boot: int = typer.Option(2000, "--n-boot", min=100, help="bootstrap replicates per interval")) -> None:
+    """The label ceiling on held-out ShareGPT: Spearman between two greedy runs in other batch compositions
+    and between independent sampled draws, the predictor ceilings they imply, and the readout beside them."""
+    from evaluation.ceiling import ceiling_study
+
+    _finish(ceiling_study(max_tokens, model, _say(as_json), build, n_boot), "ceiling", "ceiling", as_json, save)
 
 
 @eval_app.command("targets")

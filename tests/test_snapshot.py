@@ -22,6 +22,12 @@ def _corpus(n: int = 6, dim: int = 4, seed: int = 0, prefix: str = "p") -> Corpu
                   features=rng.normal(size=(n, dim)).astype(np.float32), layer=3, max_tokens=100)
 
 
+def _joined(a: Corpus, b: Corpus) -> Corpus:
+    return Corpus(*(np.concatenate([getattr(a, name), getattr(b, name)]) for name in
+                    ("ids", "sets", "domains", "langs", "prompt_tokens", "output_tokens", "finish_reasons",
+                     "features")), layer=a.layer, max_tokens=a.max_tokens)
+
+
 @pytest.fixture
 def root(tmp_path, monkeypatch):
     monkeypatch.setattr(snapshot, "ROOT", tmp_path / "snapshot")
@@ -183,3 +189,34 @@ def test_adding_a_corpus_key_keeps_earlier_results_current_and_changing_one_does
     assert snapshot.current_hashes(rewritten) == snapshot.current_hashes(grown)  # same rows: nothing changes
     changed = snapshot.write_manifest({"L3-a": snapshot.corpus_entry(_corpus(6, seed=2), "a")}, model, {}, 100)
     assert snapshot.current_hashes(changed) == {changed["corpus_hash"]}
+
+
+def test_adding_rows_to_a_key_keeps_earlier_results_current_only_when_the_old_rows_are_unchanged(root):
+    from evaluation.corpora import extended_hashes
+    from leap_io.model_identity import ModelInfo
+
+    model = ModelInfo(path="/m", model_id="m", fingerprint="f" * 16, num_layers=4, hidden_size=4,
+                      max_position_embeddings=64)
+
+    def hash_of(rows: Corpus):
+        return lambda ids: snapshot.content_hash(rows.subset(np.isin(rows.ids, ids)))
+
+    first = _corpus(6)
+    old_entry = snapshot.corpus_entry(first, "a")
+    old = snapshot.write_manifest({"L3-a": old_entry}, model, {}, 100)
+    grown_rows = _joined(first, _corpus(4, seed=1, prefix="q"))  # `first`'s rows and 4 more
+    entry = snapshot.corpus_entry(grown_rows, "a, then more")
+    entry["extends"] = extended_hashes(old_entry, entry, hash_of(grown_rows))
+    assert entry["extends"] == [old_entry["content_hash"]]
+    grown = snapshot.write_manifest({"L3-a": entry}, model, {}, 100)
+    assert snapshot.current_hashes(grown) == {grown["corpus_hash"], old["corpus_hash"]}
+
+    changed_rows = _joined(_corpus(6, seed=5), _corpus(4, seed=1, prefix="q"))  # same ids, other rows
+    changed = snapshot.corpus_entry(changed_rows, "a, regenerated")
+    assert extended_hashes(entry, changed, hash_of(changed_rows)) == []
+    dropped_rows = grown_rows.subset(np.arange(1, 10))  # an old id is gone
+    dropped = snapshot.corpus_entry(dropped_rows, "a, less")
+    assert extended_hashes(old_entry, dropped, hash_of(dropped_rows)) == []
+    changed["extends"] = []
+    rewritten = snapshot.write_manifest({"L3-a": changed}, model, {}, 100)
+    assert snapshot.current_hashes(rewritten) == {rewritten["corpus_hash"]}
