@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pathlib
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -23,7 +24,7 @@ __all__ = ["run_load", "plot_load", "section_load", "run_refresh", "plot_refresh
            "run_tail", "plot_tail", "section_tail", "life_error"]
 
 _REFERENCES = ("fcfs", "oracle")
-_NOT_CONFIGURABLE = {"policy", "step_model", "refresh_at", "refresh_cost_s"}
+_NOT_CONFIGURABLE = {"policy", "step_model", "refresh_at", "refresh_cost_s", "distribution"}
 
 
 # ----------------------------------------------------------------------------------------------- inputs
@@ -63,13 +64,22 @@ def _workloads(n_pool: int, n_requests: int, repeats: int, seed: int):
         yield rng.choice(n_pool, n_requests, replace=n_requests > n_pool), 1000 * seed + repeat
 
 
+GITTINS = "-gittins"  # "<predictor>-gittins": the Gittins policy on that predictor's distribution
+
+
 def _run_policy(name: str, arrival: np.ndarray, prompt: np.ndarray, out: np.ndarray,
-                predicted: dict[str, np.ndarray], config: SimConfig) -> SimResult:
-    """fcfs, oracle (countdown on the truth) or countdown on the named predictor, for drawn requests."""
+                predicted: dict[str, np.ndarray], config: SimConfig,
+                distributions: dict[str, Any] | None = None) -> SimResult:
+    """fcfs, oracle (countdown on the truth), countdown on the named predictor, or `<predictor>-gittins`
+    (leap_core.policy.GittinsPolicy on that predictor's length distribution), for drawn requests."""
     if name == "fcfs":
         return simulate(arrival, prompt, out, out, replace(config, policy="fcfs"))
     if name == "oracle":
         return simulate(arrival, prompt, out, out, replace(config, policy="countdown"))
+    if name.endswith(GITTINS):
+        base = name[: -len(GITTINS)]
+        return simulate(arrival, prompt, out, predicted[base],
+                        replace(config, policy="gittins", distribution=(distributions or {})[base]))
     return simulate(arrival, prompt, out, predicted[name], replace(config, policy="countdown"))
 
 
@@ -89,7 +99,8 @@ RATIO_GOALS = {"leap_over_fcfs": 0.55, "leap_over_best_baseline": 0.85, "leap_ov
 
 def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str, ArrayLike],
              step_model: StepTimeModel, loads=LOADS, headline: float = HEADLINE_LOAD, overloads=OVERLOADS,
-             n_requests: int = 2000, seeds: int = 30, seed: int = 0, **config) -> dict:
+             n_requests: int = 2000, seeds: int = 30, seed: int = 0,
+             distributions: dict[str, Any] | None = None, **config) -> dict:
     """Latency and PTL of every policy at Poisson loads quoted as fractions of the sustained capacity.
 
     Each of `seeds` workloads draws `n_requests` from the pool and one arrival sequence per load; every
@@ -97,12 +108,15 @@ def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str
     (LEAP's mean PTL over FCFS's, the best baseline's and the oracle's) carry 95% bootstrap intervals
     over the seeds. `config` holds SimConfig knobs (max_resident, decode_slots, waiting_cap, ...), the
     same the step model was calibrated at. Overloads are run over the same horizon (`n_requests`
-    arrivals) and reported with it: their figures grow with the horizon.
+    arrivals) and reported with it: their figures grow with the horizon. `distributions` (predictor name ->
+    leap_core.gittins.LengthGivenPrediction fitted on validation rows) adds `<name>-gittins` beside that
+    predictor's countdown, with its paired ratio to it (`gittins_over_countdown`).
     """
     prompt, out, preds = _pool(prompt_tokens, lengths, predictions)
     base = _base_config(step_model, config)
     capacity = fcfs_capacity(prompt, out, base)
-    policies = [*preds, *_REFERENCES]
+    distributions = {name: d for name, d in (distributions or {}).items() if name in preds}
+    policies = [*preds, *(f"{name}{GITTINS}" for name in distributions), *_REFERENCES]
     every_load = sorted({float(m) for m in (*loads, headline, *overloads)})
     runs: dict[float, dict[str, list]] = {m: {p: [] for p in policies} for m in every_load}
     for idx, arrival_seed in _workloads(out.size, n_requests, seeds, seed):
@@ -110,12 +124,16 @@ def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str
         for m in every_load:
             arrival = poisson_arrivals(n_requests, m * capacity, seed=arrival_seed)
             for policy in policies:
-                runs[m][policy].append(_figures(_run_policy(policy, arrival, prompt[idx], out[idx], drawn, base)))
+                runs[m][policy].append(_figures(_run_policy(policy, arrival, prompt[idx], out[idx], drawn, base,
+                                                            distributions)))
     table = {str(m): {p: _over_seeds(runs[m][p]) for p in policies} for m in every_load}
     ptl = {p: np.array([f["mean_ptl"] for f in runs[float(headline)][p]]) for p in policies}
     baselines = [p for p in preds if not p.startswith("leap")]
     best = min(baselines, key=lambda p: ptl[p].mean()) if baselines else None
     ratios = paired_ratios(ptl, best)
+    for name in distributions:  # the uncertainty-aware order against the point-estimate one, paired by seed
+        key = "gittins_over_countdown" if name == "leap" else f"{name}_gittins_over_countdown"
+        ratios[key] = bootstrap_ci(ratio_of_means, ptl[f"{name}{GITTINS}"], ptl[name], vectorized=True)
     return {
         "capacity_rps": float(capacity),
         "capacity_measure": "FCFS steady state: completions between the 25th and 75th percentile of a "
@@ -246,7 +264,8 @@ def section_load(result: dict, image: str) -> str:
 
 def run_refresh(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: ArrayLike, refreshed: ArrayLike,
                 refresh_at, step_model: StepTimeModel, refresh_cost_s: float, load: float = HEADLINE_LOAD,
-                n_requests: int = 2000, seeds: int = 30, seed: int = 0, **config) -> dict:
+                n_requests: int = 2000, seeds: int = 30, seed: int = 0,
+             distributions: dict[str, Any] | None = None, **config) -> dict:
     """Countdown (one prediction at prefill) against refreshing it during decoding, both arms measured.
 
     `predicted` is each request's predicted total at prefill (what countdown schedules by, counting it

@@ -151,10 +151,34 @@ def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, ba
     train, target = datasets([train_spec, ",".join(test_specs)], max_tokens, model, say, limit, build)
     evaluation, predictions = domain_predictions(train, target, fitted_baselines(train, baselines, say),
                                                  counts=(len(target) // 2,))
-    say(f"simulating {len(predictions) + 2} policies on a pool of {len(evaluation)} held-out prompts")
-    result = simulated.run_load(evaluation.prompt_tokens, evaluation.lengths, predictions, step_model, **options)
-    result.update(train=train_spec, test=list(test_specs), n_train=len(train))
+    distribution = leap_length_distribution(train)
+    say(f"simulating {len(predictions) + 3} policies on a pool of {len(evaluation)} held-out prompts")
+    result = simulated.run_load(evaluation.prompt_tokens, evaluation.lengths, predictions, step_model,
+                                distributions={"leap": distribution}, **options)
+    result.update(train=train_spec, test=list(test_specs), n_train=len(train),
+                  gittins={"weight": distribution.weight, "bins": len(distribution.samples_),
+                           "validation_pairs": distribution.n_, "folds": GITTINS_FOLDS,
+                           "fitted_on": "cross-fitted LEAP predictions of the training rows only"})
     return result
+
+
+GITTINS_FOLDS = 5
+
+
+def leap_length_distribution(train: LengthData, folds: int = GITTINS_FOLDS, seed: int = 0):
+    """LEAP's length-given-prediction distribution (leap_core.gittins) from the training rows alone: each
+    row predicted by the readout fitted on the other folds (the alpha of the whole window), so the errors
+    are those of a readout on prompts it never saw."""
+    from sklearn.model_selection import KFold
+
+    from evaluation.offline import choose_alpha
+    from leap_core.gittins import LengthGivenPrediction
+
+    alpha = choose_alpha(train.features, train.lengths, "sqrt", train.max_tokens)  # as fit_leap chooses it
+    predicted = np.empty(len(train))
+    for fit_rows, held_rows in KFold(folds, shuffle=True, random_state=seed).split(train.features):
+        predicted[held_rows] = fit_leap(train.subset(fit_rows), alpha).predict(train.features[held_rows])
+    return LengthGivenPrediction(max_tokens=train.max_tokens).fit(predicted, train.lengths)
 
 
 def chat_predictions(names: Sequence[str], max_tokens: int, model: str | None,

@@ -22,11 +22,12 @@ __all__ = [
     "CountdownPolicy",
     "DecodePolicy",
     "FcfsPolicy",
+    "GittinsPolicy",
     "advance_held_out",
     "make_policy",
 ]
 
-POLICY_NAMES = ("fcfs", "countdown")
+POLICY_NAMES = ("fcfs", "countdown", "gittins")
 _NONE = np.empty(0, dtype=np.intp)
 UNBOUNDED_STEPS = sys.maxsize  # a selection that only a finish or an arrival can change
 
@@ -118,13 +119,23 @@ class CountdownPolicy:
         need = min(int((np.arange(1, due.shape[0] + 1) - self.k * due).max()), self.k)
         return urgent[order[:need]] if need > 0 else _NONE
 
+    def _priority(self, predicted_total: np.ndarray, generated: np.ndarray, held_out: np.ndarray) -> np.ndarray:
+        """Smaller decodes first: the predicted remaining length (at least 1), aged when `aging` > 0."""
+        remaining = np.maximum(predicted_total - generated, 1.0)
+        return remaining * np.exp(-self.aging * held_out) if self.aging else remaining
+
+    @property
+    def _steady(self) -> bool:
+        """Whether the chosen requests' priorities keep their order while they decode (remaining only
+        shrinks for them; held-out requests' priorities do not move unless aging moves them)."""
+        return not self.aging
+
     def _select(self, predicted_total, generated, held_out, arrival) -> tuple[np.ndarray, int]:
         """The selection and how many of its first entries were forced in by the cap."""
         n = held_out.shape[0]
         if n == 0:
             return _NONE, 0
-        remaining = np.maximum(np.asarray(predicted_total, dtype=np.float64) - generated, 1.0)
-        priority = remaining * np.exp(-self.aging * held_out) if self.aging else remaining
+        priority = self._priority(np.asarray(predicted_total, dtype=np.float64), generated, held_out)
         if n <= self.k:
             return np.lexsort((arrival, priority)), 0
         forced = self._forced(held_out, arrival)
@@ -156,7 +167,7 @@ class CountdownPolicy:
         n = held_out.shape[0]
         if n <= self.k:
             return chosen, UNBOUNDED_STEPS
-        if num_forced or self.aging or n > self.k * self.waiting_cap:
+        if num_forced or not self._steady or n > self.k * self.waiting_cap:
             return chosen, 1
         waiting = np.ones(n, dtype=bool)
         waiting[chosen] = False
@@ -165,6 +176,23 @@ class CountdownPolicy:
         slack = np.sort(self.waiting_cap - held_out[waiting])
         e = np.arange(0, slack.shape[0], self.k)
         return chosen, max(int((slack[e] - e // self.k).min()), 1)
+
+
+class GittinsPolicy(CountdownPolicy):
+    """Countdown's slots and waiting cap, ranked by the Gittins index of the remaining length under the
+    predictor's error distribution (`leap_core.gittins.LengthGivenPrediction`): the largest expected weight
+    completed per token of service first. `distribution` maps (predicted total, generated) to the index."""
+
+    def __init__(self, distribution, k: int = 64, waiting_cap: int = 128) -> None:
+        super().__init__(k=k, waiting_cap=waiting_cap)
+        self.distribution = distribution
+
+    def _priority(self, predicted_total: np.ndarray, generated: np.ndarray, held_out: np.ndarray) -> np.ndarray:
+        return 1.0 / self.distribution.index(predicted_total, generated)
+
+    @property
+    def _steady(self) -> bool:
+        return False  # an index can rise or fall as a request outlives samples
 
 
 class FcfsPolicy:
@@ -191,10 +219,16 @@ class FcfsPolicy:
         return self.select(predicted_total, generated, held_out, arrival), UNBOUNDED_STEPS
 
 
-def make_policy(name: str, k: int = 64, waiting_cap: int = 128, aging: float = 0.0) -> DecodePolicy:
-    """The policy called `name` ("fcfs" or "countdown"). The oracle is countdown fed the true lengths."""
+def make_policy(name: str, k: int = 64, waiting_cap: int = 128, aging: float = 0.0,
+                distribution=None) -> DecodePolicy:
+    """The policy called `name` ("fcfs", "countdown", or "gittins" with the predictor's `distribution`).
+    The oracle is countdown fed the true lengths."""
     if name == "countdown":
         return CountdownPolicy(k=k, waiting_cap=waiting_cap, aging=aging)
     if name == "fcfs":
         return FcfsPolicy(k=k)
+    if name == "gittins":
+        if distribution is None:
+            raise ValueError("the gittins policy needs the predictor's length distribution")
+        return GittinsPolicy(distribution, k=k, waiting_cap=waiting_cap)
     raise ValueError(f"unknown policy {name!r}; expected one of {POLICY_NAMES}")

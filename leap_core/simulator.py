@@ -16,6 +16,7 @@ captured at that point), and the step pays `refresh_cost_s` per refreshed reques
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from scipy.optimize import nnls
@@ -74,6 +75,8 @@ class SimConfig:
     step_model: StepTimeModel = field(default_factory=StepTimeModel)
     refresh_at: tuple[int, ...] = ()
     refresh_cost_s: float = 0.0
+    # policy "gittins": the predictor's length distribution (leap_core.gittins.LengthGivenPrediction)
+    distribution: Any = field(default=None, compare=False)
 
 
 @dataclass
@@ -140,7 +143,8 @@ def simulate(arrival, prompt_tokens, output_tokens, predicted, config: SimConfig
     first_token = np.full(n, np.nan)
     finish = np.full(n, np.nan)
     max_held = np.zeros(n, dtype=np.int64)
-    policy = make_policy(config.policy, k=config.decode_slots, waiting_cap=config.waiting_cap, aging=config.aging)
+    policy = make_policy(config.policy, k=config.decode_slots, waiting_cap=config.waiting_cap, aging=config.aging,
+                         distribution=config.distribution)
     model = config.step_model
     resident = _Resident.empty()
 

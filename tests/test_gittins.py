@@ -1,0 +1,125 @@
+"""The Gittins index under the predictor's length distribution: the formula against its definition, the
+table, the policy's order and waiting cap, and the load study's uncertainty-aware arm."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from leap_core.gittins import LengthGivenPrediction, gittins_index
+from leap_core.noise import noisy_predictions
+from leap_core.policy import CountdownPolicy, GittinsPolicy, make_policy
+from leap_core.simulator import SimConfig, StepTimeModel, fcfs_capacity, poisson_arrivals, simulate
+
+
+def _by_definition(lengths: np.ndarray, a: int, weights: np.ndarray) -> float:
+    """sup over every quantum Delta = 1..max remaining of E[w 1{R <= Delta} | L > a] / E[min(R, Delta) | L > a]."""
+    alive = lengths > a
+    r, w = lengths[alive] - a, weights[alive]
+    return max(np.sum(w * (r <= d)) / np.sum(np.minimum(r, d)) for d in range(1, int(r.max()) + 1))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_sorted_formula_is_the_supremum_over_every_quantum(seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 300, 40).astype(float)
+    for a in (0, 5, 60, 150):
+        for weights in (np.ones_like(lengths), 1.0 / lengths):
+            assert gittins_index(lengths, a, weights) == pytest.approx(_by_definition(lengths, a, weights))
+    assert np.isnan(gittins_index(lengths, int(lengths.max())))
+
+
+def test_a_known_length_is_shortest_weighted_remaining_and_a_gamble_changes_with_age():
+    assert gittins_index([100.0], 40) == pytest.approx(1 / 60)
+    assert gittins_index([100.0], 40, [1 / 100]) == pytest.approx(1 / 6000)
+    # half finish at 10 tokens, half run 1,000: worth a small quantum first, ...
+    gamble = np.array([10.0, 1000.0])
+    assert gittins_index(gamble, 0) == pytest.approx(1 / 20)  # 1 of 2 done per 2 x 10 tokens invested
+    # ... and once it has outlived the short outcome only the long one is left
+    assert gittins_index(gamble, 10) == pytest.approx(1 / 990)
+    # a request sure to need 100 tokens ranks below the gamble at age 0 (1/100 against 1/20)
+    assert gittins_index([100.0], 0) < gittins_index(gamble, 0)
+
+
+def test_the_table_uses_the_bin_of_the_prediction_then_the_pool_then_the_budget():
+    predicted = np.array([10.0] * 50 + [500.0] * 50)
+    true = np.array([12.0] * 50 + [480.0] * 50)
+    dist = LengthGivenPrediction(n_bins=2, max_tokens=1024, weight="latency").fit(predicted, true)
+    assert dist.index_.shape == (2, 1024) and dist.n_ == 100
+    assert dist.index([10.0], [0])[0] == pytest.approx(1 / 12)
+    assert dist.index([500.0], [100])[0] == pytest.approx(1 / 380)
+    # past every sample of the short bin: the pooled samples (the long ones)
+    assert dist.index([10.0], [20])[0] == pytest.approx(1 / 460)
+    # past every sample: only the budget ends it; generated counts beyond M - 1 read the last column
+    assert dist.index([500.0], [700])[0] == pytest.approx(1 / 324)
+    assert dist.index([500.0], [5000])[0] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="weight"):
+        LengthGivenPrediction(weight="tokens").fit(predicted, true)
+    with pytest.raises(ValueError, match="cannot fill"):
+        LengthGivenPrediction(n_bins=10).fit(predicted[:5], true[:5])
+
+
+def test_with_exact_predictions_the_policy_orders_like_countdown():
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(1, 400, 2000).astype(float)
+    dist = LengthGivenPrediction(n_bins=400, max_tokens=512, weight="latency").fit(lengths, lengths)
+    total = np.array([30.0, 300.0, 120.0, 60.0, 390.0, 200.0])
+    generated = np.array([0, 290, 0, 50, 0, 10])
+    args = (total, generated, np.zeros(6, dtype=np.int64), np.arange(6.0))
+    gittins = GittinsPolicy(dist, k=3).select(*args)
+    countdown = CountdownPolicy(k=3).select(*args)
+    assert set(gittins.tolist()) == set(countdown.tolist()) == {0, 1, 3}
+
+
+def test_the_waiting_cap_still_forces_a_held_out_request_in():
+    dist = LengthGivenPrediction(n_bins=2, max_tokens=1024).fit([10.0, 10.0, 900.0, 900.0],
+                                                                 [10.0, 12.0, 900.0, 1000.0])
+    policy = make_policy("gittins", k=1, waiting_cap=4, distribution=dist)
+    total = np.array([10.0, 900.0])
+    chosen = policy.select(total, np.zeros(2), np.array([0, 4]), np.zeros(2))
+    assert chosen.tolist() == [1]  # held out at the cap: forced in ahead of the better index
+    assert policy.select(total, np.zeros(2), np.array([0, 0]), np.zeros(2)).tolist() == [0]
+    assert policy.select_steps(total, np.zeros(2), np.array([0, 0]), np.zeros(2))[1] == 1
+    with pytest.raises(ValueError, match="distribution"):
+        make_policy("gittins")
+
+
+def test_the_simulator_runs_the_gittins_order_and_it_helps_where_predictions_are_coarse():
+    """Predictions that know only whether a request is short or long (two values): countdown cannot order
+    within a class, the index can (within a class it serves the requests that have outlived the short
+    outcomes last). Same arrivals, same requests; every request finishes under both."""
+    rng = np.random.default_rng(5)
+    n = 600
+    out = np.where(rng.random(n) < 0.5, rng.integers(5, 60, n), rng.integers(200, 800, n))
+    predicted = np.where(out < 100, 40.0, 400.0)
+    noisy = np.where(rng.random(n) < 0.2, 440.0 - predicted, predicted)  # a fifth in the wrong class
+    dist = LengthGivenPrediction(n_bins=2, max_tokens=1024).fit(noisy[:300], out[:300])
+    prompt = rng.integers(10, 100, n)
+    config = SimConfig(max_resident=256, decode_slots=8, step_model=StepTimeModel())
+    arrival = poisson_arrivals(n, 0.9 * fcfs_capacity(prompt, out, config), seed=6)
+    countdown = simulate(arrival, prompt, out, noisy, config)
+    gittins = simulate(arrival, prompt, out, noisy, SimConfig(**{**config.__dict__, "policy": "gittins",
+                                                                 "distribution": dist}))
+    assert np.isfinite(gittins.finish).all() and gittins.tokens == countdown.tokens
+    assert gittins.ptl.mean() < countdown.ptl.mean()
+
+
+def test_the_load_study_reports_the_gittins_arm_beside_countdown():
+    from evaluation.simulated import run_load
+
+    rng = np.random.default_rng(0)
+    n = 300
+    prompt = rng.integers(20, 800, n)
+    out = np.clip(np.round(rng.lognormal(np.log(150), 1.0, n)), 1, 1024).astype(int)
+    predicted = noisy_predictions(out, 0.6, seed=1)
+    dist = LengthGivenPrediction(max_tokens=1024).fit(predicted, out)
+    result = run_load(prompt, out, {"leap": predicted}, StepTimeModel(), loads=(0.9,), headline=0.9, overloads=(),
+                      n_requests=200, seeds=4, distributions={"leap": dist, "absent": dist})
+    json.dumps(result, allow_nan=False)
+    assert set(result["table"]["0.9"]) == {"leap", "leap-gittins", "fcfs", "oracle"}
+    ratio = result["ratios"]["gittins_over_countdown"]
+    assert ratio["ci_low"] <= ratio["value"] <= ratio["ci_high"]
+    head = result["table"]["0.9"]
+    assert ratio["value"] == pytest.approx(head["leap-gittins"]["mean_ptl"] / head["leap"]["mean_ptl"])
