@@ -100,9 +100,14 @@ def test_run_load_returns_the_documented_shape_and_oracle_beats_fcfs(load_result
         assert set(row) == {"noisy", "leap", "fcfs", "oracle"}
         for figures in row.values():
             assert set(figures) == {"mean_latency_s", "p95_latency_s", "mean_ptl", "p95_ptl", "mean_ptl_ci_low",
-                                    "mean_ptl_ci_high"}
+                                    "mean_ptl_ci_high", "long_p95_latency_s"}
             assert figures["mean_ptl_ci_low"] <= figures["mean_ptl"] <= figures["mean_ptl_ci_high"]
     assert result["table"]["1.5"]["oracle"]["mean_ptl"] <= result["table"]["1.5"]["fcfs"]["mean_ptl"]
+    # the longest tenth of the pool pays the tail: its P95 is above everyone's
+    assert result["long_requests"]["quantile"] == 0.9
+    for policy in ("fcfs", "oracle"):
+        head = result["table"]["0.9"][policy]
+        assert head["long_p95_latency_s"] > head["p95_latency_s"]
     sweep = result["sweep"]
     assert sweep["multipliers"] == [0.7, 0.9, 1.5]
     for key in ("mean_ptl", "mean_latency_s"):
