@@ -11,7 +11,7 @@ lengths) are always added.
 from __future__ import annotations
 
 import pathlib
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -64,22 +64,31 @@ def _workloads(n_pool: int, n_requests: int, repeats: int, seed: int):
         yield rng.choice(n_pool, n_requests, replace=n_requests > n_pool), 1000 * seed + repeat
 
 
-GITTINS = "-gittins"  # "<predictor>-gittins": the Gittins policy on that predictor's distribution
+@dataclass(frozen=True)
+class Order:
+    """A decode order a study runs beside its predictors' countdown: `policy` on `predictor`'s predictions
+    with SimConfig `overrides` (e.g. the Gittins policy's `distribution`, a `waiting_cap`), reported as a
+    ratio of mean PTL to that predictor's countdown under `ratio` (paired by seed)."""
+
+    predictor: str
+    ratio: str
+    policy: str = "gittins"
+    overrides: dict = field(default_factory=dict)
 
 
 def _run_policy(name: str, arrival: np.ndarray, prompt: np.ndarray, out: np.ndarray,
                 predicted: dict[str, np.ndarray], config: SimConfig,
-                distributions: dict[str, Any] | None = None) -> SimResult:
-    """fcfs, oracle (countdown on the truth), countdown on the named predictor, or `<predictor>-gittins`
-    (leap_core.policy.GittinsPolicy on that predictor's length distribution), for drawn requests."""
+                orders: dict[str, Order] | None = None) -> SimResult:
+    """fcfs, oracle (countdown on the truth), one of `orders`, or countdown on the named predictor, for
+    drawn requests."""
     if name == "fcfs":
         return simulate(arrival, prompt, out, out, replace(config, policy="fcfs"))
     if name == "oracle":
         return simulate(arrival, prompt, out, out, replace(config, policy="countdown"))
-    if name.endswith(GITTINS):
-        base = name[: -len(GITTINS)]
-        return simulate(arrival, prompt, out, predicted[base],
-                        replace(config, policy="gittins", distribution=(distributions or {})[base]))
+    if orders and name in orders:
+        order = orders[name]
+        return simulate(arrival, prompt, out, predicted[order.predictor],
+                        replace(config, policy=order.policy, **order.overrides))
     return simulate(arrival, prompt, out, predicted[name], replace(config, policy="countdown"))
 
 
@@ -106,7 +115,7 @@ RATIO_GOALS = {"leap_over_fcfs": 0.55, "leap_over_best_baseline": 0.85, "leap_ov
 def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str, ArrayLike],
              step_model: StepTimeModel, loads=LOADS, headline: float = HEADLINE_LOAD, overloads=OVERLOADS,
              n_requests: int = 2000, seeds: int = 30, seed: int = 0,
-             distributions: dict[str, Any] | None = None, **config) -> dict:
+             orders: dict[str, Order] | None = None, **config) -> dict:
     """Latency and PTL of every policy at Poisson loads quoted as fractions of the sustained capacity.
 
     Each of `seeds` workloads draws `n_requests` from the pool and one arrival sequence per load; every
@@ -114,15 +123,17 @@ def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str
     (LEAP's mean PTL over FCFS's, the best baseline's and the oracle's) carry 95% bootstrap intervals
     over the seeds. `config` holds SimConfig knobs (max_resident, decode_slots, waiting_cap, ...), the
     same the step model was calibrated at. Overloads are run over the same horizon (`n_requests`
-    arrivals) and reported with it: their figures grow with the horizon. `distributions` (predictor name ->
-    leap_core.gittins.LengthGivenPrediction fitted on validation rows) adds `<name>-gittins` beside that
-    predictor's countdown, with its paired ratio to it (`gittins_over_countdown`).
+    arrivals) and reported with it: their figures grow with the horizon. `orders` (policy name -> `Order`)
+    runs other decode orders on the same draws, each with its paired ratio to its predictor's countdown.
     """
     prompt, out, preds = _pool(prompt_tokens, lengths, predictions)
     base = _base_config(step_model, config)
     capacity = fcfs_capacity(prompt, out, base)
-    distributions = {name: d for name, d in (distributions or {}).items() if name in preds}
-    policies = [*preds, *(f"{name}{GITTINS}" for name in distributions), *_REFERENCES]
+    orders = dict(orders or {})
+    for name, order in orders.items():
+        if name in preds or name in _REFERENCES or order.predictor not in preds:
+            raise ValueError(f"order {name!r}: a new policy name on one of the predictors {sorted(preds)}")
+    policies = [*preds, *orders, *_REFERENCES]
     every_load = sorted({float(m) for m in (*loads, headline, *overloads)})
     runs: dict[float, dict[str, list]] = {m: {p: [] for p in policies} for m in every_load}
     long_threshold = float(np.quantile(out, LONG_QUANTILE))
@@ -133,15 +144,15 @@ def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str
             arrival = poisson_arrivals(n_requests, m * capacity, seed=arrival_seed)
             for policy in policies:
                 runs[m][policy].append(_figures(_run_policy(policy, arrival, prompt[idx], out[idx], drawn, base,
-                                                            distributions), long))
+                                                            orders), long))
     table = {str(m): {p: _over_seeds(runs[m][p]) for p in policies} for m in every_load}
     ptl = {p: np.array([f["mean_ptl"] for f in runs[float(headline)][p]]) for p in policies}
     baselines = [p for p in preds if not p.startswith("leap")]
     best = min(baselines, key=lambda p: ptl[p].mean()) if baselines else None
     ratios = paired_ratios(ptl, best)
-    for name in distributions:  # the uncertainty-aware order against the point-estimate one, paired by seed
-        key = "gittins_over_countdown" if name == "leap" else f"{name}_gittins_over_countdown"
-        ratios[key] = bootstrap_ci(ratio_of_means, ptl[f"{name}{GITTINS}"], ptl[name], vectorized=True)
+    tail = {p: np.array([f["long_p95_latency_s"] for f in runs[float(headline)][p]]) for p in policies}
+    for name, order in orders.items():  # each order against its predictor's countdown, paired by seed
+        ratios[order.ratio] = bootstrap_ci(ratio_of_means, ptl[name], ptl[order.predictor], vectorized=True)
     return {
         "capacity_rps": float(capacity),
         "long_requests": {"quantile": LONG_QUANTILE, "min_tokens": long_threshold},
@@ -158,6 +169,8 @@ def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str
         "table": table,
         "best_baseline": best,
         "ratios": ratios,
+        "long_p95_over_fcfs": {p: bootstrap_ci(ratio_of_means, tail[p], tail["fcfs"], vectorized=True)
+                               for p in policies if p != "fcfs"},
         "goals": ratio_goals(ratios),
         "sweep": {
             "multipliers": every_load,
@@ -165,6 +178,46 @@ def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str
                for key in ("mean_ptl", "mean_ptl_ci_low", "mean_ptl_ci_high", "mean_latency_s")},
         },
     }
+
+
+TAIL_GOAL = 1.2  # long-request P95 latency at most this multiple of FCFS's (the tail guard's goal)
+GUARD_CAPS = (8, 16, 32, 64, 128)
+
+
+def choose_waiting_cap(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: ArrayLike,
+                       step_model: StepTimeModel, order: Order, caps=GUARD_CAPS, multiplier: float = HEADLINE_LOAD,
+                       n_requests: int = 1000, seeds: int = 8, seed: int = 100, **config) -> dict:
+    """The tail guard: the waiting cap of `order` (run on `predicted`) whose long-request P95 latency is
+    at most TAIL_GOAL x FCFS's at the least mean PTL (none meets it: the cap with the lowest tail ratio).
+
+    Meant for a validation pool (the training rows with cross-fitted predictions), so the test pool's
+    figures never chose it. Paired seeds as in `run_load`; the table keeps every cap's figures."""
+    prompt, out, preds = _pool(prompt_tokens, lengths, {order.predictor: predicted})
+    base = _base_config(step_model, config)
+    capacity = fcfs_capacity(prompt, out, base)
+    threshold = float(np.quantile(out, LONG_QUANTILE))
+    guarded = {int(c): replace(order, overrides={**order.overrides, "waiting_cap": int(c)}) for c in caps}
+    runs: dict[Any, list] = {"fcfs": [], **{c: [] for c in guarded}}
+    for idx, arrival_seed in _workloads(out.size, n_requests, seeds, seed):
+        arrival = poisson_arrivals(n_requests, multiplier * capacity, seed=arrival_seed)
+        drawn = {order.predictor: preds[order.predictor][idx]}
+        long = out[idx] >= threshold
+        runs["fcfs"].append(_figures(_run_policy("fcfs", arrival, prompt[idx], out[idx], drawn, base), long))
+        for cap, guard in guarded.items():
+            runs[cap].append(_figures(_run_policy("guard", arrival, prompt[idx], out[idx], drawn, base,
+                                                  {"guard": guard}), long))
+    fcfs_tail = float(np.mean([f["long_p95_latency_s"] for f in runs["fcfs"]]))
+    table = [{"waiting_cap": cap, "mean_ptl": float(np.mean([f["mean_ptl"] for f in runs[cap]])),
+              "long_p95_latency_s": float(np.mean([f["long_p95_latency_s"] for f in runs[cap]]))}
+             for cap in guarded]
+    for row in table:
+        row["long_p95_over_fcfs"] = row["long_p95_latency_s"] / fcfs_tail
+    meeting = [row for row in table if row["long_p95_over_fcfs"] <= TAIL_GOAL]
+    chosen = min(meeting, key=lambda row: row["mean_ptl"]) if meeting else min(
+        table, key=lambda row: row["long_p95_over_fcfs"])
+    return {"waiting_cap": chosen["waiting_cap"], "met_on_validation": bool(meeting), "goal": TAIL_GOAL,
+            "load": float(multiplier), "n_pool": int(out.size), "n_requests": int(n_requests), "seeds": int(seeds),
+            "fcfs_long_p95_latency_s": fcfs_tail, "table": table}
 
 
 def _over_seeds(figures: list[dict[str, float]]) -> dict[str, float]:
@@ -265,6 +318,23 @@ def section_load(result: dict, image: str) -> str:
         "",
         _table(["ratio", "value [95% CI]"], ratio_rows),
     ]
+    if result.get("long_p95_over_fcfs"):
+        text += ["", f"Long requests (true length >= {_g(result['long_requests']['min_tokens'])} tokens, the pool's "
+                     f"top decile): P95 latency over FCFS's at {result['headline_load']:g}, paired by seed (goal "
+                     f"<= {TAIL_GOAL:g}):", "",
+                 _table(["policy", "long-request P95 / FCFS [95% CI]"],
+                        [[name, _interval(r)] for name, r in result["long_p95_over_fcfs"].items()])]
+    guard = result.get("tail_guard")
+    if guard:
+        gittins = result.get("gittins", {})
+        text += ["", f"`leap-gittins` ranks by the Gittins index of the remaining length under LEAP's error "
+                     f"distribution ({gittins.get('bins')} bins of predicted length from "
+                     f"{gittins.get('validation_pairs')} {gittins.get('fitted_on')}), weight 1/length. "
+                     f"`leap-gittins-guard` is the same order with the waiting cap the tail guard chose on the "
+                     f"training rows ({guard['seeds']} seeds of {guard['n_requests']} requests at "
+                     f"{guard['load']:g}): {guard['waiting_cap']} steps, "
+                     + ("the cheapest cap meeting the goal there." if guard["met_on_validation"]
+                        else "none met the goal there; the cap with the lowest tail.")]
     return _finish(text, result, "Mean PTL vs load", image)
 
 
@@ -273,8 +343,7 @@ def section_load(result: dict, image: str) -> str:
 
 def run_refresh(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: ArrayLike, refreshed: ArrayLike,
                 refresh_at, step_model: StepTimeModel, refresh_cost_s: float, load: float = HEADLINE_LOAD,
-                n_requests: int = 2000, seeds: int = 30, seed: int = 0,
-             distributions: dict[str, Any] | None = None, **config) -> dict:
+                n_requests: int = 2000, seeds: int = 30, seed: int = 0, **config) -> dict:
     """Countdown (one prediction at prefill) against refreshing it during decoding, both arms measured.
 
     `predicted` is each request's predicted total at prefill (what countdown schedules by, counting it

@@ -19,6 +19,7 @@ from evaluation.corpora import load_or_build, model_info
 from evaluation.data import length_data
 from evaluation.selections import CHAT_TEST, CHAT_TRAIN, select
 from evaluation.transfer import FEEDBACK_COUNTS, domain_predictions, fit_leap, run_transfer
+from leap_core.gittins import LengthGivenPrediction
 from leap_core.metrics import spearman as offline_spearman
 from leap_core.simulator import StepTimeModel
 from leap_io.jsonable import dumps
@@ -151,11 +152,20 @@ def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, ba
     train, target = datasets([train_spec, ",".join(test_specs)], max_tokens, model, say, limit, build)
     evaluation, predictions = domain_predictions(train, target, fitted_baselines(train, baselines, say),
                                                  counts=(len(target) // 2,))
-    distribution = leap_length_distribution(train)
-    say(f"simulating {len(predictions) + 3} policies on a pool of {len(evaluation)} held-out prompts")
+    cross_fitted = cross_fitted_leap(train)
+    distribution = LengthGivenPrediction(max_tokens=train.max_tokens).fit(cross_fitted, train.lengths)
+    gittins = simulated.Order("leap", "gittins_over_countdown", overrides={"distribution": distribution})
+    shape = {k: options[k] for k in ("decode_slots", "max_resident") if k in options}
+    say("choosing the tail guard's waiting cap on the training rows (cross-fitted predictions)")
+    guard = simulated.choose_waiting_cap(train.prompt_tokens, train.lengths, cross_fitted, step_model, gittins,
+                                         **shape)
+    orders = {"leap-gittins": gittins,
+              "leap-gittins-guard": simulated.Order("leap", "gittins_guard_over_countdown", overrides={
+                  "distribution": distribution, "waiting_cap": guard["waiting_cap"]})}
+    say(f"simulating {len(predictions) + len(orders) + 2} policies on a pool of {len(evaluation)} held-out prompts")
     result = simulated.run_load(evaluation.prompt_tokens, evaluation.lengths, predictions, step_model,
-                                distributions={"leap": distribution}, **options)
-    result.update(train=train_spec, test=list(test_specs), n_train=len(train),
+                                orders=orders, **options)
+    result.update(train=train_spec, test=list(test_specs), n_train=len(train), tail_guard=guard,
                   gittins={"weight": distribution.weight, "bins": len(distribution.samples_),
                            "validation_pairs": distribution.n_, "folds": GITTINS_FOLDS,
                            "fitted_on": "cross-fitted LEAP predictions of the training rows only"})
@@ -165,20 +175,18 @@ def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, ba
 GITTINS_FOLDS = 5
 
 
-def leap_length_distribution(train: LengthData, folds: int = GITTINS_FOLDS, seed: int = 0):
-    """LEAP's length-given-prediction distribution (leap_core.gittins) from the training rows alone: each
-    row predicted by the readout fitted on the other folds (the alpha of the whole window), so the errors
-    are those of a readout on prompts it never saw."""
+def cross_fitted_leap(train: LengthData, folds: int = GITTINS_FOLDS, seed: int = 0) -> np.ndarray:
+    """LEAP's prediction of each training row by the readout fitted on the other folds (the alpha of the
+    whole window): the errors of a readout on prompts it never saw, from the training rows alone."""
     from sklearn.model_selection import KFold
 
     from evaluation.offline import choose_alpha
-    from leap_core.gittins import LengthGivenPrediction
 
     alpha = choose_alpha(train.features, train.lengths, "sqrt", train.max_tokens)  # as fit_leap chooses it
     predicted = np.empty(len(train))
     for fit_rows, held_rows in KFold(folds, shuffle=True, random_state=seed).split(train.features):
         predicted[held_rows] = fit_leap(train.subset(fit_rows), alpha).predict(train.features[held_rows])
-    return LengthGivenPrediction(max_tokens=train.max_tokens).fit(predicted, train.lengths)
+    return predicted
 
 
 def chat_predictions(names: Sequence[str], max_tokens: int, model: str | None,

@@ -107,7 +107,7 @@ def test_the_simulator_runs_the_gittins_order_and_it_helps_where_predictions_are
 
 
 def test_the_load_study_reports_the_gittins_arm_beside_countdown():
-    from evaluation.simulated import run_load
+    from evaluation.simulated import Order, run_load
 
     rng = np.random.default_rng(0)
     n = 300
@@ -115,11 +115,43 @@ def test_the_load_study_reports_the_gittins_arm_beside_countdown():
     out = np.clip(np.round(rng.lognormal(np.log(150), 1.0, n)), 1, 1024).astype(int)
     predicted = noisy_predictions(out, 0.6, seed=1)
     dist = LengthGivenPrediction(max_tokens=1024).fit(predicted, out)
+    gittins = Order("leap", "gittins_over_countdown", overrides={"distribution": dist})
     result = run_load(prompt, out, {"leap": predicted}, StepTimeModel(), loads=(0.9,), headline=0.9, overloads=(),
-                      n_requests=200, seeds=4, distributions={"leap": dist, "absent": dist})
+                      n_requests=200, seeds=4, orders={"leap-gittins": gittins})
     json.dumps(result, allow_nan=False)
     assert set(result["table"]["0.9"]) == {"leap", "leap-gittins", "fcfs", "oracle"}
     ratio = result["ratios"]["gittins_over_countdown"]
     assert ratio["ci_low"] <= ratio["value"] <= ratio["ci_high"]
     head = result["table"]["0.9"]
     assert ratio["value"] == pytest.approx(head["leap-gittins"]["mean_ptl"] / head["leap"]["mean_ptl"])
+    assert set(result["long_p95_over_fcfs"]) == {"leap", "leap-gittins", "oracle"}
+    with pytest.raises(ValueError, match="order 'fcfs'"):
+        run_load(prompt, out, {"leap": predicted}, StepTimeModel(), n_requests=20, seeds=1, orders={"fcfs": gittins})
+    with pytest.raises(ValueError, match="order 'x'"):
+        run_load(prompt, out, {"leap": predicted}, StepTimeModel(), n_requests=20, seeds=1,
+                 orders={"x": Order("absent", "r")})
+
+
+def test_the_tail_guard_takes_the_cheapest_cap_that_meets_the_goal_on_its_validation_pool():
+    from evaluation.simulated import TAIL_GOAL, Order, choose_waiting_cap
+
+    rng = np.random.default_rng(7)
+    n = 300
+    prompt = rng.integers(20, 400, n)
+    out = np.clip(np.round(rng.lognormal(np.log(150), 1.0, n)), 1, 1024).astype(int)
+    predicted = noisy_predictions(out, 0.6, seed=8)
+    dist = LengthGivenPrediction(max_tokens=1024).fit(predicted, out)
+    guard = choose_waiting_cap(prompt, out, predicted, StepTimeModel(),
+                               Order("leap", "r", overrides={"distribution": dist}), caps=(2, 32, 1024),
+                               n_requests=200, seeds=3, decode_slots=8, max_resident=128)
+    json.dumps(guard, allow_nan=False)
+    assert [row["waiting_cap"] for row in guard["table"]] == [2, 32, 1024] and guard["goal"] == TAIL_GOAL
+    meeting = [row for row in guard["table"] if row["long_p95_over_fcfs"] <= TAIL_GOAL]
+    assert guard["met_on_validation"] == bool(meeting)
+    if meeting:
+        assert guard["waiting_cap"] == min(meeting, key=lambda row: row["mean_ptl"])["waiting_cap"]
+    else:
+        assert guard["waiting_cap"] == min(guard["table"], key=lambda row: row["long_p95_over_fcfs"])["waiting_cap"]
+    # a cap of 2 steps all but restores arrival order for the long requests; no cap lets them wait
+    by_cap = {row["waiting_cap"]: row for row in guard["table"]}
+    assert by_cap[2]["long_p95_latency_s"] < by_cap[1024]["long_p95_latency_s"]
