@@ -177,7 +177,8 @@ def load(
     max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
     build: bool = BUILD,
 ) -> None:
-    """Simulated replay at 0.7-0.95 of sustained capacity (and an overload), paired seeds, ratios with intervals."""
+    """Simulated replay at 0.7-0.95 of sustained capacity (and an overload), paired seeds, ratios with intervals;
+    countdown beside the uncertainty-aware order (leap-gittins) and its tail guard (leap-gittins-guard)."""
     from dataclasses import asdict
 
     from evaluation.simulated import HEADLINE_LOAD
