@@ -261,7 +261,7 @@ def sampled_snapshot_part(max_tokens: int = 1024, model: str | None = None,
     ceiling's pool (evaluation.ceiling), write their rows into the committed snapshot with a manifest entry
     of kind "sampled", then the ceiling's greedy rerun under its own key; return the manifest (None when no
     row is recorded yet). `prompts_record` as in harness.snapshot.write_manifest."""
-    from evaluation.ceiling import RERUN_RESIDENT, rerun_order
+    from evaluation.ceiling import RERUN_RESIDENT, SAMPLED_RESIDENT, rerun_order
     from evaluation.selections import CEILING_POOL, SAMPLED_POOL, ceiling_pool, sampled_pool
     from harness.sampled_labels import SAMPLED_DECODING
 
@@ -271,8 +271,8 @@ def sampled_snapshot_part(max_tokens: int = 1024, model: str | None = None,
     say(f"sampled labels: {len(prompts)} prompts (the sampled pool and the ceiling pool), {samples} samples each")
     spec = (f"sampled pool: {SAMPLED_POOL} ShareGPT of the training window + {SAMPLED_POOL} held out; "
             f"ceiling pool: {CEILING_POOL} held out")
-    manifest = _sampled_key_part(prompts, spec, SAMPLED_DECODING, samples, 256, max_tokens, model, say, build,
-                                 prompts_record)
+    manifest = _sampled_key_part(prompts, spec, SAMPLED_DECODING, samples, SAMPLED_RESIDENT, max_tokens, model,
+                                 say, build, prompts_record)
     say(f"greedy rerun: {len(ceiling)} prompts (the ceiling pool)")
     spec = f"greedy rerun of the ceiling pool ({CEILING_POOL} held out; shuffled, {RERUN_RESIDENT} resident)"
     return _sampled_key_part(rerun_order(ceiling), spec, DEFAULT_DECODING, 1, RERUN_RESIDENT, max_tokens, model,
