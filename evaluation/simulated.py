@@ -151,8 +151,10 @@ def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str
     best = min(baselines, key=lambda p: ptl[p].mean()) if baselines else None
     ratios = paired_ratios(ptl, best)
     tail = {p: np.array([f["long_p95_latency_s"] for f in runs[float(headline)][p]]) for p in policies}
-    for name, order in orders.items():  # each order against its predictor's countdown, paired by seed
+    for name, order in orders.items():  # each order against its predictor's countdown and the oracle, by seed
         ratios[order.ratio] = bootstrap_ci(ratio_of_means, ptl[name], ptl[order.predictor], vectorized=True)
+        ratios[f"{name.replace('-', '_')}_over_oracle"] = bootstrap_ci(ratio_of_means, ptl[name], ptl["oracle"],
+                                                                       vectorized=True)
     return {
         "capacity_rps": float(capacity),
         "long_requests": {"quantile": LONG_QUANTILE, "min_tokens": long_threshold},

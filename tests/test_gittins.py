@@ -125,6 +125,8 @@ def test_the_load_study_reports_the_gittins_arm_beside_countdown():
     head = result["table"]["0.9"]
     assert ratio["value"] == pytest.approx(head["leap-gittins"]["mean_ptl"] / head["leap"]["mean_ptl"])
     assert set(result["long_p95_over_fcfs"]) == {"leap", "leap-gittins", "oracle"}
+    assert result["ratios"]["leap_gittins_over_oracle"]["value"] == pytest.approx(
+        head["leap-gittins"]["mean_ptl"] / head["oracle"]["mean_ptl"])
     with pytest.raises(ValueError, match="order 'fcfs'"):
         run_load(prompt, out, {"leap": predicted}, StepTimeModel(), n_requests=20, seeds=1, orders={"fcfs": gittins})
     with pytest.raises(ValueError, match="order 'x'"):
