@@ -106,15 +106,19 @@ def test_the_simulator_runs_the_gittins_order_and_it_helps_where_predictions_are
     assert gittins.ptl.mean() < countdown.ptl.mean()
 
 
+def _study_pool(seed: int, n: int = 300):
+    """(prompt tokens, log-normal true lengths, predictions at Spearman 0.6, their length distribution)."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(20, 800, n)
+    out = np.clip(np.round(rng.lognormal(np.log(150), 1.0, n)), 1, 1024).astype(int)
+    predicted = noisy_predictions(out, 0.6, seed=seed + 1)
+    return prompt, out, predicted, LengthGivenPrediction(max_tokens=1024).fit(predicted, out)
+
+
 def test_the_load_study_reports_the_gittins_arm_beside_countdown():
     from evaluation.simulated import Order, run_load
 
-    rng = np.random.default_rng(0)
-    n = 300
-    prompt = rng.integers(20, 800, n)
-    out = np.clip(np.round(rng.lognormal(np.log(150), 1.0, n)), 1, 1024).astype(int)
-    predicted = noisy_predictions(out, 0.6, seed=1)
-    dist = LengthGivenPrediction(max_tokens=1024).fit(predicted, out)
+    prompt, out, predicted, dist = _study_pool(seed=0)
     gittins = Order("leap", "gittins_over_countdown", overrides={"distribution": dist})
     result = run_load(prompt, out, {"leap": predicted}, StepTimeModel(), loads=(0.9,), headline=0.9, overloads=(),
                       n_requests=200, seeds=4, orders={"leap-gittins": gittins})
@@ -137,12 +141,7 @@ def test_the_load_study_reports_the_gittins_arm_beside_countdown():
 def test_the_tail_guard_takes_the_cheapest_cap_that_meets_the_goal_on_its_validation_pool():
     from evaluation.simulated import TAIL_GOAL, Order, choose_waiting_cap
 
-    rng = np.random.default_rng(7)
-    n = 300
-    prompt = rng.integers(20, 400, n)
-    out = np.clip(np.round(rng.lognormal(np.log(150), 1.0, n)), 1, 1024).astype(int)
-    predicted = noisy_predictions(out, 0.6, seed=8)
-    dist = LengthGivenPrediction(max_tokens=1024).fit(predicted, out)
+    prompt, out, predicted, dist = _study_pool(seed=7)
     guard = choose_waiting_cap(prompt, out, predicted, StepTimeModel(),
                                Order("leap", "r", overrides={"distribution": dist}), caps=(2, 32, 1024),
                                n_requests=200, seeds=3, decode_slots=8, max_resident=128)
