@@ -208,14 +208,20 @@ def manifest_hash(corpora: dict[str, dict], prompts: dict | None = None) -> str:
     return hashlib.sha256(lines.encode()).hexdigest()[:16]
 
 
-def git_commit() -> str:
-    """The checkout's commit, `-dirty` when tracked files differ from it; "unknown" outside git."""
-    cwd = Path(__file__).resolve().parent.parent
+RESULT_PATHS = ("docs/results", "docs/results.md")  # what the studies write: outputs, not the code they ran
+
+
+def git_commit(cwd: Path | None = None) -> str:
+    """The checkout's commit, `-dirty` when tracked files other than the study results (RESULT_PATHS)
+    differ from it; "unknown" outside git. Results written by one study leave the next one's code clean,
+    so `leap eval report --rerun` saves study after study."""
+    cwd = cwd or Path(__file__).resolve().parent.parent
+    excluded = [f":(exclude){path}" for path in RESULT_PATHS]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", *excluded],
+                               cwd=cwd, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return head + ("-dirty" if dirty else "")

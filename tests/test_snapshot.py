@@ -220,3 +220,27 @@ def test_adding_rows_to_a_key_keeps_earlier_results_current_only_when_the_old_ro
     changed["extends"] = []
     rewritten = snapshot.write_manifest({"L3-a": changed}, model, {}, 100)
     assert snapshot.current_hashes(rewritten) == {rewritten["corpus_hash"]}
+
+
+def test_the_commit_is_dirty_for_changed_code_but_not_for_written_results(tmp_path):
+    import subprocess
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    for path in ("code.py", "docs/results/a.json", "docs/results.md"):
+        (tmp_path / path).write_text("1\n")
+    git("add", ".")
+    git("commit", "-q", "-m", "first")
+    head = snapshot.git_commit(tmp_path)
+    assert len(head) == 40
+    (tmp_path / "docs" / "results" / "a.json").write_text("2\n")
+    (tmp_path / "docs" / "results.md").write_text("2\n")
+    (tmp_path / "untracked.py").write_text("x\n")
+    assert snapshot.git_commit(tmp_path) == head
+    (tmp_path / "code.py").write_text("2\n")
+    assert snapshot.git_commit(tmp_path) == head + "-dirty"
