@@ -65,16 +65,6 @@ def load_or_build_ceiling(max_tokens: int = 1024, model: str | None = None,
     return pool, corpus, rerun, sampled
 
 
-def rerun_key(max_tokens: int = 1024, model: str | None = None) -> str:
-    from harness.sampled_labels import sampled_key
-
-    return sampled_key(model_info(model).fingerprint, max_tokens, DEFAULT_DECODING, 1)
-
-
-def sample_pairs(samples: int) -> list[tuple[int, int]]:
-    return list(itertools.combinations(range(samples), 2))
-
-
 def _interval(figure: dict[str, float]) -> dict[str, float]:
     return {k: float(figure[k]) for k in ("value", "ci_low", "ci_high")}
 
@@ -102,7 +92,7 @@ def ceiling_figures(greedy: np.ndarray, rerun: np.ndarray, samples: np.ndarray,
         raise ValueError(f"rows differ: greedy {greedy.shape}, rerun {rerun.shape}, samples {samples.shape}")
     if k < 2:
         raise ValueError("the sampled pair needs at least 2 samples per prompt")
-    pairs = sample_pairs(k)
+    pairs = list(itertools.combinations(range(k), 2))
     columns = [samples[:, j] for j in range(k)]
 
     def pair_mean(*draws: np.ndarray) -> np.ndarray:
