@@ -30,6 +30,7 @@ from flows.promotion import rollback as rollback_everywhere
 from flows.push import PushFailed, push_readout
 from flows.settings import PipelineSettings
 from flows.shadow import shadow_evidence
+from leap_core.readout import LinearReadout
 from leap_core.rls import RLS
 from leap_io.jsonable import dumps, to_jsonable
 from leap_io.object_store import is_object_url
@@ -199,29 +200,31 @@ def select_training_window(store_location: str, space: FeatureSpace, since: floa
     return select_window(store, since=since, min_rows=min_rows, **filters)
 
 
-def _target_candidates(registry: ReadoutRegistry, name: str, target: str,
+def _target_candidates(champion: LinearReadout | None, target: str,
                        targets: Sequence[str] | None) -> tuple[str, tuple[str, ...]]:
     """(the target, the candidates to validate): with a champion its target, no choice (a candidate list
     without it is refused: serving would refuse the challenger); without one, `targets` as given."""
     if not targets:
         return target, ()
-    if registry.get_alias(name, CHAMPION) is None:
+    if champion is None:
         return targets[0], tuple(dict.fromkeys(targets))
-    champion_target = str(registry.load_readout(name, CHAMPION).target)
-    if champion_target not in targets:
-        raise ValueError(f"the champion's target is {champion_target!r}, not a candidate of {list(targets)}: "
+    if str(champion.target) not in targets:
+        raise ValueError(f"the champion's target is {str(champion.target)!r}, not a candidate of {list(targets)}: "
                          "a challenger in another target would be refused")
-    return champion_target, ()
+    return str(champion.target), ()
 
 
-def _output_budget(registry: ReadoutRegistry, name: str, target: str, max_tokens: int | None,
+def _champion_readout(registry: ReadoutRegistry, name: str) -> LinearReadout | None:
+    return registry.load_readout(name, CHAMPION) if registry.get_alias(name, CHAMPION) is not None else None
+
+
+def _output_budget(champion: LinearReadout | None, target: str, max_tokens: int | None,
                    fallback_max_tokens: int | None) -> int:
     """The budget asked for, else the champion's, else the window's: serving refuses a readout whose
     budget or target differs from the champion's, so a challenger must match them to be pushable."""
     champion_budget = champion_target = None
-    if registry.get_alias(name, CHAMPION) is not None:
-        readout = registry.load_readout(name, CHAMPION)
-        champion_budget, champion_target = int(readout.max_tokens), str(readout.target)
+    if champion is not None:
+        champion_budget, champion_target = int(champion.max_tokens), str(champion.target)
     budget = max_tokens or champion_budget or fallback_max_tokens
     if budget is None:
         raise ValueError("no output budget: set LEAP_MAX_TOKENS (no champion and no max_tokens in the window)")
@@ -270,8 +273,9 @@ def fit_and_register(frame: TrainingFrame, tracking_uri: str, space: FeatureSpac
     alpha = "auto" if str(alpha).strip().lower() == "auto" else float(alpha)
     registry = registry_at(tracking_uri, lock_path)
     name = registry.model_name(space.model_id, space.layer)
-    target, targets = _target_candidates(registry, name, target, targets)
-    budget = _output_budget(registry, name, target, max_tokens, fallback_max_tokens)
+    champion_readout = _champion_readout(registry, name)
+    target, targets = _target_candidates(champion_readout, target, targets)
+    budget = _output_budget(champion_readout, target, max_tokens, fallback_max_tokens)
     if anchor not in ("none", "champion"):
         raise ValueError(f"anchor must be 'none' or 'champion', got {anchor!r}")
     champion = registry.get_alias(name, CHAMPION)
