@@ -618,6 +618,24 @@ def measure_cost(predictor: BaseEstimator, data: LengthData, batch_size: int = 1
             "n_params": int(predictor.n_params_), "input": predictor.input}
 
 
+def _settings(predictor: BaseEstimator) -> dict[str, Any]:
+    """The predictor's hyper-parameters (`get_params`), `num_threads` left out: it changes how fast a model
+    trains, not which model it is."""
+    return {key: value for key, value in predictor.get_params(deep=False).items() if key != "num_threads"}
+
+
+def hyperparameters(predictor: BaseEstimator) -> dict[str, Any]:
+    """What a fitted predictor was given (`params`: its hyper-parameters, grids included) and, where it
+    searched them on a validation split of its training rows, what it chose (`chosen`: `best_params_`)
+    and the validation Spearman of that choice (`val_spearman`)."""
+    found: dict[str, Any] = {"params": _settings(predictor)}
+    if hasattr(predictor, "best_params_"):
+        found["chosen"] = dict(predictor.best_params_)
+    if hasattr(predictor, "val_spearman_"):
+        found["val_spearman"] = float(predictor.val_spearman_)
+    return found
+
+
 CACHE_VERSION = 2  # bumped when a predictor's training changes in a way its hyper-parameters do not show
 
 
@@ -637,7 +655,7 @@ def cache_key(predictor: BaseEstimator, data: LengthData, corpus_hash: str | Non
     safety), so another layer or another corpus is never served a stale model. `num_threads` is left
     out: it changes how fast a model trains, not which model it is.
     """
-    params = {key: value for key, value in predictor.get_params(deep=False).items() if key != "num_threads"}
+    params = _settings(predictor)
     ids = np.asarray(data.ids, dtype=str)
     order = np.argsort(ids, kind="stable")
     texts = hashlib.sha256("\x00".join(data.texts[i] for i in order).encode("utf-8", "surrogatepass"))

@@ -20,8 +20,8 @@ from numpy.typing import ArrayLike
 from leap_core.metrics import bootstrap_ci, difference_of_means, mean_last_axis, ratio_of_means, spearman
 from leap_core.simulator import SimConfig, SimResult, StepTimeModel, fcfs_capacity, poisson_arrivals, simulate
 
-__all__ = ["run_load", "plot_load", "section_load", "run_refresh", "plot_refresh", "section_refresh",
-           "run_tail", "plot_tail", "section_tail", "life_error"]
+__all__ = ["run_load", "choose_baseline", "plot_load", "section_load", "run_refresh", "plot_refresh",
+           "section_refresh", "run_tail", "plot_tail", "section_tail", "life_error"]
 
 _REFERENCES = ("fcfs", "oracle")
 _NOT_CONFIGURABLE = {"policy", "step_model", "refresh_at", "refresh_cost_s", "distribution"}
@@ -92,15 +92,37 @@ def _run_policy(name: str, arrival: np.ndarray, prompt: np.ndarray, out: np.ndar
     return simulate(arrival, prompt, out, predicted[name], replace(config, policy="countdown"))
 
 
+QUANTILES = (50, 95, 99)
+# the per-run figures `_over_seeds` averages into a study's table (the rest of `_figures` is the tail block)
+_TABLE_FIGURES = ("mean_latency_s", "p95_latency_s", "mean_ptl", "p95_ptl", "long_p95_latency_s")
+TAIL_FIGURES = (*(f"p{q}_latency_s" for q in QUANTILES), *(f"p{q}_ptl" for q in QUANTILES), "max_wait_s",
+                "max_held_out_steps", "long_p95_latency_s", "long_p99_latency_s")
+
+
 def _figures(result: SimResult, long: np.ndarray | None = None) -> dict[str, float]:
-    """Mean and P95 latency and PTL; with `long` (the requests of the pool's top length decile), also
-    their P95 latency, the tail a length-aware order makes long requests pay."""
-    ptl, latency = result.ptl, result.latency
-    figures = {"mean_latency_s": float(latency.mean()), "p95_latency_s": float(np.percentile(latency, 95)),
-               "mean_ptl": float(ptl.mean()), "p95_ptl": float(np.percentile(ptl, 95))}
+    """One replay's figures: mean, P50, P95 and P99 of latency and PTL; the longest any request waited for
+    admission (arrival to its first token, which its prefill yields when it is admitted); the most
+    consecutive steps a resident request was held out of decoding (the wait a length-aware order adds
+    after admission). With `long` (the requests of the pool's top length decile), also their P95 and P99
+    latency, the tail a length-aware order makes long requests pay."""
+    latency, ptl = result.latency, result.ptl
+    figures = {"mean_latency_s": float(latency.mean()), "mean_ptl": float(ptl.mean()),
+               **{f"p{q}_latency_s": float(v) for q, v in zip(QUANTILES, np.percentile(latency, QUANTILES))},
+               **{f"p{q}_ptl": float(v) for q, v in zip(QUANTILES, np.percentile(ptl, QUANTILES))},
+               "max_wait_s": float(result.ttft.max()), "max_held_out_steps": float(result.max_held_out.max())}
     if long is not None:
-        figures["long_p95_latency_s"] = float(np.percentile(latency[long], 95)) if long.any() else float("nan")
+        long_tail = np.percentile(latency[long], (95, 99)) if long.any() else (np.nan, np.nan)
+        figures["long_p95_latency_s"], figures["long_p99_latency_s"] = (float(v) for v in long_tail)
     return figures
+
+
+def _replays(policies, arrival: np.ndarray, idx: np.ndarray, prompt: np.ndarray, out: np.ndarray,
+             preds: dict[str, np.ndarray], config: SimConfig, orders: dict[str, Order] | None = None,
+             long: np.ndarray | None = None) -> dict[str, dict[str, float]]:
+    """Each policy's `_figures` for the pool requests `idx` arriving at `arrival` (one paired workload)."""
+    drawn = {name: values[idx] for name, values in preds.items()}
+    return {policy: _figures(_run_policy(policy, arrival, prompt[idx], out[idx], drawn, config, orders), long)
+            for policy in policies}
 
 
 # ------------------------------------------------------------------------------------------ load sweep
@@ -110,21 +132,29 @@ HEADLINE_LOAD = 0.9
 LONG_QUANTILE = 0.9  # long requests: the pool's top decile of true length
 OVERLOADS = (1.2,)  # above capacity queues grow without bound: figures depend on the horizon, stated with it
 RATIO_GOALS = {"leap_over_fcfs": 0.55, "leap_over_best_baseline": 0.85, "leap_over_oracle": 1.10}
+N_REQUESTS = 2000  # requests a run draws from the pool
 
 
 def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str, ArrayLike],
              step_model: StepTimeModel, loads=LOADS, headline: float = HEADLINE_LOAD, overloads=OVERLOADS,
-             n_requests: int = 2000, seeds: int = 30, seed: int = 0,
-             orders: dict[str, Order] | None = None, **config) -> dict:
+             n_requests: int = N_REQUESTS, seeds: int = 30, seed: int = 0,
+             orders: dict[str, Order] | None = None, best_baseline: str | None = None, **config) -> dict:
     """Latency and PTL of every policy at Poisson loads quoted as fractions of the sustained capacity.
 
     Each of `seeds` workloads draws `n_requests` from the pool and one arrival sequence per load; every
-    policy replays the same draw, so policies are compared paired by seed. The ratios at `headline`
-    (LEAP's mean PTL over FCFS's, the best baseline's and the oracle's) carry 95% bootstrap intervals
-    over the seeds. `config` holds SimConfig knobs (max_resident, decode_slots, waiting_cap, ...), the
-    same the step model was calibrated at. Overloads are run over the same horizon (`n_requests`
-    arrivals) and reported with it: their figures grow with the horizon. `orders` (policy name -> `Order`)
-    runs other decode orders on the same draws, each with its paired ratio to its predictor's countdown.
+    policy replays the same draw, so policies are compared paired by seed. The ratios (LEAP's mean PTL
+    over FCFS's, the best baseline's and the oracle's) carry 95% bootstrap intervals over the seeds, at
+    every load (`ratios_by_load`) and at `headline` (`ratios`, which the goals read). `tail` holds each
+    policy's latency and PTL quantiles, longest waits and long-request tail at every load, averaged over
+    the seeds with their intervals. `config` holds SimConfig knobs (max_resident, decode_slots,
+    waiting_cap, ...), the same the step model was calibrated at. Overloads are run over the same horizon
+    (`n_requests` arrivals) and reported with it: their figures grow with the horizon. `orders` (policy
+    name -> `Order`) runs other decode orders on the same draws, each with its paired ratio to its
+    predictor's countdown.
+
+    `best_baseline`: the baseline LEAP is compared against, chosen beforehand on a validation pool
+    (`choose_baseline`); without it the baseline with the least mean PTL on these very seeds is taken,
+    which flatters the baseline, and `best_baseline_chosen_on` says "test".
     """
     prompt, out, preds = _pool(prompt_tokens, lengths, predictions)
     base = _base_config(step_model, config)
@@ -133,28 +163,28 @@ def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str
     for name, order in orders.items():
         if name in preds or name in _REFERENCES or order.predictor not in preds:
             raise ValueError(f"order {name!r}: a new policy name on one of the predictors {sorted(preds)}")
+    baselines = [p for p in preds if not p.startswith("leap")]
+    if best_baseline is not None and best_baseline not in baselines:
+        raise ValueError(f"best_baseline {best_baseline!r} is not one of the baselines {baselines}")
     policies = [*preds, *orders, *_REFERENCES]
     every_load = sorted({float(m) for m in (*loads, headline, *overloads)})
     runs: dict[float, dict[str, list]] = {m: {p: [] for p in policies} for m in every_load}
     long_threshold = float(np.quantile(out, LONG_QUANTILE))
     for idx, arrival_seed in _workloads(out.size, n_requests, seeds, seed):
-        drawn = {name: values[idx] for name, values in preds.items()}
-        long = out[idx] >= long_threshold
         for m in every_load:
             arrival = poisson_arrivals(n_requests, m * capacity, seed=arrival_seed)
-            for policy in policies:
-                runs[m][policy].append(_figures(_run_policy(policy, arrival, prompt[idx], out[idx], drawn, base,
-                                                            orders), long))
+            for policy, figures in _replays(policies, arrival, idx, prompt, out, preds, base, orders,
+                                            out[idx] >= long_threshold).items():
+                runs[m][policy].append(figures)
     table = {str(m): {p: _over_seeds(runs[m][p]) for p in policies} for m in every_load}
-    ptl = {p: np.array([f["mean_ptl"] for f in runs[float(headline)][p]]) for p in policies}
-    baselines = [p for p in preds if not p.startswith("leap")]
-    best = min(baselines, key=lambda p: ptl[p].mean()) if baselines else None
-    ratios = paired_ratios(ptl, best)
-    tail = {p: np.array([f["long_p95_latency_s"] for f in runs[float(headline)][p]]) for p in policies}
-    for name, order in orders.items():  # each order against its predictor's countdown and the oracle, by seed
-        ratios[order.ratio] = bootstrap_ci(ratio_of_means, ptl[name], ptl[order.predictor], vectorized=True)
-        ratios[f"{name.replace('-', '_')}_over_oracle"] = bootstrap_ci(ratio_of_means, ptl[name], ptl["oracle"],
-                                                                       vectorized=True)
+    ptl = {m: {p: _per_seed(runs[m][p], "mean_ptl") for p in policies} for m in every_load}
+    if best_baseline is None:
+        best = min(baselines, key=lambda p: ptl[float(headline)][p].mean()) if baselines else None
+    else:
+        best = best_baseline
+    ratios_by_load = {str(m): _load_ratios(ptl[m], best, orders) for m in every_load}
+    ratios = ratios_by_load[str(float(headline))]
+    long_p95 = {p: _per_seed(runs[float(headline)][p], "long_p95_latency_s") for p in policies}
     return {
         "capacity_rps": float(capacity),
         "long_requests": {"quantile": LONG_QUANTILE, "min_tokens": long_threshold},
@@ -169,9 +199,12 @@ def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str
         "headline_load": float(headline),
         "spearman": {name: spearman(out, values) for name, values in preds.items()},
         "table": table,
+        "tail": {p: {str(m): _with_intervals(runs[m][p], TAIL_FIGURES) for m in every_load} for p in policies},
         "best_baseline": best,
+        "best_baseline_chosen_on": None if best is None else ("test" if best_baseline is None else "validation"),
         "ratios": ratios,
-        "long_p95_over_fcfs": {p: bootstrap_ci(ratio_of_means, tail[p], tail["fcfs"], vectorized=True)
+        "ratios_by_load": ratios_by_load,
+        "long_p95_over_fcfs": {p: bootstrap_ci(ratio_of_means, long_p95[p], long_p95["fcfs"], vectorized=True)
                                for p in policies if p != "fcfs"},
         "goals": ratio_goals(ratios),
         "sweep": {
@@ -180,6 +213,56 @@ def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str
                for key in ("mean_ptl", "mean_ptl_ci_low", "mean_ptl_ci_high", "mean_latency_s")},
         },
     }
+
+
+def _per_seed(figures: list[dict[str, float]], key: str) -> np.ndarray:
+    """One figure of each paired seed, in seed order (what the paired ratios resample)."""
+    return np.array([f[key] for f in figures])
+
+
+def _load_ratios(ptl: dict[str, np.ndarray], best: str | None, orders: dict[str, Order]) -> dict[str, dict]:
+    """At one load: LEAP's paired ratios (`paired_ratios`), and each order's mean PTL over its predictor's
+    countdown's and over the oracle's, paired by seed."""
+    ratios = paired_ratios(ptl, best)
+    for name, order in orders.items():
+        ratios[order.ratio] = bootstrap_ci(ratio_of_means, ptl[name], ptl[order.predictor], vectorized=True)
+        ratios[f"{name.replace('-', '_')}_over_oracle"] = bootstrap_ci(ratio_of_means, ptl[name], ptl["oracle"],
+                                                                       vectorized=True)
+    return ratios
+
+
+VALIDATION_SEEDS = 8
+VALIDATION_SEED = 200  # arrival seeds from 200,000: apart from the test runs' (0) and the tail guard's (100)
+
+
+def choose_baseline(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str, ArrayLike],
+                    step_model: StepTimeModel, load: float = HEADLINE_LOAD, n_requests: int = N_REQUESTS,
+                    seeds: int = VALIDATION_SEEDS, seed: int = VALIDATION_SEED, **config) -> dict:
+    """The baseline whose countdown gives the least mean PTL on a validation pool, to be LEAP's opponent
+    in `run_load` (`best_baseline`), so the test pool's figures never choose it.
+
+    Meant for rows no baseline was fitted on and the test pool does not hold (the load study: the target's
+    feedback-stream half). Paired seeds as in `run_load`, at `load` of this pool's own sustained capacity;
+    FCFS is replayed beside as the reference. `baselines` holds each one's mean PTL with its 95% bootstrap
+    interval over the seeds and its Spearman on the pool."""
+    prompt, out, preds = _pool(prompt_tokens, lengths, predictions)
+    if not preds:
+        raise ValueError("no baseline to choose from")
+    base = _base_config(step_model, config)
+    capacity = fcfs_capacity(prompt, out, base)
+    policies = [*preds, "fcfs"]
+    runs: dict[str, list] = {p: [] for p in policies}
+    for idx, arrival_seed in _workloads(out.size, n_requests, seeds, seed):
+        arrival = poisson_arrivals(n_requests, load * capacity, seed=arrival_seed)
+        for policy, figures in _replays(policies, arrival, idx, prompt, out, preds, base).items():
+            runs[policy].append(figures)
+    figures = {p: {key: value for key, value in _over_seeds(runs[p]).items() if key.startswith("mean_ptl")}
+               for p in policies}
+    best = min(preds, key=lambda p: figures[p]["mean_ptl"])
+    return {"best_baseline": best, "load": float(load), "capacity_rps": float(capacity), "n_pool": int(out.size),
+            "n_requests": int(n_requests), "seeds": int(seeds), "seed": int(seed), "fcfs": figures["fcfs"],
+            "baselines": {name: {**figures[name], "spearman": spearman(out, values)}
+                          for name, values in preds.items()}}
 
 
 TAIL_GOAL = 1.2  # long-request P95 latency at most this multiple of FCFS's (the tail guard's goal)
@@ -223,8 +306,8 @@ def choose_waiting_cap(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: 
 
 
 def _over_seeds(figures: list[dict[str, float]]) -> dict[str, float]:
-    """Each figure averaged over seeds, mean PTL with its 95% bootstrap interval over them."""
-    merged = {key: float(np.mean([f[key] for f in figures])) for key in figures[0]}
+    """The table's figures averaged over seeds, mean PTL with its 95% bootstrap interval over them."""
+    merged = {key: float(np.mean([f[key] for f in figures])) for key in _TABLE_FIGURES if key in figures[0]}
     ci = bootstrap_ci(mean_last_axis, np.array([f["mean_ptl"] for f in figures]), vectorized=True)
     merged["mean_ptl_ci_low"], merged["mean_ptl_ci_high"] = ci["ci_low"], ci["ci_high"]
     return merged
@@ -320,6 +403,7 @@ def section_load(result: dict, image: str) -> str:
         "",
         _table(["ratio", "value [95% CI]"], ratio_rows),
     ]
+    text += _best_baseline_lines(result) + _ratios_by_load_lines(result) + _tail_lines(result)
     if result.get("long_p95_over_fcfs"):
         text += ["", f"Long requests (true length >= {_g(result['long_requests']['min_tokens'])} tokens, the pool's "
                      f"top decile): P95 latency over FCFS's at {result['headline_load']:g}, paired by seed (goal "
@@ -338,6 +422,58 @@ def section_load(result: dict, image: str) -> str:
                      + ("the cheapest cap meeting the goal there." if guard["met_on_validation"]
                         else "none met the goal there; the cap with the lowest tail.")]
     return _finish(text, result, "Mean PTL vs load", image)
+
+
+def _best_baseline_lines(result: dict) -> list[str]:
+    """Where the best baseline was chosen, and each baseline's validation figures when it was on validation."""
+    chosen_on = result.get("best_baseline_chosen_on")
+    if not chosen_on:
+        return []
+    if chosen_on != "validation":
+        return ["", f"The best baseline ({result['best_baseline']}) was chosen on these test seeds "
+                    f"(the least mean PTL at {result['headline_load']:g}), which flatters it."]
+    setup = result.get("validation", {})
+    rows = [[name, f"{_g(v['mean_ptl'])} [{_g(v['mean_ptl_ci_low'])}, {_g(v['mean_ptl_ci_high'])}]",
+             _g(v["spearman"])] for name, v in result.get("baseline_validation", {}).items()]
+    return ["", f"The best baseline ({result['best_baseline']}) was chosen on validation rows, never on the test "
+                f"pool: the {result.get('n_validation', '?')} feedback-stream rows of the target (which no "
+                f"baseline was fitted on and the pool does not hold), each baseline's countdown replayed at "
+                f"{_g(setup.get('load'))} of their capacity, {setup.get('n_requests', '?')} requests x "
+                f"{setup.get('seeds', '?')} seeds; the least mean PTL wins (FCFS there: "
+                f"{_g(setup.get('fcfs', {}).get('mean_ptl'))} s/token):", "",
+            _table(["baseline", "validation mean PTL (s/token) [95% CI]", "validation Spearman"], rows)]
+
+
+def _ratios_by_load_lines(result: dict) -> list[str]:
+    """The paired ratios at every load, one column a load (nothing when the headline is the only load)."""
+    by_load = result.get("ratios_by_load")
+    if not by_load or len(by_load) < 2:
+        return []
+    loads = list(by_load)
+    keys = list(dict.fromkeys(key for ratios in by_load.values() for key in ratios))
+    rows = [[key, *(_interval(by_load[m][key]) if key in by_load[m] else "n/a" for m in loads)] for key in keys]
+    return ["", "The same ratios at every load (paired by seed, 95% intervals):", "",
+            _table(["ratio", *(f"{float(m):g}" for m in loads)], rows)]
+
+
+def _tail_lines(result: dict) -> list[str]:
+    """Each policy's tail at the headline load: latency and PTL quantiles, longest waits, long requests."""
+    tail = result.get("tail")
+    if not tail:
+        return []
+    head = str(result["headline_load"])
+    figures = ("p50_latency_s", "p95_latency_s", "p99_latency_s", "p95_ptl", "p99_ptl", "max_wait_s",
+               "max_held_out_steps", "long_p95_latency_s", "long_p99_latency_s")
+
+    def cell(row: dict, name: str) -> str:  # intervals on the P95 and P99 figures, to keep the table short
+        return _with_ci(row, name) if "p95" in name or "p99" in name else _g(row[name])
+
+    rows = [[policy, *(cell(by_load[head], f) for f in figures)] for policy, by_load in tail.items() if head in by_load]
+    return ["", f"Tail at {result['headline_load']:g} of capacity, mean over the seeds [95% CI]: latency (s) and "
+                f"PTL (s/token) quantiles; the longest wait from arrival to admission (s); the most consecutive "
+                f"steps a resident request was held out of decoding; long requests' P95 and P99 latency (s):", "",
+            _table(["policy", "P50 lat", "P95 lat", "P99 lat", "P95 PTL", "P99 PTL", "max wait", "max held out",
+                    "long P95 lat", "long P99 lat"], rows)]
 
 
 # ---------------------------------------------------------------------------------- refresh vs countdown
@@ -552,10 +688,11 @@ def run_tail(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: ArrayLike,
     }
 
 
-def _with_intervals(figures: list[dict[str, float]]) -> dict:
-    """Each figure's mean over seeds, and beside it `<figure>_ci`: its 95% bootstrap interval."""
+def _with_intervals(figures: list[dict[str, float]], names=None) -> dict:
+    """Each figure's mean over seeds (its finite values), and beside it `<figure>_ci`: its 95% bootstrap
+    interval; `names`: only these figures (default all)."""
     merged: dict = {}
-    for name in figures[0]:
+    for name in names or figures[0]:
         values = np.array([f[name] for f in figures], dtype=np.float64)
         values = values[np.isfinite(values)]
         merged[name] = float(values.mean()) if values.size else float("nan")

@@ -14,11 +14,12 @@ from typing import Any
 import numpy as np
 
 from evaluation import offline, simulated
-from evaluation.baselines import LengthData, LeapReadoutPredictor, fit_cached, make_predictor, measure_cost
+from evaluation.baselines import (LengthData, LeapReadoutPredictor, fit_cached, hyperparameters, make_predictor,
+                                  measure_cost)
 from evaluation.corpora import load_or_build, model_info
 from evaluation.data import length_data
 from evaluation.selections import CHAT_TEST, CHAT_TRAIN, select
-from evaluation.transfer import FEEDBACK_COUNTS, domain_predictions, fit_leap, run_transfer
+from evaluation.transfer import FEEDBACK_COUNTS, domain_predictions, fit_leap, run_transfer, stream_predictions
 from leap_core.gittins import LengthGivenPrediction
 from leap_core.metrics import spearman as offline_spearman
 from leap_core.simulator import StepTimeModel
@@ -148,10 +149,14 @@ def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, ba
                step_model: StepTimeModel, max_tokens: int = 1024, model: str | None = None,
                say: Say = _quiet, build: bool = True, **options: Any) -> dict:
     """Simulated scheduling of a domain's held-out rows under every predictor (Table 4, Figure 6): half the
-    target rows feed LEAP's RLS, the other half is the pool the simulator draws requests from."""
+    target rows feed LEAP's RLS, the other half is the pool the simulator draws requests from. The first
+    half also chooses the best baseline LEAP is compared against (`validated_baseline`): the baselines never
+    saw it, so the test pool never picks LEAP's opponent."""
     train, target = datasets([train_spec, ",".join(test_specs)], max_tokens, model, say, limit, build)
-    evaluation, predictions = domain_predictions(train, target, fitted_baselines(train, baselines, say),
-                                                 counts=(len(target) // 2,))
+    fitted = fitted_baselines(train, baselines, say)
+    counts = (len(target) // 2,)
+    evaluation, predictions = domain_predictions(train, target, fitted, counts=counts)
+    validation = validated_baseline(target, fitted, counts, step_model, say, **options)
     cross_fitted = cross_fitted_leap(train)
     distribution = LengthGivenPrediction(max_tokens=train.max_tokens).fit(cross_fitted, train.lengths)
     gittins = simulated.Order("leap", "gittins_over_countdown", overrides={"distribution": distribution})
@@ -164,12 +169,37 @@ def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, ba
                   "distribution": distribution, "waiting_cap": guard["waiting_cap"]})}
     say(f"simulating {len(predictions) + len(orders) + 2} policies on a pool of {len(evaluation)} held-out prompts")
     result = simulated.run_load(evaluation.prompt_tokens, evaluation.lengths, predictions, step_model,
-                                orders=orders, **options)
+                                orders=orders, best_baseline=validation.get("best_baseline"), **options)
+    result.update(validation)
     result.update(train=train_spec, test=list(test_specs), n_train=len(train), tail_guard=guard,
                   gittins={"weight": distribution.weight, "bins": len(distribution.samples_),
                            "validation_pairs": distribution.n_, "folds": GITTINS_FOLDS,
                            "fitted_on": "cross-fitted LEAP predictions of the training rows only"})
     return result
+
+
+def validated_baseline(target: LengthData, fitted: dict[str, Any], counts: Sequence[int], step_model: StepTimeModel,
+                       say: Say = _quiet, **options: Any) -> dict:
+    """LEAP's opponent in the load study, chosen on validation rows: the target's feedback-stream half (no
+    baseline was fitted on it, the simulated pool never holds it), each baseline's countdown replayed there
+    at the headline load with the study's engine shape and requests a run (`simulated.choose_baseline`).
+
+    The result keys the load study reports: `best_baseline`, `baseline_validation` (each baseline's mean
+    PTL with its interval, Spearman on those rows, and its hyper-parameters, with what its own search chose),
+    `n_validation` (rows) and `validation` (how the choice was simulated; FCFS's mean PTL beside). No
+    baselines: nothing to choose, {}."""
+    if not fitted:
+        return {}
+    stream, predicted = stream_predictions(target, fitted, counts)
+    say(f"choosing the best baseline on {len(stream)} feedback-stream rows (validation)")
+    sim = {key: options[key] for key in ("decode_slots", "max_resident", "n_requests") if key in options}
+    choice = simulated.choose_baseline(stream.prompt_tokens, stream.lengths, predicted, step_model,
+                                       load=options.get("headline", simulated.HEADLINE_LOAD), **sim)
+    setup = {key: value for key, value in choice.items() if key not in ("best_baseline", "baselines", "n_pool")}
+    return {"best_baseline": choice["best_baseline"], "n_validation": choice["n_pool"],
+            "baseline_validation": {name: {**figures, "hyperparameters": hyperparameters(fitted[name])}
+                                    for name, figures in choice["baselines"].items()},
+            "validation": {"rows": "the target's feedback-stream half", **setup}}
 
 
 GITTINS_FOLDS = 5

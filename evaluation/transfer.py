@@ -82,13 +82,12 @@ def run_transfer(train: LengthData, target: LengthData, baselines: Mapping[str, 
     the censored share, and the within-set Spearman when the target has several sets).
     """
     readout, rls = fit_leap_anchored(train, alpha)
-    stream_rows, eval_rows = split_stream(len(target), counts, seed=seed)
-    stream, evaluation = target.subset(stream_rows), target.subset(eval_rows)
+    stream, evaluation = _stream_and_evaluation(target, counts, seed)
     truth, budget, censored = evaluation.lengths, evaluation.max_tokens, _censored(evaluation)
     frozen_pred = readout.predict(evaluation.features)
     rls_pred = rls_predictions(rls, stream, evaluation, counts)
     refit_pred = fit_leap(stream).predict(evaluation.features) if len(stream) >= 20 else None
-    baseline_pred = {name: np.asarray(p.predict(evaluation), dtype=np.float64) for name, p in baselines.items()}
+    baseline_pred = _baseline_predictions(baselines, evaluation)
 
     def scored(pred: np.ndarray) -> dict[str, Any]:
         return metrics.per_set_metrics(evaluation.sets, truth, pred, censored, budget, n_boot=n_boot, seed=seed,
@@ -134,13 +133,32 @@ def domain_predictions(train: LengthData, target: LengthData, baselines: Mapping
     """The target's evaluation rows and every predictor's lengths for them (for the scheduling simulations):
     frozen LEAP, LEAP after RLS on the whole feedback stream, and each baseline fitted on `train`."""
     readout, rls = fit_leap_anchored(train, alpha)
-    stream_rows, eval_rows = split_stream(len(target), counts, seed=seed)
-    stream, evaluation = target.subset(stream_rows), target.subset(eval_rows)
+    stream, evaluation = _stream_and_evaluation(target, counts, seed)
     for start in range(0, len(stream), RLS_BATCH):
         rls.partial_fit(stream.features[start:start + RLS_BATCH], stream.lengths[start:start + RLS_BATCH])
     predictions = {"leap": readout.predict(evaluation.features), "leap-rls": rls.readout().predict(evaluation.features)}
-    predictions.update({name: np.asarray(p.predict(evaluation), dtype=np.float64) for name, p in baselines.items()})
+    predictions.update(_baseline_predictions(baselines, evaluation))
     return evaluation, predictions
+
+
+def stream_predictions(target: LengthData, baselines: Mapping[str, Any], counts: Sequence[int] = FEEDBACK_COUNTS,
+                       seed: int = 0) -> tuple[LengthData, dict[str, np.ndarray]]:
+    """The target's feedback-stream rows (the split `domain_predictions` makes) and each baseline's lengths
+    for them: rows no baseline was fitted on and the evaluation rows never hold, so a validation pool for
+    choosing among the baselines without looking at the evaluation rows."""
+    stream, _ = _stream_and_evaluation(target, counts, seed)
+    return stream, _baseline_predictions(baselines, stream)
+
+
+def _stream_and_evaluation(target: LengthData, counts: Sequence[int], seed: int) -> tuple[LengthData, LengthData]:
+    """The target's rows split once (`split_stream`) into the feedback stream and the evaluation rows."""
+    stream_rows, eval_rows = split_stream(len(target), counts, seed=seed)
+    return target.subset(stream_rows), target.subset(eval_rows)
+
+
+def _baseline_predictions(baselines: Mapping[str, Any], data: LengthData) -> dict[str, np.ndarray]:
+    """Each fitted baseline's predicted lengths for `data`."""
+    return {name: np.asarray(p.predict(data), dtype=np.float64) for name, p in baselines.items()}
 
 
 def _per_set(figures: dict) -> dict[str, float]:

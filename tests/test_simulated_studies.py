@@ -7,8 +7,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from evaluation.simulated import (life_error, plot_load, plot_refresh, plot_tail, run_load, run_refresh, run_tail,
-                                  section_load, section_refresh, section_tail)
+from evaluation.simulated import (TAIL_FIGURES, _workloads, life_error, plot_load, plot_refresh, plot_tail, run_load,
+                                  run_refresh, run_tail, section_load, section_refresh, section_tail)
 from leap_core.noise import noisy_predictions
 from leap_core.simulator import SimConfig, StepTimeModel, fcfs_capacity, poisson_arrivals, simulate
 from tests.sim_reference import reference_simulate
@@ -123,6 +123,167 @@ def test_run_load_returns_the_documented_shape_and_oracle_beats_fcfs(load_result
                                                                         / head["fcfs"]["mean_ptl"])
     assert result["ratios"]["leap_over_oracle"]["value"] >= 1.0 - 1e-9  # nothing orders better than the truth
     assert set(result["goals"]) == {"leap_over_fcfs", "leap_over_best_baseline", "leap_over_oracle"}
+    assert result["best_baseline_chosen_on"] == "test"  # no validation choice given: it says so
+
+
+def test_run_load_reports_the_ratios_at_every_load(load_result):
+    result = load_result
+    by_load = result["ratios_by_load"]
+    assert list(by_load) == ["0.7", "0.9", "1.5"]
+    assert by_load["0.9"] == result["ratios"]  # the headline ratios are the 0.9 entry
+    for load, ratios in by_load.items():
+        assert set(ratios) == {"leap_over_fcfs", "leap_over_best_baseline", "leap_over_oracle"}
+        row = result["table"][load]
+        for key, other in (("leap_over_fcfs", "fcfs"), ("leap_over_best_baseline", "noisy"),
+                           ("leap_over_oracle", "oracle")):
+            r = ratios[key]
+            assert r["value"] == pytest.approx(row["leap"]["mean_ptl"] / row[other]["mean_ptl"])
+            assert r["ci_low"] <= r["value"] <= r["ci_high"]
+    assert by_load["0.7"]["leap_over_fcfs"]["value"] != by_load["1.5"]["leap_over_fcfs"]["value"]
+
+
+def test_run_load_reports_each_policys_tail_at_every_load(load_result):
+    result = load_result
+    tail = result["tail"]
+    assert set(tail) == {"noisy", "leap", "fcfs", "oracle"}
+    figures = set(TAIL_FIGURES)
+    for by_load in tail.values():
+        assert list(by_load) == ["0.7", "0.9", "1.5"]
+        for load, row in by_load.items():
+            assert set(row) == figures | {f"{f}_ci" for f in figures}
+            for name in figures:
+                low, high = row[f"{name}_ci"]
+                assert low <= row[name] <= high
+            assert row["p50_latency_s"] <= row["p95_latency_s"] <= row["p99_latency_s"]
+            assert row["p50_ptl"] <= row["p95_ptl"] <= row["p99_ptl"]
+            assert row["long_p95_latency_s"] <= row["long_p99_latency_s"]
+            assert row["max_wait_s"] >= 0
+    # the same seeds as the table: its P95 figures are the tail block's
+    for policy in tail:
+        for load in ("0.7", "0.9", "1.5"):
+            for name in ("p95_latency_s", "p95_ptl", "long_p95_latency_s"):
+                assert tail[policy][load][name] == pytest.approx(result["table"][load][policy][name])
+    # over capacity requests queue for admission: the longest wait grows with the load
+    assert tail["fcfs"]["1.5"]["max_wait_s"] > tail["fcfs"]["0.7"]["max_wait_s"]
+
+
+def test_the_tail_figures_are_those_of_the_replays_averaged_over_seeds():
+    """Recomputed from the simulator itself for each seed's workload: P99 latency and PTL, the longest wait
+    for admission and the long requests' P99."""
+    prompt, out, predicted = _pool(n=200)
+    result = run_load(prompt, out, {"noisy": predicted}, STEP_MODEL, loads=(0.9,), overloads=(), n_requests=150,
+                      seeds=2, decode_slots=4)
+    capacity, threshold = result["capacity_rps"], result["long_requests"]["min_tokens"]
+    expected = {"p99_latency_s": [], "p99_ptl": [], "max_wait_s": [], "long_p99_latency_s": []}
+    for idx, arrival_seed in _workloads(out.size, 150, 2, 0):
+        arrival = poisson_arrivals(150, 0.9 * capacity, seed=arrival_seed)
+        run = simulate(arrival, prompt[idx], out[idx], predicted[idx], SimConfig(step_model=STEP_MODEL,
+                                                                                   decode_slots=4))
+        expected["p99_latency_s"].append(np.percentile(run.finish - arrival, 99))
+        expected["p99_ptl"].append(np.percentile((run.finish - arrival) / out[idx], 99))
+        expected["max_wait_s"].append(np.max(run.first_token - arrival))
+        expected["long_p99_latency_s"].append(np.percentile((run.finish - arrival)[out[idx] >= threshold], 99))
+    row = result["tail"]["noisy"]["0.9"]
+    for name, values in expected.items():
+        assert row[name] == pytest.approx(np.mean(values)), name
+
+
+def test_run_load_compares_leap_with_the_baseline_it_is_given():
+    """A baseline chosen beforehand stays LEAP's opponent even when another one is better on the test seeds."""
+    prompt, out, predicted = _pool(n=200)
+    worse = noisy_predictions(out, 0.1, seed=9)
+    result = run_load(prompt, out, {"good": predicted, "worse": worse, "leap": np.sqrt(predicted * out)}, STEP_MODEL,
+                      loads=(0.9,), overloads=(), n_requests=200, seeds=3, decode_slots=4, best_baseline="worse")
+    head = result["table"]["0.9"]
+    assert head["good"]["mean_ptl"] < head["worse"]["mean_ptl"]  # on test the other one wins
+    assert result["best_baseline"] == "worse" and result["best_baseline_chosen_on"] == "validation"
+    assert result["ratios"]["leap_over_best_baseline"]["value"] == pytest.approx(head["leap"]["mean_ptl"]
+                                                                                 / head["worse"]["mean_ptl"])
+    with pytest.raises(ValueError, match="best_baseline 'leap'"):
+        run_load(prompt, out, {"good": predicted, "leap": predicted}, STEP_MODEL, n_requests=10, seeds=1,
+                 best_baseline="leap")
+
+
+class _HonestOn:
+    """A fitted baseline stand-in: the true lengths on the rows of `ids`, their reverse order elsewhere."""
+
+    input = "text"
+
+    def __init__(self, ids, name: str):
+        self.ids, self.name = set(ids), name
+        self.best_params_, self.val_spearman_ = {"honest_on": name}, 0.5
+
+    def get_params(self, deep: bool = False) -> dict:
+        return {"honest_on": self.name}
+
+    def predict(self, data) -> np.ndarray:
+        honest = np.isin(data.ids, list(self.ids))
+        return np.where(honest, data.lengths, data.max_tokens + 1 - data.lengths).astype(np.float64)
+
+
+def test_the_load_study_chooses_its_best_baseline_on_the_stream_rows_not_the_test_pool():
+    """One baseline exact on the feedback-stream rows and reversed on the evaluation rows, the other the
+    opposite: the study's choice follows the stream rows (validation) although the other wins on test."""
+    from evaluation.baselines import LengthData
+    from evaluation.data import split_stream
+    from evaluation.studies import validated_baseline
+    from evaluation.transfer import domain_predictions
+
+    n, counts = 240, (120,)
+    prompt, out, _ = _pool(n=n, seed=4)
+    out = np.minimum(out, 1024)
+    target = LengthData(ids=np.array([f"r{i}" for i in range(n)], dtype=object), texts=["x"] * n,
+                        prompt_tokens=prompt, features=np.random.default_rng(0).normal(size=(n, 6)).astype(np.float32),
+                        lengths=out, max_tokens=1024)
+    stream_rows, eval_rows = split_stream(n, counts, seed=0)
+    fitted = {"stream_honest": _HonestOn(target.ids[stream_rows], "stream"),
+              "test_honest": _HonestOn(target.ids[eval_rows], "evaluation")}
+    options = dict(loads=(0.9,), overloads=(), n_requests=200, seeds=3, decode_slots=4)
+    validation = validated_baseline(target, fitted, counts, STEP_MODEL, **options)
+    json.dumps(validation, allow_nan=False)
+    assert validation["best_baseline"] == "stream_honest" and validation["n_validation"] == len(stream_rows)
+    chosen = validation["baseline_validation"]
+    assert chosen["stream_honest"]["spearman"] == pytest.approx(1.0)
+    assert chosen["test_honest"]["spearman"] == pytest.approx(-1.0)
+    assert chosen["stream_honest"]["mean_ptl"] < validation["validation"]["fcfs"]["mean_ptl"] < \
+        chosen["test_honest"]["mean_ptl"]
+    for figures in chosen.values():
+        assert figures["mean_ptl_ci_low"] <= figures["mean_ptl"] <= figures["mean_ptl_ci_high"]
+    assert chosen["stream_honest"]["hyperparameters"] == {"params": {"honest_on": "stream"},
+                                                          "chosen": {"honest_on": "stream"}, "val_spearman": 0.5}
+    assert validation["validation"]["seeds"] == 8 and validation["validation"]["n_requests"] == 200
+
+    evaluation, predictions = domain_predictions(synthetic_train(), target, fitted, counts=counts)
+    result = run_load(evaluation.prompt_tokens, evaluation.lengths, predictions, STEP_MODEL,
+                      best_baseline=validation["best_baseline"], **options)
+    head = result["table"]["0.9"]
+    assert head["test_honest"]["mean_ptl"] < head["stream_honest"]["mean_ptl"]  # test would have chosen the other
+    assert result["best_baseline"] == "stream_honest" and result["best_baseline_chosen_on"] == "validation"
+    assert result["ratios"]["leap_over_best_baseline"]["value"] == pytest.approx(
+        head["leap"]["mean_ptl"] / head["stream_honest"]["mean_ptl"])
+    text = section_load({**result, **validation}, "x.png")
+    assert "chosen on validation rows" in text and "| stream_honest |" in text
+
+
+def synthetic_train(n: int = 80):
+    """Training rows for LEAP's readout in the study test (features unrelated to the target's)."""
+    from evaluation.baselines import LengthData
+
+    rng = np.random.default_rng(1)
+    return LengthData(ids=np.array([f"t{i}" for i in range(n)], dtype=object), texts=["x"] * n,
+                      prompt_tokens=rng.integers(20, 200, n), features=rng.normal(size=(n, 6)).astype(np.float32),
+                      lengths=rng.integers(1, 500, n), max_tokens=1024)
+
+
+def test_hyperparameters_record_the_mlps_own_search():
+    from evaluation.baselines import HiddenStateMLP, hyperparameters
+
+    train = synthetic_train(120)
+    mlp = HiddenStateMLP(hidden=(8,), alphas=(1.0, 10.0), learning_rates=(1e-3,), max_iter=20).fit(train)
+    found = hyperparameters(mlp)
+    assert found["params"]["alphas"] == (1.0, 10.0) and "num_threads" not in found["params"]
+    assert found["chosen"]["alpha"] in (1.0, 10.0) and found["chosen"]["learning_rate"] == 1e-3
+    assert found["val_spearman"] == max(t["val_spearman"] for t in mlp.trials_)
 
 
 def test_sustained_capacity_excludes_the_drain_tail():
@@ -238,6 +399,12 @@ def test_plots_write_pngs_and_sections_hold_tables(tmp_path, load_result, refres
         assert "beats_fcfs" in text and "met" in text
         assert "Regenerate" not in section(result, path.name)
     assert "| 1.5 | oracle |" in section_load(load_result, "x.png")
-    assert "leap_over_best_baseline" in section_load(load_result, "x.png")
+    load_text = section_load(load_result, "x.png")
+    assert "leap_over_best_baseline" in load_text and "chosen on these test seeds" in load_text
+    assert "Tail at 0.9 of capacity" in load_text and "| oracle |" in load_text.split("Tail at 0.9")[1]
+    assert "| ratio | 0.7 | 0.9 | 1.5 |" in load_text
+    new_keys = ("tail", "ratios_by_load", "best_baseline_chosen_on")
+    old_result = {k: v for k, v in load_result.items() if k not in new_keys}
+    assert "Tail at" not in section_load(old_result, "x.png")  # results saved before these keys still render
     assert "refresh wins" in section_refresh(refresh_results[0], "x.png")
     assert "exp(-aging x held_out)" in section_tail(tail_result, "x.png")
