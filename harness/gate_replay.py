@@ -17,6 +17,7 @@ slow or a fast machine.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -29,10 +30,11 @@ CALIBRATION_TOKENS = 64  # the calibration run's lengths are capped: the step sh
 DECODE_SLOTS = 8  # K of the gate's engine: a slice of dozens of requests must queue for slots, as 512 do for 64
 
 
-def _arm_summary(replays: Sequence[Any], clock: Any) -> dict[str, Any]:
+def _arm_summary(replays: Sequence[Any], clock: Any, wall_s: float = float("nan")) -> dict[str, Any]:
     """One arm's replays (one per repeat) as plain JSON: per-request `ptl` and `output_tokens` of the
-    repeats one after another, their overall `mean_ptl`, each repeat's summary, and how the step clock's
-    seconds compared with the wall clock's over the arm's steps (`modeled_over_wall`)."""
+    repeats one after another, their overall `mean_ptl`, each repeat's summary, how the step clock's
+    seconds compared with the wall clock's over the arm's steps (`modeled_over_wall`), and the wall
+    seconds the arm's replays took (`wall_s`)."""
     ptl = np.concatenate([r.per_request["ptl"] for r in replays])
     tokens = np.concatenate([r.per_request["output_tokens"] for r in replays])
     modeled = wall = 0.0
@@ -44,7 +46,7 @@ def _arm_summary(replays: Sequence[Any], clock: Any) -> dict[str, Any]:
     per_repeat = [{key: (value.item() if hasattr(value, "item") else value) for key, value in r.summary().items()}
                   for r in replays]
     return {"mean_ptl": float(ptl.mean()), "repeats": len(replays), "per_repeat": per_repeat,
-            "modeled_over_wall": modeled / wall if wall > 0 else float("nan"),
+            "modeled_over_wall": modeled / wall if wall > 0 else float("nan"), "wall_s": float(wall_s),
             "ptl": [float(v) for v in ptl], "output_tokens": [int(v) for v in tokens]}
 
 
@@ -130,6 +132,7 @@ def replay_arms(engine: Any, requests: Sequence[Any], readouts: Mapping[str, tup
         raise ValueError(f"repeats counts replays per arm, at least 1, not {repeats}")
     runtime = gate_runtime(engine)
     replays: dict[str, list[Any]] = {policy: [] for policy in policies}
+    wall_s = dict.fromkeys(policies, 0.0)
     for repeat in range(repeats):
         arrivals = planned_arrivals(len(requests), rate, None, seed + repeat)
         for policy in arm_order(policies, repeat):
@@ -140,9 +143,11 @@ def replay_arms(engine: Any, requests: Sequence[Any], readouts: Mapping[str, tup
                 readout, rls_state = readouts[policy]
                 runtime.reset_readout(readout, rls_state)
                 runtime.configure(policy="leap", rls=False)
+            begun = time.perf_counter()
             replays[policy].append(replay(engine, requests, arrivals, policy, runtime=runtime,
                                           tag=f"s{seed}-r{repeat}-{policy}-", clock=clock))
-    return {policy: _arm_summary(done, clock) for policy, done in replays.items()}
+            wall_s[policy] += time.perf_counter() - begun
+    return {policy: _arm_summary(done, clock, wall_s[policy]) for policy, done in replays.items()}
 
 
 def warm_up(engine: Any, requests: Sequence[Any]) -> None:

@@ -17,10 +17,10 @@ from leap_cli.output import emit
 @bench_app.command("gate")
 def bench_gate(
     trials: Annotated[int, typer.Option(help="Trials of each case, each its own requests and arrivals.")] = 20,
-    quick: Annotated[bool, typer.Option(help="Recorded lengths divided by 4 (the same order, a quarter of "
-                                             "the decoding work).")] = False,
-    slice_size: Annotated[int, typer.Option("--slice", help="Requests one trial replays (as the gate's "
-                                                           "replay_slice).")] = 64,
+    quick: Annotated[bool, typer.Option(help="Prompts of at most 256 tokens, recorded lengths divided by 16 (the "
+                                             "same order), 32 requests a trial: minutes, not hours.")] = False,
+    slice_size: Annotated[int | None, typer.Option("--slice", help="Requests one trial replays (as the gate's "
+                                                                  "replay_slice; default 64, 32 with --quick).")] = None,
     repeats: Annotated[int, typer.Option(help="Replays of each arm per trial (counterbalanced).")] = 2,
     load: Annotated[float, typer.Option(help="Arrivals as a fraction of the FCFS capacity.")] = 1.2,
     seed: int = 0,
@@ -28,7 +28,7 @@ def bench_gate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ) -> None:
     """Promoted rates (with Wilson intervals) of a worse, a better and an equal challenger, and the gate's time."""
-    if trials < 1 or slice_size < 4 or repeats < 1 or load <= 0:
+    if trials < 1 or (slice_size is not None and slice_size < 4) or repeats < 1 or load <= 0:
         raise typer.BadParameter("--trials and --repeats at least 1, --slice at least 4, --load positive")
     from experiments.bench.gate import bench_gate as run
 
