@@ -109,13 +109,13 @@ def calibrate(live: Any, requests: list[ReplayRequest], settings: LiveSettings,
            "total_modeled_over_measured": float(modeled.sum() / seconds.sum())}
     config = SimConfig(max_resident=settings.max_resident, decode_slots=settings.decode_slots,
                        waiting_cap=settings.waiting_cap, step_model=model,
-                       max_prefill_tokens_per_step=_prefill_budget(live))
+                       max_prefill_tokens_per_step=prefill_budget(live))
     lengths = np.array([r.fixed_length for r in requests])
     prompt_tokens = np.array([len(r.prompt_token_ids) for r in requests])
     return model, fcfs_capacity(prompt_tokens, lengths, config), fit
 
 
-def _prefill_budget(live: Any) -> int:
+def prefill_budget(live: Any) -> int:
     return int(live.engine.vllm_config.scheduler_config.max_num_batched_tokens)
 
 
@@ -159,7 +159,7 @@ def run_live(train_prompts: Sequence[dict], replay_prompts: Sequence[dict], sett
         for request in requests:
             request.text = text_of.get(request.id)
         replayed = length_data(replay_corpus, replay_prompts)
-        predictors = _fit_predictors(train, settings.policies, say)
+        predictors = fit_predictors(train, settings.policies, say)
         costs = {name: measure_cost(p, replayed) for name, p in predictors.items()}
         readout, anchor = fit_leap_with_anchor(train)
         readout.metadata.update(model_fingerprint=live.model.fingerprint, model_id=live.model.model_id,
@@ -168,19 +168,19 @@ def run_live(train_prompts: Sequence[dict], replay_prompts: Sequence[dict], sett
         say(f"calibrating the step-time model (saturated FCFS at K={settings.decode_slots})")
         step_model, capacity, fit = calibrate(live, requests, settings)
         rate = settings.load * capacity
-        predicted = _predicted_lengths(requests, replayed, readout, predictors)
+        predicted = predicted_lengths(requests, replayed, readout, predictors)
         sim_config = SimConfig(max_resident=settings.max_resident, decode_slots=settings.decode_slots,
                                waiting_cap=settings.waiting_cap, step_model=step_model,
-                               max_prefill_tokens_per_step=_prefill_budget(live))
+                               max_prefill_tokens_per_step=prefill_budget(live))
         runs: dict[str, list[dict]] = {name: [] for name in settings.policies}
         for repeat in range(settings.repeats):
             arrivals = planned_arrivals(len(requests), rate, None, settings.seed + repeat)
             order = list(settings.policies) if repeat % 2 == 0 else list(reversed(settings.policies))
             for name in order:
                 say(f"repeat {repeat + 1}/{settings.repeats}: {name}")
-                run = _replay_policy(live, name, requests, arrivals, predictors, readout, anchor,
+                run = replay_policy(live, name, requests, arrivals, predictors, readout, anchor,
                                      settings.max_tokens, tag=f"r{repeat}-{name}-", clock=step_model)
-                run["simulated_latency"] = _simulated_latency(name, arrivals, requests, predicted, sim_config)
+                run["simulated_latency"] = simulated_latency(name, arrivals, requests, predicted, sim_config)
                 runs[name].append(run)
     finally:
         live.close()
@@ -192,7 +192,7 @@ def fit_leap_with_anchor(train: LengthData) -> tuple[Any, dict]:
     return readout, rls.state_arrays()
 
 
-def _predicted_lengths(requests: list[ReplayRequest], replayed: LengthData, readout: Any,
+def predicted_lengths(requests: list[ReplayRequest], replayed: LengthData, readout: Any,
                        predictors: dict[str, Any]) -> dict[str, np.ndarray]:
     """Each predictor's predicted totals for the replayed requests, in request order (for the simulator;
     LEAP + RLS is simulated with its frozen start, as its updates depend on the live order)."""
@@ -204,7 +204,7 @@ def _predicted_lengths(requests: list[ReplayRequest], replayed: LengthData, read
     return out
 
 
-def _simulated_latency(name: str, arrivals: np.ndarray, requests: list[ReplayRequest],
+def simulated_latency(name: str, arrivals: np.ndarray, requests: list[ReplayRequest],
                        predicted: dict[str, np.ndarray], config: SimConfig) -> np.ndarray:
     lengths = np.array([r.fixed_length for r in requests], dtype=np.int64)
     prompt = np.array([len(r.prompt_token_ids) for r in requests], dtype=np.int64)
@@ -215,7 +215,7 @@ def _simulated_latency(name: str, arrivals: np.ndarray, requests: list[ReplayReq
     return simulate(arrivals, prompt, lengths, guess, replace(config, policy=policy)).latency
 
 
-def _fit_predictors(train: LengthData, policies: Sequence[str], say: Callable[[str], None]) -> dict[str, Any]:
+def fit_predictors(train: LengthData, policies: Sequence[str], say: Callable[[str], None]) -> dict[str, Any]:
     fitted = {}
     for name in policies:
         if name in TEXT_BASELINES or name in HIDDEN_BASELINES:
@@ -224,7 +224,7 @@ def _fit_predictors(train: LengthData, policies: Sequence[str], say: Callable[[s
     return fitted
 
 
-def _replay_policy(live: Any, name: str, requests: list[ReplayRequest], arrivals: np.ndarray,
+def replay_policy(live: Any, name: str, requests: list[ReplayRequest], arrivals: np.ndarray,
                    predictors: dict[str, Any], readout: Any, anchor: dict, max_tokens: int, tag: str,
                    clock: StepTimeModel | None = None) -> dict:
     runtime = live.runtime

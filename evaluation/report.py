@@ -10,7 +10,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from evaluation import ceiling_report, corpus_report, live, offline, recipes_report, simulated, transfer
+from evaluation import ceiling_report, corpus_report, fidelity, live, offline, recipes_report, simulated, transfer
 
 Renderer = tuple[Callable[[dict, Path], None], Callable[[dict, str], str]]
 SINGLE: dict[str, Renderer] = {
@@ -20,10 +20,12 @@ SINGLE: dict[str, Renderer] = {
     "recipes": (recipes_report.plot_recipes, recipes_report.section_recipes),
     "ceiling": (ceiling_report.plot_ceiling, ceiling_report.section_ceiling),
     "live": (live.plot_live, live.section_live),
+    "fidelity": (fidelity.plot_fidelity, fidelity.section_fidelity),
     "refresh": (simulated.plot_refresh, simulated.section_refresh),
     "tail": (simulated.plot_tail, simulated.section_tail),
 }
-ORDER = ("corpus", "targets", "layers", "recipes", "ceiling", "transfer", "live", "live-quick", "load", "refresh", "tail")
+ORDER = ("corpus", "targets", "layers", "recipes", "ceiling", "transfer", "live", "live-quick", "fidelity",
+         "fidelity-quick", "load", "refresh", "tail")
 
 HEADER = """# Results
 
@@ -53,6 +55,8 @@ RERUN: tuple[tuple[str, ...], ...] = (
     ("eval", "transfer", "--test", "mgsm", "--test", "llmzoo", "--test", "mtbench_x", "--test", "alpaca_zh",
      "--name", "transfer-multilingual", "--baselines", "prompt_length,minilm_ridge,use_ridge,trail_mlp"),
     ("eval", "live", "--quick"),
+    ("eval", "fidelity"),
+    ("eval", "fidelity", "--quick"),
     ("eval", "load", *BASELINES),
     ("eval", "load", "--quick"),
     ("eval", "refresh"),
@@ -82,8 +86,8 @@ def _load(folder: Path) -> dict[str, list[dict]]:
         if "study" not in result:  # not a study's result (step-models.json)
             continue
         key = result["study"]
-        if key == "live" and result.get("quick"):
-            key = "live-quick"
+        if key in ("live", "fidelity") and result.get("quick"):
+            key = f"{key}-quick"
         elif key == "recipes" and result.get("quick"):
             key = "recipes-quick"  # the page shows the full study; the quick one is its smoke check
         result["_name"] = path.stem
@@ -119,7 +123,7 @@ def render_report(folder: Path, out: Path) -> dict:
         elif study == "load":
             text = "\n\n".join(_load_section(r, folder, out) for r in results)
         else:
-            plot, section = SINGLE["live" if study == "live-quick" else study]
+            plot, section = SINGLE[study.removesuffix("-quick")]
             plot(results[0], image)
             text = section(results[0], _relative(image, out))
         provenance = "; ".join(f"`{r['_name']}`: corpus `{r.get('corpus_hash', 'unrecorded')}`, commit "

@@ -76,6 +76,27 @@ class Order:
     overrides: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class EngineCapacity:
+    """What the engine sustains on the wall clock over what the simulator says for the same requests (the
+    fidelity study measures both, `leap eval fidelity`). Loads are quoted as fractions of the engine's
+    capacity, carried to another pool's length mix by the simulator: `scale` x that pool's simulated
+    capacity, the interval from the engine measurement's. Without one, `scale` 1 and no interval: the
+    simulator's own capacity."""
+
+    scale: float = 1.0
+    ci_low: float = float("nan")
+    ci_high: float = float("nan")
+    source: str = "simulator: no engine measurement given"
+
+    def of(self, simulated_rps: float) -> dict[str, Any]:
+        """The pool's capacity as {value, ci_low, ci_high} (requests/s), with the simulated figure and source."""
+        measured = np.isfinite(self.ci_low) and np.isfinite(self.ci_high)
+        return {"value": self.scale * simulated_rps, "ci_low": self.ci_low * simulated_rps if measured else None,
+                "ci_high": self.ci_high * simulated_rps if measured else None, "simulated": simulated_rps,
+                "scale": self.scale, "source": self.source}
+
+
 def _run_policy(name: str, arrival: np.ndarray, prompt: np.ndarray, out: np.ndarray,
                 predicted: dict[str, np.ndarray], config: SimConfig,
                 orders: dict[str, Order] | None = None) -> SimResult:
@@ -138,7 +159,8 @@ N_REQUESTS = 2000  # requests a run draws from the pool
 def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str, ArrayLike],
              step_model: StepTimeModel, loads=LOADS, headline: float = HEADLINE_LOAD, overloads=OVERLOADS,
              n_requests: int = N_REQUESTS, seeds: int = 30, seed: int = 0,
-             orders: dict[str, Order] | None = None, best_baseline: str | None = None, **config) -> dict:
+             orders: dict[str, Order] | None = None, best_baseline: str | None = None,
+             engine: EngineCapacity = EngineCapacity(), **config) -> dict:
     """Latency and PTL of every policy at Poisson loads quoted as fractions of the sustained capacity.
 
     Each of `seeds` workloads draws `n_requests` from the pool and one arrival sequence per load; every
@@ -155,10 +177,14 @@ def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str
     `best_baseline`: the baseline LEAP is compared against, chosen beforehand on a validation pool
     (`choose_baseline`); without it the baseline with the least mean PTL on these very seeds is taken,
     which flatters the baseline, and `best_baseline_chosen_on` says "test".
+
+    `engine`: the engine-measured capacity the loads are fractions of (`EngineCapacity`);
+    `capacity_rps` reports it for this pool with its interval.
     """
     prompt, out, preds = _pool(prompt_tokens, lengths, predictions)
     base = _base_config(step_model, config)
-    capacity = fcfs_capacity(prompt, out, base)
+    capacity_rps = engine.of(fcfs_capacity(prompt, out, base))
+    capacity = capacity_rps["value"]
     orders = dict(orders or {})
     for name, order in orders.items():
         if name in preds or name in _REFERENCES or order.predictor not in preds:
@@ -186,10 +212,11 @@ def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str
     ratios = ratios_by_load[str(float(headline))]
     long_p95 = {p: _per_seed(runs[float(headline)][p], "long_p95_latency_s") for p in policies}
     return {
-        "capacity_rps": float(capacity),
+        "capacity_rps": capacity_rps,
         "long_requests": {"quantile": LONG_QUANTILE, "min_tokens": long_threshold},
         "capacity_measure": "FCFS steady state: completions between the 25th and 75th percentile of a "
-                            "saturated run of 4,000 pool requests",
+                            "saturated run of 4,000 pool requests in the simulator, x the engine's capacity over "
+                            "the simulator's on the requests the engine ran (`capacity_rps.scale`)",
         "n_requests": int(n_requests),
         "seeds": int(seeds),
         "n_pool": int(out.size),
@@ -237,7 +264,8 @@ VALIDATION_SEED = 200  # arrival seeds from 200,000: apart from the test runs' (
 
 def choose_baseline(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str, ArrayLike],
                     step_model: StepTimeModel, load: float = HEADLINE_LOAD, n_requests: int = N_REQUESTS,
-                    seeds: int = VALIDATION_SEEDS, seed: int = VALIDATION_SEED, **config) -> dict:
+                    seeds: int = VALIDATION_SEEDS, seed: int = VALIDATION_SEED,
+                    engine: EngineCapacity = EngineCapacity(), **config) -> dict:
     """The baseline whose countdown gives the least mean PTL on a validation pool, to be LEAP's opponent
     in `run_load` (`best_baseline`), so the test pool's figures never choose it.
 
@@ -249,7 +277,7 @@ def choose_baseline(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: d
     if not preds:
         raise ValueError("no baseline to choose from")
     base = _base_config(step_model, config)
-    capacity = fcfs_capacity(prompt, out, base)
+    capacity = engine.of(fcfs_capacity(prompt, out, base))["value"]
     policies = [*preds, "fcfs"]
     runs: dict[str, list] = {p: [] for p in policies}
     for idx, arrival_seed in _workloads(out.size, n_requests, seeds, seed):
@@ -271,7 +299,8 @@ GUARD_CAPS = (8, 16, 32, 64, 128)
 
 def choose_waiting_cap(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: ArrayLike,
                        step_model: StepTimeModel, order: Order, caps=GUARD_CAPS, multiplier: float = HEADLINE_LOAD,
-                       n_requests: int = 1000, seeds: int = 8, seed: int = 100, **config) -> dict:
+                       n_requests: int = 1000, seeds: int = 8, seed: int = 100,
+                       engine: EngineCapacity = EngineCapacity(), **config) -> dict:
     """The tail guard: the waiting cap of `order` (run on `predicted`) whose long-request P95 latency is
     at most TAIL_GOAL x FCFS's at the least mean PTL (none meets it: the cap with the lowest tail ratio).
 
@@ -279,7 +308,7 @@ def choose_waiting_cap(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: 
     figures never chose it. Paired seeds as in `run_load`; the table keeps every cap's figures."""
     prompt, out, preds = _pool(prompt_tokens, lengths, {order.predictor: predicted})
     base = _base_config(step_model, config)
-    capacity = fcfs_capacity(prompt, out, base)
+    capacity = engine.of(fcfs_capacity(prompt, out, base))["value"]
     threshold = float(np.quantile(out, LONG_QUANTILE))
     guarded = {int(c): replace(order, overrides={**order.overrides, "waiting_cap": int(c)}) for c in caps}
     runs: dict[Any, list] = {"fcfs": [], **{c: [] for c in guarded}}
@@ -389,7 +418,7 @@ def section_load(result: dict, image: str) -> str:
         f"the step-time model calibrated on the live engine at that R and K ({result.get('step_model_source', '')}"
         f"). {result['n_requests']} requests "
         f"per run drawn from a pool of {result['n_pool']} held-out prompts, Poisson arrivals at fractions of the "
-        f"sustained FCFS capacity ({_g(result['capacity_rps'])} requests/s, {result['capacity_measure']}); "
+        f"sustained FCFS capacity ({_capacity(result['capacity_rps'])} requests/s, {result['capacity_measure']}); "
         f"{result['seeds']} paired seeds (every policy replays the same draw), mean PTL with its 95% bootstrap "
         f"interval over seeds. Overloads (queues grow without bound, so figures depend on the horizon): "
         f"{overloads or 'none'}. The oracle is countdown on the true lengths"
@@ -770,6 +799,16 @@ def section_tail(result: dict, image: str) -> str:
 def _with_ci(row: dict, name: str) -> str:
     low, high = row.get(f"{name}_ci", (None, None))
     return _g(row[name]) + (f" [{_g(low)}, {_g(high)}]" if low is not None else "")
+
+
+def _capacity(capacity: float | dict) -> str:
+    """A capacity figure: a bare number (results saved before the engine measurement) or {value, ci_low,
+    ci_high, source}."""
+    if not isinstance(capacity, dict):
+        return _g(capacity)
+    interval = (f" [{_g(capacity['ci_low'])}, {_g(capacity['ci_high'])}]" if capacity.get("ci_low") is not None
+                else " (no interval)")
+    return f"{_g(capacity['value'])}{interval}, {capacity['source']}"
 
 
 def _g(value: float) -> str:

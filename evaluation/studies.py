@@ -145,6 +145,34 @@ def record_step_model(decode_slots: int, max_resident: int, step_model: dict, fi
     path.write_text(dumps(saved, indent=1, sort_keys=True) + "\n")
 
 
+FIDELITY_RESULT = STEP_MODELS.parent / "fidelity.json"
+
+
+def engine_capacity(step_model: StepTimeModel, path: Path | None = None, **config: Any) -> simulated.EngineCapacity:
+    """The engine's measured capacity over what the simulator (this step model, the SimConfig knobs
+    `config`) gives for the same requests, from the saved full fidelity study (`leap eval fidelity
+    --save`); without one at this K and R, the simulator's own capacity (`EngineCapacity()`)."""
+    from evaluation.fidelity import engine_over_simulator
+    from leap_core.simulator import SimConfig
+
+    path = path or FIDELITY_RESULT
+    if not path.exists():
+        return simulated.EngineCapacity()
+    saved = json.loads(path.read_text())
+    settings = saved.get("settings", {})
+    shape = {key: config.get(key, SIM_SHAPE.get(key)) for key in ("decode_slots", "max_resident")}
+    if saved.get("quick") or any(settings.get(key) != value for key, value in shape.items()):
+        return simulated.EngineCapacity(source=f"simulator: {path.name} was measured at another engine shape")
+    runs = saved["capacity"]["runs"]
+    factor = engine_over_simulator(runs, SimConfig(step_model=step_model, **config))
+    return simulated.EngineCapacity(
+        scale=factor["value"], ci_low=factor["ci_low"], ci_high=factor["ci_high"],
+        source=(f"measured on the engine ({path.name}, commit {str(saved.get('commit'))[:12]}): the engine's "
+                f"steady FCFS rate over this step model's on {len(runs)} saturated runs of held-out requests, "
+                f"{factor['value']:.3f} [{factor['ci_low']:.3f}, {factor['ci_high']:.3f}], x the pool's simulated "
+                "capacity"))
+
+
 def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, baselines: Sequence[str],
                step_model: StepTimeModel, max_tokens: int = 1024, model: str | None = None,
                say: Say = _quiet, build: bool = True, **options: Any) -> dict:
@@ -156,20 +184,22 @@ def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, ba
     fitted = fitted_baselines(train, baselines, say)
     counts = (len(target) // 2,)
     evaluation, predictions = domain_predictions(train, target, fitted, counts=counts)
-    validation = validated_baseline(target, fitted, counts, step_model, say, **options)
+    shape = {k: options[k] for k in ("decode_slots", "max_resident") if k in options}
+    engine = engine_capacity(step_model, **shape)
+    validation = validated_baseline(target, fitted, counts, step_model, say, engine=engine, **options)
     cross_fitted = cross_fitted_leap(train)
     distribution = LengthGivenPrediction(max_tokens=train.max_tokens).fit(cross_fitted, train.lengths)
     gittins = simulated.Order("leap", "gittins_over_countdown", overrides={"distribution": distribution})
-    shape = {k: options[k] for k in ("decode_slots", "max_resident") if k in options}
     say("choosing the tail guard's waiting cap on the training rows (cross-fitted predictions)")
     guard = simulated.choose_waiting_cap(train.prompt_tokens, train.lengths, cross_fitted, step_model, gittins,
-                                         **shape)
+                                         engine=engine, **shape)
     orders = {"leap-gittins": gittins,
               "leap-gittins-guard": simulated.Order("leap", "gittins_guard_over_countdown", overrides={
                   "distribution": distribution, "waiting_cap": guard["waiting_cap"]})}
     say(f"simulating {len(predictions) + len(orders) + 2} policies on a pool of {len(evaluation)} held-out prompts")
     result = simulated.run_load(evaluation.prompt_tokens, evaluation.lengths, predictions, step_model,
-                                orders=orders, best_baseline=validation.get("best_baseline"), **options)
+                                orders=orders, best_baseline=validation.get("best_baseline"), engine=engine,
+                                **options)
     result.update(validation)
     result.update(train=train_spec, test=list(test_specs), n_train=len(train), tail_guard=guard,
                   gittins={"weight": distribution.weight, "bins": len(distribution.samples_),
@@ -179,7 +209,8 @@ def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, ba
 
 
 def validated_baseline(target: LengthData, fitted: dict[str, Any], counts: Sequence[int], step_model: StepTimeModel,
-                       say: Say = _quiet, **options: Any) -> dict:
+                       say: Say = _quiet, engine: simulated.EngineCapacity = simulated.EngineCapacity(),
+                       **options: Any) -> dict:
     """LEAP's opponent in the load study, chosen on validation rows: the target's feedback-stream half (no
     baseline was fitted on it, the simulated pool never holds it), each baseline's countdown replayed there
     at the headline load with the study's engine shape and requests a run (`simulated.choose_baseline`).
@@ -194,7 +225,7 @@ def validated_baseline(target: LengthData, fitted: dict[str, Any], counts: Seque
     say(f"choosing the best baseline on {len(stream)} feedback-stream rows (validation)")
     sim = {key: options[key] for key in ("decode_slots", "max_resident", "n_requests") if key in options}
     choice = simulated.choose_baseline(stream.prompt_tokens, stream.lengths, predicted, step_model,
-                                       load=options.get("headline", simulated.HEADLINE_LOAD), **sim)
+                                       load=options.get("headline", simulated.HEADLINE_LOAD), engine=engine, **sim)
     setup = {key: value for key, value in choice.items() if key not in ("best_baseline", "baselines", "n_pool")}
     return {"best_baseline": choice["best_baseline"], "n_validation": choice["n_pool"],
             "baseline_validation": {name: {**figures, "hyperparameters": hyperparameters(fitted[name])}
@@ -352,4 +383,24 @@ def live_study(quick: bool, n_requests: int | None = None, repeats: int | None =
                             calibration_requests=len(replayed), decode_slots=decode_slots or 8)
     result = run_live(train, replayed, settings, model, say)
     result.update(quick=quick, train=CHAT_TRAIN)
+    return result
+
+
+FIDELITY_POOL = 200  # held-out ShareGPT prompts split into the capacity samples and the replayed requests
+
+
+def fidelity_study(quick: bool, baseline: str = "trail_mlp", max_tokens: int = 1024, model: str | None = None,
+                   say: Say = _quiet, **overrides: Any) -> dict:
+    """The simulator against the wall clock (`evaluation.fidelity`): `quick` shrinks prompts and lengths and
+    replays 24 requests; the full run replays 30 with their recorded lengths."""
+    from evaluation.fidelity import QUICK, FidelitySettings, run_fidelity
+
+    train = select(CHAT_TRAIN)
+    pool = select(f"sharegpt:{FIDELITY_POOL}", exclude={p["id"] for p in train})
+    shape = dict(n_requests=24, capacity_requests=32, length_divisor=QUICK["length_divisor"],
+                 max_prompt_tokens=QUICK["max_prompt_tokens"]) if quick else {}
+    settings = FidelitySettings(baseline=baseline, max_tokens=max_tokens,
+                                **{**shape, **{k: v for k, v in overrides.items() if v is not None}})
+    result = run_fidelity(train, pool, settings, model, say)
+    result.update(quick=quick, train=CHAT_TRAIN, pool=f"sharegpt:{FIDELITY_POOL} held out from the training window")
     return result

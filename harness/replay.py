@@ -130,6 +130,7 @@ def replay(engine: Any, requests: Sequence[ReplayRequest], arrivals: np.ndarray,
     finish = np.full(n, np.nan)
     out_tokens = np.zeros(n, dtype=np.int64)
     step_times: list[float] = []
+    step_starts: list[float] = []
     step_shapes: list[tuple[int, int]] = []
     start = 0.0 if clock is not None else time.time()
     planned = start + np.asarray(arrivals, dtype=np.float64)
@@ -166,6 +167,7 @@ def replay(engine: Any, requests: Sequence[ReplayRequest], arrivals: np.ndarray,
                 time.sleep(max(0.0, min(planned[order[released]] - time.time(), 0.05)))
             continue
         step_start = time.perf_counter()
+        step_starts.append(step_start)
         outputs = engine.step()
         step_times.append(time.perf_counter() - step_start)
         if runtime is not None:
@@ -203,5 +205,6 @@ def replay(engine: Any, requests: Sequence[ReplayRequest], arrivals: np.ndarray,
         schedule_overhead_ms_per_step=1000.0 * stats.get("schedule_overhead_s", 0.0) / max(steps, 1),
         per_request={"ptl": per_request_ptl, "ttft": ttft, "output_tokens": out_tokens,
                      "finish": finish - start, "arrival": planned - start},
-        per_step={"seconds": np.asarray(step_times), "shapes": np.asarray(step_shapes, dtype=np.int64)},
+        per_step={"seconds": np.asarray(step_times), "shapes": np.asarray(step_shapes, dtype=np.int64),
+                  "started": np.asarray(step_starts)},
     )

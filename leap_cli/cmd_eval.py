@@ -111,6 +111,23 @@ def live(
     _finish(result, "live", "live-quick" if quick else "live", as_json, save)
 
 
+@eval_app.command("fidelity")
+def fidelity(
+    quick: bool = typer.Option(False, "--quick", help="24 requests, prompts of at most 256 tokens, recorded lengths "
+                                                       "divided by 8: minutes on two CPU cores"),
+    requests: Optional[int] = typer.Option(None, help="replayed requests (default 30; 24 with --quick)"),
+    repeats: Optional[int] = typer.Option(None, help="counterbalanced repeats per load (default 6)"),
+    baseline: str = typer.Option("trail_mlp", help="the baseline replayed beside FCFS, LEAP and the oracle"),
+    max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
+) -> None:
+    """The simulator checked against the wall clock: capacity measured on the engine, the step model fitted on
+    other requests, FCFS, LEAP, a baseline and the oracle replayed at 0.7 and 0.9 of that capacity and simulated."""
+    from evaluation.studies import fidelity_study
+
+    result = fidelity_study(quick, baseline, max_tokens, model, _say(as_json), n_requests=requests, repeats=repeats)
+    _finish(result, "fidelity", "fidelity-quick" if quick else "fidelity", as_json, save)
+
+
 @eval_app.command("corpus")
 def corpus(
     select: Optional[list[str]] = typer.Option(None, help="selections NAME_OR_FILE[:N],... (default: every study's)"),

@@ -234,3 +234,29 @@ def test_decode_states_hold_the_remaining_length_at_each_checkpoint(home, prompt
     # resumable: everything is recorded, so nothing is rebuilt and the same rows come back
     again = load_or_build_decode_states(prompts, M, build=False)
     assert sorted(again.ids.tolist()) == sorted(rows.ids.tolist())
+
+
+def test_fidelity_study_replays_on_the_wall_clock_and_simulates_the_same_runs(all_layers, prompt_file):
+    from evaluation.fidelity import FidelitySettings, run_fidelity
+    from harness.datasets import load_prompts
+
+    prompts = load_prompts(prompt_file)
+    settings = FidelitySettings(n_requests=4, repeats=2, loads=(0.7, 0.9), baseline="prompt_length",
+                                capacity_runs=2, capacity_requests=4, max_tokens=M, max_resident=16,
+                                decode_slots=2)
+    result = run_fidelity(prompts[:12], prompts[12:], settings)
+    assert result["clock"] == "wall"
+    cap = result["capacity_rps"]
+    assert len(result["capacity"]["runs"]) == 2 and cap["ci_low"] <= cap["value"] <= cap["ci_high"] and cap["value"] > 0
+    factor = result["capacity"]["engine_over_simulator"]
+    assert cap["value"] == pytest.approx(factor["value"] * result["capacity"]["capacity_sim_rps"])
+    assert result["rates_rps"] == {"0.7": pytest.approx(0.7 * cap["value"]), "0.9": pytest.approx(0.9 * cap["value"])}
+    # every (load, policy, repeat, request) run has a wall-clock latency and a simulated one
+    assert result["request_error_wall"]["requests"] == 2 * 4 * 2 * 4
+    assert 0 <= result["request_error_wall"]["median"] <= result["request_error_wall"]["p90"]
+    assert set(result["ratios"]) == {f"{name}@{m}" for m in ("0.7", "0.9") for name in (
+        "leap_over_fcfs", "prompt_length_over_fcfs", "oracle_over_fcfs", "leap_over_oracle", "leap_over_baseline")}
+    for r in result["ratios"].values():
+        assert r["live"]["ci_low"] <= r["live"]["value"] <= r["live"]["ci_high"]
+        assert r["inside"] == (r["live"]["ci_low"] <= r["sim"] <= r["live"]["ci_high"])
+    assert result["step_model_fit"]["steps"] > 0

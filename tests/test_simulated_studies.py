@@ -92,10 +92,12 @@ def load_result():
 def test_run_load_returns_the_documented_shape_and_oracle_beats_fcfs(load_result):
     result = load_result
     json.dumps(result, allow_nan=False)
-    assert result["capacity_rps"] > 0 and result["n_requests"] == 400 and result["seeds"] == 6
+    capacity = result["capacity_rps"]
+    assert capacity["value"] == capacity["simulated"] > 0 and result["n_requests"] == 400 and result["seeds"] == 6
+    assert capacity["scale"] == 1.0 and capacity["ci_low"] is None and capacity["source"].startswith("simulator")
     assert list(result["table"]) == ["0.7", "0.9", "1.5"]
     assert result["overloads"] == [{"load": 1.5, "horizon_requests": 400,
-                                    "horizon_s": pytest.approx(400 / (1.5 * result["capacity_rps"]))}]
+                                    "horizon_s": pytest.approx(400 / (1.5 * capacity["value"]))}]
     for row in result["table"].values():
         assert set(row) == {"noisy", "leap", "fcfs", "oracle"}
         for figures in row.values():
@@ -173,7 +175,7 @@ def test_the_tail_figures_are_those_of_the_replays_averaged_over_seeds():
     prompt, out, predicted = _pool(n=200)
     result = run_load(prompt, out, {"noisy": predicted}, STEP_MODEL, loads=(0.9,), overloads=(), n_requests=150,
                       seeds=2, decode_slots=4)
-    capacity, threshold = result["capacity_rps"], result["long_requests"]["min_tokens"]
+    capacity, threshold = result["capacity_rps"]["value"], result["long_requests"]["min_tokens"]
     expected = {"p99_latency_s": [], "p99_ptl": [], "max_wait_s": [], "long_p99_latency_s": []}
     for idx, arrival_seed in _workloads(out.size, 150, 2, 0):
         arrival = poisson_arrivals(150, 0.9 * capacity, seed=arrival_seed)
@@ -284,6 +286,52 @@ def test_hyperparameters_record_the_mlps_own_search():
     assert found["params"]["alphas"] == (1.0, 10.0) and "num_threads" not in found["params"]
     assert found["chosen"]["alpha"] in (1.0, 10.0) and found["chosen"]["learning_rate"] == 1e-3
     assert found["val_spearman"] == max(t["val_spearman"] for t in mlp.trials_)
+
+
+def test_loads_are_fractions_of_the_engine_measured_capacity():
+    """With an engine that sustains half of what the simulator says, every load's arrivals come at half the
+    rate: the run equals the plain run at half the load, and the capacity carries the engine's interval."""
+    from evaluation.simulated import EngineCapacity
+
+    prompt, out, predicted = _pool(n=200)
+    engine = EngineCapacity(scale=0.5, ci_low=0.45, ci_high=0.55, source="engine")
+    halved = run_load(prompt, out, {"noisy": predicted}, STEP_MODEL, loads=(0.9,), headline=0.9, overloads=(),
+                      n_requests=150, seeds=2, engine=engine)
+    plain = run_load(prompt, out, {"noisy": predicted}, STEP_MODEL, loads=(0.45,), headline=0.45, overloads=(),
+                     n_requests=150, seeds=2)
+    simulated = plain["capacity_rps"]["value"]
+    assert halved["capacity_rps"] == pytest.approx({"value": 0.5 * simulated, "ci_low": 0.45 * simulated,
+                                                     "ci_high": 0.55 * simulated, "simulated": simulated,
+                                                     "scale": 0.5, "source": "engine"})
+    assert halved["table"]["0.9"]["fcfs"]["mean_ptl"] == pytest.approx(plain["table"]["0.45"]["fcfs"]["mean_ptl"])
+
+
+def test_the_load_study_reads_the_engine_capacity_of_the_saved_fidelity_study(tmp_path):
+    """The engine's steady rate over this step model's on each saved saturated run, averaged with a t interval."""
+    from scipy import stats
+
+    from evaluation.fidelity import simulated_steady_rate
+    from evaluation.studies import engine_capacity
+
+    config = SimConfig(step_model=STEP_MODEL, decode_slots=8, max_resident=512)
+    rng = np.random.default_rng(3)
+    runs = []
+    for factor in (0.7, 0.8, 0.9):
+        prompt, out = rng.integers(20, 300, 24).tolist(), rng.integers(5, 500, 24).tolist()
+        runs.append({"rps": factor * simulated_steady_rate(prompt, out, config), "prompt_tokens": prompt,
+                     "output_tokens": out})
+    saved = {"quick": False, "commit": "abc", "settings": {"decode_slots": 8, "max_resident": 512},
+             "capacity": {"runs": runs}}
+    path = tmp_path / "fidelity.json"
+    path.write_text(json.dumps(saved))
+    engine = engine_capacity(STEP_MODEL, path, decode_slots=8, max_resident=512)
+    half = stats.t.ppf(0.975, 2) * 0.1 / np.sqrt(3)
+    assert (engine.scale, engine.ci_low, engine.ci_high) == pytest.approx((0.8, 0.8 - half, 0.8 + half))
+    assert "measured on the engine" in engine.source
+    assert engine_capacity(STEP_MODEL, path, decode_slots=16, max_resident=512).scale == 1.0  # another K
+    path.write_text(json.dumps({**saved, "quick": True}))  # shrunk lengths: not the studies' regime
+    assert engine_capacity(STEP_MODEL, path, decode_slots=8, max_resident=512).scale == 1.0
+    assert engine_capacity(STEP_MODEL, tmp_path / "missing.json").scale == 1.0
 
 
 def test_sustained_capacity_excludes_the_drain_tail():
