@@ -55,6 +55,24 @@ def _base_config(step_model: StepTimeModel, config: dict) -> SimConfig:
     return SimConfig(step_model=step_model, **config)
 
 
+def bursty_arrivals(gaps: np.ndarray, n: int, rate: float, seed: int = 0) -> np.ndarray:
+    """`n` arrival times whose gaps are `n` consecutive gaps of a real trace (a seeded window), rescaled so
+    that their mean rate is `rate`: the trace's bursts and lulls at the study's load."""
+    gaps = np.asarray(gaps, dtype=np.float64)
+    if rate <= 0 or n < 1 or gaps.size < n:
+        raise ValueError(f"need a positive rate and at least {n} trace gaps (have {gaps.size})")
+    start = int(np.random.default_rng(seed).integers(0, gaps.size - n + 1))
+    window = gaps[start:start + n]
+    if window.sum() <= 0:
+        window = np.ones(n)
+    return np.cumsum(window / (window.mean() * rate))
+
+
+def _arrivals(n: int, rate: float, seed: int, gaps: np.ndarray | None) -> np.ndarray:
+    """Poisson arrivals at `rate`, or a real trace's bursts at that mean rate when `gaps` is given."""
+    return poisson_arrivals(n, rate, seed=seed) if gaps is None else bursty_arrivals(gaps, n, rate, seed)
+
+
 def _workloads(n_pool: int, n_requests: int, repeats: int, seed: int):
     """Per repeat: the drawn pool indices and an arrival seed (drawn with replacement only if needed)."""
     if n_requests < 1 or repeats < 1:
@@ -160,7 +178,7 @@ def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str
              step_model: StepTimeModel, loads=LOADS, headline: float = HEADLINE_LOAD, overloads=OVERLOADS,
              n_requests: int = N_REQUESTS, seeds: int = 30, seed: int = 0,
              orders: dict[str, Order] | None = None, best_baseline: str | None = None,
-             engine: EngineCapacity = EngineCapacity(), **config) -> dict:
+             engine: EngineCapacity = EngineCapacity(), gaps: np.ndarray | None = None, **config) -> dict:
     """Latency and PTL of every policy at Poisson loads quoted as fractions of the sustained capacity.
 
     Each of `seeds` workloads draws `n_requests` from the pool and one arrival sequence per load; every
@@ -179,7 +197,9 @@ def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str
     which flatters the baseline, and `best_baseline_chosen_on` says "test".
 
     `engine`: the engine-measured capacity the loads are fractions of (`EngineCapacity`);
-    `capacity_rps` reports it for this pool with its interval.
+    `capacity_rps` reports it for this pool with its interval. `gaps`: a real trace's inter-arrival gaps;
+    each workload then arrives in a window of the trace's bursts rescaled to the load (`bursty_arrivals`)
+    instead of a Poisson process.
     """
     prompt, out, preds = _pool(prompt_tokens, lengths, predictions)
     base = _base_config(step_model, config)
@@ -198,7 +218,7 @@ def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str
     long_threshold = float(np.quantile(out, LONG_QUANTILE))
     for idx, arrival_seed in _workloads(out.size, n_requests, seeds, seed):
         for m in every_load:
-            arrival = poisson_arrivals(n_requests, m * capacity, seed=arrival_seed)
+            arrival = _arrivals(n_requests, m * capacity, arrival_seed, gaps)
             for policy, figures in _replays(policies, arrival, idx, prompt, out, preds, base, orders,
                                             out[idx] >= long_threshold).items():
                 runs[m][policy].append(figures)
@@ -213,6 +233,7 @@ def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str
     long_p95 = {p: _per_seed(runs[float(headline)][p], "long_p95_latency_s") for p in policies}
     return {
         "capacity_rps": capacity_rps,
+        "arrivals": "poisson" if gaps is None else "bursty: windows of a real trace's gaps at the load's mean rate",
         "long_requests": {"quantile": LONG_QUANTILE, "min_tokens": long_threshold},
         "capacity_measure": "FCFS steady state: completions between the 25th and 75th percentile of a "
                             "saturated run of 4,000 pool requests in the simulator, x the engine's capacity over "
@@ -433,6 +454,11 @@ def section_load(result: dict, image: str) -> str:
         _table(["ratio", "value [95% CI]"], ratio_rows),
     ]
     text += _best_baseline_lines(result) + _ratios_by_load_lines(result) + _tail_lines(result)
+    if result.get("bursty"):
+        bursty = {**result["bursty"], "headline_load": result["headline_load"]}
+        text += ["", "With bursty arrivals (the Azure conversation trace's gaps, windows rescaled to the load), "
+                     "LEAP's mean PTL over each reference:", "",
+                 *[f"- {key}: {_interval(r)}" for key, r in bursty["ratios"].items()], *_tail_lines(bursty)]
     if result.get("long_p95_over_fcfs"):
         text += ["", f"Long requests (true length >= {_g(result['long_requests']['min_tokens'])} tokens, the pool's "
                      f"top decile): P95 latency over FCFS's at {result['headline_load']:g}, paired by seed (goal "
@@ -498,7 +524,8 @@ def _tail_lines(result: dict) -> list[str]:
         return _with_ci(row, name) if "p95" in name or "p99" in name else _g(row[name])
 
     rows = [[policy, *(cell(by_load[head], f) for f in figures)] for policy, by_load in tail.items() if head in by_load]
-    return ["", f"Tail at {result['headline_load']:g} of capacity, mean over the seeds [95% CI]: latency (s) and "
+    return ["", f"Tail at {result['headline_load']:g} of capacity ({result.get('arrivals', 'poisson')} arrivals), "
+                "mean over the seeds [95% CI]: latency (s) and "
                 f"PTL (s/token) quantiles; the longest wait from arrival to admission (s); the most consecutive "
                 f"steps a resident request was held out of decoding; long requests' P95 and P99 latency (s):", "",
             _table(["policy", "P50 lat", "P95 lat", "P99 lat", "P95 PTL", "P99 PTL", "max wait", "max held out",

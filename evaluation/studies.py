@@ -20,6 +20,7 @@ from evaluation.corpora import load_or_build, model_info
 from evaluation.data import length_data
 from evaluation.selections import CHAT_TEST, CHAT_TRAIN, select
 from evaluation.transfer import FEEDBACK_COUNTS, domain_predictions, fit_leap, run_transfer, stream_predictions
+from harness.datasets import trace_gaps
 from leap_core.gittins import LengthGivenPrediction
 from leap_core.metrics import spearman as offline_spearman
 from leap_core.simulator import StepTimeModel
@@ -201,6 +202,12 @@ def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, ba
                                 orders=orders, best_baseline=validation.get("best_baseline"), engine=engine,
                                 **options)
     result.update(validation)
+    say("the same policies at the headline load with bursty arrivals (a real trace's gaps)")
+    headline = options.get("headline", simulated.HEADLINE_LOAD)
+    bursty = simulated.run_load(evaluation.prompt_tokens, evaluation.lengths, predictions, step_model,
+                                orders=orders, best_baseline=validation.get("best_baseline"), engine=engine,
+                                gaps=trace_gaps(), **{**options, "loads": (headline,), "overloads": ()})
+    result["bursty"] = {key: bursty[key] for key in ("arrivals", "table", "tail", "ratios", "long_p95_over_fcfs")}
     result.update(train=train_spec, test=list(test_specs), n_train=len(train), tail_guard=guard,
                   gittins={"weight": distribution.weight, "bins": len(distribution.samples_),
                            "validation_pairs": distribution.n_, "folds": GITTINS_FOLDS,

@@ -20,6 +20,8 @@ __all__ = [
     "shared_dir",
     "trace_path",
     "load_trace",
+    "trace_gaps",
+    "write_trace_gaps",
     "load_prompts",
     "iter_json_array",
     "sharegpt_prompts",
@@ -73,6 +75,29 @@ def load_trace(path: str | Path, limit: int | None = None) -> dict[str, np.ndarr
         "prompt_tokens": table["ContextTokens"].to_numpy().astype(np.int64),
         "output_tokens": table["GeneratedTokens"].to_numpy().astype(np.int64),
     }
+
+
+TRACE_GAPS = _REPO_ROOT / "corpus" / "traces" / "azure-conv-gaps.npy"
+"""Inter-arrival gaps of the Azure conversation trace (AzurePublicDataset, CC-BY-4.0), committed so that a
+checkout without the shared folder simulates the same bursts (`write_trace_gaps` rewrites it)."""
+
+
+def write_trace_gaps(kind: str = "conv", path: Path | None = None) -> Path:
+    """Store the gaps (s, float32) between consecutive arrivals of the shared Azure trace of `kind`."""
+    arrival = np.sort(load_trace(trace_path(kind))["arrival"])
+    path = path or TRACE_GAPS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(path, np.diff(arrival).astype(np.float32))
+    return path
+
+
+def trace_gaps(path: Path | None = None) -> np.ndarray:
+    """The committed inter-arrival gaps (s) of a real trace, validated: finite, non-negative, some positive."""
+    path = path or TRACE_GAPS
+    gaps = np.load(path, allow_pickle=False).astype(np.float64).reshape(-1)
+    if gaps.size < 2 or not np.isfinite(gaps).all() or (gaps < 0).any() or gaps.sum() <= 0:
+        raise ValueError(f"{path}: not a trace's inter-arrival gaps (need finite, non-negative, some positive)")
+    return gaps
 
 
 def _check_prompt(row: Any, where: str) -> dict:

@@ -334,6 +334,45 @@ def test_the_load_study_reads_the_engine_capacity_of_the_saved_fidelity_study(tm
     assert engine_capacity(STEP_MODEL, tmp_path / "missing.json").scale == 1.0
 
 
+def test_bursty_arrivals_keep_a_trace_windows_shape_at_the_loads_mean_rate():
+    from evaluation.simulated import bursty_arrivals
+
+    gaps = np.array([0.1, 0.1, 5.0, 0.1, 0.1, 0.1, 3.0, 0.2] * 50)
+    arrival = bursty_arrivals(gaps, 100, rate=4.0, seed=3)
+    assert arrival.size == 100 and np.all(np.diff(arrival) >= 0)
+    assert np.mean(np.diff(np.concatenate([[0.0], arrival]))) == pytest.approx(0.25)  # mean rate 4/s
+    relative = np.diff(np.concatenate([[0.0], arrival])) / 0.25
+    window_start = next(k for k in range(gaps.size - 99)
+                        if np.allclose(gaps[k:k + 100] / gaps[k:k + 100].mean(), relative))
+    assert window_start >= 0  # the gaps are a window of the trace's, in order, rescaled
+    assert np.array_equal(arrival, bursty_arrivals(gaps, 100, rate=4.0, seed=3))
+    with pytest.raises(ValueError, match="trace gaps"):
+        bursty_arrivals(gaps[:10], 100, rate=4.0)
+
+
+def test_run_load_with_trace_gaps_says_so_and_keeps_every_request():
+    prompt, out, predicted = _pool(n=200)
+    gaps = np.random.default_rng(0).exponential(1.0, 5000) * np.repeat([0.2, 3.0], 2500)  # a busy then a quiet hour
+    result = run_load(prompt, out, {"noisy": predicted}, STEP_MODEL, loads=(0.9,), overloads=(), n_requests=150,
+                      seeds=2, gaps=gaps)
+    assert result["arrivals"].startswith("bursty")
+    assert set(result["tail"]) == {"noisy", "fcfs", "oracle"} and "leap_over_fcfs" not in result["ratios"]
+
+
+def test_the_committed_trace_gaps_are_validated(tmp_path):
+    from harness.datasets import trace_gaps
+
+    gaps = trace_gaps()
+    assert gaps.size > 10_000 and (gaps >= 0).all() and gaps.mean() > 0
+    bad = tmp_path / "gaps.npy"
+    np.save(bad, np.array([0.1, -1.0, 0.2]))
+    with pytest.raises(ValueError, match="inter-arrival gaps"):
+        trace_gaps(bad)
+    np.save(bad, np.array([0.1, np.nan, 0.2]))
+    with pytest.raises(ValueError, match="inter-arrival gaps"):
+        trace_gaps(bad)
+
+
 def test_sustained_capacity_excludes_the_drain_tail():
     """Steady-state throughput is above what one pool released at once reaches over its whole makespan."""
     from leap_core.simulator import SimConfig, simulate
