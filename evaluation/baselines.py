@@ -469,15 +469,20 @@ class HiddenStateMLP(BaseEstimator):
     ordered and overfits a few hundred rows; this head keeps TRAIL's input and its MLP but trains a
     regression (squared error on the sqrt length, the target LEAP's readout uses), with an L2 penalty and
     early stopping (scikit-learn's MLPRegressor, which holds out `stop_fraction` of the rows it fits).
-    The penalty and the learning rate are searched on a seeded validation split of the training rows
-    (`val_fraction`) by validation Spearman; the winner is refitted on all training rows.
+    The architecture (`hidden`: one tuple of layer widths, or a grid of them), the penalty and the
+    learning rate are searched on a seeded validation split of the training rows (`val_fraction`) by
+    validation Spearman; the winner is refitted on all training rows. The default grid runs from one
+    256-wide layer to two, alpha 10 to 1e4 and learning rate 3e-4 down to 1e-4, past the corner the
+    earlier, smaller grid chose (alpha 100, 3e-4); `best_params_["on_grid_edge"]` names every chosen
+    value that still sits on the grid's edge (the search may not have turned there).
     """
 
     name = "trail_mlp"
     input = "hidden"
 
-    def __init__(self, hidden: tuple[int, ...] = (256,), alphas: tuple[float, ...] = (1.0, 10.0, 100.0),
-                 learning_rates: tuple[float, ...] = (1e-3, 3e-4), max_iter: int = 200, batch_size: int = 64,
+    def __init__(self, hidden: tuple = ((256,), (512,), (256, 256)),
+                 alphas: tuple[float, ...] = (10.0, 100.0, 1e3, 1e4),
+                 learning_rates: tuple[float, ...] = (3e-4, 1e-4), max_iter: int = 400, batch_size: int = 64,
                  val_fraction: float = 0.15, stop_fraction: float = 0.1, n_iter_no_change: int = 10,
                  seed: int = 0, num_threads: int | None = None):
         self.hidden = hidden
@@ -491,12 +496,19 @@ class HiddenStateMLP(BaseEstimator):
         self.seed = seed
         self.num_threads = num_threads
 
-    def _network(self, alpha: float, lr: float, n: int) -> Pipeline:
+    def architectures(self) -> tuple[tuple[int, ...], ...]:
+        """`hidden` as a grid of architectures: (256,) is one, ((256,), (256, 256)) two."""
+        grid = _as_grid(self.hidden)
+        if all(isinstance(width, (int, np.integer)) for width in grid):
+            return (tuple(int(w) for w in grid),)
+        return tuple(tuple(int(w) for w in _as_grid(layers)) for layers in grid)
+
+    def _network(self, hidden: tuple[int, ...], alpha: float, lr: float, n: int) -> Pipeline:
         # MLPRegressor's early stopping needs a validation part of at least 2 rows.
         stop = n >= 20 and self.stop_fraction > 0
         n_train = n - int(np.ceil(self.stop_fraction * n)) if stop else n
         return make_pipeline(StandardScaler(), MLPRegressor(
-            hidden_layer_sizes=tuple(_as_grid(self.hidden)), alpha=alpha, learning_rate_init=lr,
+            hidden_layer_sizes=tuple(hidden), alpha=alpha, learning_rate_init=lr,
             batch_size=max(1, min(self.batch_size, n_train)), max_iter=self.max_iter, early_stopping=stop,
             validation_fraction=self.stop_fraction if stop else 0.1, n_iter_no_change=self.n_iter_no_change,
             random_state=self.seed))
@@ -512,25 +524,32 @@ class HiddenStateMLP(BaseEstimator):
         target = (root - self.target_mean_) / self.target_scale_
         features = np.asarray(data.features, dtype=np.float32)
         fit_rows, val_rows = validation_split(len(data), self.val_fraction, self.seed)
-        grid = [(float(a), float(lr)) for a in _as_grid(self.alphas) for lr in _as_grid(self.learning_rates)]
+        alphas = tuple(float(a) for a in _as_grid(self.alphas))
+        rates = tuple(float(lr) for lr in _as_grid(self.learning_rates))
+        grid = [(h, a, lr) for h in self.architectures() for a in alphas for lr in rates]
         self.trials_: list[dict[str, Any]] = []
         with _blas_threads(self.num_threads), warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
             if len(grid) > 1 and len(val_rows):
-                for alpha, lr in grid:
-                    network = self._network(alpha, lr, len(fit_rows)).fit(features[fit_rows], target[fit_rows])
+                for hidden, alpha, lr in grid:
+                    network = self._network(hidden, alpha, lr, len(fit_rows)).fit(features[fit_rows],
+                                                                                 target[fit_rows])
                     score = _score(target[val_rows], network.predict(features[val_rows]))
-                    self.trials_.append({"alpha": alpha, "learning_rate": lr, "val_spearman": score,
-                                         "n_iter": int(network[-1].n_iter_)})
+                    self.trials_.append({"hidden": list(hidden), "alpha": alpha, "learning_rate": lr,
+                                         "val_spearman": score, "n_iter": int(network[-1].n_iter_)})
                 best = max(self.trials_, key=lambda t: t["val_spearman"])
-                alpha, lr = best["alpha"], best["learning_rate"]
+                hidden, alpha, lr = tuple(best["hidden"]), best["alpha"], best["learning_rate"]
                 self.val_spearman_ = float(best["val_spearman"])
             else:
-                alpha, lr = grid[0]
+                hidden, alpha, lr = grid[0]
                 self.val_spearman_ = float("nan")
-            self.model_ = self._network(alpha, lr, len(data)).fit(features, target)
+            self.model_ = self._network(hidden, alpha, lr, len(data)).fit(features, target)
         mlp = self.model_[-1]
-        self.best_params_ = {"alpha": alpha, "learning_rate": lr, "n_iter": int(mlp.n_iter_)}
+        edges = {"alpha": alphas, "learning_rate": rates}
+        self.best_params_ = {"hidden": list(hidden), "alpha": alpha, "learning_rate": lr, "n_iter": int(mlp.n_iter_),
+                             "on_grid_edge": [name for name, values in edges.items() if len(values) > 1
+                                              and {"alpha": alpha, "learning_rate": lr}[name] in (min(values),
+                                                                                                 max(values))]}
         self.max_tokens_ = int(data.max_tokens)
         self.n_params_ = int(sum(w.size for w in mlp.coefs_) + sum(b.size for b in mlp.intercepts_))
         return self

@@ -20,13 +20,17 @@ RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 JSON = typer.Option(False, "--json", help="one JSON object on stdout")
 
 
+STARTED: dict[str, str] = {}  # the commit a study started from: a long study must not name a later one
+
+
 def _clean_tree(save: bool) -> bool:
     """--save only from a checkout whose tracked files match its commit: a published result names the code
-    that produced it (checked before the study runs, not after hours of it)."""
-    if save:
-        from harness.snapshot import git_commit
+    that produced it (checked before the study runs, not after hours of it). The commit is kept: the
+    result names the code the study started from, even if the checkout moves on while it runs."""
+    from harness.snapshot import git_commit
 
-        commit = git_commit()
+    commit = STARTED["commit"] = git_commit()
+    if save:
         if commit.endswith("-dirty"):
             raise typer.BadParameter(f"tracked files differ from {commit[:12]}: commit them (or stash) before "
                                      "saving a result, so it names the code that produced it")
@@ -50,7 +54,10 @@ def _say(as_json: bool):
 def _finish(result: dict, study: str, name: str, as_json: bool, save: bool) -> None:
     from harness.snapshot import provenance
 
-    result = {"study": study, **result, **provenance(), "command": "leap " + shlex.join(sys.argv[1:])}
+    source = provenance()
+    if STARTED.get("commit") and source["commit"] != STARTED["commit"]:
+        source.update(commit=STARTED["commit"], commit_at_end=source["commit"])
+    result = {"study": study, **result, **source, "command": "leap " + shlex.join(sys.argv[1:])}
     if save:
         RESULTS.mkdir(parents=True, exist_ok=True)
         path = RESULTS / f"{name}.json"

@@ -97,12 +97,14 @@ def test_mlp_settings_are_chosen_on_the_validation_split_of_the_training_rows_on
     best = max(predictor.trials_, key=lambda t: t["val_spearman"])
     assert (predictor.best_params_["alpha"], predictor.best_params_["learning_rate"]) == \
         (best["alpha"], best["learning_rate"])
+    assert predictor.best_params_["hidden"] == [32]
+    assert set(predictor.best_params_["on_grid_edge"]) == {"alpha", "learning_rate"}  # two values a grid: edges
     assert predictor.val_spearman_ == best["val_spearman"]
     # Each trial's score is reproduced from the training rows alone: fit part -> validation part.
     fit_rows, val_rows = validation_split(len(train), predictor.val_fraction, predictor.seed)
     target = np.sqrt(train.lengths)
     for trial in predictor.trials_:
-        network = predictor._network(trial["alpha"], trial["learning_rate"], len(fit_rows))
+        network = predictor._network(tuple(trial["hidden"]), trial["alpha"], trial["learning_rate"], len(fit_rows))
         network.fit(train.features[fit_rows], (target[fit_rows] - target.mean()) / target.std())
         assert spearman(target[val_rows], network.predict(train.features[val_rows])) == \
             pytest.approx(trial["val_spearman"])
@@ -113,9 +115,23 @@ def test_mlp_settings_are_chosen_on_the_validation_split_of_the_training_rows_on
     np.testing.assert_allclose(predictor.predict(scrambled), predictor.predict(test))
 
 
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_mlp_searches_architectures_and_says_which_choices_sit_on_the_grid_edge():
+    train = monotone_hidden(160, seed=4)
+    predictor = HiddenStateMLP(hidden=((8,), (8, 8)), alphas=(0.1, 1.0, 10.0), learning_rates=(1e-3,), max_iter=30,
+                               num_threads=1).fit(train)
+    assert predictor.architectures() == ((8,), (8, 8))
+    assert [(tuple(t["hidden"]), t["alpha"]) for t in predictor.trials_] == [
+        (h, a) for h in ((8,), (8, 8)) for a in (0.1, 1.0, 10.0)]
+    best = max(predictor.trials_, key=lambda t: t["val_spearman"])
+    assert predictor.best_params_["hidden"] == best["hidden"]
+    assert predictor.best_params_["on_grid_edge"] == ([] if best["alpha"] == 1.0 else ["alpha"])
+    assert HiddenStateMLP(hidden=(16, 16)).architectures() == ((16, 16),)
+
+
 def test_mlp_regression_beats_a_constant_on_a_monotone_signal():
     train, test = monotone_hidden(400, seed=2), monotone_hidden(200, seed=3)
-    predictor = HiddenStateMLP(hidden=(64,), num_threads=1).fit(train)
+    predictor = HiddenStateMLP(hidden=(64,), learning_rates=(1e-3, 3e-4), num_threads=1).fit(train)
     pred = predictor.predict(test)
     assert pred.min() >= 1.0 and pred.max() <= MAX_TOKENS
     assert spearman(test.lengths, pred) > 0.7

@@ -83,3 +83,23 @@ def test_saving_a_result_from_a_dirty_checkout_is_refused_before_the_study_runs(
     assert refused.exit_code == 2
     said = " ".join(refused.output.replace("│", " ").split())  # rich boxes and wraps the message
     assert "tracked files differ from 0123456789ab: commit them" in said
+
+
+def test_a_result_names_the_commit_its_study_started_from(monkeypatch):
+    """A long study outlives the checkout it started on: the result names the start commit and says where
+    the checkout was when it ended."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from evaluation import ceiling
+    from harness import snapshot
+    from leap_cli.main import app
+
+    heads = iter(["a" * 40, "b" * 40, "b" * 40])
+    monkeypatch.setattr(snapshot, "git_commit", lambda: next(heads))
+    monkeypatch.setattr(ceiling, "ceiling_study", lambda *args, **kwargs: {"n": 1})
+    done = CliRunner().invoke(app, ["eval", "ceiling", "--json"])
+    assert done.exit_code == 0, done.output
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["commit"] == "a" * 40 and result["commit_at_end"] == "b" * 40
