@@ -175,27 +175,18 @@ def run_fidelity(train_prompts: Sequence[dict], pool_prompts: Sequence[dict], se
     """The study of the module docstring; `pool_prompts` are held out from `train_prompts` and split into
     the capacity samples and the replayed requests, disjoint."""
     from evaluation.data import length_data
-    from evaluation.live import (fit_leap_with_anchor, fit_predictors, predicted_lengths, prefill_budget,
-                                 replay_policy, simulated_latency)
-    from harness.experiment import corpus_for, fixed_length_requests, open_live
-    from leap_core.simulator import SimConfig, StepTimeModel, fcfs_capacity
+    from evaluation.live import (fit_leap_with_anchor, fit_predictors, open_replay_engine, predicted_lengths,
+                                 prefill_budget, replay_policy, simulated_latency, training_and_requests)
     from harness.replay import planned_arrivals
-    from serving.config import LeapConfig
+    from leap_core.simulator import SimConfig, StepTimeModel, fcfs_capacity
 
-    leap_config = LeapConfig(policy="fcfs", rls=False, max_resident=settings.max_resident,
-                             decode_slots=settings.decode_slots, waiting_cap=settings.waiting_cap)
-    live = open_live(model, leap_config, max_tokens=settings.max_tokens)
+    live = open_replay_engine(settings, model)
     try:
         say(f"lengths and features of {len(train_prompts)} training and {len(pool_prompts)} held-out prompts")
-        train = length_data(corpus_for(live, train_prompts), train_prompts)
-        pool_corpus = corpus_for(live, pool_prompts)
-        requests = fixed_length_requests(live, pool_prompts, pool_corpus)
+        train, pool_corpus, requests = training_and_requests(live, train_prompts, pool_prompts)
         if settings.max_prompt_tokens is not None:
             requests = [r for r in requests if len(r.prompt_token_ids) <= settings.max_prompt_tokens]
         requests = _shrunk(requests, settings.length_divisor)
-        text_of = {p["id"]: p["prompt"] for p in pool_prompts}
-        for request in requests:
-            request.text = text_of.get(request.id)
         needed = settings.n_requests + settings.capacity_runs * settings.capacity_requests
         if len(requests) < needed:
             raise ValueError(f"{len(requests)} usable held-out requests, the study needs {needed}")

@@ -147,17 +147,10 @@ def run_live(train_prompts: Sequence[dict], replay_prompts: Sequence[dict], sett
     unknown = [p for p in settings.policies if p not in FULL_POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; expected some of {FULL_POLICIES}")
-    leap_config = LeapConfig(policy="fcfs", rls=False, max_resident=settings.max_resident,
-                             decode_slots=settings.decode_slots, waiting_cap=settings.waiting_cap)
-    live = open_live(model, leap_config, max_tokens=settings.max_tokens)
+    live = open_replay_engine(settings, model)
     try:
         say(f"lengths and features of {len(train_prompts)} training and {len(replay_prompts)} replayed prompts")
-        train = length_data(corpus_for(live, train_prompts), train_prompts)
-        replay_corpus = corpus_for(live, replay_prompts)
-        text_of = {p["id"]: p["prompt"] for p in replay_prompts}
-        requests = fixed_length_requests(live, replay_prompts, replay_corpus)
-        for request in requests:
-            request.text = text_of.get(request.id)
+        train, replay_corpus, requests = training_and_requests(live, train_prompts, replay_prompts)
         replayed = length_data(replay_corpus, replay_prompts)
         predictors = fit_predictors(train, settings.policies, say)
         costs = {name: measure_cost(p, replayed) for name, p in predictors.items()}
@@ -185,6 +178,26 @@ def run_live(train_prompts: Sequence[dict], replay_prompts: Sequence[dict], sett
     finally:
         live.close()
     return _aggregate(runs, costs, settings, rate, capacity, step_model, fit, len(requests), len(train))
+
+
+def open_replay_engine(settings: Any, model: str | None = None) -> Any:
+    """The in-process engine a replay study runs on: FCFS to start, `settings`' R, K, waiting cap and M."""
+    return open_live(model, LeapConfig(policy="fcfs", rls=False, max_resident=settings.max_resident,
+                                       decode_slots=settings.decode_slots, waiting_cap=settings.waiting_cap),
+                     max_tokens=settings.max_tokens)
+
+
+def training_and_requests(live: Any, train_prompts: Sequence[dict],
+                          replay_prompts: Sequence[dict]) -> tuple[LengthData, Any, list[ReplayRequest]]:
+    """The training rows, the replayed prompts' corpus, and their replay requests (recorded lengths, text
+    kept for the predictors that read it)."""
+    train = length_data(corpus_for(live, train_prompts), train_prompts)
+    corpus = corpus_for(live, replay_prompts)
+    text_of = {p["id"]: p["prompt"] for p in replay_prompts}
+    requests = fixed_length_requests(live, replay_prompts, corpus)
+    for request in requests:
+        request.text = text_of.get(request.id)
+    return train, corpus, requests
 
 
 def fit_leap_with_anchor(train: LengthData) -> tuple[Any, dict]:
