@@ -96,22 +96,34 @@ class Order:
 
 @dataclass(frozen=True)
 class EngineCapacity:
-    """What the engine sustains on the wall clock over what the simulator says for the same requests (the
-    fidelity study measures both, `leap eval fidelity`). Loads are quoted as fractions of the engine's
-    capacity, carried to another pool's length mix by the simulator: `scale` x that pool's simulated
-    capacity, the interval from the engine measurement's. Without one, `scale` 1 and no interval: the
-    simulator's own capacity."""
+    """What the engine sustains on the wall clock over what the simulator, with a given step model, says for
+    the same requests (the fidelity study measures both, `leap eval fidelity`).
+
+    The simulator then runs on the engine's time base: every step cost divided by `scale`
+    (`rescale`), so a pool's simulated capacity is what the engine would sustain on it, a load of 0.9 is
+    0.9 of that, and the seconds are the engine's. (Arrivals at a fraction of the engine's capacity priced
+    by a slower or faster step model would put the simulated queue at another load than the engine's.)
+    The ratios between policies at a load do not depend on `scale`; the capacity and the seconds do, and
+    carry the engine measurement's interval. Without one, `scale` 1 and no interval: the simulator's own
+    capacity."""
 
     scale: float = 1.0
     ci_low: float = float("nan")
     ci_high: float = float("nan")
     source: str = "simulator: no engine measurement given"
 
-    def of(self, simulated_rps: float) -> dict[str, Any]:
-        """The pool's capacity as {value, ci_low, ci_high} (requests/s), with the simulated figure and source."""
+    def rescale(self, step_model: StepTimeModel) -> StepTimeModel:
+        """`step_model` on the engine's time base."""
+        return StepTimeModel(base_s=step_model.base_s / self.scale, per_decode_s=step_model.per_decode_s / self.scale,
+                             per_prefill_token_s=step_model.per_prefill_token_s / self.scale)
+
+    def of(self, capacity_rps: float) -> dict[str, Any]:
+        """A pool's capacity simulated on the rescaled step model, as {value, ci_low, ci_high} (requests/s)
+        with the interval of the engine measurement, the factor and its source."""
         measured = np.isfinite(self.ci_low) and np.isfinite(self.ci_high)
-        return {"value": self.scale * simulated_rps, "ci_low": self.ci_low * simulated_rps if measured else None,
-                "ci_high": self.ci_high * simulated_rps if measured else None, "simulated": simulated_rps,
+        return {"value": capacity_rps,
+                "ci_low": capacity_rps * self.ci_low / self.scale if measured else None,
+                "ci_high": capacity_rps * self.ci_high / self.scale if measured else None,
                 "scale": self.scale, "source": self.source}
 
 
@@ -202,7 +214,7 @@ def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str
     instead of a Poisson process.
     """
     prompt, out, preds = _pool(prompt_tokens, lengths, predictions)
-    base = _base_config(step_model, config)
+    base = _base_config(engine.rescale(step_model), config)
     capacity_rps = engine.of(fcfs_capacity(prompt, out, base))
     capacity = capacity_rps["value"]
     orders = dict(orders or {})
@@ -236,8 +248,9 @@ def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str
         "arrivals": "poisson" if gaps is None else "bursty: windows of a real trace's gaps at the load's mean rate",
         "long_requests": {"quantile": LONG_QUANTILE, "min_tokens": long_threshold},
         "capacity_measure": "FCFS steady state: completions between the 25th and 75th percentile of a "
-                            "saturated run of 4,000 pool requests in the simulator, x the engine's capacity over "
-                            "the simulator's on the requests the engine ran (`capacity_rps.scale`)",
+                            "saturated run of 4,000 pool requests in the simulator, its step model on the engine's "
+                            "time base (divided by `capacity_rps.scale`, the engine's rate over the simulator's on "
+                            "the requests the engine ran)",
         "n_requests": int(n_requests),
         "seeds": int(seeds),
         "n_pool": int(out.size),
@@ -297,8 +310,8 @@ def choose_baseline(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: d
     prompt, out, preds = _pool(prompt_tokens, lengths, predictions)
     if not preds:
         raise ValueError("no baseline to choose from")
-    base = _base_config(step_model, config)
-    capacity = engine.of(fcfs_capacity(prompt, out, base))["value"]
+    base = _base_config(engine.rescale(step_model), config)
+    capacity = fcfs_capacity(prompt, out, base)
     policies = [*preds, "fcfs"]
     runs: dict[str, list] = {p: [] for p in policies}
     for idx, arrival_seed in _workloads(out.size, n_requests, seeds, seed):
@@ -328,8 +341,8 @@ def choose_waiting_cap(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: 
     Meant for a validation pool (the training rows with cross-fitted predictions), so the test pool's
     figures never chose it. Paired seeds as in `run_load`; the table keeps every cap's figures."""
     prompt, out, preds = _pool(prompt_tokens, lengths, {order.predictor: predicted})
-    base = _base_config(step_model, config)
-    capacity = engine.of(fcfs_capacity(prompt, out, base))["value"]
+    base = _base_config(engine.rescale(step_model), config)
+    capacity = fcfs_capacity(prompt, out, base)
     threshold = float(np.quantile(out, LONG_QUANTILE))
     guarded = {int(c): replace(order, overrides={**order.overrides, "waiting_cap": int(c)}) for c in caps}
     runs: dict[Any, list] = {"fcfs": [], **{c: [] for c in guarded}}

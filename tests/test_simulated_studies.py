@@ -93,7 +93,7 @@ def test_run_load_returns_the_documented_shape_and_oracle_beats_fcfs(load_result
     result = load_result
     json.dumps(result, allow_nan=False)
     capacity = result["capacity_rps"]
-    assert capacity["value"] == capacity["simulated"] > 0 and result["n_requests"] == 400 and result["seeds"] == 6
+    assert capacity["value"] > 0 and result["n_requests"] == 400 and result["seeds"] == 6
     assert capacity["scale"] == 1.0 and capacity["ci_low"] is None and capacity["source"].startswith("simulator")
     assert list(result["table"]) == ["0.7", "0.9", "1.5"]
     assert result["overloads"] == [{"load": 1.5, "horizon_requests": 400,
@@ -289,21 +289,24 @@ def test_hyperparameters_record_the_mlps_own_search():
 
 
 def test_loads_are_fractions_of_the_engine_measured_capacity():
-    """With an engine that sustains half of what the simulator says, every load's arrivals come at half the
-    rate: the run equals the plain run at half the load, and the capacity carries the engine's interval."""
+    """An engine that sustains half of what the step model says: the simulator runs on the engine's time
+    base (every step twice as long), so each load is the same fraction of a halved capacity, the ratios
+    between policies do not move and every latency doubles; the capacity carries the engine's interval."""
     from evaluation.simulated import EngineCapacity
 
     prompt, out, predicted = _pool(n=200)
     engine = EngineCapacity(scale=0.5, ci_low=0.45, ci_high=0.55, source="engine")
-    halved = run_load(prompt, out, {"noisy": predicted}, STEP_MODEL, loads=(0.9,), headline=0.9, overloads=(),
-                      n_requests=150, seeds=2, engine=engine)
-    plain = run_load(prompt, out, {"noisy": predicted}, STEP_MODEL, loads=(0.45,), headline=0.45, overloads=(),
-                     n_requests=150, seeds=2)
+    run = dict(loads=(0.9,), headline=0.9, overloads=(), n_requests=150, seeds=2)
+    halved = run_load(prompt, out, {"noisy": predicted, "leap": predicted}, STEP_MODEL, engine=engine, **run)
+    plain = run_load(prompt, out, {"noisy": predicted, "leap": predicted}, STEP_MODEL, **run)
     simulated = plain["capacity_rps"]["value"]
     assert halved["capacity_rps"] == pytest.approx({"value": 0.5 * simulated, "ci_low": 0.45 * simulated,
-                                                     "ci_high": 0.55 * simulated, "simulated": simulated,
-                                                     "scale": 0.5, "source": "engine"})
-    assert halved["table"]["0.9"]["fcfs"]["mean_ptl"] == pytest.approx(plain["table"]["0.45"]["fcfs"]["mean_ptl"])
+                                                     "ci_high": 0.55 * simulated, "scale": 0.5, "source": "engine"})
+    for policy in ("fcfs", "noisy", "oracle"):
+        assert halved["table"]["0.9"][policy]["mean_latency_s"] == pytest.approx(
+            2 * plain["table"]["0.9"][policy]["mean_latency_s"])
+    assert halved["ratios"]["leap_over_fcfs"] == pytest.approx(plain["ratios"]["leap_over_fcfs"])
+    assert EngineCapacity(scale=0.5).rescale(STEP_MODEL).per_decode_s == pytest.approx(2 * STEP_MODEL.per_decode_s)
 
 
 def test_the_load_study_reads_the_engine_capacity_of_the_saved_fidelity_study(tmp_path):
