@@ -4,9 +4,10 @@ of its own stops `up` with the exit status and the log. Real processes (small HT
 from __future__ import annotations
 
 import signal
-import subprocess
 import socket
+import subprocess
 import sys
+import time
 import textwrap
 from pathlib import Path
 
@@ -67,10 +68,15 @@ def test_a_service_that_exits_by_itself_while_starting_stops_up_with_its_status_
 
 
 def test_a_pid_file_names_one_process_and_never_a_later_one_that_reuses_its_number(tmp_path):
-    from leap_io.pidfiles import pid_file, pid_line, service_pid, start_ticks
+    from leap_io.pidfiles import pid_file, pid_line, runs_program, service_pid, start_ticks
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "flaky"])
     try:
+        # Popen returns once exec has begun; the kernel fills /proc/<pid>/cmdline a moment later (a window
+        # a loaded machine can hit), and a service's pid file is only ever read long after that.
+        deadline = time.monotonic() + 10
+        while not runs_program(sleeper.pid, "flaky") and time.monotonic() < deadline:
+            time.sleep(0.01)
         path = pid_file(tmp_path, "flaky")
         path.write_text(pid_line(sleeper.pid))
         assert service_pid(tmp_path, "flaky") == sleeper.pid and len(path.read_text().split()) == 2
