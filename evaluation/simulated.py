@@ -452,7 +452,7 @@ def section_load(result: dict, image: str) -> str:
         f"the step-time model calibrated on the live engine at that R and K ({result.get('step_model_source', '')}"
         f"). {result['n_requests']} requests "
         f"per run drawn from a pool of {result['n_pool']} held-out prompts, Poisson arrivals at fractions of the "
-        f"sustained FCFS capacity ({_capacity(result['capacity_rps'])} requests/s, {result['capacity_measure']}); "
+        f"sustained FCFS capacity ({_capacity(result['capacity_rps'])}; {result['capacity_measure']}); "
         f"{result['seeds']} paired seeds (every policy replays the same draw), mean PTL with its 95% bootstrap "
         f"interval over seeds. Overloads (queues grow without bound, so figures depend on the horizon): "
         f"{overloads or 'none'}. The oracle is countdown on the true lengths"
@@ -845,10 +845,10 @@ def _capacity(capacity: float | dict) -> str:
     """A capacity figure: a bare number (results saved before the engine measurement) or {value, ci_low,
     ci_high, source}."""
     if not isinstance(capacity, dict):
-        return _g(capacity)
+        return f"{_g(capacity)} requests/s"
     interval = (f" [{_g(capacity['ci_low'])}, {_g(capacity['ci_high'])}]" if capacity.get("ci_low") is not None
                 else " (no interval)")
-    return f"{_g(capacity['value'])}{interval}, {capacity['source']}"
+    return f"{_g(capacity['value'])}{interval} requests/s, {capacity['source']}"
 
 
 def _g(value: float) -> str:
