@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from leap_core.metrics import bootstrap_ci, ratio_of_means
+from leap_core.metrics import ratio_over_requests
 
 QUICK = {"length_divisor": 8, "max_prompt_tokens": 256}
 REQUEST_ERROR_GOAL = 0.10  # median per-request latency error of the simulator against the wall clock
@@ -89,12 +89,8 @@ def mean_interval(values: Sequence[float], level: float = 0.95) -> dict[str, flo
 
 
 def paired_ratio(num: np.ndarray, den: np.ndarray, repeats: int, seed: int = 0) -> dict[str, float]:
-    """Ratio of mean PTL, numerator arm over denominator arm, from per-(repeat, request) figures laid out
-    repeat after repeat; the 95% interval resamples requests, each with all its repeats."""
-    n_requests = num.size // repeats
-    by_request = np.arange(num.size) % n_requests
-    return bootstrap_ci(ratio_of_means, np.bincount(by_request, num), np.bincount(by_request, den), seed=seed,
-                        vectorized=True)
+    """Ratio of mean PTL, numerator arm over denominator arm (`leap_core.metrics.ratio_over_requests`)."""
+    return ratio_over_requests(num, den, repeats, seed=seed)
 
 
 def ratio_pairs(policies: Sequence[str], baseline: str) -> dict[str, tuple[str, str]]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from leap_core.metrics import bootstrap_ci, ratio_of_means
+from leap_core.metrics import ratio_over_requests
 
 LONG_QUANTILE = 0.75
 BETTER, NO_DIFFERENCE, WORSE = "better", "no-difference", "worse"
@@ -77,10 +77,7 @@ def gate_verdict(results: Mapping[str, Mapping[str, Any] | None], margin: float 
         return _failed("a replay has missing or non-finite latencies", bar, margin, p95_bound)
 
     n_requests = bar_ptl.size // repeats
-    by_request = np.arange(bar_ptl.size) % n_requests  # paired over requests: each keeps all its repeats
-    ch_sums, bar_sums = np.bincount(by_request, ch_ptl), np.bincount(by_request, bar_ptl)
-    ratio = bootstrap_ci(ratio_of_means, ch_sums, bar_sums, n_boot=n_boot, seed=seed, level=level,
-                         vectorized=True)
+    ratio = ratio_over_requests(ch_ptl, bar_ptl, repeats, n_boot=n_boot, seed=seed, level=level)
     long = bar_tokens >= np.quantile(bar_tokens, LONG_QUANTILE)
     bar_long_p95 = float(np.percentile(bar_ptl[long], 95))
     ch_long_p95 = float(np.percentile(ch_ptl[long], 95))

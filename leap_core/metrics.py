@@ -197,6 +197,17 @@ def ratio_of_means(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.mean(a, axis=-1) / np.mean(b, axis=-1)
 
 
+def ratio_over_requests(num: ArrayLike, den: ArrayLike, repeats: int, n_boot: int = 2000, seed: int = 0,
+                        level: float = 0.95) -> dict[str, float]:
+    """Ratio of means of two arms' per-(repeat, request) figures laid out repeat after repeat (entry i is
+    request i % (size / repeats)), with a bootstrap interval that resamples requests, each with all its
+    repeats, jointly for both arms."""
+    num, den = np.asarray(num, dtype=np.float64).reshape(-1), np.asarray(den, dtype=np.float64).reshape(-1)
+    by_request = np.arange(num.size) % (num.size // repeats)
+    return bootstrap_ci(ratio_of_means, np.bincount(by_request, num), np.bincount(by_request, den), n_boot=n_boot,
+                        seed=seed, level=level, vectorized=True)
+
+
 def difference_of_means(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Paired rows: mean of a minus mean of b."""
     return np.mean(a, axis=-1) - np.mean(b, axis=-1)
