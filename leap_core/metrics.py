@@ -218,6 +218,16 @@ def spearman_difference(true: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.nd
     return spearman_batch(true, a) - spearman_batch(true, b)
 
 
+def _percentile_interval(value: float, replicates: np.ndarray, level: float) -> dict[str, float]:
+    """{"value", "ci_low", "ci_high"}: the (1 - level)/2 and (1 + level)/2 quantiles of the finite replicates
+    (NaN when none is)."""
+    replicates = replicates[np.isfinite(replicates)]
+    if replicates.size == 0:
+        return {"value": value, "ci_low": float("nan"), "ci_high": float("nan")}
+    low, high = np.quantile(replicates, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
+    return {"value": value, "ci_low": float(low), "ci_high": float(high)}
+
+
 def bootstrap_ci(statistic: Callable[..., Any], *arrays: ArrayLike, n_boot: int = 2000, seed: int = 0,
                  level: float = 0.95, strata: ArrayLike | None = None, vectorized: bool = False) -> dict[str, float]:
     """A statistic of paired rows and its percentile bootstrap interval: {"value", "ci_low", "ci_high"}.
@@ -267,12 +277,49 @@ def bootstrap_ci(statistic: Callable[..., Any], *arrays: ArrayLike, n_boot: int 
             replicates.append(np.asarray(statistic(*(c[index] for c in columns)), dtype=np.float64).reshape(-1))
         else:
             replicates.append(np.asarray([statistic(*(c[row] for c in columns)) for row in index], dtype=np.float64))
-    values = np.concatenate(replicates)
-    values = values[np.isfinite(values)]
-    if values.size == 0:
-        return {"value": value, "ci_low": nan, "ci_high": nan}
-    low, high = np.quantile(values, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
-    return {"value": value, "ci_low": float(low), "ci_high": float(high)}
+    return _percentile_interval(value, np.concatenate(replicates), level)
+
+
+def hierarchical_bootstrap_ci(statistic: Callable[..., Any], *arrays: ArrayLike, n_boot: int = 2000, seed: int = 0,
+                              level: float = 0.95) -> dict[str, float]:
+    """A statistic of paired rows nested in groups, with a two-level percentile bootstrap interval.
+
+    Every array is (groups, rows): row j of group g of every array belongs together (a paired workload of
+    one train/test split, say). Each replicate draws the groups with replacement and then, within each
+    drawn group, its rows with replacement, so the interval carries both the spread between groups and
+    the noise within them; pooling the rows and resampling them alone would ignore the first. The value
+    is the statistic of every row of every group. `statistic` is vectorised as in `bootstrap_ci`: it takes
+    (..., n) arrays and reduces the last axis. With one group this is `bootstrap_ci` over its rows (the
+    same draws); replicates whose value is not finite are skipped.
+    """
+    blocks = [np.asarray(a, dtype=np.float64) for a in arrays]
+    if not blocks:
+        raise ValueError("hierarchical_bootstrap_ci needs at least one array")
+    if any(b.ndim != 2 or b.shape != blocks[0].shape for b in blocks):
+        raise ValueError(f"every array must be (groups, rows) of one shape: {[b.shape for b in blocks]}")
+    n_groups, n_rows = blocks[0].shape
+    if n_groups == 1:
+        return bootstrap_ci(statistic, *(b[0] for b in blocks), n_boot=n_boot, seed=seed, level=level,
+                            vectorized=True)
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be >= 1, got {n_boot}")
+    nan = float("nan")
+    if n_rows == 0:
+        return {"value": nan, "ci_low": nan, "ci_high": nan}
+    value = float(np.asarray(statistic(*(b.reshape(1, -1) for b in blocks))).reshape(-1)[0])
+    rng = np.random.default_rng(seed)
+    cells = n_groups * n_rows
+    chunk = max(1, min(n_boot, _BOOT_CELLS // cells))
+    replicates = []
+    for start in range(0, n_boot, chunk):
+        size = min(chunk, n_boot - start)
+        groups = rng.integers(0, n_groups, size=(size, n_groups, 1))
+        rows = rng.integers(0, n_rows, size=(size, n_groups, n_rows))
+        replicates.append(np.asarray(statistic(*(b[groups, rows].reshape(size, cells) for b in blocks)),
+                                     dtype=np.float64).reshape(-1))
+    return _percentile_interval(value, np.concatenate(replicates), level)
 
 
 # ------------------------------------------------------------------ per set and pooled

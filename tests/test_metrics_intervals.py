@@ -85,6 +85,47 @@ def test_stratified_resampling_keeps_every_row_in_its_stratum():
     assert (replicates == strata[None, :]).all()  # column j always holds a row of row j's stratum
 
 
+def test_hierarchical_bootstrap_draws_groups_then_rows_with_known_answers():
+    """Two groups constant within: a replicate's mean is 0, 1/2 or 1 with chances 1/4, 1/2, 1/4, so the 95%
+    interval is [0, 1], where resampling the pooled rows alone would give about 0.5 +- 0.22."""
+    two = np.repeat([[0.0], [1.0]], 10, axis=1)
+    nested = metrics.hierarchical_bootstrap_ci(metrics.mean_last_axis, two, n_boot=4000)
+    assert nested == {"value": 0.5, "ci_low": 0.0, "ci_high": 1.0}
+    pooled = metrics.bootstrap_ci(metrics.mean_last_axis, two.reshape(-1), n_boot=4000, vectorized=True)
+    assert 0.25 < pooled["ci_low"] < 0.4 and 0.6 < pooled["ci_high"] < 0.75
+    # groups that agree add nothing: one value, a point interval
+    assert metrics.hierarchical_bootstrap_ci(metrics.mean_last_axis, np.full((3, 4), 2.0)) == {
+        "value": 2.0, "ci_low": 2.0, "ci_high": 2.0}
+
+
+def test_hierarchical_bootstrap_variance_is_between_groups_plus_within_over_rows():
+    """The replicate mean's variance is (Var of the group means + mean within-group variance / rows) / groups
+    (population variances of the sample at hand): the interval's half-width is 1.96 of its root."""
+    rng = np.random.default_rng(0)
+    groups, rows = 6, 40
+    values = rng.normal(0.0, 1.0, (groups, 1)) + rng.normal(0.0, 2.0, (groups, rows))
+    expected = np.sqrt((values.mean(axis=1).var() + values.var(axis=1).mean() / rows) / groups)
+    figure = metrics.hierarchical_bootstrap_ci(metrics.mean_last_axis, values, n_boot=20000, seed=1)
+    assert figure["value"] == pytest.approx(values.mean())
+    assert (figure["ci_high"] - figure["ci_low"]) / 2 == pytest.approx(1.96 * expected, rel=0.06)
+
+
+def test_hierarchical_bootstrap_of_identical_groups_is_the_pooled_bootstrap_and_of_one_group_the_plain_one():
+    rng = np.random.default_rng(2)
+    a, b = rng.lognormal(0.0, 0.5, 30), rng.lognormal(0.3, 0.5, 30)
+    copies = metrics.hierarchical_bootstrap_ci(metrics.ratio_of_means, np.tile(a, (5, 1)), np.tile(b, (5, 1)),
+                                               n_boot=20000)
+    pooled = metrics.bootstrap_ci(metrics.ratio_of_means, np.tile(a, 5), np.tile(b, 5), n_boot=20000,
+                                  vectorized=True)
+    assert copies["value"] == pytest.approx(pooled["value"])
+    for end in ("ci_low", "ci_high"):
+        assert copies[end] == pytest.approx(pooled[end], rel=0.01)
+    one = metrics.hierarchical_bootstrap_ci(metrics.ratio_of_means, a[None], b[None], n_boot=500, seed=3)
+    assert one == metrics.bootstrap_ci(metrics.ratio_of_means, a, b, n_boot=500, seed=3, vectorized=True)
+    with pytest.raises(ValueError, match="one shape"):
+        metrics.hierarchical_bootstrap_ci(metrics.ratio_of_means, np.ones((2, 3)), np.ones((2, 4)))
+
+
 # ------------------------------------------------------------------ censoring
 
 
@@ -154,3 +195,4 @@ def test_noise_targets_the_metrics_spearman():
     true = np.random.default_rng(4).integers(1, 2048, 2000).astype(float)
     pred = noisy_predictions(true, 0.7, seed=0)
     assert metrics.spearman(true, pred) == pytest.approx(0.7, abs=0.002)
+
