@@ -18,9 +18,12 @@ from evaluation.baselines import (LengthData, LeapReadoutPredictor, fit_cached, 
                                   measure_cost)
 from evaluation.corpora import load_or_build, model_info
 from evaluation.data import length_data
+from evaluation.offline import choose_alpha
 from evaluation.selections import CHAT_TEST, CHAT_TRAIN, select
 from evaluation.transfer import FEEDBACK_COUNTS, domain_predictions, fit_leap, run_transfer, stream_predictions
 from harness.datasets import trace_gaps
+from leap_core.cross_fit import FOLDS as GITTINS_FOLDS
+from leap_core.cross_fit import cross_fitted_predictions
 from leap_core.gittins import LengthGivenPrediction
 from leap_core.metrics import spearman as offline_spearman
 from leap_core.simulator import StepTimeModel
@@ -188,7 +191,8 @@ def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, ba
     shape = {k: options[k] for k in ("decode_slots", "max_resident") if k in options}
     engine = engine_capacity(step_model, **shape)
     validation = validated_baseline(target, fitted, counts, step_model, say, engine=engine, **options)
-    cross_fitted = cross_fitted_leap(train)
+    alpha = choose_alpha(train.features, train.lengths, "sqrt", train.max_tokens)  # as fit_leap chooses it
+    cross_fitted = cross_fitted_predictions(train.features, train.lengths, alpha=alpha, max_tokens=train.max_tokens)
     distribution = LengthGivenPrediction(max_tokens=train.max_tokens).fit(cross_fitted, train.lengths)
     gittins = simulated.Order("leap", "gittins_over_countdown", overrides={"distribution": distribution})
     say("choosing the tail guard's waiting cap on the training rows (cross-fitted predictions)")
@@ -238,23 +242,6 @@ def validated_baseline(target: LengthData, fitted: dict[str, Any], counts: Seque
             "baseline_validation": {name: {**figures, "hyperparameters": hyperparameters(fitted[name])}
                                     for name, figures in choice["baselines"].items()},
             "validation": {"rows": "the target's feedback-stream half", **setup}}
-
-
-GITTINS_FOLDS = 5
-
-
-def cross_fitted_leap(train: LengthData, folds: int = GITTINS_FOLDS, seed: int = 0) -> np.ndarray:
-    """LEAP's prediction of each training row by the readout fitted on the other folds (the alpha of the
-    whole window): the errors of a readout on prompts it never saw, from the training rows alone."""
-    from sklearn.model_selection import KFold
-
-    from evaluation.offline import choose_alpha
-
-    alpha = choose_alpha(train.features, train.lengths, "sqrt", train.max_tokens)  # as fit_leap chooses it
-    predicted = np.empty(len(train))
-    for fit_rows, held_rows in KFold(folds, shuffle=True, random_state=seed).split(train.features):
-        predicted[held_rows] = fit_leap(train.subset(fit_rows), alpha).predict(train.features[held_rows])
-    return predicted
 
 
 def chat_predictions(names: Sequence[str], max_tokens: int, model: str | None,
