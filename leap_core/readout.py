@@ -20,6 +20,7 @@ from sklearn.linear_model import Ridge
 from sklearn.preprocessing import StandardScaler
 
 from leap_core import targets
+from leap_core.gittins import LengthGivenPrediction
 
 
 def _as_matrix(X: ArrayLike) -> np.ndarray:
@@ -64,6 +65,11 @@ class LinearReadout(BaseEstimator):
     max_tokens: the output token budget M; predictions are clipped to [1, M].
     metadata: identity of the features (model_id, model_fingerprint, layer, version, ...), carried
         into the readout file so a readout is never applied to another model's hidden states.
+
+    Learned besides the weights: `length_distribution_`, the distribution of the true length given this
+    readout's prediction (`leap_core.gittins.LengthGivenPrediction`) that the Gittins decode order ranks
+    by. `fit` leaves it None; the fit flow fits it on cross-fitted predictions (`leap_core.cross_fit`), the
+    readout file carries it, and readouts corrected by RLS keep their anchor's.
     """
 
     def __init__(self, alpha: float = 1.0, target: str = "sqrt", max_tokens: int = 2048,
@@ -87,17 +93,20 @@ class LinearReadout(BaseEstimator):
         ridge = Ridge(alpha=float(self.alpha), fit_intercept=True).fit(Z, y)
         self._set_weights(standardizer.mean_, standardizer.scale_, ridge.coef_, float(ridge.intercept_))
         self.n_train_ = int(X.shape[0])
+        self.length_distribution_ = None
         return self
 
     @classmethod
     def from_weights(cls, mean: ArrayLike, scale: ArrayLike, coef: ArrayLike, intercept: float,
                      alpha: float = 1.0, target: str = "sqrt", max_tokens: int = 2048,
-                     metadata: dict[str, Any] | None = None) -> LinearReadout:
+                     metadata: dict[str, Any] | None = None,
+                     length_distribution: LengthGivenPrediction | None = None) -> LinearReadout:
         """A fitted readout from stored or corrected weights (the file format and RLS use this)."""
         readout = cls(alpha=alpha, target=target, max_tokens=max_tokens,
                       metadata=dict(metadata) if metadata else {})
         readout._check_params()
         readout._set_weights(mean, scale, coef, intercept)
+        readout.length_distribution_ = length_distribution
         return readout
 
     def _check_params(self) -> None:

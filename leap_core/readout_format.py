@@ -3,6 +3,12 @@
 Bytes in, bytes out: callers decide where the file lives, so leap_core stays free of I/O. Loading
 checks the file against what the caller is about to feed it (`expect`), because a readout applied
 to another model's or layer's hidden states predicts plausible-looking nonsense instead of failing.
+
+Optional block: the readout's length distribution (`LinearReadout.length_distribution_`, which the
+Gittins decode order ranks by), as three arrays (the inner bin edges, every bin's sorted true lengths
+one after another as int16, or int32 for budgets beyond int16, and each bin's count) and a
+`length_distribution` entry of the blob (n_bins, max_tokens, weight). Files without it load with
+`length_distribution_` None; a block that is present is validated as strictly as the weights.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from leap_core import targets
+from leap_core.gittins import LengthGivenPrediction
 from leap_core.readout import LinearReadout
 
 FORMAT_VERSION = 1
@@ -24,6 +31,8 @@ _METADATA_ARRAY = "metadata"
 _STRUCTURE_KEYS = ("format_version", "dim", "target", "max_tokens", "alpha")
 _IDENTITY_KEYS = ("model_id", "model_fingerprint", "layer", "version")
 _OPTIONAL_KEYS = ("created_at", "n_train")
+_DISTRIBUTION_KEY = "length_distribution"
+_DISTRIBUTION_ARRAYS = ("length_edges", "length_samples", "length_bin_sizes")
 
 
 class ReadoutFormatError(ValueError):
@@ -46,7 +55,7 @@ def _plain(value: Any) -> Any:
 def to_bytes(readout: LinearReadout) -> bytes:
     """Serialise a fitted readout to the bytes of an .npz file."""
     readout._check_fitted()
-    metadata = {key: _plain(value) for key, value in readout.metadata.items()}
+    metadata = {key: _plain(value) for key, value in readout.metadata.items() if key != _DISTRIBUTION_KEY}
     blob: dict[str, Any] = dict(metadata)
     blob.update({key: metadata.get(key) for key in _IDENTITY_KEYS})
     blob.update({
@@ -62,6 +71,11 @@ def to_bytes(readout: LinearReadout) -> bytes:
     for key in _OPTIONAL_KEYS:
         if blob.get(key) is None:
             blob.pop(key, None)
+    distribution = getattr(readout, "length_distribution_", None)
+    block = {} if distribution is None else _distribution_arrays(distribution, int(readout.max_tokens))
+    if distribution is not None:
+        blob[_DISTRIBUTION_KEY] = {"n_bins": int(distribution.n_bins), "max_tokens": int(distribution.max_tokens),
+                                   "weight": str(distribution.weight)}
     try:
         text = json.dumps(blob, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -74,8 +88,23 @@ def to_bytes(readout: LinearReadout) -> bytes:
         coef=readout.coef_,
         intercept=np.array([readout.intercept_], dtype=np.float64),
         metadata=np.frombuffer(text.encode("utf-8"), dtype=np.uint8),
+        **block,
     )
     return buffer.getvalue()
+
+
+def _distribution_arrays(distribution: LengthGivenPrediction, max_tokens: int) -> dict[str, np.ndarray]:
+    """The block's arrays: inner edges, the bins' sorted lengths end to end (int16 where M fits), counts."""
+    if int(distribution.max_tokens) != max_tokens:
+        raise ReadoutFormatError(f"the length distribution's budget {distribution.max_tokens} is not the "
+                                 f"readout's {max_tokens}")
+    lengths = np.concatenate([np.asarray(s, dtype=np.float64).reshape(-1) for s in distribution.samples_])
+    if not np.array_equal(lengths, np.round(lengths)):
+        raise ReadoutFormatError("the length distribution holds lengths that are not whole tokens")
+    dtype = np.int16 if max_tokens <= np.iinfo(np.int16).max else np.int32
+    return {"length_edges": np.asarray(distribution.edges_, dtype=np.float64),
+            "length_samples": lengths.astype(dtype),
+            "length_bin_sizes": np.array([np.size(s) for s in distribution.samples_], dtype=np.int64)}
 
 
 def _read_arrays(data: bytes) -> dict[str, np.ndarray]:
@@ -92,8 +121,9 @@ def _read_arrays(data: bytes) -> dict[str, np.ndarray]:
         missing = [name for name in (*_ARRAYS, _METADATA_ARRAY) if name not in stored.files]
         if missing:
             raise ReadoutFormatError(f"not a readout file: missing arrays {missing}")
+        names = (*_ARRAYS, _METADATA_ARRAY, *(name for name in _DISTRIBUTION_ARRAYS if name in stored.files))
         try:
-            return {name: stored[name] for name in (*_ARRAYS, _METADATA_ARRAY)}
+            return {name: stored[name] for name in names}
         except Exception as exc:  # zipfile, zlib and the .npy reader fail in assorted ways
             raise ReadoutFormatError(f"corrupt readout file: {type(exc).__name__}: {exc}") from exc
 
@@ -166,10 +196,45 @@ def from_bytes(data: bytes, expect: dict[str, Any] | None = None) -> LinearReado
     blob = _read_metadata(arrays[_METADATA_ARRAY])
     _check_arrays(arrays, blob["dim"])
     _check_expect(blob, expect or {})
-    metadata = {key: value for key, value in blob.items() if key not in _STRUCTURE_KEYS}
+    distribution = _read_distribution(arrays, blob)
+    metadata = {key: value for key, value in blob.items() if key not in (*_STRUCTURE_KEYS, _DISTRIBUTION_KEY)}
     return LinearReadout.from_weights(
         mean=arrays["mean"], scale=arrays["scale"], coef=arrays["coef"],
         intercept=float(arrays["intercept"].reshape(-1)[0]),
         alpha=float(blob["alpha"]), target=blob["target"], max_tokens=blob["max_tokens"],
-        metadata=metadata,
+        metadata=metadata, length_distribution=distribution,
     )
+
+
+def _read_distribution(arrays: dict[str, np.ndarray], blob: dict[str, Any]) -> LengthGivenPrediction | None:
+    """The optional length distribution block, validated; None when the file has none."""
+    present = [name for name in _DISTRIBUTION_ARRAYS if name in arrays]
+    if not present and _DISTRIBUTION_KEY not in blob:
+        return None
+    missing = [name for name in (*_DISTRIBUTION_ARRAYS, _DISTRIBUTION_KEY)
+               if name not in arrays and name not in blob]
+    if missing:
+        raise ReadoutFormatError(f"readout length distribution is incomplete: missing {missing}")
+    settings = blob[_DISTRIBUTION_KEY]
+    if not isinstance(settings, dict) or sorted(settings) != ["max_tokens", "n_bins", "weight"]:
+        raise ReadoutFormatError("readout length_distribution must be an object of n_bins, max_tokens and weight, "
+                                 f"got {settings!r}")
+    if settings["max_tokens"] != blob["max_tokens"]:
+        raise ReadoutFormatError(f"readout length distribution's max_tokens {settings['max_tokens']!r} is not the "
+                                 f"readout's {blob['max_tokens']}")
+    edges, lengths, sizes = (arrays[name] for name in _DISTRIBUTION_ARRAYS)
+    if edges.ndim != 1 or not np.issubdtype(edges.dtype, np.floating):
+        raise ReadoutFormatError(f"readout length_edges must be a 1-D float array, got {edges.dtype} {edges.shape}")
+    for name, values in (("length_samples", lengths), ("length_bin_sizes", sizes)):
+        if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
+            raise ReadoutFormatError(f"readout {name} must be a 1-D integer array, got {values.dtype} "
+                                     f"{values.shape}")
+    if (sizes < 0).any() or int(sizes.sum()) != lengths.size:
+        raise ReadoutFormatError(f"readout length_bin_sizes {sizes.tolist()[:20]} do not count the "
+                                 f"{lengths.size} length_samples")
+    try:
+        return LengthGivenPrediction.from_samples(edges, np.split(lengths, np.cumsum(sizes)[:-1]),
+                                                  n_bins=settings["n_bins"], max_tokens=settings["max_tokens"],
+                                                  weight=settings["weight"])
+    except (ValueError, TypeError) as exc:
+        raise ReadoutFormatError(f"invalid readout length distribution: {exc}") from exc

@@ -358,7 +358,8 @@ class RLS(BaseEstimator):
         metadata["rls_updates"] = int(self.n_updates_)
         return LinearReadout.from_weights(
             mean=base.mean_, scale=base.scale_, coef=self.theta_[1:], intercept=float(self.theta_[0]),
-            alpha=base.alpha, target=base.target, max_tokens=base.max_tokens, metadata=metadata)
+            alpha=base.alpha, target=base.target, max_tokens=base.max_tokens, metadata=metadata,
+            length_distribution=getattr(base, "length_distribution_", None))
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Everything needed to resume (for versioning next to the readout file)."""

@@ -243,6 +243,90 @@ def test_invalid_contents_raise_format_error():
             from_bytes(broken)
 
 
+# ------------------------------------------------------------------ the length distribution block
+
+
+def _with_distribution(rng, max_tokens=MAX_TOKENS):
+    """A fitted readout carrying the distribution of true length given its predictions."""
+    from leap_core.gittins import LengthGivenPrediction
+
+    readout, X = _fitted(rng)
+    lengths = _lengths_from(rng, X)
+    readout.length_distribution_ = LengthGivenPrediction(n_bins=4, max_tokens=max_tokens).fit(readout.predict(X),
+                                                                                                lengths)
+    return readout, X
+
+
+def test_the_length_distribution_travels_with_the_readout_and_old_files_load_without_it():
+    rng = np.random.default_rng(11)
+    readout, X = _with_distribution(rng)
+    data = to_bytes(readout)
+    loaded = from_bytes(data).length_distribution_
+    sent = readout.length_distribution_
+    assert (loaded.n_bins, loaded.max_tokens, loaded.weight, loaded.n_) == (4, MAX_TOKENS, "ptl", 120)
+    np.testing.assert_array_equal(loaded.edges_, sent.edges_)
+    for stored, fitted in zip(loaded.samples_, sent.samples_, strict=True):
+        np.testing.assert_array_equal(stored, fitted)
+    np.testing.assert_allclose(loaded.index_, sent.index_, rtol=1e-12)
+    assert "length_distribution" not in from_bytes(data).metadata
+    with np.load(io.BytesIO(data)) as stored:
+        assert stored["length_samples"].dtype == np.int16  # two bytes a training row
+    assert to_bytes(from_bytes(data)) == data
+    # a file written without the block (every file before it existed) loads with none
+    plain = to_bytes(_fitted(np.random.default_rng(11))[0])
+    assert from_bytes(plain).length_distribution_ is None
+    assert not {"length_edges", "length_samples", "length_bin_sizes"} & set(np.load(io.BytesIO(plain)).files)
+
+
+def test_readouts_corrected_by_rls_keep_their_anchors_distribution():
+    from leap_core.rls import RLS
+
+    rng = np.random.default_rng(12)
+    readout, X = _with_distribution(rng)
+    corrected = RLS.from_readout(readout, X).partial_fit(X[:10], _lengths_from(rng, X[:10])).readout()
+    assert corrected.length_distribution_ is readout.length_distribution_
+
+
+def _drop_arrays(data, *names):
+    with np.load(io.BytesIO(data)) as stored:
+        arrays = {key: stored[key] for key in stored.files if key not in names}
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def test_a_corrupt_length_distribution_is_a_format_error():
+    rng = np.random.default_rng(13)
+    data = to_bytes(_with_distribution(rng)[0])
+    with np.load(io.BytesIO(data)) as stored:
+        edges, lengths, sizes = stored["length_edges"], stored["length_samples"], stored["length_bin_sizes"]
+    settings = {"n_bins": 4, "max_tokens": MAX_TOKENS, "weight": "ptl"}
+    unsorted = lengths.copy()
+    unsorted[: sizes[0]] = unsorted[: sizes[0]][::-1]
+    cases = {
+        "incomplete": _drop_arrays(data, "length_samples"),
+        "missing \\['length_distribution'\\]": _rewrite(data, drop=("length_distribution",)),
+        "strictly increasing": _rewrite(data, length_edges=edges[::-1]),
+        "finite": _rewrite(data, length_edges=np.where(np.arange(edges.size) == 0, np.nan, edges)),
+        "outside \\[1, 1024\\]": _rewrite(data, length_samples=np.where(np.arange(lengths.size) == 0, 0,
+                                                                           lengths).astype(np.int16)),
+        "not sorted": _rewrite(data, length_samples=unsorted),
+        "do not count": _rewrite(data, length_bin_sizes=sizes + 1),
+        "integer array": _rewrite(data, length_samples=lengths.astype(np.float64)),
+        "expected": _rewrite(data, length_bin_sizes=np.array([lengths.size])),
+        "weight": _rewrite(data, metadata={"length_distribution": {**settings, "weight": "tokens"}}),
+        "n_bins must be": _rewrite(data, metadata={"length_distribution": {**settings, "n_bins": "4"}}),
+        "not the readout's": _rewrite(data, metadata={"length_distribution": {**settings, "max_tokens": 2048}}),
+        "an object of": _rewrite(data, metadata={"length_distribution": [4, 1024]}),
+        "beyond": _rewrite(data, metadata={"max_tokens": 1 << 22, "length_distribution": {
+            **settings, "max_tokens": 1 << 22}}),
+    }
+    for fragment, broken in cases.items():
+        with pytest.raises(ReadoutFormatError, match=fragment):
+            from_bytes(broken)
+    assert from_bytes(data).length_distribution_ is not None  # the untouched file still loads
+
+
 # ------------------------------------------------------------------ fit with its RLS anchor
 
 
