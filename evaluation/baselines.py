@@ -656,6 +656,25 @@ def hyperparameters(predictor: BaseEstimator) -> dict[str, Any]:
     return found
 
 
+def pinned(predictor: BaseEstimator) -> BaseEstimator:
+    """A fresh, unfitted copy of a fitted predictor with its own search narrowed to what it chose
+    (`best_params_`), so refitting it on other rows (another train/test split) trains one model, not its
+    whole grid again. A predictor that searched nothing comes back as a plain copy."""
+    from sklearn.base import clone
+
+    fresh, chosen = clone(predictor), getattr(predictor, "best_params_", None)
+    if not chosen:
+        return fresh
+    if isinstance(predictor, HiddenStateMLP):
+        return fresh.set_params(hidden=tuple(chosen["hidden"]), alphas=(chosen["alpha"],),
+                                learning_rates=(chosen["learning_rate"],))
+    if isinstance(predictor, EncoderRidgePredictor):
+        return fresh.set_params(alphas=(chosen["alpha"],))
+    if isinstance(predictor, _FineTunedEncoder):
+        return fresh.set_params(lr_encoder=chosen["lr_encoder"], epochs=chosen["epochs"])
+    return fresh
+
+
 CACHE_VERSION = 2  # bumped when a predictor's training changes in a way its hyper-parameters do not show
 
 

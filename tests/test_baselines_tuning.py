@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from evaluation.baselines import (EncoderRanker, EncoderRegressor, EncoderRidgePredictor, HiddenStateMLP,
-                                  LengthData, cache_key, fit_cached, validation_split)
+                                  LengthData, PromptLengthPredictor, cache_key, fit_cached, pinned,
+                                  validation_split)
 from leap_core.metrics import spearman
 from tests.test_baselines import MAX_TOKENS, synthetic
 
@@ -127,6 +128,22 @@ def test_mlp_searches_architectures_and_says_which_choices_sit_on_the_grid_edge(
     assert predictor.best_params_["hidden"] == best["hidden"]
     assert predictor.best_params_["on_grid_edge"] == ([] if best["alpha"] == 1.0 else ["alpha"])
     assert HiddenStateMLP(hidden=(16, 16)).architectures() == ((16, 16),)
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_a_pinned_copy_refits_only_what_the_search_chose():
+    """Another split's refit: a fresh copy whose grid is the one chosen point, so it trains one network."""
+    train = monotone_hidden(160, seed=4)
+    searched = HiddenStateMLP(hidden=((8,), (8, 8)), alphas=(0.1, 10.0), learning_rates=(1e-3,), max_iter=30,
+                              num_threads=1).fit(train)
+    fresh = pinned(searched)
+    assert not hasattr(fresh, "model_") and fresh.num_threads == 1 and fresh.max_iter == 30
+    assert fresh.architectures() == (tuple(searched.best_params_["hidden"]),)
+    assert fresh.alphas == (searched.best_params_["alpha"],) and fresh.learning_rates == (1e-3,)
+    refit = fresh.fit(monotone_hidden(150, seed=5))
+    assert refit.trials_ == [] and refit.best_params_["hidden"] == searched.best_params_["hidden"]
+    plain = PromptLengthPredictor(alpha=3.0).fit(train)
+    assert pinned(plain).get_params() == {"alpha": 3.0} and not hasattr(pinned(plain), "model_")
 
 
 def test_mlp_regression_beats_a_constant_on_a_monotone_signal():
