@@ -11,17 +11,20 @@ lengths) are always added.
 from __future__ import annotations
 
 import pathlib
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-from leap_core.metrics import bootstrap_ci, difference_of_means, mean_last_axis, ratio_of_means, spearman
+from leap_core.metrics import (bootstrap_ci, difference_of_means, hierarchical_bootstrap_ci, mean_last_axis,
+                               ratio_of_means, spearman)
 from leap_core.simulator import SimConfig, SimResult, StepTimeModel, fcfs_capacity, poisson_arrivals, simulate
 
-__all__ = ["run_load", "choose_baseline", "plot_load", "section_load", "run_refresh", "plot_refresh",
-           "section_refresh", "run_tail", "plot_tail", "section_tail", "life_error"]
+__all__ = ["run_load", "run_load_over_splits", "Split", "choose_baseline", "plot_load", "section_load", "run_refresh",
+           "plot_refresh", "section_refresh", "run_tail", "plot_tail", "section_tail", "life_error"]
 
 _REFERENCES = ("fcfs", "oracle")
 _NOT_CONFIGURABLE = {"policy", "step_model", "refresh_at", "refresh_cost_s", "distribution"}
@@ -180,93 +183,132 @@ def _replays(policies, arrival: np.ndarray, idx: np.ndarray, prompt: np.ndarray,
 
 LOADS = (0.7, 0.8, 0.9, 0.95)  # fractions of the sustained FCFS capacity
 HEADLINE_LOAD = 0.9
+QUICK_LOADS = (0.7, HEADLINE_LOAD, 0.95)  # `leap eval load --quick`: the loads the acceptance figures quote
 LONG_QUANTILE = 0.9  # long requests: the pool's top decile of true length
 OVERLOADS = (1.2,)  # above capacity queues grow without bound: figures depend on the horizon, stated with it
 RATIO_GOALS = {"leap_over_fcfs": 0.55, "leap_over_best_baseline": 0.85, "leap_over_oracle": 1.10}
 N_REQUESTS = 2000  # requests a run draws from the pool
 
 
+@dataclass(frozen=True)
+class Split:
+    """One train/test split of the load study: the simulated pool (prompt and true output lengths of its
+    requests) with every predictor's predicted totals for it, fitted for this split, and the baseline LEAP
+    is compared against, chosen on this split's validation rows (`choose_baseline`; None: the least mean
+    PTL on this split's own test seeds, which flatters it)."""
+
+    prompt_tokens: ArrayLike
+    lengths: ArrayLike
+    predictions: dict[str, ArrayLike]
+    best_baseline: str | None = None
+
+
 def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str, ArrayLike],
-             step_model: StepTimeModel, loads=LOADS, headline: float = HEADLINE_LOAD, overloads=OVERLOADS,
-             n_requests: int = N_REQUESTS, seeds: int = 30, seed: int = 0,
-             orders: dict[str, Order] | None = None, best_baseline: str | None = None,
-             engine: EngineCapacity = EngineCapacity(), gaps: np.ndarray | None = None, **config) -> dict:
-    """Latency and PTL of every policy at Poisson loads quoted as fractions of the sustained capacity.
+             step_model: StepTimeModel, best_baseline: str | None = None, **options: Any) -> dict:
+    """`run_load_over_splits` on one split: this pool, these predictions, this baseline."""
+    return run_load_over_splits([Split(prompt_tokens, lengths, predictions, best_baseline)], step_model, **options)
 
-    Each of `seeds` workloads draws `n_requests` from the pool and one arrival sequence per load; every
+
+def run_load_over_splits(splits: Sequence[Split], step_model: StepTimeModel, loads=LOADS,
+                         headline: float = HEADLINE_LOAD, overloads=OVERLOADS, n_requests: int = N_REQUESTS,
+                         seeds: int = 30, seed: int = 0, orders: dict[str, Order] | None = None,
+                         engine: EngineCapacity = EngineCapacity(), gaps: np.ndarray | None = None,
+                         **config) -> dict:
+    """Latency and PTL of every policy at Poisson loads quoted as fractions of the sustained capacity, on
+    every train/test split.
+
+    On each split, each of `seeds` workloads draws `n_requests` from that split's pool and one arrival
+    sequence per load (seeds `seed + split`), at the load's fraction of that pool's own capacity; every
     policy replays the same draw, so policies are compared paired by seed. The ratios (LEAP's mean PTL
-    over FCFS's, the best baseline's and the oracle's) carry 95% bootstrap intervals over the seeds, at
-    every load (`ratios_by_load`) and at `headline` (`ratios`, which the goals read). `tail` holds each
-    policy's latency and PTL quantiles, longest waits and long-request tail at every load, averaged over
-    the seeds with their intervals. `config` holds SimConfig knobs (max_resident, decode_slots,
-    waiting_cap, ...), the same the step model was calibrated at. Overloads are run over the same horizon
-    (`n_requests` arrivals) and reported with it: their figures grow with the horizon. `orders` (policy
-    name -> `Order`) runs other decode orders on the same draws, each with its paired ratio to its
-    predictor's countdown.
+    over FCFS's, the split's best baseline's and the oracle's) carry 95% intervals that resample the splits
+    and then the seeds within each (`leap_core.metrics.hierarchical_bootstrap_ci`; with one split, the
+    seeds alone), at every load (`ratios_by_load`) and at `headline` (`ratios`, which the goals read); the
+    table's mean PTL carries the same interval. `tail` holds each policy's latency and PTL quantiles,
+    longest waits and long-request tail at every load, averaged over every split's seeds with intervals over
+    those workloads. `config` holds SimConfig knobs (max_resident, decode_slots, waiting_cap, ...), the same
+    the step model was calibrated at. Overloads are run over the same horizon (`n_requests` arrivals) and
+    reported with it: their figures grow with the horizon. `orders` (policy name -> `Order`) runs other
+    decode orders on the same draws, each with its paired ratio to its predictor's countdown.
 
-    `best_baseline`: the baseline LEAP is compared against, chosen beforehand on a validation pool
-    (`choose_baseline`); without it the baseline with the least mean PTL on these very seeds is taken,
-    which flatters the baseline, and `best_baseline_chosen_on` says "test".
-
-    `engine`: the engine-measured capacity the loads are fractions of (`EngineCapacity`);
-    `capacity_rps` reports it for this pool with its interval. `gaps`: a real trace's inter-arrival gaps;
-    each workload then arrives in a window of the trace's bursts rescaled to the load (`bursty_arrivals`)
-    instead of a Poisson process.
+    `best_baseline` is the baseline chosen on most splits (the first split's on a tie), `best_baseline_by_split`
+    each split's, and `best_baseline_chosen_on` "validation" when every split was given its choice ("test"
+    otherwise). `engine`: the engine-measured capacity the loads are fractions of (`EngineCapacity`);
+    `capacity_rps` reports it for the pools (their mean) with its interval. `gaps`: a real trace's
+    inter-arrival gaps; each workload then arrives in a window of the trace's bursts rescaled to the load
+    (`bursty_arrivals`) instead of a Poisson process.
     """
-    prompt, out, preds = _pool(prompt_tokens, lengths, predictions)
+    if not splits:
+        raise ValueError("run_load_over_splits needs at least one split")
+    pools = [_pool(split.prompt_tokens, split.lengths, split.predictions) for split in splits]
+    names = list(pools[0][2])
+    if any(list(preds) != names for _, _, preds in pools):
+        raise ValueError(f"every split must predict with the same predictors, {names}")
     base = _base_config(engine.rescale(step_model), config)
-    capacity_rps = engine.of(fcfs_capacity(prompt, out, base))
-    capacity = capacity_rps["value"]
+    capacities = [fcfs_capacity(prompt, out, base) for prompt, out, _ in pools]
+    capacity_rps = engine.of(float(np.mean(capacities)))
     orders = dict(orders or {})
     for name, order in orders.items():
-        if name in preds or name in _REFERENCES or order.predictor not in preds:
-            raise ValueError(f"order {name!r}: a new policy name on one of the predictors {sorted(preds)}")
-    baselines = [p for p in preds if not p.startswith("leap")]
-    if best_baseline is not None and best_baseline not in baselines:
-        raise ValueError(f"best_baseline {best_baseline!r} is not one of the baselines {baselines}")
-    policies = [*preds, *orders, *_REFERENCES]
+        if name in names or name in _REFERENCES or order.predictor not in names:
+            raise ValueError(f"order {name!r}: a new policy name on one of the predictors {sorted(names)}")
+    baselines = [p for p in names if not p.startswith("leap")]
+    for split in splits:
+        if split.best_baseline is not None and split.best_baseline not in baselines:
+            raise ValueError(f"best_baseline {split.best_baseline!r} is not one of the baselines {baselines}")
+    policies = [*names, *orders, *_REFERENCES]
     every_load = sorted({float(m) for m in (*loads, headline, *overloads)})
-    runs: dict[float, dict[str, list]] = {m: {p: [] for p in policies} for m in every_load}
-    long_threshold = float(np.quantile(out, LONG_QUANTILE))
-    for idx, arrival_seed in _workloads(out.size, n_requests, seeds, seed):
-        for m in every_load:
-            arrival = _arrivals(n_requests, m * capacity, arrival_seed, gaps)
-            for policy, figures in _replays(policies, arrival, idx, prompt, out, preds, base, orders,
-                                            out[idx] >= long_threshold).items():
-                runs[m][policy].append(figures)
+    # runs[load][policy][split]: the figures of each of the split's seeds
+    runs: dict[float, dict[str, list[list]]] = {m: {p: [[] for _ in pools] for p in policies} for m in every_load}
+    long_thresholds = [float(np.quantile(out, LONG_QUANTILE)) for _, out, _ in pools]
+    for k, ((prompt, out, preds), capacity) in enumerate(zip(pools, capacities)):
+        for idx, arrival_seed in _workloads(out.size, n_requests, seeds, seed + k):
+            for m in every_load:
+                arrival = _arrivals(n_requests, m * capacity, arrival_seed, gaps)
+                for policy, figures in _replays(policies, arrival, idx, prompt, out, preds, base, orders,
+                                                out[idx] >= long_thresholds[k]).items():
+                    runs[m][policy][k].append(figures)
     table = {str(m): {p: _over_seeds(runs[m][p]) for p in policies} for m in every_load}
     ptl = {m: {p: _per_seed(runs[m][p], "mean_ptl") for p in policies} for m in every_load}
-    if best_baseline is None:
-        best = min(baselines, key=lambda p: ptl[float(headline)][p].mean()) if baselines else None
-    else:
-        best = best_baseline
-    ratios_by_load = {str(m): _load_ratios(ptl[m], best, orders) for m in every_load}
-    ratios = ratios_by_load[str(float(headline))]
-    long_p95 = {p: _per_seed(runs[float(headline)][p], "long_p95_latency_s") for p in policies}
+    head = float(headline)
+    best_by_split = [split.best_baseline if split.best_baseline is not None
+                     else min(baselines, key=lambda p: ptl[head][p][k].mean()) if baselines else None
+                     for k, split in enumerate(splits)]
+    best = Counter(best_by_split).most_common(1)[0][0]
+    ratios_by_load = {str(m): _load_ratios(ptl[m], best_by_split, orders) for m in every_load}
+    ratios = ratios_by_load[str(head)]
+    long_p95 = {p: _per_seed(runs[head][p], "long_p95_latency_s") for p in policies}
     return {
         "capacity_rps": capacity_rps,
         "arrivals": "poisson" if gaps is None else "bursty: windows of a real trace's gaps at the load's mean rate",
-        "long_requests": {"quantile": LONG_QUANTILE, "min_tokens": long_threshold},
+        "long_requests": {"quantile": LONG_QUANTILE, "min_tokens": float(np.mean(long_thresholds))},
         "capacity_measure": "FCFS steady state: completions between the 25th and 75th percentile of a "
                             "saturated run of 4,000 pool requests in the simulator, its step model on the engine's "
                             "time base (divided by `capacity_rps.scale`, the engine's rate over the simulator's on "
                             "the requests the engine ran)",
         "n_requests": int(n_requests),
         "seeds": int(seeds),
-        "n_pool": int(out.size),
+        "splits": len(pools),
+        "interval_over": ["splits", "seeds"] if len(pools) > 1 else ["seeds"],
+        "n_pool": int(pools[0][1].size),
+        "by_split": [{"n_pool": int(out.size), "capacity_rps": capacity, "long_min_tokens": threshold,
+                      "best_baseline": chosen}
+                     for (_, out, _), capacity, threshold, chosen in zip(pools, capacities, long_thresholds,
+                                                                         best_by_split)],
         "loads": [float(m) for m in sorted(loads)],
         "overloads": [{"load": float(m), "horizon_requests": int(n_requests),
-                       "horizon_s": float(n_requests / (m * capacity))} for m in sorted(overloads)],
-        "headline_load": float(headline),
-        "spearman": {name: spearman(out, values) for name, values in preds.items()},
+                       "horizon_s": float(n_requests / (m * capacity_rps["value"]))} for m in sorted(overloads)],
+        "headline_load": head,
+        "spearman": {name: float(np.mean([spearman(out, preds[name]) for _, out, preds in pools]))
+                     for name in names},
         "table": table,
-        "tail": {p: {str(m): _with_intervals(runs[m][p], TAIL_FIGURES) for m in every_load} for p in policies},
+        "tail": {p: {str(m): _with_intervals([f for seeds_of in runs[m][p] for f in seeds_of], TAIL_FIGURES)
+                     for m in every_load} for p in policies},
         "best_baseline": best,
-        "best_baseline_chosen_on": None if best is None else ("test" if best_baseline is None else "validation"),
+        "best_baseline_by_split": best_by_split,
+        "best_baseline_chosen_on": None if best is None else (
+            "validation" if all(split.best_baseline is not None for split in splits) else "test"),
         "ratios": ratios,
         "ratios_by_load": ratios_by_load,
-        "long_p95_over_fcfs": {p: bootstrap_ci(ratio_of_means, long_p95[p], long_p95["fcfs"], vectorized=True)
-                               for p in policies if p != "fcfs"},
+        "long_p95_over_fcfs": {p: paired_ratio(long_p95[p], long_p95["fcfs"]) for p in policies if p != "fcfs"},
         "goals": ratio_goals(ratios),
         "sweep": {
             "multipliers": every_load,
@@ -276,19 +318,26 @@ def run_load(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: dict[str
     }
 
 
-def _per_seed(figures: list[dict[str, float]], key: str) -> np.ndarray:
-    """One figure of each paired seed, in seed order (what the paired ratios resample)."""
-    return np.array([f[key] for f in figures])
+def _per_seed(figures: list[list[dict[str, float]]], key: str) -> np.ndarray:
+    """One figure of each paired seed of each split, (splits, seeds) in seed order (what the paired ratios
+    resample)."""
+    return np.array([[f[key] for f in seeds_of] for seeds_of in figures])
 
 
-def _load_ratios(ptl: dict[str, np.ndarray], best: str | None, orders: dict[str, Order]) -> dict[str, dict]:
-    """At one load: LEAP's paired ratios (`paired_ratios`), and each order's mean PTL over its predictor's
-    countdown's and over the oracle's, paired by seed."""
-    ratios = paired_ratios(ptl, best)
+_OPPONENT = "best baseline of each split"  # the paired-ratio key of the baseline each split chose
+
+
+def _load_ratios(ptl: dict[str, np.ndarray], best_by_split: list[str | None],
+                 orders: dict[str, Order]) -> dict[str, dict]:
+    """At one load, from (splits, seeds) mean PTLs: LEAP's paired ratios (`paired_ratios`, against each
+    split's own best baseline), and each order's mean PTL over its predictor's countdown's and over the
+    oracle's."""
+    opponent = None if best_by_split[0] is None else np.stack([ptl[name][k] for k, name in enumerate(best_by_split)])
+    ratios = paired_ratios(ptl if opponent is None else {**ptl, _OPPONENT: opponent},
+                           None if opponent is None else _OPPONENT)
     for name, order in orders.items():
-        ratios[order.ratio] = bootstrap_ci(ratio_of_means, ptl[name], ptl[order.predictor], vectorized=True)
-        ratios[f"{name.replace('-', '_')}_over_oracle"] = bootstrap_ci(ratio_of_means, ptl[name], ptl["oracle"],
-                                                                       vectorized=True)
+        ratios[order.ratio] = paired_ratio(ptl[name], ptl[order.predictor])
+        ratios[f"{name.replace('-', '_')}_over_oracle"] = paired_ratio(ptl[name], ptl["oracle"])
     return ratios
 
 
@@ -318,7 +367,7 @@ def choose_baseline(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: d
         arrival = poisson_arrivals(n_requests, load * capacity, seed=arrival_seed)
         for policy, figures in _replays(policies, arrival, idx, prompt, out, preds, base).items():
             runs[policy].append(figures)
-    figures = {p: {key: value for key, value in _over_seeds(runs[p]).items() if key.startswith("mean_ptl")}
+    figures = {p: {key: value for key, value in _over_seeds([runs[p]]).items() if key.startswith("mean_ptl")}
                for p in policies}
     best = min(preds, key=lambda p: figures[p]["mean_ptl"])
     return {"best_baseline": best, "load": float(load), "capacity_rps": float(capacity), "n_pool": int(out.size),
@@ -368,24 +417,35 @@ def choose_waiting_cap(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: 
             "fcfs_long_p95_latency_s": fcfs_tail, "table": table}
 
 
-def _over_seeds(figures: list[dict[str, float]]) -> dict[str, float]:
-    """The table's figures averaged over seeds, mean PTL with its 95% bootstrap interval over them."""
-    merged = {key: float(np.mean([f[key] for f in figures])) for key in _TABLE_FIGURES if key in figures[0]}
-    ci = bootstrap_ci(mean_last_axis, np.array([f["mean_ptl"] for f in figures]), vectorized=True)
+def _over_seeds(figures: list[list[dict[str, float]]]) -> dict[str, float]:
+    """The table's figures averaged over every split's seeds, mean PTL with its 95% interval over splits and
+    seeds (`hierarchical_bootstrap_ci`; over the seeds alone for one split)."""
+    pooled = [f for seeds_of in figures for f in seeds_of]
+    merged = {key: float(np.mean([f[key] for f in pooled])) for key in _TABLE_FIGURES if key in pooled[0]}
+    ci = hierarchical_bootstrap_ci(mean_last_axis, _per_seed(figures, "mean_ptl"))
     merged["mean_ptl_ci_low"], merged["mean_ptl_ci_high"] = ci["ci_low"], ci["ci_high"]
     return merged
 
 
+def paired_ratio(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
+    """Mean of `a` over mean of `b` with its 95% bootstrap interval, the paired workloads resampled jointly
+    for both: 1-D arrays (seeds, or requests of one replay) row by row; (splits, seeds) arrays the splits
+    first, then the seeds within each (`hierarchical_bootstrap_ci`)."""
+    if np.ndim(a) == 2:
+        return hierarchical_bootstrap_ci(ratio_of_means, a, b)
+    return bootstrap_ci(ratio_of_means, a, b, vectorized=True)
+
+
 def paired_ratios(ptl: dict[str, np.ndarray], best: str | None, leap: str = "leap") -> dict[str, dict]:
     """LEAP's mean PTL over each reference's, paired by workload: ratio of means with a 95% bootstrap
-    interval that resamples the workloads (seeds, or requests of one replay) jointly for both policies."""
+    interval that resamples the workloads jointly for both policies (`paired_ratio`)."""
     pairs = {"leap_over_fcfs": "fcfs", "leap_over_best_baseline": best, "leap_over_oracle": "oracle"}
     ratios = {}
     for key, other in pairs.items():
         if other is not None and other in ptl and leap in ptl:
-            ratios[key] = bootstrap_ci(ratio_of_means, ptl[leap], ptl[other], vectorized=True)
+            ratios[key] = paired_ratio(ptl[leap], ptl[other])
     if "leap-rls" in ptl and "fcfs" in ptl:
-        ratios["leap_rls_over_fcfs"] = bootstrap_ci(ratio_of_means, ptl["leap-rls"], ptl["fcfs"], vectorized=True)
+        ratios["leap_rls_over_fcfs"] = paired_ratio(ptl["leap-rls"], ptl["fcfs"])
     return ratios
 
 
@@ -420,7 +480,7 @@ def plot_load(result: dict, path: pathlib.Path) -> None:
                     label=policy, linestyle="--" if policy in _REFERENCES else "-")
     ax.set_xlabel("load (fraction of sustained FCFS capacity)")
     ax.set_ylabel("mean per-token latency (s/token)")
-    ax.set_title(f"Simulated mean PTL vs load ({result['seeds']} paired seeds)")
+    ax.set_title(f"Simulated mean PTL vs load ({_workloads_in_words(result)})")
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -430,6 +490,20 @@ def plot_load(result: dict, path: pathlib.Path) -> None:
 
 def _interval(r: dict) -> str:
     return f"{_g(r['value'])} [{_g(r['ci_low'])}, {_g(r['ci_high'])}]"
+
+
+def _workloads_in_words(result: dict) -> str:
+    """"30 paired seeds", or "5 train/test splits x 6 paired seeds" (results saved before splits: one)."""
+    seeds = f"{result['seeds']} paired seeds"
+    splits = result.get("splits", 1)
+    return seeds if splits == 1 else f"{splits} train/test splits x {seeds} each"
+
+
+def _interval_basis(result: dict) -> str:
+    """What the intervals resample, in words."""
+    if result.get("splits", 1) == 1:
+        return "seeds"
+    return "splits (each partitions the target anew and refits every predictor), then seeds within each"
 
 
 def section_load(result: dict, image: str) -> str:
@@ -453,8 +527,9 @@ def section_load(result: dict, image: str) -> str:
         f"). {result['n_requests']} requests "
         f"per run drawn from a pool of {result['n_pool']} held-out prompts, Poisson arrivals at fractions of the "
         f"sustained FCFS capacity ({_capacity(result['capacity_rps'])}; {result['capacity_measure']}); "
-        f"{result['seeds']} paired seeds (every policy replays the same draw), mean PTL with its 95% bootstrap "
-        f"interval over seeds. Overloads (queues grow without bound, so figures depend on the horizon): "
+        f"{_workloads_in_words(result)} (every policy replays the same draw), mean PTL with its 95% bootstrap "
+        f"interval over {_interval_basis(result)}. Overloads (queues grow without bound, so figures depend on the "
+        f"horizon): "
         f"{overloads or 'none'}. The oracle is countdown on the true lengths"
         + (f"; predictor Spearman on the pool: {rho}." if rho else "."),
         "",
@@ -462,7 +537,8 @@ def section_load(result: dict, image: str) -> str:
                 "P95 PTL (s/token)", "long-request P95 latency (s)"], rows),
         "",
         f"LEAP's mean PTL over each reference at {result['headline_load']:g} of capacity, paired by seed "
-        f"(best baseline: {result.get('best_baseline')}), with 95% bootstrap intervals:",
+        f"(best baseline: {result.get('best_baseline')}), with 95% bootstrap intervals over "
+        f"{_interval_basis(result)}:",
         "",
         _table(["ratio", "value [95% CI]"], ratio_rows),
     ]
@@ -501,6 +577,10 @@ def _best_baseline_lines(result: dict) -> list[str]:
         return ["", f"The best baseline ({result['best_baseline']}) was chosen on these test seeds "
                     f"(the least mean PTL at {result['headline_load']:g}), which flatters it."]
     setup = result.get("validation", {})
+    by_split = [row["best_baseline"] for row in result.get("validation_by_split", [])]
+    per_split = ([f"Each of the {len(by_split)} splits chose on its own stream rows: "
+                  + ", ".join(f"{name} on {by_split.count(name)}" for name in dict.fromkeys(by_split))
+                  + "; the table is the first split's."] if len(by_split) > 1 else [])
     rows = [[name, f"{_g(v['mean_ptl'])} [{_g(v['mean_ptl_ci_low'])}, {_g(v['mean_ptl_ci_high'])}]",
              _g(v["spearman"])] for name, v in result.get("baseline_validation", {}).items()]
     return ["", f"The best baseline ({result['best_baseline']}) was chosen on validation rows, never on the test "
@@ -509,7 +589,8 @@ def _best_baseline_lines(result: dict) -> list[str]:
                 f"{_g(setup.get('load'))} of their capacity, {setup.get('n_requests', '?')} requests x "
                 f"{setup.get('seeds', '?')} seeds; the least mean PTL wins (FCFS there: "
                 f"{_g(setup.get('fcfs', {}).get('mean_ptl'))} s/token):", "",
-            _table(["baseline", "validation mean PTL (s/token) [95% CI]", "validation Spearman"], rows)]
+            _table(["baseline", "validation mean PTL (s/token) [95% CI]", "validation Spearman"], rows),
+            *([""] + per_split if per_split else [])]
 
 
 def _ratios_by_load_lines(result: dict) -> list[str]:
@@ -520,7 +601,7 @@ def _ratios_by_load_lines(result: dict) -> list[str]:
     loads = list(by_load)
     keys = list(dict.fromkeys(key for ratios in by_load.values() for key in ratios))
     rows = [[key, *(_interval(by_load[m][key]) if key in by_load[m] else "n/a" for m in loads)] for key in keys]
-    return ["", "The same ratios at every load (paired by seed, 95% intervals):", "",
+    return ["", f"The same ratios at every load (paired by seed, 95% intervals over {_interval_basis(result)}):", "",
             _table(["ratio", *(f"{float(m):g}" for m in loads)], rows)]
 
 
@@ -581,7 +662,7 @@ def run_refresh(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: ArrayLi
             runs[policy].append(_figures(_run_policy(policy, arrival, prompt[idx], out[idx], drawn, base)))
         runs["refresh"].append(_figures(simulate(arrival, prompt[idx], out[idx], drawn["countdown"], refreshing,
                                                  refreshed=fresh[idx])))
-    table = {arm: _over_seeds(runs[arm]) for arm in arms}
+    table = {arm: _over_seeds([runs[arm]]) for arm in arms}
     ratio = {key: bootstrap_ci(ratio_of_means, np.array([f[key] for f in runs["refresh"]]),
                                np.array([f[key] for f in runs["countdown"]]), vectorized=True)
              for key in ("mean_ptl", "mean_latency_s")}

@@ -15,7 +15,7 @@ import numpy as np
 
 from evaluation import offline, simulated
 from evaluation.baselines import (LengthData, LeapReadoutPredictor, fit_cached, hyperparameters, make_predictor,
-                                  measure_cost)
+                                  measure_cost, pinned)
 from evaluation.corpora import load_or_build, model_info
 from evaluation.data import length_data
 from evaluation.offline import choose_alpha
@@ -177,21 +177,45 @@ def engine_capacity(step_model: StepTimeModel, path: Path | None = None, **confi
                 "capacity"))
 
 
+LOAD_SPLITS = 5  # train/test splits the load study refits its predictors on
+LOAD_WORKLOADS = 30  # paired workloads a load gets over all the splits (6 seeds a split for 5)
+TRAIN_SHARE = 0.9  # of the training rows, each split after the first refits on (a seeded subsample)
+
+
 def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, baselines: Sequence[str],
                step_model: StepTimeModel, max_tokens: int = 1024, model: str | None = None,
-               say: Say = _quiet, build: bool = True, **options: Any) -> dict:
-    """Simulated scheduling of a domain's held-out rows under every predictor (Table 4, Figure 6): half the
-    target rows feed LEAP's RLS, the other half is the pool the simulator draws requests from. The first
-    half also chooses the best baseline LEAP is compared against (`validated_baseline`): the baselines never
-    saw it, so the test pool never picks LEAP's opponent."""
+               say: Say = _quiet, build: bool = True, splits: int = LOAD_SPLITS, **options: Any) -> dict:
+    """Simulated scheduling of a domain's held-out rows under every predictor (Table 4, Figure 6), over
+    `splits` train/test splits, so the ratios' intervals carry what refitting on other rows moves as well
+    as the workload's noise (`simulated.run_load_over_splits`).
+
+    Split k partitions the target's rows by seed k: half feed LEAP's RLS, the other half is the pool the
+    simulator draws requests from. Its predictors are refitted: LEAP's readout (the penalty chosen on the
+    whole training window) and its RLS anchor on the training rows, then the RLS on split k's stream; each
+    baseline on the same training rows, narrowed to the hyper-parameters its own search chose on the first
+    split (`baselines.pinned`). The first split fits on every training row; the others on a seeded
+    `TRAIN_SHARE` of them. Each split's stream half also chooses the best baseline LEAP is compared against
+    on that split (`validated_baseline`): the baselines never saw it, so the test pool never picks LEAP's
+    opponent. The Gittins order's distribution and the tail guard's cap come from the whole training
+    window, once."""
+    if splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
     train, target = datasets([train_spec, ",".join(test_specs)], max_tokens, model, say, limit, build)
     fitted = fitted_baselines(train, baselines, say)
     counts = (len(target) // 2,)
-    evaluation, predictions = domain_predictions(train, target, fitted, counts=counts)
     shape = {k: options[k] for k in ("decode_slots", "max_resident") if k in options}
     engine = engine_capacity(step_model, **shape)
-    validation = validated_baseline(target, fitted, counts, step_model, say, engine=engine, **options)
     alpha = choose_alpha(train.features, train.lengths, "sqrt", train.max_tokens)  # as fit_leap chooses it
+    pools, validations = [], []
+    for k in range(splits):
+        rows = train if k == 0 else train.subset(_train_subsample(len(train), k))
+        refitted = fitted if k == 0 else refit_pinned(fitted, rows, say)
+        say(f"split {k + 1} of {splits}: {len(rows)} training rows, the target partitioned by seed {k}")
+        evaluation, predictions = domain_predictions(rows, target, refitted, counts=counts, alpha=alpha, seed=k)
+        validation = validated_baseline(target, refitted, counts, step_model, say, engine=engine, seed=k, **options)
+        pools.append(simulated.Split(evaluation.prompt_tokens, evaluation.lengths, predictions,
+                                     validation.get("best_baseline")))
+        validations.append(validation)
     cross_fitted = cross_fitted_predictions(train.features, train.lengths, alpha=alpha, max_tokens=train.max_tokens)
     distribution = LengthGivenPrediction(max_tokens=train.max_tokens).fit(cross_fitted, train.lengths)
     gittins = simulated.Order("leap", "gittins_over_countdown", overrides={"distribution": distribution})
@@ -201,16 +225,26 @@ def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, ba
     orders = {"leap-gittins": gittins,
               "leap-gittins-guard": simulated.Order("leap", "gittins_guard_over_countdown", overrides={
                   "distribution": distribution, "waiting_cap": guard["waiting_cap"]})}
-    say(f"simulating {len(predictions) + len(orders) + 2} policies on a pool of {len(evaluation)} held-out prompts")
-    result = simulated.run_load(evaluation.prompt_tokens, evaluation.lengths, predictions, step_model,
-                                orders=orders, best_baseline=validation.get("best_baseline"), engine=engine,
-                                **options)
-    result.update(validation)
+    say(f"simulating {len(pools[0].predictions) + len(orders) + 2} policies on {splits} splits' pools of "
+        f"{len(pools[0].lengths)} held-out prompts")
+    result = simulated.run_load_over_splits(pools, step_model, orders=orders, engine=engine, **options)
+    result.update({key: value for key, value in validations[0].items() if key != "best_baseline"})
+    result["validation_by_split"] = [
+        {"best_baseline": v.get("best_baseline"), "n_validation": v.get("n_validation"),
+         "mean_ptl": {name: figures["mean_ptl"] for name, figures in v.get("baseline_validation", {}).items()}}
+        for v in validations]
+    result["split_setup"] = {
+        "partition": "the target's rows permuted by the split's seed (0, 1, ...): half the feedback stream and "
+                     "validation rows, half the simulated pool",
+        "train_share": 1.0 if splits == 1 else TRAIN_SHARE,
+        "refit": "LEAP's readout and RLS anchor on the split's training rows (the whole window's penalty), RLS on "
+                 "the split's stream; each baseline on the split's training rows at the hyper-parameters its "
+                 "search chose on the first split (which fits on every training row)",
+        "best_baseline": "chosen on each split's own stream rows"}
     say("the same policies at the headline load with bursty arrivals (a real trace's gaps)")
     headline = options.get("headline", simulated.HEADLINE_LOAD)
-    bursty = simulated.run_load(evaluation.prompt_tokens, evaluation.lengths, predictions, step_model,
-                                orders=orders, best_baseline=validation.get("best_baseline"), engine=engine,
-                                gaps=trace_gaps(), **{**options, "loads": (headline,), "overloads": ()})
+    bursty = simulated.run_load_over_splits(pools, step_model, orders=orders, engine=engine, gaps=trace_gaps(),
+                                            **{**options, "loads": (headline,), "overloads": ()})
     result["bursty"] = {key: bursty[key] for key in ("arrivals", "table", "tail", "ratios", "long_p95_over_fcfs")}
     result.update(train=train_spec, test=list(test_specs), n_train=len(train), tail_guard=guard,
                   gittins={"weight": distribution.weight, "bins": len(distribution.samples_),
@@ -219,12 +253,27 @@ def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, ba
     return result
 
 
+def _train_subsample(n: int, split: int) -> np.ndarray:
+    """The training rows split `split` refits on: a seeded `TRAIN_SHARE` of the `n`, in their order."""
+    return np.sort(np.random.default_rng(split).choice(n, int(round(TRAIN_SHARE * n)), replace=False))
+
+
+def refit_pinned(fitted: dict[str, Any], rows: LengthData, say: Say = _quiet) -> dict[str, Any]:
+    """Each fitted baseline refitted on `rows` at the hyper-parameters it chose (`baselines.pinned`; cached)."""
+    refitted = {}
+    for name, predictor in fitted.items():
+        say(f"refitting {name} on {len(rows)} prompts at its chosen hyper-parameters (cached)")
+        refitted[name] = fit_cached(pinned(predictor), rows, sub_dir("baselines"))
+    return refitted
+
+
 def validated_baseline(target: LengthData, fitted: dict[str, Any], counts: Sequence[int], step_model: StepTimeModel,
                        say: Say = _quiet, engine: simulated.EngineCapacity = simulated.EngineCapacity(),
-                       **options: Any) -> dict:
+                       seed: int = 0, **options: Any) -> dict:
     """LEAP's opponent in the load study, chosen on validation rows: the target's feedback-stream half (no
-    baseline was fitted on it, the simulated pool never holds it), each baseline's countdown replayed there
-    at the headline load with the study's engine shape and requests a run (`simulated.choose_baseline`).
+    baseline was fitted on it, the simulated pool never holds it) of the partition seeded by `seed`, each
+    baseline's countdown replayed there at the headline load with the study's engine shape and requests a
+    run (`simulated.choose_baseline`).
 
     The result keys the load study reports: `best_baseline`, `baseline_validation` (each baseline's mean
     PTL with its interval, Spearman on those rows, and its hyper-parameters, with what its own search chose),
@@ -232,7 +281,7 @@ def validated_baseline(target: LengthData, fitted: dict[str, Any], counts: Seque
     baselines: nothing to choose, {}."""
     if not fitted:
         return {}
-    stream, predicted = stream_predictions(target, fitted, counts)
+    stream, predicted = stream_predictions(target, fitted, counts, seed=seed)
     say(f"choosing the best baseline on {len(stream)} feedback-stream rows (validation)")
     sim = {key: options[key] for key in ("decode_slots", "max_resident", "n_requests") if key in options}
     choice = simulated.choose_baseline(stream.prompt_tokens, stream.lengths, predicted, step_model,

@@ -181,8 +181,9 @@ def layers(prompts: int = typer.Option(400, help="ShareGPT prompts with every la
 
 @eval_app.command("load")
 def load(
-    quick: bool = typer.Option(False, "--quick", help="the headline load only, baselines that train in seconds, "
-                                                       "1,000 requests a run (30 seeds still)"),
+    quick: bool = typer.Option(False, "--quick", help="loads 0.7, 0.9 and 0.95 only, no overload, baselines that "
+                                                       "train in seconds, 1,000 requests a run (the splits and "
+                                                       "seeds still)"),
     train: str = typer.Option(CHAT_TRAIN),
     test: Optional[list[str]] = typer.Option(None, help="target prompts (JSONL or set name; default sharegpt, "
                                                         "held out from --train); repeat"),
@@ -192,7 +193,10 @@ def load(
     step_model: Optional[Path] = typer.Option(None, help="JSON of step models by K and R (default "
                                                          "docs/results/step-models.json); calibrated when missing"),
     n_requests: Optional[int] = typer.Option(None, help="requests per run (default 2000; 1000 with --quick)"),
-    seeds: int = typer.Option(30, help="paired workloads (request draw + arrivals) per load"),
+    splits: int = typer.Option(5, help="train/test splits: each partitions the target anew and refits every "
+                                       "predictor; intervals resample the splits, then the seeds within each"),
+    seeds: Optional[int] = typer.Option(None, help="paired workloads (request draw + arrivals) per split and load "
+                                                   "(default 30 over the splits: 6 each for 5)"),
     decode_slots: int = typer.Option(
         8, help="K, requests decoded per step: 8, as in the live study that validates the simulator (on 2 CPU "
                 "cores a step costs about the same per decoded request at any K, so decode slots are scarce "
@@ -201,19 +205,21 @@ def load(
     max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
     build: bool = BUILD,
 ) -> None:
-    """Simulated replay at 0.7-0.95 of sustained capacity (and an overload), paired seeds, ratios with intervals;
-    countdown beside the uncertainty-aware order (leap-gittins) and its tail guard (leap-gittins-guard)."""
+    """Simulated replay at 0.7-0.95 of sustained capacity (and an overload) on several train/test splits, paired
+    seeds, ratios with intervals over splits and seeds; countdown beside the uncertainty-aware order (leap-gittins)
+    and its tail guard (leap-gittins-guard)."""
     from dataclasses import asdict
 
-    from evaluation.simulated import HEADLINE_LOAD
-    from evaluation.studies import BASELINES, load_study, step_model_from
+    from evaluation.simulated import QUICK_LOADS
+    from evaluation.studies import BASELINES, LOAD_WORKLOADS, load_study, step_model_from
 
     say = _say(as_json)
     steps, source = step_model_from(step_model, max_tokens, model, say, decode_slots, max_resident, save)
     chosen = _names(baselines) if baselines else (["prompt_length", "trail_mlp"] if quick else list(BASELINES))
-    options = dict(loads=(HEADLINE_LOAD,), overloads=()) if quick else {}
+    options = dict(loads=QUICK_LOADS, overloads=()) if quick else {}
     tests = test or ["sharegpt"]
-    result = load_study(train, tests, limit or None, chosen, steps, max_tokens, model, say, build,
+    seeds = seeds or -(-LOAD_WORKLOADS // splits)
+    result = load_study(train, tests, limit or None, chosen, steps, max_tokens, model, say, build, splits=splits,
                         n_requests=n_requests or (1000 if quick else 2000), seeds=seeds,
                         decode_slots=decode_slots, max_resident=max_resident, **options)
     result.update(step_model_source=source, step_model=asdict(steps), quick=quick,

@@ -7,8 +7,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from evaluation.simulated import (TAIL_FIGURES, _workloads, life_error, plot_load, plot_refresh, plot_tail, run_load,
-                                  run_refresh, run_tail, section_load, section_refresh, section_tail)
+from evaluation.simulated import (TAIL_FIGURES, Split, _workloads, life_error, plot_load, plot_refresh, plot_tail,
+                                  run_load, run_load_over_splits, run_refresh, run_tail, section_load, section_refresh,
+                                  section_tail)
 from leap_core.noise import noisy_predictions
 from leap_core.simulator import SimConfig, StepTimeModel, fcfs_capacity, poisson_arrivals, simulate
 from tests.sim_reference import reference_simulate
@@ -205,6 +206,63 @@ def test_run_load_compares_leap_with_the_baseline_it_is_given():
         run_load(prompt, out, {"good": predicted, "leap": predicted}, STEP_MODEL, n_requests=10, seeds=1,
                  best_baseline="leap")
 
+
+
+def _two_splits():
+    """Two splits of one pool whose LEAP differs: exact on the first, noisy on the second; the baseline each
+    split's validation chose differs too."""
+    prompt, out, predicted = _pool(n=200)
+    worse = noisy_predictions(out, 0.1, seed=9)
+    first = Split(prompt, out, {"good": predicted, "worse": worse, "leap": out.astype(float)}, "good")
+    second = Split(prompt, out, {"good": predicted, "worse": worse, "leap": worse}, "worse")
+    return first, second
+
+
+def test_the_load_study_over_splits_pairs_each_split_with_its_own_seeds_and_baseline():
+    """Each split replays its own seeds (seed + split) against the baseline its validation chose: the table and
+    the ratios are those of the splits run one by one, pooled."""
+    first, second = _two_splits()
+    options = dict(loads=(0.9,), overloads=(), n_requests=150, seeds=3, decode_slots=4)
+    both = run_load_over_splits([first, second], STEP_MODEL, **options)
+    json.dumps(both, allow_nan=False)
+    alone = [run_load(split.prompt_tokens, split.lengths, split.predictions, STEP_MODEL,
+                      best_baseline=split.best_baseline, seed=k, **options) for k, split in enumerate((first, second))]
+    assert both["splits"] == 2 and both["interval_over"] == ["splits", "seeds"] and both["seeds"] == 3
+    assert both["best_baseline_by_split"] == ["good", "worse"] and both["best_baseline"] == "good"
+    assert both["best_baseline_chosen_on"] == "validation"
+    assert [row["best_baseline"] for row in both["by_split"]] == ["good", "worse"]
+    head = [result["table"]["0.9"] for result in alone]
+    for policy in ("leap", "fcfs", "oracle", "good"):
+        assert both["table"]["0.9"][policy]["mean_ptl"] == pytest.approx(
+            np.mean([h[policy]["mean_ptl"] for h in head]))
+    leap = sum(h["leap"]["mean_ptl"] for h in head)
+    assert both["ratios"]["leap_over_best_baseline"]["value"] == pytest.approx(
+        leap / (head[0]["good"]["mean_ptl"] + head[1]["worse"]["mean_ptl"]))
+    assert both["ratios"]["leap_over_fcfs"]["value"] == pytest.approx(leap / sum(h["fcfs"]["mean_ptl"] for h in head))
+    # one split is run_load itself, figure for figure
+    assert run_load_over_splits([first], STEP_MODEL, **options) == alone[0]
+    assert alone[0]["splits"] == 1 and alone[0]["interval_over"] == ["seeds"]
+    text = section_load(both, "x.png")
+    assert "2 train/test splits x 3 paired seeds each" in text and "then seeds within each" in text
+    chosen = [{"best_baseline": "good"}, {"best_baseline": "worse"}]
+    assert "Each of the 2 splits chose on its own stream rows: good on 1, worse on 1" in section_load(
+        {**both, "validation_by_split": chosen}, "x.png")
+
+
+def test_the_interval_over_splits_spans_what_the_splits_disagree_on():
+    """LEAP exact on one split and noisy on the other: the interval over splits and seeds holds both splits'
+    own ratios and is wider than either split's interval over its seeds alone."""
+    first, second = _two_splits()
+    options = dict(loads=(0.9,), overloads=(), n_requests=150, seeds=4, decode_slots=4)
+    both = run_load_over_splits([first, second], STEP_MODEL, **options)["ratios"]["leap_over_fcfs"]
+    alone = [run_load(split.prompt_tokens, split.lengths, split.predictions, STEP_MODEL, seed=k,
+                      **options)["ratios"]["leap_over_fcfs"] for k, split in enumerate((first, second))]
+    assert alone[0]["ci_high"] < alone[1]["ci_low"]  # the splits disagree beyond their seeds' noise
+    assert both["ci_low"] <= alone[0]["value"] and both["ci_high"] >= alone[1]["value"]
+    assert both["ci_high"] - both["ci_low"] > max(r["ci_high"] - r["ci_low"] for r in alone)
+    with pytest.raises(ValueError, match="same predictors"):
+        run_load_over_splits([first, Split(first.prompt_tokens, first.lengths, {"leap": first.lengths})], STEP_MODEL,
+                             **options)
 
 class _HonestOn:
     """A fitted baseline stand-in: the true lengths on the rows of `ids`, their reverse order elsewhere."""
