@@ -203,6 +203,30 @@ def test_flow_results_and_the_cli_share_one_json_encoder() -> None:
     assert to_jsonable(result, nonfinite="string")["empty_bucket"] == "nan"
 
 
+def test_the_fit_carries_the_length_distribution_of_its_cross_fitted_predictions(fitted, frame) -> None:
+    """Fitted on each training row's prediction by a readout that never saw it, carried by the readout file."""
+    from leap_core.readout_format import from_bytes, to_bytes
+    from training.fit import LENGTH_DISTRIBUTION_BINS, fit_length_distribution
+
+    train, test, result = fitted
+    keep = _usable(train)
+    distribution = result.readout.length_distribution_
+    expected = fit_length_distribution(train.features[keep], train.output_tokens[keep],
+                                       alpha=result.params["alpha"], target="sqrt", max_tokens=MAX_TOKENS)
+    assert distribution.n_ == keep.sum() and len(distribution.samples_) == LENGTH_DISTRIBUTION_BINS
+    np.testing.assert_array_equal(distribution.edges_, expected.edges_)
+    np.testing.assert_array_equal(np.concatenate(distribution.samples_), np.concatenate(expected.samples_))
+    np.testing.assert_array_equal(np.sort(np.concatenate(distribution.samples_)),
+                                  np.sort(train.output_tokens[keep].astype(float)))
+    assert result.params["length_distribution"].startswith("fitted")
+    loaded = from_bytes(to_bytes(result.readout)).length_distribution_
+    np.testing.assert_allclose(loaded.index_, distribution.index_)
+    # too few rows to cross-fit: the readout still fits, without a distribution, and says why
+    few = fit_readout(frame.take(slice(0, 8)), test, alpha=30.0, **IDENTITY)
+    assert few.readout.length_distribution_ is None
+    assert few.params["length_distribution"].startswith("not fitted: ")
+
+
 def test_a_fit_anchored_at_the_champion_equals_one_ridge_solve_on_both_windows(frame: TrainingFrame) -> None:
     """The champion's rows and a new window, one exact anchored solve: the RLS identity, through the flow's fit."""
     rest, test = time_split(frame, 0.2)

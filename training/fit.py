@@ -28,6 +28,8 @@ from store.duckdb import LogStore, TrainingFrame
 from leap_core import alpha as alpha_path
 from leap_core import metrics
 from leap_core.alpha import AlphaSelection
+from leap_core.cross_fit import cross_fitted_predictions
+from leap_core.gittins import LengthGivenPrediction
 from leap_core.readout import LinearReadout
 from leap_core.recipe_choice import choose_recipe, validate_recipes
 from leap_core.recipes import RECIPE_VERSION, Recipe, readout_recipe
@@ -44,6 +46,9 @@ VALIDATION_FRACTION = 0.2
 
 MIN_DOMAIN_TEST_ROWS = 10
 """Fewest test rows of a domain for its own Spearman figure (fewer gives a number, not a measurement)."""
+
+LENGTH_DISTRIBUTION_BINS = 10
+"""Bins of predicted length of the readout's length distribution (`fit_length_distribution`)."""
 
 ABORT = "abort"
 
@@ -283,6 +288,16 @@ def fit_readout(
         return replace(fit, validation=validation)
 
 
+def fit_length_distribution(X: ArrayLike, lengths: ArrayLike, *, alpha: float, target: str,
+                            max_tokens: int) -> LengthGivenPrediction:
+    """The distribution of true length given the readout's prediction, which the Gittins decode order
+    ranks by: fitted on each training row's cross-fitted prediction (`leap_core.cross_fit`, the readout's
+    alpha, target and budget), so it holds the errors of a readout on prompts it never saw. ValueError when
+    the rows are too few to cross-fit and fill the bins, or the table would be too large."""
+    predicted = cross_fitted_predictions(X, lengths, alpha=alpha, target=target, max_tokens=max_tokens)
+    return LengthGivenPrediction(n_bins=LENGTH_DISTRIBUTION_BINS, max_tokens=int(max_tokens)).fit(predicted, lengths)
+
+
 def _columns(frame: TrainingFrame, columns: np.ndarray) -> TrainingFrame:
     return frame._replace(features=np.asarray(frame.features)[:, columns])
 
@@ -362,6 +377,12 @@ def _fit(frame_train: TrainingFrame, frame_test: TrainingFrame, *, alpha: float 
                                                target=target, metadata=metadata)
     rls_state = rls.state_arrays()
     del rls
+    try:
+        readout.length_distribution_ = fit_length_distribution(X_train, lengths_train, alpha=chosen, target=target,
+                                                               max_tokens=budget)
+        distribution_note = "fitted on cross-fitted predictions of the training rows"
+    except ValueError as exc:  # an anchored readout keeps its anchor's; otherwise the readout has none
+        distribution_note = f"not fitted: {exc}"
 
     true = np.asarray(test.output_tokens, dtype=np.int64)
     pred = readout.predict(np.asarray(test.features))
@@ -386,6 +407,7 @@ def _fit(frame_train: TrainingFrame, frame_test: TrainingFrame, *, alpha: float 
         "n_aborted_excluded": int(aborted),  # every row left out, whatever its reason (see n_excluded_*)
         **{f"n_excluded_{reason}": int(count) for reason, count in sorted(excluded.items())},
         "data_hash": _data_hash(train.request_ids),
+        "length_distribution": distribution_note,
     }
     if selection is not None:
         params["alpha_scoring"] = selection.scoring
