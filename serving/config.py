@@ -15,6 +15,11 @@ remaining length) and where the predicted length comes from (`length_source`):
 - a name registered with `register_predictor_policy` (the evaluation heads served with
   `LeapRuntime.serve_predictor`): like "leap", with its name recorded in the feedback rows.
 
+`order` ("countdown" | "gittins", LEAP_ORDER) chooses how the predictor-based policies ("leap" and the
+registered ones) rank by their predictions: countdown by predicted remaining length, or the Gittins index
+of the remaining length under the serving readout's length distribution (`leap_core.gittins`; countdown
+while the readout carries none, see `serving.decode_steps`). "oracle" and "client" always count down.
+
 Refresh (`refresh_at` with `refresh_readout_path`, serving/refresh.py) is off unless both are set.
 """
 
@@ -24,7 +29,7 @@ import os
 import tempfile
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 POLICIES = ("fcfs", "leap", "oracle", "client")
@@ -69,6 +74,10 @@ class LeapConfig(BaseSettings):
     decode_slots: int = Field(64, ge=1, description="K: requests decoded per step")
     waiting_cap: int = Field(128, ge=1, description="C: steps a resident request may be held out")
     aging: float = Field(0.0, ge=0.0, description="exponential aging strength (0: plain countdown)")
+    order: Literal["countdown", "gittins"] = Field(
+        "countdown", description="how predictor-based policies rank (LEAP_ORDER): countdown by predicted remaining "
+                                 "length, or gittins: the Gittins index of the remaining length under the serving "
+                                 "readout's length distribution (countdown while the readout carries none)")
     rls: bool = Field(True, description="correct the readout online from finished requests")
     rls_every: int = Field(8, ge=1, description="finished requests per RLS publish")
     rls_learns_forced_lengths: bool = Field(
@@ -182,10 +191,24 @@ class LeapConfig(BaseSettings):
             raise ValueError(f"unknown policy {value!r}; expected one of {known_policies()}")
         return value
 
+    @field_validator("aging", "order")
+    @classmethod
+    def _aging_is_countdowns(cls, value: Any, info: ValidationInfo) -> Any:
+        """Aging is countdown's alone; checked on either field, so an assignment to one is refused as well."""
+        aging = value if info.field_name == "aging" else info.data.get("aging")
+        order = value if info.field_name == "order" else info.data.get("order")
+        if order == "gittins" and aging:
+            raise ValueError(f"aging ({aging}) applies to the countdown order only; the gittins order has none "
+                             "(set aging to 0, or order to countdown)")
+        return value
+
     @property
-    def decode_order(self) -> Literal["fcfs", "countdown"]:
-        """The `leap_core.policy.make_policy` name of this policy's decode order."""
-        return "fcfs" if self.policy == "fcfs" else "countdown"
+    def decode_order(self) -> Literal["fcfs", "countdown", "gittins"]:
+        """The `leap_core.policy.make_policy` name of this policy's decode order: `order` for policies that
+        rank by the predictor, countdown for the oracle's and the client's lengths, FCFS for "fcfs"."""
+        if self.policy == "fcfs":
+            return "fcfs"
+        return self.order if self.length_source == "predicted" else "countdown"
 
     @property
     def length_source(self) -> Literal["none", "predicted", "oracle", "client"]:

@@ -7,12 +7,18 @@ length (the latest refresh, where LEAP's own prediction is used), else by its ma
 thread waits on the predictor in one bounded place only: a step whose new decode candidates have no
 prediction yet waits for them once, up to `ready_wait_ms` for all of them together.
 
+The Gittins order (`LeapConfig.order`) ranks by the serving readout's length distribution, so the policy
+is rebuilt whenever another readout serves (a push, a restore); a readout without a distribution is
+ordered by countdown instead, which `describe_order` reports with the number of times it happened (on
+`/leap/health`), and `leap_order_fallback` while it lasts.
+
 After the step, what the engine actually scheduled is counted (hold-outs, the step's shape), and the
 per-request state is pruned once a second.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +32,8 @@ from serving.fcfs_fallback import FcfsFallback
 from serving.readout_service import ReadoutService
 from serving.telemetry import Telemetry
 from serving.tracking import RequestTracker, Tracked
+
+logger = logging.getLogger(__name__)
 
 EXPIRE_EVERY_S = 1.0
 
@@ -53,6 +61,7 @@ class DecodeSteps:
         self._telemetry = telemetry
         self._readouts = readouts
         self._fallback = fallback
+        self.order_fallbacks = 0  # policies built to count down in place of the gittins order, a readout serving
         self.policy: DecodePolicy = self._make_policy()
         self.counters = Counters()
         self.last_held: set[str] = set()
@@ -62,7 +71,35 @@ class DecodeSteps:
     def _make_policy(self) -> DecodePolicy:
         c = self.config
         self._fcfs = make_policy("fcfs", k=c.decode_slots, waiting_cap=c.waiting_cap, aging=c.aging)
-        return make_policy(c.decode_order, k=c.decode_slots, waiting_cap=c.waiting_cap, aging=c.aging)
+        order = c.decode_order
+        self._gittins = order == "gittins"
+        self._generation = self._readouts.generation
+        self._distribution = self._readouts.length_distribution if self._gittins else None
+        self._counting_down = self._gittins and self._distribution is None
+        if self._counting_down:
+            order = "countdown"
+            if self._readouts.readout is not None:  # with no readout there is nothing to rank by anyway
+                self.order_fallbacks += 1
+                logger.warning("LEAP: the gittins order counts down instead: %s", self._order_fallback())
+        self._telemetry.order_fallback.set(1 if self._counting_down else 0)
+        return make_policy(order, k=c.decode_slots, waiting_cap=c.waiting_cap, aging=c.aging,
+                           distribution=self._distribution)
+
+    def _order_fallback(self) -> str | None:
+        """Why the configured order does not serve (None while it does)."""
+        if not self._counting_down:
+            return None
+        if self._readouts.readout is None:
+            return "no readout serves"
+        return f"the serving readout {self._readouts.version!r} carries no length distribution"
+
+    def describe_order(self) -> dict:
+        """The decode order configured and the one serving, why they differ, and how many times a serving
+        readout without a length distribution made the gittins order count down."""
+        configured = self.config.decode_order
+        reason = self._order_fallback()
+        return {"configured": configured, "serving": "countdown" if reason else configured, "fallback": reason,
+                "fallbacks": self.order_fallbacks}
 
     def reset(self) -> None:
         """Take the policy and decode shape of the settings as they are now, and count afresh."""
@@ -90,6 +127,10 @@ class DecodeSteps:
         track, predictions = self._tracker.track, self._tracker.predictions
         candidates, entries, missing = [], [], []
         source = self.config.length_source
+        readouts = self._readouts
+        if self._gittins and (readouts.generation != self._generation
+                              or readouts.length_distribution is not self._distribution):
+            self.policy = self._make_policy()  # another readout serves: rank by its distribution
         fcfs = self._fallback is not None and self._fallback.on  # the kill switch: FCFS from this step
         policy = self._fcfs if fcfs else self.policy
         needs_prediction = not fcfs and self._readouts.readout is not None and source in ("predicted", "client")

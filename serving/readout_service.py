@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from leap_core.gittins import LengthGivenPrediction
 from leap_core.readout import LinearReadout
 from leap_core.readout_format import to_bytes
 from leap_core.rls import RLS
@@ -114,6 +115,12 @@ class ReadoutService:
     @property
     def readout(self) -> Readout | None:
         return self._served.readout
+
+    @property
+    def length_distribution(self) -> LengthGivenPrediction | None:
+        """The serving readout's distribution of true length given its prediction, which the Gittins order
+        ranks by (None: no readout serves, or it carries none; readouts RLS corrects keep their anchor's)."""
+        return getattr(self._served.readout, "length_distribution_", None)
 
     @property
     def recipe(self) -> str | None:

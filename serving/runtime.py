@@ -324,6 +324,7 @@ class LeapRuntime:
             "readout": {k: v for k, v in meta.items() if isinstance(v, (str, int, float, bool))},
             **self.readouts.describe(), **self.sources.describe(), "rls": self.learner.stats(), "refresh": self.describe_refresh(),
             "shadow": self.shadow.describe(), "stats": self.stats(), "healthy": self.health()["healthy"],
+            "decode_order": self.steps.describe_order(),
         }
 
     def describe_refresh(self) -> dict:
@@ -349,7 +350,8 @@ class LeapRuntime:
             healthy = healthy and threads["feedback_shipper"]["healthy"]
         counters = {**self.telemetry.snapshot(), "state": self.tracker.sizes()}
         return {"healthy": bool(healthy), "threads": threads, "counters": counters,
-                "fcfs_fallback": self.fallback.state(), "shadow": self.shadow.describe()}
+                "fcfs_fallback": self.fallback.state(), "decode_order": self.steps.describe_order(),
+                "shadow": self.shadow.describe()}
 
     def stats(self) -> dict:
         c = self.steps.counters

@@ -46,6 +46,9 @@ class Telemetry:
         self.max_held = Gauge("leap_max_steps_held_out", "Longest hold-out seen", registry=r)
         self.fcfs_fallback = Gauge("leap_fcfs_fallback", "1 while decodes are ordered FCFS by the kill switch "
                                    "or the live-ranking fallback (serving/fcfs_fallback.py)", registry=r)
+        self.order_fallback = Gauge("leap_order_fallback", "1 while the gittins order is configured but decodes "
+                                    "count down: the serving readout carries no length distribution "
+                                    "(serving/decode_steps.py)", registry=r)
         self.shadow_rows = Gauge("leap_shadow_rows", "Finished requests paired in the shadow's live figures "
                                  "(serving/shadow.py)", registry=r)
         self.shadow_figure = Gauge("leap_shadow_figure", "Rolling figure of the served and the shadow readout on "

@@ -288,6 +288,32 @@ def test_the_policy_is_validated_on_construction_and_assignment():
         register_predictor_policy("no spaces")
 
 
+def test_the_order_is_countdown_or_gittins_for_predictor_policies_and_never_ages_the_index(monkeypatch):
+    assert LeapConfig().order == "countdown" and LeapConfig().decode_order == "countdown"
+    config = LeapConfig(order="gittins")
+    assert config.decode_order == "gittins"
+    config.policy = "oracle"  # true lengths, client lengths and FCFS have their own orders
+    assert config.decode_order == "countdown"
+    config.policy = "fcfs"
+    assert config.decode_order == "fcfs"
+    monkeypatch.setenv("LEAP_ORDER", "gittins")
+    assert LeapConfig().order == "gittins"
+    monkeypatch.setenv("LEAP_ORDER", "shortest")
+    with pytest.raises(ValidationError, match="'countdown' or 'gittins'"):
+        LeapConfig()
+    monkeypatch.delenv("LEAP_ORDER")
+    with pytest.raises(ValidationError, match="aging"):
+        LeapConfig(order="gittins", aging=0.1)
+    config = LeapConfig(order="gittins")
+    with pytest.raises(ValidationError, match="countdown order only"):
+        config.aging = 0.2
+    assert config.aging == 0.0  # a refused assignment changes nothing
+    config = LeapConfig(aging=0.2)
+    with pytest.raises(ValidationError, match="countdown order only"):
+        config.order = "gittins"
+    assert config.order == "countdown"
+
+
 def test_two_pushes_at_once_are_taken_one_after_the_other_and_the_newer_serves(service, monkeypatch):
     import serving.readout_service as readout_service
 
