@@ -215,6 +215,31 @@ def test_good_push_changes_version_and_rls_anchor_and_rls_learns(live):
     assert "leap_rls_updates" in _get(runtime, "/metrics").text
 
 
+def test_the_gittins_order_ranks_by_the_pushed_distribution_and_finishes_every_request(live):
+    from leap_core.gittins import LengthGivenPrediction
+    from leap_core.policy import GittinsPolicy
+
+    runtime, model = live["runtime"], live["model"]
+    readout = spread_readout(model, runtime.dim, seed=3, version="push-3")
+    rng = np.random.default_rng(3)
+    predicted = rng.uniform(1, 64, 400)
+    true = np.clip(np.round(predicted * rng.lognormal(0.0, 0.5, 400)), 1, 64)
+    readout.length_distribution_ = LengthGivenPrediction(n_bins=4, max_tokens=64).fit(predicted, true)
+    assert _push(runtime, make_bundle(to_bytes(readout), None)).status_code == 200
+    runtime.config.order = "gittins"
+    runtime.configure(policy="leap", rls=False)
+    try:
+        finished = run(live, PROMPTS, tokens=16, tag="gittins")
+        assert len(finished) == len(PROMPTS) and set(finished.values()) == {16}
+        assert isinstance(runtime.steps.policy, GittinsPolicy)
+        assert runtime.stats()["max_steps_held_out"] >= 1  # 12 requests, 4 slots: the order chose
+        order = _get(runtime, "/leap/health").json()["decode_order"]
+        assert order == {"configured": "gittins", "serving": "gittins", "fallback": None, "fallbacks": 0}
+    finally:
+        runtime.config.order = "countdown"
+        runtime.configure(policy="leap")
+
+
 def test_every_finished_request_is_in_the_feedback_exactly_once(live):
     runtime = live["runtime"]
     runtime.feedback.flush()
