@@ -28,19 +28,23 @@ import numpy as np
 from evaluation.baselines import LengthData, LeapReadoutPredictor, fit_cached, make_predictor, measure_cost
 from evaluation.data import length_data
 from evaluation.transfer import fit_leap_anchored
-from evaluation.simulated import paired_ratios, ratio_goals
+from evaluation.simulated import paired_ratio, paired_ratios, ratio_goals
 from leap_core.metrics import bootstrap_ci, mean_last_axis
 from leap_core.simulator import SimConfig, StepTimeModel, fcfs_capacity, simulate
 from serving.config import LeapConfig
 from harness.experiment import corpus_for, fixed_length_requests, open_live
 from leap_io.paths import sub_dir
 from harness.replay import ReplayRequest, planned_arrivals, replay
+from training.fit import fit_length_distribution
 
 TEXT_BASELINES = ("prompt_length", "minilm_ridge", "minilm_finetuned", "minilm_ltr")
 HIDDEN_BASELINES = ("trail_mlp",)
-FULL_POLICIES = ("fcfs", *TEXT_BASELINES, *HIDDEN_BASELINES, "leap", "leap-rls", "oracle")
-QUICK_POLICIES = ("fcfs", "prompt_length", "trail_mlp", "leap", "oracle")
-REFERENCE = ("fcfs", "leap", "leap-rls", "oracle")
+FULL_POLICIES = ("fcfs", *TEXT_BASELINES, *HIDDEN_BASELINES, "leap", "leap-rls", "leap-gittins", "oracle")
+QUICK_POLICIES = ("fcfs", "prompt_length", "trail_mlp", "leap", "leap-gittins", "oracle")
+REFERENCE = ("fcfs", "leap", "leap-rls", "leap-gittins", "oracle")
+LEAP_ARMS = ("leap", "leap-rls", "leap-gittins")
+"""LEAP's readout served by the runtime: countdown, countdown corrected online by RLS, and the Gittins order on
+the readout's length distribution (`LeapConfig.order`), which `gittins_over_countdown` compares with countdown."""
 
 
 @dataclass
@@ -164,7 +168,8 @@ def run_live(train_prompts: Sequence[dict], replay_prompts: Sequence[dict], sett
         predicted = predicted_lengths(requests, replayed, readout, predictors)
         sim_config = SimConfig(max_resident=settings.max_resident, decode_slots=settings.decode_slots,
                                waiting_cap=settings.waiting_cap, step_model=step_model,
-                               max_prefill_tokens_per_step=prefill_budget(live))
+                               max_prefill_tokens_per_step=prefill_budget(live),
+                               distribution=readout.length_distribution_)
         runs: dict[str, list[dict]] = {name: [] for name in settings.policies}
         for repeat in range(settings.repeats):
             arrivals = planned_arrivals(len(requests), rate, None, settings.seed + repeat)
@@ -201,7 +206,11 @@ def training_and_requests(live: Any, train_prompts: Sequence[dict],
 
 
 def fit_leap_with_anchor(train: LengthData) -> tuple[Any, dict]:
+    """LEAP's readout on the training rows with its RLS anchor, carrying its length distribution as the fit
+    flow's readouts do (`training.fit.fit_length_distribution`)."""
     readout, rls = fit_leap_anchored(train)
+    readout.length_distribution_ = fit_length_distribution(train.features, train.lengths, alpha=readout.alpha,
+                                                           target=readout.target, max_tokens=readout.max_tokens)
     return readout, rls.state_arrays()
 
 
@@ -212,7 +221,7 @@ def predicted_lengths(requests: list[ReplayRequest], replayed: LengthData, reado
     position = {rid: i for i, rid in enumerate(replayed.ids)}
     rows = replayed.subset(np.array([position[r.id] for r in requests]))
     out = {"leap": readout.predict(rows.features)}
-    out["leap-rls"] = out["leap"]
+    out["leap-rls"] = out["leap-gittins"] = out["leap"]
     out.update({name: np.asarray(p.predict(rows), dtype=np.float64) for name, p in predictors.items()})
     return out
 
@@ -223,6 +232,8 @@ def simulated_latency(name: str, arrivals: np.ndarray, requests: list[ReplayRequ
     prompt = np.array([len(r.prompt_token_ids) for r in requests], dtype=np.int64)
     if name in ("fcfs", "oracle"):
         policy, guess = name if name == "fcfs" else "countdown", lengths
+    elif name == "leap-gittins":  # the config carries the readout's distribution
+        policy, guess = "gittins", predicted[name]
     else:
         policy, guess = "countdown", predicted[name]
     return simulate(arrivals, prompt, lengths, guess, replace(config, policy=policy)).latency
@@ -243,17 +254,18 @@ def replay_policy(live: Any, name: str, requests: list[ReplayRequest], arrivals:
     runtime = live.runtime
     predict_at_arrival = None
     runtime.reset_readout(None, None)
-    if name in ("leap", "leap-rls"):
-        runtime.configure(policy="leap", rls=name == "leap-rls")  # first: the reset anchors RLS only if on
+    order = "gittins" if name == "leap-gittins" else "countdown"
+    if name in LEAP_ARMS:  # configured first: the reset anchors RLS only if it is on
+        runtime.configure(policy="leap", rls=name == "leap-rls", order=order)
         runtime.reset_readout(readout, anchor)
     elif name in HIDDEN_BASELINES:
         runtime.serve_predictor(HeadOnFeatures(predictors[name], max_tokens), name)
-        runtime.configure(policy="leap", rls=False)
+        runtime.configure(policy="leap", rls=False, order=order)
     elif name in TEXT_BASELINES:
         predict_at_arrival = at_arrival(predictors[name], max_tokens)
-        runtime.configure(policy="client", rls=False)
+        runtime.configure(policy="client", rls=False, order=order)
     else:
-        runtime.configure(policy=name, rls=False)
+        runtime.configure(policy=name, rls=False, order=order)
     updates = runtime.learner.updates
     result = replay(live.engine, requests, arrivals, name, runtime=runtime, tag=tag,
                     predict_at_arrival=predict_at_arrival, clock=clock)
@@ -267,8 +279,10 @@ def replay_policy(live: Any, name: str, requests: list[ReplayRequest], arrivals:
     summary["latency_per_request"] = result.per_request["finish"] - result.per_request["arrival"]
     summary["tokens_per_request"] = np.maximum(result.per_request["output_tokens"], 1)
     summary["rls_updates"] = runtime.learner.updates - updates
-    if name not in ("leap", "leap-rls", *HIDDEN_BASELINES):
+    if name not in (*LEAP_ARMS, *HIDDEN_BASELINES):
         summary["ready_before_decode"] = None
+    if name == "leap-gittins":
+        summary["decode_order"] = runtime.steps.describe_order()
     return summary
 
 
@@ -299,6 +313,8 @@ def _aggregate(runs: dict[str, list[dict]], costs: dict, settings: LiveSettings,
     baselines = [k for k in ptl if k not in REFERENCE]
     best = min(baselines, key=lambda k: ptl[k].mean()) if baselines else None
     ratios = paired_ratios(ptl, best)
+    if "leap-gittins" in ptl and "leap" in ptl:
+        ratios["gittins_over_countdown"] = paired_ratio(ptl["leap-gittins"], ptl["leap"])
     all_errors = np.concatenate(list(errors.values()))
     drift = [s["modeled_over_wall"] for summaries in runs.values() for s in summaries if "modeled_over_wall" in s]
     return {"n_requests": n, "n_train": n_train, "repeats": settings.repeats, "load": settings.load,

@@ -257,10 +257,13 @@ class LeapRuntime:
 
     # -- control, between replays and from the admin API ----------------------------------------
     def configure(self, policy: str | None = None, rls: bool | None = None, decode_slots: int | None = None,
-                  waiting_cap: int | None = None) -> None:
-        """Switch policy, online learning or the decode shape between replays (no request in flight)."""
+                  waiting_cap: int | None = None, order: str | None = None) -> None:
+        """Switch policy, decode order, online learning or the decode shape between replays (no request in
+        flight)."""
         if policy is not None:
             self.config.policy = policy  # validated: an unknown name raises and changes nothing
+        if order is not None:
+            self.config.order = order
         if decode_slots is not None:
             self.config.decode_slots = decode_slots
         if waiting_cap is not None:

@@ -139,13 +139,17 @@ def test_live_replay_study_conserves_requests_and_work(all_layers, prompt_file):
 
     prompts = load_prompts(prompt_file)
     settings = LiveSettings(n_requests=8, n_train=16, repeats=2, load=2.0, max_tokens=M,
-                            policies=("fcfs", "prompt_length", "trail_mlp", "leap", "leap-rls", "oracle"),
+                            policies=("fcfs", "prompt_length", "trail_mlp", "leap", "leap-rls", "leap-gittins",
+                                      "oracle"),
                             calibration_requests=8, max_resident=16, decode_slots=4)
     result = run_live(prompts[:16], prompts[16:], settings)
     assert set(result["mean_ptl"]) == set(settings.policies)
     work = {name: (p["runs"][0]["n"], p["runs"][0]["output_tokens"]) for name, p in result["policies"].items()}
     assert len(set(work.values())) == 1 and work["fcfs"][0] == 8  # same requests, same tokens, none lost
-    assert set(result["ratios"]) >= {"leap_over_fcfs", "leap_over_best_baseline", "leap_over_oracle"}
+    assert set(result["ratios"]) >= {"leap_over_fcfs", "leap_over_best_baseline", "leap_over_oracle",
+                                     "gittins_over_countdown"}
+    gittins = result["policies"]["leap-gittins"]["runs"][0]["decode_order"]
+    assert (gittins["serving"], gittins["fallback"]) == ("gittins", None)  # ranked by the readout's distribution
     for r in result["ratios"].values():
         assert r["ci_low"] <= r["value"] <= r["ci_high"]
     # the step clock: the same requests on the same arrivals give the oracle no worse PTL than FCFS
