@@ -53,6 +53,8 @@ def serve(
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000),
     policy: str = typer.Option("leap", help="fcfs | leap | oracle | client"),
+    order: Optional[str] = typer.Option(None, help="countdown | gittins: how leap ranks decodes (default "
+                                                   "$LEAP_ORDER, else countdown)"),
     readout: Optional[Path] = typer.Option(None, help="readout file to serve at start"),
     rls_state: Optional[Path] = typer.Option(None, help="RLS anchor (npz) of that readout"),
     layer: Optional[int] = typer.Option(None, help="decoder layer to capture (default: the readout's)"),
@@ -64,6 +66,10 @@ def serve(
     extra: list[str] = typer.Argument(None, help="further `vllm serve` arguments after --"),
 ) -> None:
     """Start vLLM's OpenAI-compatible server with LEAP scheduling (the stock API is unchanged)."""
+    from serving.config import ORDERS
+
+    if order is not None and order not in ORDERS:
+        raise typer.BadParameter(f"expected one of {', '.join(ORDERS)}, got {order!r}", param_hint="--order")
     from harness.engine import engine_environment
     from harness.model_prep import prepare_model
     from leap_io.paths import state_dir, sub_dir
@@ -92,6 +98,8 @@ def serve(
         leap["rls_state_path"] = str(rls_state.resolve())
     if layer is not None:
         leap["layer"] = layer
+    if order is not None:
+        leap["order"] = order
     from harness.engine import is_cpu_platform
 
     scheduler = "serving.scheduler.LeapScheduler" if is_cpu_platform() else "serving.scheduler.LeapAsyncScheduler"

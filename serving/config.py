@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 POLICIES = ("fcfs", "leap", "oracle", "client")
+Order = Literal["countdown", "gittins"]
+ORDERS: tuple[str, ...] = get_args(Order)
 _PREDICTOR_POLICIES: set[str] = set()
 
 
@@ -74,7 +76,7 @@ class LeapConfig(BaseSettings):
     decode_slots: int = Field(64, ge=1, description="K: requests decoded per step")
     waiting_cap: int = Field(128, ge=1, description="C: steps a resident request may be held out")
     aging: float = Field(0.0, ge=0.0, description="exponential aging strength (0: plain countdown)")
-    order: Literal["countdown", "gittins"] = Field(
+    order: Order = Field(
         "countdown", description="how predictor-based policies rank (LEAP_ORDER): countdown by predicted remaining "
                                  "length, or gittins: the Gittins index of the remaining length under the serving "
                                  "readout's length distribution (countdown while the readout carries none)")
