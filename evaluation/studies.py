@@ -179,6 +179,7 @@ def engine_capacity(step_model: StepTimeModel, path: Path | None = None, **confi
 
 LOAD_SPLITS = 5  # train/test splits the load study refits its predictors on
 LOAD_WORKLOADS = 30  # paired workloads a load gets over all the splits (6 seeds a split for 5)
+QUICK_LOAD_WORKLOADS = 20  # the same for `leap eval load --quick` (4 seeds a split for 5)
 TRAIN_SHARE = 0.9  # of the training rows, each split after the first refits on (a seeded subsample)
 
 

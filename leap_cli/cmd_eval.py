@@ -182,8 +182,8 @@ def layers(prompts: int = typer.Option(400, help="ShareGPT prompts with every la
 @eval_app.command("load")
 def load(
     quick: bool = typer.Option(False, "--quick", help="loads 0.7, 0.9 and 0.95 only, no overload, baselines that "
-                                                       "train in seconds, 1,000 requests a run (the splits and "
-                                                       "seeds still)"),
+                                                       "train in seconds, 1,000 requests a run, 20 paired workloads "
+                                                       "a load over the splits"),
     train: str = typer.Option(CHAT_TRAIN),
     test: Optional[list[str]] = typer.Option(None, help="target prompts (JSONL or set name; default sharegpt, "
                                                         "held out from --train); repeat"),
@@ -196,7 +196,8 @@ def load(
     splits: int = typer.Option(5, help="train/test splits: each partitions the target anew and refits every "
                                        "predictor; intervals resample the splits, then the seeds within each"),
     seeds: Optional[int] = typer.Option(None, help="paired workloads (request draw + arrivals) per split and load "
-                                                   "(default 30 over the splits: 6 each for 5)"),
+                                                   "(default 30 over the splits: 6 each for 5; --quick 20: 4 "
+                                                   "each)"),
     decode_slots: int = typer.Option(
         8, help="K, requests decoded per step: 8, as in the live study that validates the simulator (on 2 CPU "
                 "cores a step costs about the same per decoded request at any K, so decode slots are scarce "
@@ -211,14 +212,14 @@ def load(
     from dataclasses import asdict
 
     from evaluation.simulated import QUICK_LOADS
-    from evaluation.studies import BASELINES, LOAD_WORKLOADS, load_study, step_model_from
+    from evaluation.studies import BASELINES, LOAD_WORKLOADS, QUICK_LOAD_WORKLOADS, load_study, step_model_from
 
     say = _say(as_json)
     steps, source = step_model_from(step_model, max_tokens, model, say, decode_slots, max_resident, save)
     chosen = _names(baselines) if baselines else (["prompt_length", "trail_mlp"] if quick else list(BASELINES))
     options = dict(loads=QUICK_LOADS, overloads=()) if quick else {}
     tests = test or ["sharegpt"]
-    seeds = seeds or -(-LOAD_WORKLOADS // splits)
+    seeds = seeds or -(-(QUICK_LOAD_WORKLOADS if quick else LOAD_WORKLOADS) // splits)
     result = load_study(train, tests, limit or None, chosen, steps, max_tokens, model, say, build, splits=splits,
                         n_requests=n_requests or (1000 if quick else 2000), seeds=seeds,
                         decode_slots=decode_slots, max_resident=max_resident, **options)
