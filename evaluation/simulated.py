@@ -496,14 +496,13 @@ def _workloads_in_words(result: dict) -> str:
     """"30 paired seeds", or "5 train/test splits x 6 paired seeds" (results saved before splits: one)."""
     seeds = f"{result['seeds']} paired seeds"
     splits = result.get("splits", 1)
-    return seeds if splits == 1 else f"{splits} train/test splits x {seeds} each"
+    return seeds if splits == 1 else (f"{splits} train/test splits (each partitions the target anew and refits "
+                                      f"every predictor) x {seeds} each")
 
 
 def _interval_basis(result: dict) -> str:
     """What the intervals resample, in words."""
-    if result.get("splits", 1) == 1:
-        return "seeds"
-    return "splits (each partitions the target anew and refits every predictor), then seeds within each"
+    return "seeds" if result.get("splits", 1) == 1 else "splits, then seeds within each"
 
 
 def section_load(result: dict, image: str) -> str:
@@ -531,7 +530,8 @@ def section_load(result: dict, image: str) -> str:
         f"interval over {_interval_basis(result)}. Overloads (queues grow without bound, so figures depend on the "
         f"horizon): "
         f"{overloads or 'none'}. The oracle is countdown on the true lengths"
-        + (f"; predictor Spearman on the pool: {rho}." if rho else "."),
+        + (f"; predictor Spearman on the pool{'' if result.get('splits', 1) == 1 else 's (mean over splits)'}: "
+           f"{rho}." if rho else "."),
         "",
         _table(["load", "policy", "mean latency (s)", "P95 latency (s)", "mean PTL (s/token) [95% CI]",
                 "P95 PTL (s/token)", "long-request P95 latency (s)"], rows),

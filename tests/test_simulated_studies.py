@@ -243,7 +243,7 @@ def test_the_load_study_over_splits_pairs_each_split_with_its_own_seeds_and_base
     assert run_load_over_splits([first], STEP_MODEL, **options) == alone[0]
     assert alone[0]["splits"] == 1 and alone[0]["interval_over"] == ["seeds"]
     text = section_load(both, "x.png")
-    assert "2 train/test splits x 3 paired seeds each" in text and "then seeds within each" in text
+    assert "refits every predictor) x 3 paired seeds each" in text and "over splits, then seeds within each" in text
     chosen = [{"best_baseline": "good"}, {"best_baseline": "worse"}]
     assert "Each of the 2 splits chose on its own stream rows: good on 1, worse on 1" in section_load(
         {**both, "validation_by_split": chosen}, "x.png")
