@@ -75,31 +75,33 @@ class DecodeSteps:
         self._gittins = order == "gittins"
         self._generation = self._readouts.generation
         self._distribution = self._readouts.length_distribution if self._gittins else None
-        self._counting_down = self._gittins and self._distribution is None
-        if self._counting_down:
+        fallback = self._order_fallback()
+        if fallback is not None:
             order = "countdown"
             if self._readouts.readout is not None:  # with no readout there is nothing to rank by anyway
                 self.order_fallbacks += 1
-                logger.warning("LEAP: the gittins order counts down instead: %s", self._order_fallback())
-        self._telemetry.order_fallback.set(1 if self._counting_down else 0)
+                logger.warning("LEAP: the gittins order counts down instead: %s", fallback)
+        self._telemetry.order_fallback.set(0 if fallback is None else 1)
         return make_policy(order, k=c.decode_slots, waiting_cap=c.waiting_cap, aging=c.aging,
                            distribution=self._distribution)
 
     def _order_fallback(self) -> str | None:
-        """Why the configured order does not serve (None while it does)."""
-        if not self._counting_down:
+        """Why the configured order cannot rank the serving readout's requests (None when it can); the
+        policy follows from the next step."""
+        if self.config.decode_order != "gittins" or self._readouts.length_distribution is not None:
             return None
         if self._readouts.readout is None:
             return "no readout serves"
         return f"the serving readout {self._readouts.version!r} carries no length distribution"
 
     def describe_order(self) -> dict:
-        """The decode order configured and the one serving, why they differ, and how many times a serving
-        readout without a length distribution made the gittins order count down."""
+        """The decode order configured and the one serving (from the next step at the latest), why they
+        differ, and how many times a serving readout without a length distribution made the gittins order
+        count down."""
         configured = self.config.decode_order
         reason = self._order_fallback()
-        return {"configured": configured, "serving": "countdown" if reason else configured, "fallback": reason,
-                "fallbacks": self.order_fallbacks}
+        return {"configured": configured, "serving": configured if reason is None else "countdown",
+                "fallback": reason, "fallbacks": self.order_fallbacks}
 
     def reset(self) -> None:
         """Take the policy and decode shape of the settings as they are now, and count afresh."""

@@ -100,3 +100,23 @@ def test_without_a_distribution_the_gittins_order_counts_down_says_so_and_takes_
     runtime.before_schedule([outlived, fresh], 3)
     assert runtime.last_held == {fresh.request_id}
     assert runtime.health()["decode_order"]["fallbacks"] == 2
+
+
+def test_a_push_with_a_corrupt_distribution_is_refused_and_the_serving_order_goes_on(build):
+    import io
+
+    from leap_core.readout_format import to_bytes
+    from leap_io.push_bundle import make_bundle
+    from serving.push import PushRefused
+
+    runtime = build(policy="leap", order="gittins", decode_slots=1)
+    runtime.reset_readout(_readout("v1", _distribution()), None)
+    with np.load(io.BytesIO(to_bytes(_readout("v2", _distribution())))) as stored:
+        arrays = {key: stored[key] for key in stored.files}
+    arrays["length_samples"] = arrays["length_samples"][::-1].copy()  # no longer sorted within its bins
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    with pytest.raises(PushRefused, match="length distribution") as refused:
+        runtime.push_readout(make_bundle(buffer.getvalue(), None))
+    assert refused.value.status == 422
+    assert runtime.version == "v1" and runtime.health()["decode_order"]["serving"] == "gittins"
