@@ -6,8 +6,11 @@ there is none) with a bootstrap interval over requests, each request resampled w
 It has three outcomes:
 
 - **better**: the interval lies below 1 and the ratio is at least `margin` below 1;
-- **worse**: the interval lies above 1, or the longest quartile's P95 PTL exceeds `p95_bound` x the bar's
-  (shortest-predicted-first schedules can starve long requests, and a mean alone would hide that);
+- **worse**: the interval lies above 1, or the longest quartile's P95 PTL is above `p95_bound` x the bar's
+  beyond its own interval (shortest-predicted-first schedules can starve long requests, and a mean alone
+  would hide that). The guard reads an interval too: a better ranker sends long requests later than a
+  worse one by design, and on a slice of dozens of requests the quartile's P95 is nearly its maximum, so a
+  point estimate called a truly better challenger worse in 2 of 5 bench trials (x1.25, x1.31);
 - **no difference**: anything else.
 
 What each does is the rule (`passed`, which promotes): better passes, worse fails, and no difference
@@ -25,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from leap_core.metrics import ratio_over_requests
+from leap_core.metrics import bootstrap_ci, ratio_over_requests
 
 LONG_QUANTILE = 0.75
 BETTER, NO_DIFFERENCE, WORSE = "better", "no-difference", "worse"
@@ -41,6 +44,22 @@ def _figures(summary: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray, int]:
 def _failed(reason: str, bar: str, margin: float, p95_bound: float) -> dict[str, Any]:
     return {"passed": False, "outcome": None, "reason": reason, "bar": bar, "margin": margin,
             "p95_bound": p95_bound}
+
+
+def _long_p95_interval(bar_ptl: np.ndarray, ch_ptl: np.ndarray, long: np.ndarray, repeats: int, n_boot: int,
+                       seed: int, level: float) -> dict[str, float]:
+    """The longest quartile's P95 PTL, challenger over bar, with a bootstrap interval that resamples the long
+    requests, each with all its repeats (one request's repeats are not independent samples)."""
+    bar_long = bar_ptl.reshape(repeats, -1)[:, long]  # (repeats, long requests)
+    ch_long = ch_ptl.reshape(repeats, -1)[:, long]
+
+    def ratio(rows: np.ndarray) -> np.ndarray:
+        def p95(arm: np.ndarray) -> np.ndarray:  # rows (..., n) -> the P95 over those requests' repeats
+            return np.percentile(np.moveaxis(arm[:, rows], 0, -2).reshape(*rows.shape[:-1], -1), 95, axis=-1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return p95(ch_long) / p95(bar_long)
+
+    return bootstrap_ci(ratio, np.arange(bar_long.shape[1]), n_boot=n_boot, seed=seed, level=level, vectorized=True)
 
 
 def gate_verdict(results: Mapping[str, Mapping[str, Any] | None], margin: float = 0.02,
@@ -82,7 +101,9 @@ def gate_verdict(results: Mapping[str, Mapping[str, Any] | None], margin: float 
     bar_long_p95 = float(np.percentile(bar_ptl[long], 95))
     ch_long_p95 = float(np.percentile(ch_ptl[long], 95))
     long_ratio = ch_long_p95 / bar_long_p95 if bar_long_p95 > 0 else float("inf")
-    long_ok = long_ratio <= p95_bound
+    long_interval = _long_p95_interval(bar_ptl, ch_ptl, long[:n_requests], repeats, n_boot, seed, level)
+    # worse only on evidence; an interval that cannot be formed (no finite resample) fails closed
+    long_ok = bool(np.isfinite(long_interval["ci_low"])) and long_interval["ci_low"] <= p95_bound
     if ratio["ci_low"] > 1.0 or not long_ok:
         outcome = WORSE
     elif ratio["ci_high"] < 1.0 and ratio["value"] <= 1.0 - margin:
@@ -95,7 +116,8 @@ def gate_verdict(results: Mapping[str, Mapping[str, Any] | None], margin: float 
     interval = f"{level:.0%} interval x{ratio['ci_low']:.3f}..x{ratio['ci_high']:.3f}"
     reason = (f"{outcome}: mean PTL x{ratio['value']:.3f} of {bar}'s ({interval}; better needs the interval "
               f"below x1 and at most x{1 - margin:.3f}); longest-quartile P95 PTL x{long_ratio:.3f} of {bar}'s "
-              f"(allowed <= x{p95_bound:.3f}); rule on no difference: {on_no_difference}")
+              f"(x{long_interval['ci_low']:.3f}..x{long_interval['ci_high']:.3f}; worse when the interval lies "
+              f"above x{p95_bound:.3f}); rule on no difference: {on_no_difference}")
     if shadow is not None:
         reason += (f"; in shadow on {shadow.get('n')} live requests: "
                    + (f"worse on {', '.join(shadow.get('worse_on', []))}" if shadow_worse else "not worse"))
@@ -114,6 +136,8 @@ def gate_verdict(results: Mapping[str, Mapping[str, Any] | None], margin: float 
         "ci_high": ratio["ci_high"],
         "level": level,
         "long_p95_ratio": float(long_ratio),
+        "long_p95_ci_low": long_interval["ci_low"],
+        "long_p95_ci_high": long_interval["ci_high"],
         "challenger_mean_ptl": float(ch_ptl.mean()),
         "bar_mean_ptl": float(bar_ptl.mean()),
         "challenger_long_p95_ptl": ch_long_p95,

@@ -81,3 +81,37 @@ def test_replays_that_do_not_pair_fail_closed():
 def test_each_repeat_reverses_the_order_of_the_arms():
     assert [arm_order(("fcfs", "champion", "challenger"), r) for r in range(3)] == [
         ["fcfs", "champion", "challenger"], ["challenger", "champion", "fcfs"], ["fcfs", "champion", "challenger"]]
+
+
+def _long_pair(long_factor: float, n: int = 64, repeats: int = 2, spread: float = 0.05, seed: int = 0) -> dict:
+    """Equal mean PTL on short requests; the longest quartile slowed by `long_factor` x lognormal noise."""
+    rng = np.random.default_rng(seed)
+    tokens = np.tile(rng.integers(10, 500, n), repeats)
+    bar = rng.lognormal(0.0, 0.3, n * repeats)
+    long = tokens >= np.quantile(tokens, 0.75)
+    challenger = bar.copy()
+    challenger[long] *= long_factor * rng.lognormal(0.0, spread, int(long.sum()))
+    return {"champion": _arm(bar, tokens, repeats), "challenger": _arm(challenger, tokens, repeats)}
+
+
+def test_long_requests_starved_beyond_the_bound_make_the_challenger_worse():
+    verdict = gate_verdict(_long_pair(1.6))
+    assert verdict["outcome"] == WORSE and not verdict["passed"]
+    assert verdict["long_p95_ci_low"] > verdict["p95_bound"]
+    assert verdict["long_p95_ci_low"] <= verdict["long_p95_ratio"] <= verdict["long_p95_ci_high"]
+
+
+def test_one_slow_long_request_is_not_evidence_of_starvation():
+    """On 8 long requests the quartile's P95 is nearly its maximum: one request 1.5x slower puts the point
+    estimate above the bound, but its interval spans it, so the guard does not call the challenger worse."""
+    results = _long_pair(1.0, n=32, spread=0.0)
+    challenger = np.asarray(results["challenger"]["ptl"])
+    tokens = np.asarray(results["challenger"]["output_tokens"])
+    slowest = int(np.flatnonzero(tokens >= np.quantile(tokens, 0.75))[np.argmax(challenger[tokens >= np.quantile(
+        tokens, 0.75)])])
+    challenger[slowest] *= 1.5
+    results["challenger"] = _arm(challenger, tokens, 2)
+    verdict = gate_verdict(results)
+    assert verdict["long_p95_ratio"] > verdict["p95_bound"]
+    assert verdict["long_p95_ci_low"] <= verdict["p95_bound"] < verdict["long_p95_ci_high"]
+    assert verdict["outcome"] == NO_DIFFERENCE
