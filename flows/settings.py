@@ -68,7 +68,8 @@ class PipelineSettings(BaseSettings):
     gate_margin: float = Field(0.02, ge=0.0, lt=1.0,
                                description="challenger mean PTL must be this fraction below the bar's")
     gate_p95_bound: float = Field(1.10, gt=0.0,
-                                  description="challenger P95 PTL of the longest quartile over the bar's, at most")
+                                  description="challenger P95 PTL of the longest quartile over the bar's: worse when "
+                                              "its bootstrap interval lies above this")
     gate_repeats: int = Field(2, ge=1, description="replays of each arm, fresh arrivals each, order reversed "
                                                 "each repeat (harness/gate_replay.py)")
     gate_on_no_difference: Literal["keep", "noninferior"] = Field(

@@ -51,10 +51,18 @@ def verdict_paragraph(verdict: Mapping[str, Any], champion_version: str | None) 
     return (f"{DESCRIPTION_MARK} {outcome} against {against}. Mean PTL x{verdict['mean_ptl_ratio']:.3f} of "
             f"{bar}'s ({level:.0%} interval x{verdict['ci_low']:.3f} to x{verdict['ci_high']:.3f}; "
             f"{verdict.get('n_requests')} requests x {verdict.get('repeats')} repeats on the step clock); "
-            f"longest-quartile P95 PTL x{verdict['long_p95_ratio']:.3f}. "
+            f"longest-quartile P95 PTL x{verdict['long_p95_ratio']:.3f}{_long_interval(verdict)}. "
             f"{_shadow_sentence(verdict.get('shadow'))}"
             f"{'Passed' if verdict.get('passed') else 'Not passed'} under the rule "
             f"'{verdict.get('on_no_difference', 'keep')}' on no difference.")
+
+
+def _long_interval(verdict: Mapping[str, Any]) -> str:
+    """The long-request guard's interval and bound, where the verdict has them."""
+    if "long_p95_ci_low" not in verdict:
+        return ""
+    return (f" (interval x{verdict['long_p95_ci_low']:.3f} to x{verdict['long_p95_ci_high']:.3f}; worse above "
+            f"x{verdict.get('p95_bound', float('nan')):.3f})")
 
 
 def _shadow_sentence(shadow: Mapping[str, Any] | None) -> str:
