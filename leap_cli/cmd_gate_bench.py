@@ -23,15 +23,21 @@ def bench_gate(
                                                                   "replay_slice; default 64, 32 with --quick).")] = None,
     repeats: Annotated[int, typer.Option(help="Replays of each arm per trial (counterbalanced).")] = 2,
     load: Annotated[float, typer.Option(help="Arrivals as a fraction of the FCFS capacity.")] = 1.2,
+    better_bar: Annotated[str, typer.Option(help="The better case's bar: small (a first champion fitted on 16 "
+                                                 "rows) or fcfs (a first promotion, no champion yet).")] = "small",
     seed: int = 0,
     model: Annotated[str | None, typer.Option(help="HF model folder (default: the prepared SmolLM2).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ) -> None:
     """Promoted rates (with Wilson intervals) of a worse, a better and an equal challenger, and the gate's time."""
-    if trials < 1 or (slice_size is not None and slice_size < 4) or repeats < 1 or load <= 0:
-        raise typer.BadParameter("--trials and --repeats at least 1, --slice at least 4, --load positive")
+    from experiments.bench.gate import BETTER_BARS
     from experiments.bench.gate import bench_gate as run
 
+    if trials < 1 or (slice_size is not None and slice_size < 4) or repeats < 1 or load <= 0:
+        raise typer.BadParameter("--trials and --repeats at least 1, --slice at least 4, --load positive")
+    if better_bar not in BETTER_BARS:
+        raise typer.BadParameter(f"--better-bar is one of {', '.join(BETTER_BARS)}")
+
     emit(run(trials=trials, quick=quick, slice_size=slice_size, repeats=repeats, load=load, seed=seed,
-             model_path=model, on_progress=lambda message: typer.echo(message, err=True)),
+             model_path=model, better_bar=better_bar, on_progress=lambda message: typer.echo(message, err=True)),
          as_json, title="gate error rates")

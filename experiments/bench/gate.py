@@ -2,17 +2,22 @@
 
 Three cases, each a (bar, challenger) pair of readouts fitted on the committed corpus snapshot of the
 serving model, on its chat rows (the first 60% of a seeded order train, the rest is the pool the
-trials replay):
+trials replay); the training rows are cut into two disjoint halves, A and B:
 
-- **worse**: the bar is the readout fitted on every training row; the challenger has the same weights
-  in a shuffled order (a readout that ranks at random).
-- **better**: the bar is fitted on another domain's rows (math), the challenger on the chat rows.
-- **equal**: both are the chat readout (same weights, another version).
+- **worse**: the bar is the readout fitted on half A; the challenger has the same weights in a shuffled
+  order (a readout whose ranking is unrelated to, here against, the lengths).
+- **better**: the challenger is half A's readout against a bar that ranks clearly worse. By default
+  (`better_bar="small"`) a first champion fitted on a small slice (SMALL_SLICE training rows drawn from
+  half B); with `better_bar="fcfs"`, the bar of a first promotion when no champion exists yet: FCFS, which
+  orders by arrival, blind to length.
+- **equal**: a refit of the same size on a disjoint sample: half A's readout as the bar, half B's as the
+  challenger. Their quality differs only by the sample, so the gate should find no difference; the same
+  weights twice would replay identically on the step clock and could not test anything.
 
 Each trial draws its own slice of pool requests (with their recorded true lengths) and its own arrival
 seed and replays it as the flows' gate does (`harness.gate_replay`: one engine, the step clock
 calibrated on it, arrivals at a load of its FCFS capacity, counterbalanced repeats). A trial replays the
-four readouts the cases use (chat, shuffled, math, same) in one counterbalanced run (ABCD DCBA ...), and
+four readouts the cases use (A, shuffled, small, B) in one counterbalanced run (ABCD DCBA ...), and
 each case's verdict (`leap_core.gate_verdict`, the bar as the champion) compares its two arms from it:
 the pairs are paired within the trial, as the flows' two arms are, and the cases of one trial share
 their slice and arrivals. The figures are the share of trials promoted per case (and, for the equal
@@ -24,10 +29,19 @@ and the step clock's error against the wall clock over each arm.
 CPU cores: the pool is the prompts of at most QUICK["max_prompt_tokens"] tokens, every recorded length
 is divided by QUICK["length_divisor"] (at least 1 token; the same predictions and the same order of true
 lengths), and a trial replays QUICK["slice"] requests. The full run replays the recorded lengths of
-every pool prompt, 64 a trial. The shrink costs power: with a quarter of the requests and a sixteenth of
-the decoding, the better challenger's gain is a few percent of mean PTL (x0.93-0.98 in the quick trials
-measured, x0.63 in a full-size one), which a 32-request interval rarely separates from 1, so the quick
-run's promoted rate for the better case understates the full gate's.
+every pool prompt, 64 a trial. The shrink costs power, and the quick run shows how much. In 20 quick
+trials (32 requests x 2 repeats, load 1.2) the small-slice bar (Spearman 0.28 on the pool against half
+A's 0.55) lost x0.98 of mean PTL at the median (x0.82 to x1.04), which a 32-request interval rarely
+separates from 1: 3 of 20 promoted. Against FCFS the gain was x0.80 at the median (x0.66 to x1.01) and
+10 of 20 were promoted; 2 more were called worse by the long-request guard, rightly so on its rule
+(countdown serves long requests later than arrival order does). A simulated power analysis (the
+calibrated step model, 40 trials a configuration, no guard) gives the same picture: 15-75% for gains of a
+few percent whatever the slice (32-128), divisor (8-64) and load (1.2-1.5); 78% against FCFS at the quick
+size; about 70% for a math-fitted bar at the full size (64 requests, lengths / 4). Per-request PTL is
+heavy-tailed (a request of a few tokens that waited has a PTL of its whole wait), so an interval over a
+few dozen requests is wider than a 5% gain. What the quick run promises: it does not promote a worse
+readout, and it calls equal ones equal; gains of a few percent need the full size or shadow scoring's
+live figures.
 """
 
 from __future__ import annotations
@@ -53,6 +67,9 @@ def _rate_ci(hits: int, trials: int) -> dict[str, float | int]:
     return {"rate": hits / trials, "ci_low": float(interval.low), "ci_high": float(interval.high)}
 
 
+SMALL_SLICE = 16  # training rows of the better case's first champion
+
+
 def _readouts(model: Any, max_tokens: int, seed: int) -> tuple[dict[str, tuple[Any, Any]], list[dict], dict]:
     """The readouts of the three cases, the pool prompts (id, prompt, length) and the readouts' test Spearman."""
     from harness.corpus import corpus_dir, corpus_key, load_corpus
@@ -69,10 +86,13 @@ def _readouts(model: Any, max_tokens: int, seed: int) -> tuple[dict[str, tuple[A
                        max_tokens)
     texts = stored_texts()
     chat = rows.subset(np.flatnonzero(rows.domains == "chat"))
-    other = rows.subset(np.flatnonzero(rows.domains == "math"))
-    order = np.random.default_rng(seed).permutation(len(chat))
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(chat))
     n_train = int(0.6 * len(chat))
-    train, pool = chat.subset(np.sort(order[:n_train])), chat.subset(np.sort(order[n_train:]))
+    half = n_train // 2
+    part_a, part_b = chat.subset(np.sort(order[:half])), chat.subset(np.sort(order[half:n_train]))
+    small = part_b.subset(np.sort(rng.choice(len(part_b), SMALL_SLICE, replace=False)))
+    pool = chat.subset(np.sort(order[n_train:]))
 
     def fit(part: Any, version: str) -> tuple[Any, Any]:
         metadata = dict(model_id=model.model_id, model_fingerprint=model.fingerprint, layer=layer,
@@ -82,27 +102,32 @@ def _readouts(model: Any, max_tokens: int, seed: int) -> tuple[dict[str, tuple[A
                                              max_tokens=max_tokens, metadata=metadata)
         return readout, None  # the gate replays without online correction
 
-    chat_fit, other_fit = fit(train, "bench-chat"), fit(other, "bench-math")
-    good = chat_fit[0]
+    good = fit(part_a, "bench-a")[0]
     shuffled = LinearReadout.from_weights(good.mean_, good.scale_,
                                           np.random.default_rng(seed + 1).permutation(good.coef_),
                                           good.intercept_, target=good.target, max_tokens=good.max_tokens,
                                           metadata={**good.metadata, "version": "bench-shuffled"})
-    same = LinearReadout.from_weights(good.mean_, good.scale_, good.coef_, good.intercept_, target=good.target,
-                                      max_tokens=good.max_tokens, metadata={**good.metadata, "version": "bench-same"})
-    readouts = {"chat": chat_fit, "math": other_fit, "shuffled": (shuffled, None), "same": (same, None)}
+    readouts = {"a": (good, None), "b": fit(part_b, "bench-b"), "small": fit(small, "bench-small"),
+                "shuffled": (shuffled, None)}
     quality = {name: spearman(pool.output_tokens, pair[0].predict(pool.features)) for name, pair in readouts.items()}
     prompts = [{"id": str(i), "prompt": texts[str(i)], "length": int(n), "prompt_tokens": int(p)}
                for i, n, p in zip(pool.ids, pool.output_tokens, pool.prompt_tokens) if texts.get(str(i))]
     return readouts, prompts, quality
 
 
-PAIRS = {"worse": ("chat", "shuffled"), "better": ("math", "chat"), "equal": ("chat", "same")}
+BETTER_BARS = ("small", "fcfs")
+
+
+def case_pairs(better_bar: str = "small") -> dict[str, tuple[str, str]]:
+    """(bar, challenger) arms of each case."""
+    if better_bar not in BETTER_BARS:
+        raise ValueError(f"better_bar is one of {BETTER_BARS}, not {better_bar!r}")
+    return {"worse": ("a", "shuffled"), "better": (better_bar, "a"), "equal": ("a", "b")}
 
 
 def bench_gate(trials: int = 20, quick: bool = False, slice_size: int | None = None, repeats: int = 2,
                load: float = 1.2, margin: float = 0.02, p95_bound: float = 1.10, seed: int = 0,
-               model_path: str | None = None, max_tokens: int = 1024,
+               model_path: str | None = None, max_tokens: int = 1024, better_bar: str = "small",
                on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run `trials` gate trials of each case (module docstring); the error rates and timings."""
     from harness.engine import EngineSettings, build_engine
@@ -120,10 +145,11 @@ def bench_gate(trials: int = 20, quick: bool = False, slice_size: int | None = N
     readouts, prompts, quality = _readouts(model, max_tokens, seed)
     if quick:
         prompts = [p for p in prompts if p["prompt_tokens"] <= QUICK["max_prompt_tokens"]]
-    arms = list(dict.fromkeys(name for pair in PAIRS.values() for name in pair))  # chat, shuffled, math, same
+    pairs = case_pairs(better_bar)
+    arms = list(dict.fromkeys(name for pair in pairs.values() for name in pair))  # a, shuffled, fcfs/small, b
     settings = EngineSettings(model=model.path, max_model_len=4096, seed=seed)
     begun = time.perf_counter()
-    engine = build_engine(settings, gate_config(str(readout_recipe(readouts["chat"][0].metadata)), DECODE_SLOTS))
+    engine = build_engine(settings, gate_config(str(readout_recipe(readouts["a"][0].metadata)), DECODE_SLOTS))
     try:
         lengths = {p["id"]: max(1, p["length"] // divisor) for p in prompts}
         pool, dropped = gate_requests(engine, prompts, lengths, settings.max_model_len)
@@ -144,14 +170,14 @@ def bench_gate(trials: int = 20, quick: bool = False, slice_size: int | None = N
             chosen = [replace(r, id=f"t{trial}-{r.id}") for r in chosen]
             trial_begun = time.perf_counter()
             rate, _ = load_rate(engine, clock, chosen, load)
-            results = replay_arms(engine, chosen, {name: readouts[name] for name in arms}, arms, rate,
-                                  seed + 1000 * trial, repeats, clock)
+            arm_readouts = {name: readouts[name] for name in arms if name != "fcfs"}
+            results = replay_arms(engine, chosen, arm_readouts, arms, rate, seed + 1000 * trial, repeats, clock)
             trial_seconds.append(time.perf_counter() - trial_begun)
             errors.extend(abs(r["modeled_over_wall"] - 1.0) for r in results.values())
             for case in CASES:
-                bar, challenger = PAIRS[case]
-                verdict = gate_verdict({"champion": results[bar], "challenger": results[challenger]}, margin,
-                                       p95_bound, seed=trial)
+                bar, challenger = pairs[case]
+                verdict = gate_verdict({"fcfs" if bar == "fcfs" else "champion": results[bar],
+                                        "challenger": results[challenger]}, margin, p95_bound, seed=trial)
                 seconds.append(setup_s + results[bar]["wall_s"] + results[challenger]["wall_s"])
                 record = cases[case]
                 record["trials"] += 1
@@ -159,7 +185,8 @@ def bench_gate(trials: int = 20, quick: bool = False, slice_size: int | None = N
                 record["no_difference"] += verdict["outcome"] == NO_DIFFERENCE
                 record["runs"].append({"outcome": verdict["outcome"], "ratio": verdict["mean_ptl_ratio"],
                                        "ci_low": verdict["ci_low"], "ci_high": verdict["ci_high"],
-                                       "long_p95_ratio": verdict["long_p95_ratio"]})
+                                       "long_p95_ratio": verdict["long_p95_ratio"],
+                                       "long_p95_ci": [verdict["long_p95_ci_low"], verdict["long_p95_ci_high"]]})
                 say(f"trial {trial + 1}/{trials} {case}: {verdict['outcome']} x{verdict['mean_ptl_ratio']:.3f} "
                     f"[{verdict['ci_low']:.3f}, {verdict['ci_high']:.3f}]")
             say(f"trial {trial + 1}/{trials}: {len(arms)} arms x {repeats} repeats in {trial_seconds[-1]:.0f} s")
@@ -185,7 +212,8 @@ def bench_gate(trials: int = 20, quick: bool = False, slice_size: int | None = N
             "gate_setup_seconds": setup_s, "trial_seconds_median": float(np.median(trial_seconds)),
             "step_model_error_median": float(np.median(errors)) if errors else float("nan"),
             "step_model_fit": calibration, "readout_test_spearman": quality, "goals": goals, "goals_met": met,
-            "quick": quick, "length_divisor": divisor,
+            "pairs": {case: {"bar": bar, "challenger": challenger} for case, (bar, challenger) in pairs.items()},
+            "better_bar": better_bar, "quick": quick, "length_divisor": divisor,
             "max_prompt_tokens": QUICK["max_prompt_tokens"] if quick else None, "slice": slice_size,
             "repeats": repeats, "load": load, "decode_slots": DECODE_SLOTS, "pool": len(pool), "pool_dropped": dropped,
             "model": model.model_id, "seconds": round(time.perf_counter() - started, 1)}
