@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import shlex
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -13,6 +11,7 @@ import typer
 from evaluation.selections import CHAT_TRAIN
 from leap_cli.apps import eval_app
 from leap_cli.output import console, emit
+from leap_cli.saving import SAVE, stamped
 from leap_io.jsonable import dumps
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
@@ -20,25 +19,6 @@ RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 JSON = typer.Option(False, "--json", help="one JSON object on stdout")
 
 
-STARTED: dict[str, str] = {}  # the commit a study started from: a long study must not name a later one
-
-
-def _clean_tree(save: bool) -> bool:
-    """--save only from a checkout whose tracked files match its commit: a published result names the code
-    that produced it (checked before the study runs, not after hours of it). The commit is kept: the
-    result names the code the study started from, even if the checkout moves on while it runs."""
-    from harness.snapshot import git_commit
-
-    commit = STARTED["commit"] = git_commit()
-    if save:
-        if commit.endswith("-dirty"):
-            raise typer.BadParameter(f"tracked files differ from {commit[:12]}: commit them (or stash) before "
-                                     "saving a result, so it names the code that produced it")
-    return save
-
-
-SAVE = typer.Option(False, "--save", callback=_clean_tree,
-                    help="also write the result to docs/results/ for `leap eval report` (from a clean checkout)")
 BUILD = typer.Option(True, "--build/--no-build",
                      help="run prompts missing from the corpus (--no-build: leave them out)")
 MODEL = typer.Option(None, help="HF model folder (default: the prepared SmolLM2)")
@@ -52,12 +32,7 @@ def _say(as_json: bool):
 
 
 def _finish(result: dict, study: str, name: str, as_json: bool, save: bool) -> None:
-    from harness.snapshot import provenance
-
-    source = provenance()
-    if STARTED.get("commit") and source["commit"] != STARTED["commit"]:
-        source.update(commit=STARTED["commit"], commit_at_end=source["commit"])
-    result = {"study": study, **result, **source, "command": "leap " + shlex.join(sys.argv[1:])}
+    result = stamped({"study": study, **result})
     if save:
         RESULTS.mkdir(parents=True, exist_ok=True)
         path = RESULTS / f"{name}.json"

@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from leap_cli.apps import app, bench_app, corpus_app, model_app
 from leap_cli.output import console, emit
+from leap_cli.saving import clean_tree, stamped
 
 
 def progress_bar(disabled: bool = False) -> Progress:
@@ -265,7 +266,9 @@ def bench_recipes_command(
     slots: int = typer.Option(32, help="resident = decode slots"),
     repeats: int = typer.Option(2, help="rounds, each recipe once per round in rotating order"),
     model: Optional[str] = typer.Option(None),
-    save: bool = typer.Option(False, "--save", help="write docs/results/recipe-costs.json for `leap eval recipes`"),
+    save: bool = typer.Option(False, "--save", callback=clean_tree,
+                              help="write docs/results/recipe-costs.json for `leap eval recipes` (from a clean "
+                                   "checkout: it records the commit and corpus snapshot)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Each recipe's engine cost: throughput against the last-token recipe, capture ms per request (and per
@@ -281,6 +284,7 @@ def bench_recipes_command(
         from leap_io.jsonable import dumps
 
         COSTS.parent.mkdir(parents=True, exist_ok=True)
+        result = stamped(result)
         COSTS.write_text(dumps(result, indent=1) + "\n")
         say(f"saved {COSTS}")
     emit(result if as_json else {k: v for k, v in result.items() if k != "runs"}, as_json,

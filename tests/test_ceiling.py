@@ -103,3 +103,19 @@ def test_a_result_names_the_commit_its_study_started_from(monkeypatch):
     assert done.exit_code == 0, done.output
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["commit"] == "a" * 40 and result["commit_at_end"] == "b" * 40
+
+
+def test_the_recipe_costs_are_saved_only_from_a_clean_checkout(monkeypatch):
+    from typer.testing import CliRunner
+
+    from harness import recipe_bench, snapshot
+    from leap_cli.main import app
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the bench ran before the checkout was checked")
+
+    monkeypatch.setattr(recipe_bench, "bench_recipes", must_not_run)
+    monkeypatch.setattr(snapshot, "git_commit", lambda: "0123456789abcdef-dirty")
+    refused = CliRunner().invoke(app, ["bench", "recipes", "--save", "--json"])
+    assert refused.exit_code == 2
+    assert "tracked files differ from 0123456789ab" in " ".join(refused.output.replace("│", " ").split())
