@@ -228,6 +228,13 @@ def _percentile_interval(value: float, replicates: np.ndarray, level: float) -> 
     return {"value": value, "ci_low": float(low), "ci_high": float(high)}
 
 
+def _check_bootstrap(level: float, n_boot: int) -> None:
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be >= 1, got {n_boot}")
+
+
 def bootstrap_ci(statistic: Callable[..., Any], *arrays: ArrayLike, n_boot: int = 2000, seed: int = 0,
                  level: float = 0.95, strata: ArrayLike | None = None, vectorized: bool = False) -> dict[str, float]:
     """A statistic of paired rows and its percentile bootstrap interval: {"value", "ci_low", "ci_high"}.
@@ -250,10 +257,7 @@ def bootstrap_ci(statistic: Callable[..., Any], *arrays: ArrayLike, n_boot: int 
     n = columns[0].size
     if any(c.size != n for c in columns):
         raise ValueError(f"arrays differ in length: {[c.size for c in columns]}")
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level must be in (0, 1), got {level}")
-    if n_boot < 1:
-        raise ValueError(f"n_boot must be >= 1, got {n_boot}")
+    _check_bootstrap(level, n_boot)
     nan = float("nan")
     if n == 0:
         return {"value": nan, "ci_low": nan, "ci_high": nan}
@@ -301,10 +305,7 @@ def hierarchical_bootstrap_ci(statistic: Callable[..., Any], *arrays: ArrayLike,
     if n_groups == 1:
         return bootstrap_ci(statistic, *(b[0] for b in blocks), n_boot=n_boot, seed=seed, level=level,
                             vectorized=True)
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level must be in (0, 1), got {level}")
-    if n_boot < 1:
-        raise ValueError(f"n_boot must be >= 1, got {n_boot}")
+    _check_bootstrap(level, n_boot)
     nan = float("nan")
     if n_rows == 0:
         return {"value": nan, "ci_low": nan, "ci_high": nan}
