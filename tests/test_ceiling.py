@@ -67,19 +67,25 @@ def test_the_rerun_queues_the_pool_in_another_fixed_order():
     assert order == rerun_order(pool)
 
 
-def test_saving_a_result_from_a_dirty_checkout_is_refused_before_the_study_runs(monkeypatch):
+@pytest.mark.parametrize("command, module, function", [
+    (["eval", "ceiling", "--save", "--json"], "evaluation.ceiling", "ceiling_study"),
+    (["bench", "recipes", "--save", "--json"], "harness.recipe_bench", "bench_recipes"),
+])
+def test_saving_a_result_from_a_dirty_checkout_is_refused_before_the_work_runs(monkeypatch, command, module,
+                                                                               function):
+    import importlib
+
     from typer.testing import CliRunner
 
-    from evaluation import ceiling
     from harness import snapshot
     from leap_cli.main import app
 
     def must_not_run(*args, **kwargs):
-        raise AssertionError("the study ran before the checkout was checked")
+        raise AssertionError("the work ran before the checkout was checked")
 
-    monkeypatch.setattr(ceiling, "ceiling_study", must_not_run)
+    monkeypatch.setattr(importlib.import_module(module), function, must_not_run)
     monkeypatch.setattr(snapshot, "git_commit", lambda: "0123456789abcdef-dirty")
-    refused = CliRunner().invoke(app, ["eval", "ceiling", "--save", "--json"])
+    refused = CliRunner().invoke(app, command)
     assert refused.exit_code == 2
     said = " ".join(refused.output.replace("│", " ").split())  # rich boxes and wraps the message
     assert "tracked files differ from 0123456789ab: commit them" in said
@@ -103,19 +109,3 @@ def test_a_result_names_the_commit_its_study_started_from(monkeypatch):
     assert done.exit_code == 0, done.output
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["commit"] == "a" * 40 and result["commit_at_end"] == "b" * 40
-
-
-def test_the_recipe_costs_are_saved_only_from_a_clean_checkout(monkeypatch):
-    from typer.testing import CliRunner
-
-    from harness import recipe_bench, snapshot
-    from leap_cli.main import app
-
-    def must_not_run(*args, **kwargs):
-        raise AssertionError("the bench ran before the checkout was checked")
-
-    monkeypatch.setattr(recipe_bench, "bench_recipes", must_not_run)
-    monkeypatch.setattr(snapshot, "git_commit", lambda: "0123456789abcdef-dirty")
-    refused = CliRunner().invoke(app, ["bench", "recipes", "--save", "--json"])
-    assert refused.exit_code == 2
-    assert "tracked files differ from 0123456789ab" in " ".join(refused.output.replace("│", " ").split())
