@@ -23,8 +23,7 @@ from evaluation.selections import CHAT_TEST, CHAT_TRAIN, select
 from evaluation.transfer import FEEDBACK_COUNTS, domain_predictions, fit_leap, run_transfer, stream_predictions
 from harness.datasets import trace_gaps
 from leap_core.cross_fit import FOLDS as GITTINS_FOLDS
-from leap_core.cross_fit import cross_fitted_predictions
-from leap_core.gittins import LengthGivenPrediction
+from leap_core.cross_fit import cross_fitted_distribution
 from leap_core.metrics import spearman as offline_spearman
 from leap_core.simulator import StepTimeModel
 from leap_io.jsonable import dumps
@@ -217,8 +216,8 @@ def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, ba
         pools.append(simulated.Split(evaluation.prompt_tokens, evaluation.lengths, predictions,
                                      validation.get("best_baseline")))
         validations.append(validation)
-    cross_fitted = cross_fitted_predictions(train.features, train.lengths, alpha=alpha, max_tokens=train.max_tokens)
-    distribution = LengthGivenPrediction(max_tokens=train.max_tokens).fit(cross_fitted, train.lengths)
+    distribution, cross_fitted = cross_fitted_distribution(train.features, train.lengths, alpha=alpha,
+                                                           max_tokens=train.max_tokens)
     gittins = simulated.Order("leap", "gittins_over_countdown", overrides={"distribution": distribution})
     say("choosing the tail guard's waiting cap on the training rows (cross-fitted predictions)")
     guard = simulated.choose_waiting_cap(train.prompt_tokens, train.lengths, cross_fitted, step_model, gittins,

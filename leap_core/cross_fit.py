@@ -13,9 +13,12 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from sklearn.model_selection import KFold
 
+from leap_core.gittins import LengthGivenPrediction
 from leap_core.readout import LinearReadout
 
 FOLDS = 5
+DISTRIBUTION_BINS = 10
+"""Bins of predicted length of a readout's length distribution (`cross_fitted_distribution`)."""
 
 
 def cross_fitted_predictions(X: ArrayLike, lengths: ArrayLike, *, alpha: float, max_tokens: int,
@@ -34,3 +37,14 @@ def cross_fitted_predictions(X: ArrayLike, lengths: ArrayLike, *, alpha: float, 
         readout = LinearReadout(alpha=alpha, target=target, max_tokens=max_tokens).fit(X[fit_rows], lengths[fit_rows])
         predicted[held_rows] = readout.predict(X[held_rows])
     return predicted
+
+
+def cross_fitted_distribution(X: ArrayLike, lengths: ArrayLike, *, alpha: float, max_tokens: int,
+                              target: str = "sqrt") -> tuple[LengthGivenPrediction, NDArray[np.float64]]:
+    """The distribution of true length given the readout's prediction, which the Gittins order ranks by,
+    fitted on each row's cross-fitted prediction (so it holds the errors of a readout on prompts it never
+    saw), and those predictions. ValueError when the rows are too few to cross-fit and fill the bins, or
+    the table would be too large."""
+    predicted = cross_fitted_predictions(X, lengths, alpha=alpha, target=target, max_tokens=max_tokens)
+    distribution = LengthGivenPrediction(n_bins=DISTRIBUTION_BINS, max_tokens=int(max_tokens))
+    return distribution.fit(predicted, lengths), predicted

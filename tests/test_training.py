@@ -205,8 +205,9 @@ def test_flow_results_and_the_cli_share_one_json_encoder() -> None:
 
 def test_the_fit_carries_the_length_distribution_of_its_cross_fitted_predictions(fitted, frame) -> None:
     """Fitted on each training row's prediction by a readout that never saw it, carried by the readout file."""
+    from leap_core.cross_fit import DISTRIBUTION_BINS as LENGTH_DISTRIBUTION_BINS
     from leap_core.readout_format import from_bytes, to_bytes
-    from training.fit import LENGTH_DISTRIBUTION_BINS, fit_length_distribution
+    from training.fit import fit_length_distribution
 
     train, test, result = fitted
     keep = _usable(train)

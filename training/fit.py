@@ -28,7 +28,7 @@ from store.duckdb import LogStore, TrainingFrame
 from leap_core import alpha as alpha_path
 from leap_core import metrics
 from leap_core.alpha import AlphaSelection
-from leap_core.cross_fit import cross_fitted_predictions
+from leap_core.cross_fit import cross_fitted_distribution
 from leap_core.gittins import LengthGivenPrediction
 from leap_core.readout import LinearReadout
 from leap_core.recipe_choice import choose_recipe, validate_recipes
@@ -46,9 +46,6 @@ VALIDATION_FRACTION = 0.2
 
 MIN_DOMAIN_TEST_ROWS = 10
 """Fewest test rows of a domain for its own Spearman figure (fewer gives a number, not a measurement)."""
-
-LENGTH_DISTRIBUTION_BINS = 10
-"""Bins of predicted length of the readout's length distribution (`fit_length_distribution`)."""
 
 ABORT = "abort"
 
@@ -290,12 +287,10 @@ def fit_readout(
 
 def fit_length_distribution(X: ArrayLike, lengths: ArrayLike, *, alpha: float, target: str,
                             max_tokens: int) -> LengthGivenPrediction:
-    """The distribution of true length given the readout's prediction, which the Gittins decode order
-    ranks by: fitted on each training row's cross-fitted prediction (`leap_core.cross_fit`, the readout's
-    alpha, target and budget), so it holds the errors of a readout on prompts it never saw. ValueError when
-    the rows are too few to cross-fit and fill the bins, or the table would be too large."""
-    predicted = cross_fitted_predictions(X, lengths, alpha=alpha, target=target, max_tokens=max_tokens)
-    return LengthGivenPrediction(n_bins=LENGTH_DISTRIBUTION_BINS, max_tokens=int(max_tokens)).fit(predicted, lengths)
+    """The readout's length distribution (`leap_core.cross_fit.cross_fitted_distribution`: on cross-fitted
+    predictions of the training rows at the readout's alpha, target and budget). ValueError when the rows
+    are too few to cross-fit and fill the bins, or the table would be too large."""
+    return cross_fitted_distribution(X, lengths, alpha=alpha, target=target, max_tokens=max_tokens)[0]
 
 
 def _columns(frame: TrainingFrame, columns: np.ndarray) -> TrainingFrame:
