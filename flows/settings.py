@@ -18,6 +18,7 @@ from typing import Literal, Annotated, Any
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from leap_core.gate_verdict import MARGIN, P95_BOUND
 from leap_io.durable import fsync_dir, write_text_durably
 from leap_io.paths import STACK_FOLDER, state_dir
 from leap_io.pidfiles import service_pid
@@ -65,9 +66,9 @@ class PipelineSettings(BaseSettings):
     admin_token: str | None = Field(None, description="admin token; else read from admin_token_file")
     admin_token_file: Path | None = Field(None, description="default <home>/admin.token, created once")
 
-    gate_margin: float = Field(0.02, ge=0.0, lt=1.0,
+    gate_margin: float = Field(MARGIN, ge=0.0, lt=1.0,
                                description="challenger mean PTL must be this fraction below the bar's")
-    gate_p95_bound: float = Field(1.10, gt=0.0,
+    gate_p95_bound: float = Field(P95_BOUND, gt=0.0,
                                   description="challenger P95 PTL of the longest quartile over the bar's: worse when "
                                               "its bootstrap interval lies above this")
     gate_repeats: int = Field(2, ge=1, description="replays of each arm, fresh arrivals each, order reversed "

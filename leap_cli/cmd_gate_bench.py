@@ -17,14 +17,14 @@ from leap_cli.output import emit
 @bench_app.command("gate")
 def bench_gate(
     trials: Annotated[int, typer.Option(help="Trials of each case, each its own requests and arrivals.")] = 20,
-    quick: Annotated[bool, typer.Option(help="Prompts of at most 256 tokens, recorded lengths divided by 16 (the "
-                                             "same order), 32 requests a trial: minutes, not hours.")] = False,
+    quick: Annotated[bool, typer.Option(help="Prompts of at most 64 tokens, recorded lengths divided by 48 (the "
+                                             "same order), 96 requests a trial: minutes, not hours.")] = False,
     slice_size: Annotated[int | None, typer.Option("--slice", help="Requests one trial replays (as the gate's "
-                                                                  "replay_slice; default 64, 32 with --quick).")] = None,
+                                                                  "replay_slice; default 64, 96 with --quick).")] = None,
     repeats: Annotated[int, typer.Option(help="Replays of each arm per trial (counterbalanced).")] = 2,
     load: Annotated[float, typer.Option(help="Arrivals as a fraction of the FCFS capacity.")] = 1.2,
-    better_bar: Annotated[str, typer.Option(help="The better case's bar: small (a first champion fitted on 16 "
-                                                 "rows) or fcfs (a first promotion, no champion yet).")] = "small",
+    better_bar: Annotated[str, typer.Option(help="The better case's bar: fcfs (a first promotion, no champion "
+                                                 "yet) or small (a first champion fitted on 16 rows).")] = "fcfs",
     seed: int = 0,
     model: Annotated[str | None, typer.Option(help="HF model folder (default: the prepared SmolLM2).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,

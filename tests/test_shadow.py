@@ -229,7 +229,7 @@ def test_the_gate_report_carries_the_shadow_figures_as_metrics_and_in_its_senten
     results = {"champion": _arm(bar, tokens), "challenger": _arm(bar * 0.8, tokens)}
     paragraph = verdict_paragraph(gate_verdict(results, shadow=figures), "3")
     assert "In shadow on 64 live requests: Spearman" in paragraph and "worse on spearman" in paragraph
-    assert "longest-quartile P95 PTL x0.800 (interval x" in paragraph and "worse above x1.100" in paragraph
+    assert "longest-quartile P95 PTL x0.800 (interval x" in paragraph and "worse above x1.200" in paragraph
     assert paragraph.endswith("Not passed under the rule 'keep' on no difference.")
 
 

@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 CASES = ("worse", "better", "equal")
-QUICK = {"length_divisor": 16, "max_prompt_tokens": 256, "slice": 32}
+QUICK = {"length_divisor": 48, "max_prompt_tokens": 64, "slice": 96}
 FULL_SLICE = 64
 
 
@@ -118,7 +118,7 @@ def _readouts(model: Any, max_tokens: int, seed: int) -> tuple[dict[str, tuple[A
 BETTER_BARS = ("small", "fcfs")
 
 
-def case_pairs(better_bar: str = "small") -> dict[str, tuple[str, str]]:
+def case_pairs(better_bar: str = "fcfs") -> dict[str, tuple[str, str]]:
     """(bar, challenger) arms of each case."""
     if better_bar not in BETTER_BARS:
         raise ValueError(f"better_bar is one of {BETTER_BARS}, not {better_bar!r}")
@@ -126,18 +126,20 @@ def case_pairs(better_bar: str = "small") -> dict[str, tuple[str, str]]:
 
 
 def bench_gate(trials: int = 20, quick: bool = False, slice_size: int | None = None, repeats: int = 2,
-               load: float = 1.2, margin: float = 0.02, p95_bound: float = 1.10, seed: int = 0,
-               model_path: str | None = None, max_tokens: int = 1024, better_bar: str = "small",
+               load: float = 1.2, margin: float | None = None, p95_bound: float | None = None, seed: int = 0,
+               model_path: str | None = None, max_tokens: int = 1024, better_bar: str = "fcfs",
                on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run `trials` gate trials of each case (module docstring); the error rates and timings."""
     from harness.engine import EngineSettings, build_engine
     from harness.experiment import resolve_model
     from harness.gate_replay import (DECODE_SLOTS, calibrate_step_clock, gate_config, gate_requests, gate_runtime,
                                      load_rate, replay_arms, warm_up)
-    from leap_core.gate_verdict import NO_DIFFERENCE, gate_verdict
+    from leap_core.gate_verdict import MARGIN, NO_DIFFERENCE, P95_BOUND, gate_verdict
     from leap_core.recipes import readout_recipe
 
     say = on_progress or (lambda message: None)
+    margin = MARGIN if margin is None else margin
+    p95_bound = P95_BOUND if p95_bound is None else p95_bound
     started = time.perf_counter()
     slice_size = slice_size or (QUICK["slice"] if quick else FULL_SLICE)
     divisor = QUICK["length_divisor"] if quick else 1
@@ -215,5 +217,5 @@ def bench_gate(trials: int = 20, quick: bool = False, slice_size: int | None = N
             "pairs": {case: {"bar": bar, "challenger": challenger} for case, (bar, challenger) in pairs.items()},
             "better_bar": better_bar, "quick": quick, "length_divisor": divisor,
             "max_prompt_tokens": QUICK["max_prompt_tokens"] if quick else None, "slice": slice_size,
-            "repeats": repeats, "load": load, "decode_slots": DECODE_SLOTS, "pool": len(pool), "pool_dropped": dropped,
+            "repeats": repeats, "load": load, "margin": margin, "p95_bound": p95_bound, "decode_slots": DECODE_SLOTS, "pool": len(pool), "pool_dropped": dropped,
             "model": model.model_id, "seconds": round(time.perf_counter() - started, 1)}
