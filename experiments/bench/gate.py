@@ -160,9 +160,12 @@ def bench_gate(trials: int = 20, quick: bool = False, slice_size: int | None = N
         rng = np.random.default_rng(seed)
         warm_up(engine, pool)
         say(f"calibrating the step clock on {min(len(pool), 64)} pool requests")
-        clock, calibration = calibrate_step_clock(engine, gate_runtime(engine),
-                                                  [pool[i] for i in rng.choice(len(pool), min(len(pool), 64),
-                                                                               replace=False)])
+        # at their recorded lengths (the calibration caps them): divided ones end within a few steps, too few
+        # decode shapes to fit the model's per-decode cost (one quick run fitted 33 steps and 0 s a decode)
+        recorded = {p["id"]: p["length"] for p in prompts}
+        calibrating = [replace(pool[i], fixed_length=recorded[pool[i].id], max_tokens=recorded[pool[i].id])
+                       for i in rng.choice(len(pool), min(len(pool), 64), replace=False)]
+        clock, calibration = calibrate_step_clock(engine, gate_runtime(engine), calibrating)
         setup_s = time.perf_counter() - begun  # what a gate run pays before its arms: engine, warm-up, clock
         cases: dict[str, dict[str, Any]] = {case: {"trials": 0, "promoted": 0, "no_difference": 0, "runs": []}
                                             for case in CASES}
