@@ -18,6 +18,7 @@ from typing import Literal, Annotated, Any
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from harness.gate_replay import BLOCKS
 from leap_core.gate_verdict import MARGIN, P95_BOUND
 from leap_io.durable import fsync_dir, write_text_durably
 from leap_io.paths import STACK_FOLDER, state_dir
@@ -82,7 +83,10 @@ class PipelineSettings(BaseSettings):
     gate_shadow_min_rows: int = Field(64, ge=2, description="labelled rows a challenger held in shadow needs "
                                                             "before its live figures join the verdict "
                                                             "(flows/shadow.py)")
-    replay_slice: int = Field(64, ge=4, description="requests replayed per policy by the gate")
+    replay_slice: int = Field(64, ge=4, description="requests a block of the gate replays under each arm")
+    gate_blocks: int = Field(BLOCKS, ge=1, description="disjoint blocks of replay_slice held-out requests the gate "
+                                                      "replays, repeat r the block r % gate_blocks (gate_repeats a "
+                                                      "multiple of it): more distinct requests in the same time")
     replay_rate: float = Field(4.0, gt=0.0, description="Poisson arrivals per second of the gate replay when "
                                                        "gate_load is unset")
     gate_load: float | None = Field(1.2, gt=0.0, description="the gate's arrivals as a fraction of the engine's "
@@ -203,6 +207,13 @@ class PipelineSettings(BaseSettings):
         from leap_core.targets import check_target
 
         return list(dict.fromkeys(check_target(str(item)) for item in value)) or None if value is not None else None
+
+    @model_validator(mode="after")
+    def _blocks_divide_repeats(self) -> PipelineSettings:
+        if self.gate_repeats % self.gate_blocks:
+            raise ValueError(f"gate_blocks ({self.gate_blocks}) must divide gate_repeats ({self.gate_repeats}): "
+                             "repeat r replays block r % gate_blocks, and every request as often")
+        return self
 
     @model_validator(mode="after")
     def _derive_paths(self) -> PipelineSettings:

@@ -348,13 +348,13 @@ def run_gate(settings: PipelineSettings, name: str, challenger: str, champion: s
         from harness.datasets import available_prompts
 
         prompts = available_prompts()
-    chosen, lengths = gate_slice(open_store(settings), prompts, settings.replay_slice,
+    chosen, lengths = gate_slice(open_store(settings), prompts, settings.replay_slice * settings.gate_blocks,
                                  settings.replay_seed, fingerprint, held_out_fraction=settings.test_fraction)
     engine = EngineSettings(model=str(settings.resolved_model_path()), max_model_len=settings.max_model_len,
                             seed=settings.replay_seed)
     replayed = replay_gate(engine, chosen, lengths, readouts, settings.replay_rate, settings.replay_seed,
                            repeats=settings.gate_repeats, load=settings.gate_load,
-                           decode_slots=settings.gate_decode_slots)
+                           decode_slots=settings.gate_decode_slots, blocks=settings.gate_blocks)
     shadow = {"figures": None, "reason": "no champion served beside a shadow"}
     if champion is not None:
         shadow = shadow_evidence(open_store(settings), readouts["challenger"][0], settings.gate_shadow_min_rows,

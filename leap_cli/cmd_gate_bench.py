@@ -22,6 +22,9 @@ def bench_gate(
     slice_size: Annotated[int | None, typer.Option("--slice", help="Requests one trial replays (as the gate's "
                                                                   "replay_slice; default 64, 96 with --quick).")] = None,
     repeats: Annotated[int, typer.Option(help="Replays of each arm per trial (counterbalanced).")] = 2,
+    blocks: Annotated[int | None, typer.Option(help="Disjoint blocks of --slice requests a trial replays, one a "
+                                                    "repeat (as the gate's gate_blocks; default 2, at most "
+                                                    "--repeats); must divide --repeats.")] = None,
     load: Annotated[float, typer.Option(help="Arrivals as a fraction of the FCFS capacity.")] = 1.2,
     better_bar: Annotated[str, typer.Option(help="The better case's bar: fcfs (a first promotion, no champion "
                                                  "yet) or small (a first champion fitted on 16 rows).")] = "fcfs",
@@ -35,9 +38,11 @@ def bench_gate(
 
     if trials < 1 or (slice_size is not None and slice_size < 4) or repeats < 1 or load <= 0:
         raise typer.BadParameter("--trials and --repeats at least 1, --slice at least 4, --load positive")
+    if blocks is not None and (blocks < 1 or repeats % blocks):
+        raise typer.BadParameter("--blocks must be at least 1 and divide --repeats")
     if better_bar not in BETTER_BARS:
         raise typer.BadParameter(f"--better-bar is one of {', '.join(BETTER_BARS)}")
 
-    emit(run(trials=trials, quick=quick, slice_size=slice_size, repeats=repeats, load=load, seed=seed,
+    emit(run(trials=trials, quick=quick, slice_size=slice_size, repeats=repeats, blocks=blocks, load=load, seed=seed,
              model_path=model, better_bar=better_bar, on_progress=lambda message: typer.echo(message, err=True)),
          as_json, title="gate error rates")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness.gate_replay import arm_order
+from harness.gate_replay import _arm_summary, arm_order, request_blocks
 from leap_core.gate_verdict import BETTER, NO_DIFFERENCE, WORSE, gate_verdict
 
 
@@ -81,6 +81,46 @@ def test_replays_that_do_not_pair_fail_closed():
 def test_each_repeat_reverses_the_order_of_the_arms():
     assert [arm_order(("fcfs", "champion", "challenger"), r) for r in range(3)] == [
         ["fcfs", "champion", "challenger"], ["challenger", "champion", "fcfs"], ["fcfs", "champion", "challenger"]]
+
+
+def test_each_repeat_replays_its_block_and_the_summary_counts_each_request_once_a_cycle():
+    requests = [f"r{i}" for i in range(7)]
+    assert request_blocks(requests, 2, 2) == [["r0", "r1", "r2", "r3"], ["r4", "r5", "r6"]]
+    assert request_blocks(requests, 1, 3) == [requests]
+    for blocks, repeats in ((2, 3), (0, 2), (8, 8)):
+        with pytest.raises(ValueError):
+            request_blocks(requests, blocks, repeats)
+
+    class Replay:  # one repeat's per-request figures, as harness.replay returns them (no steps)
+        def __init__(self, ptl):
+            self.per_request = {"ptl": np.asarray(ptl, float), "output_tokens": np.arange(len(ptl)) + 1}
+            self.per_step = {"shapes": np.zeros((0, 2)), "seconds": np.zeros(0)}
+
+        def summary(self):
+            return {"n": len(self.per_request["ptl"])}
+
+    # 4 repeats over 2 blocks (4 and 3 requests): block 0, block 1, block 0, block 1
+    replays = [Replay([1.0] * 4), Replay([2.0] * 3), Replay([3.0] * 4), Replay([4.0] * 3)]
+    summary = _arm_summary(replays, clock=None, blocks=2)
+    assert summary["repeats"] == 2 and summary["blocks"] == 2 and len(summary["ptl"]) == 14
+    # entry i is request i % 7: request 0's two replays are entries 0 and 7
+    assert summary["ptl"][0] == 1.0 and summary["ptl"][7] == 3.0 and summary["ptl"][4] == 2.0
+
+
+def test_two_blocks_of_distinct_requests_make_one_verdict_over_all_of_them():
+    results = _pair(0.8, 0.05, n=128, repeats=1)
+    verdict = gate_verdict(results)
+    assert verdict["n_requests"] == 128 and verdict["repeats"] == 1 and verdict["outcome"] == BETTER
+
+
+def test_the_settings_refuse_blocks_that_do_not_divide_the_repeats(tmp_path):
+    from pydantic import ValidationError
+
+    from flows.settings import PipelineSettings
+
+    assert PipelineSettings(home=tmp_path).gate_blocks == 2
+    with pytest.raises(ValidationError, match="gate_blocks"):
+        PipelineSettings(home=tmp_path, gate_repeats=3, gate_blocks=2)
 
 
 def _long_pair(long_factor: float, n: int = 64, repeats: int = 2, spread: float = 0.05, seed: int = 0) -> dict:

@@ -126,19 +126,22 @@ def case_pairs(better_bar: str = "fcfs") -> dict[str, tuple[str, str]]:
 
 
 def bench_gate(trials: int = 20, quick: bool = False, slice_size: int | None = None, repeats: int = 2,
+               blocks: int | None = None,
                load: float = 1.2, margin: float | None = None, p95_bound: float | None = None, seed: int = 0,
                model_path: str | None = None, max_tokens: int = 1024, better_bar: str = "fcfs",
                on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run `trials` gate trials of each case (module docstring); the error rates and timings."""
     from harness.engine import EngineSettings, build_engine
     from harness.experiment import resolve_model
-    from harness.gate_replay import (DECODE_SLOTS, calibrate_step_clock, gate_config, gate_requests, gate_runtime,
-                                     load_rate, replay_arms, warm_up)
+    from harness.gate_replay import (BLOCKS, DECODE_SLOTS, calibrate_step_clock, gate_config, gate_requests,
+                                     gate_runtime, load_rate, replay_arms, request_blocks, warm_up)
     from leap_core.gate_verdict import MARGIN, NO_DIFFERENCE, P95_BOUND, gate_verdict
     from leap_core.recipes import readout_recipe
 
     say = on_progress or (lambda message: None)
     margin = MARGIN if margin is None else margin
+    blocks = min(BLOCKS, repeats) if blocks is None else blocks
+    request_blocks(range(blocks), blocks, repeats)  # refuses blocks that do not divide the repeats
     p95_bound = P95_BOUND if p95_bound is None else p95_bound
     started = time.perf_counter()
     slice_size = slice_size or (QUICK["slice"] if quick else FULL_SLICE)
@@ -155,8 +158,9 @@ def bench_gate(trials: int = 20, quick: bool = False, slice_size: int | None = N
     try:
         lengths = {p["id"]: max(1, p["length"] // divisor) for p in prompts}
         pool, dropped = gate_requests(engine, prompts, lengths, settings.max_model_len)
-        if len(pool) < slice_size:
-            raise ValueError(f"the pool holds {len(pool)} requests, fewer than a trial's slice of {slice_size}")
+        if len(pool) < slice_size * blocks:
+            raise ValueError(f"the pool holds {len(pool)} requests, fewer than a trial's {blocks} blocks of "
+                             f"{slice_size}")
         rng = np.random.default_rng(seed)
         warm_up(engine, pool)
         say(f"calibrating the step clock on {min(len(pool), 64)} pool requests")
@@ -171,12 +175,14 @@ def bench_gate(trials: int = 20, quick: bool = False, slice_size: int | None = N
                                             for case in CASES}
         seconds, errors, trial_seconds = [], [], []
         for trial in range(trials):
-            chosen = [pool[i] for i in np.sort(rng.choice(len(pool), slice_size, replace=False))]
+            drawn = rng.choice(len(pool), slice_size * blocks, replace=False)  # each block sorted by pool order
+            chosen = [pool[i] for part in np.array_split(drawn, blocks) for i in np.sort(part)]
             chosen = [replace(r, id=f"t{trial}-{r.id}") for r in chosen]
             trial_begun = time.perf_counter()
             rate, _ = load_rate(engine, clock, chosen, load)
             arm_readouts = {name: readouts[name] for name in arms if name != "fcfs"}
-            results = replay_arms(engine, chosen, arm_readouts, arms, rate, seed + 1000 * trial, repeats, clock)
+            results = replay_arms(engine, chosen, arm_readouts, arms, rate, seed + 1000 * trial, repeats, clock,
+                                  blocks)
             trial_seconds.append(time.perf_counter() - trial_begun)
             errors.extend(abs(r["modeled_over_wall"] - 1.0) for r in results.values())
             for case in CASES:
@@ -220,5 +226,5 @@ def bench_gate(trials: int = 20, quick: bool = False, slice_size: int | None = N
             "pairs": {case: {"bar": bar, "challenger": challenger} for case, (bar, challenger) in pairs.items()},
             "better_bar": better_bar, "quick": quick, "length_divisor": divisor,
             "max_prompt_tokens": QUICK["max_prompt_tokens"] if quick else None, "slice": slice_size,
-            "repeats": repeats, "load": load, "margin": margin, "p95_bound": p95_bound, "decode_slots": DECODE_SLOTS, "pool": len(pool), "pool_dropped": dropped,
+            "repeats": repeats, "blocks": blocks, "load": load, "margin": margin, "p95_bound": p95_bound, "decode_slots": DECODE_SLOTS, "pool": len(pool), "pool_dropped": dropped,
             "model": model.model_id, "seconds": round(time.perf_counter() - started, 1)}
