@@ -224,8 +224,8 @@ def run_load_over_splits(splits: Sequence[Split], step_model: StepTimeModel, loa
     and then the seeds within each (`leap_core.metrics.hierarchical_bootstrap_ci`; with one split, the
     seeds alone), at every load (`ratios_by_load`) and at `headline` (`ratios`, which the goals read); the
     table's mean PTL carries the same interval. `tail` holds each policy's latency and PTL quantiles,
-    longest waits and long-request tail at every load, averaged over every split's seeds with intervals over
-    those workloads. `config` holds SimConfig knobs (max_resident, decode_slots, waiting_cap, ...), the same
+    longest waits and long-request tail at every load, averaged over every split's seeds, with the same
+    two-level intervals (`_with_split_intervals`). `config` holds SimConfig knobs (max_resident, decode_slots, waiting_cap, ...), the same
     the step model was calibrated at. Overloads are run over the same horizon (`n_requests` arrivals) and
     reported with it: their figures grow with the horizon. `orders` (policy name -> `Order`) runs other
     decode orders on the same draws, each with its paired ratio to its predictor's countdown.
@@ -300,8 +300,7 @@ def run_load_over_splits(splits: Sequence[Split], step_model: StepTimeModel, loa
         "spearman": {name: float(np.mean([spearman(out, preds[name]) for _, out, preds in pools]))
                      for name in names},
         "table": table,
-        "tail": {p: {str(m): _with_intervals([f for seeds_of in runs[m][p] for f in seeds_of], TAIL_FIGURES)
-                     for m in every_load} for p in policies},
+        "tail": {p: {str(m): _with_split_intervals(runs[m][p], TAIL_FIGURES) for m in every_load} for p in policies},
         "best_baseline": best,
         "best_baseline_by_split": best_by_split,
         "best_baseline_chosen_on": None if best is None else (
@@ -544,7 +543,7 @@ def section_load(result: dict, image: str) -> str:
     ]
     text += _best_baseline_lines(result) + _ratios_by_load_lines(result) + _tail_lines(result)
     if result.get("bursty"):
-        bursty = {**result["bursty"], "headline_load": result["headline_load"]}
+        bursty = {**result["bursty"], "headline_load": result["headline_load"], "splits": result.get("splits", 1)}
         text += ["", "With bursty arrivals (the Azure conversation trace's gaps, windows rescaled to the load), "
                      "LEAP's mean PTL over each reference:", "",
                  *[f"- {key}: {_interval(r)}" for key, r in bursty["ratios"].items()], *_tail_lines(bursty)]
@@ -619,7 +618,7 @@ def _tail_lines(result: dict) -> list[str]:
 
     rows = [[policy, *(cell(by_load[head], f) for f in figures)] for policy, by_load in tail.items() if head in by_load]
     return ["", f"Tail at {result['headline_load']:g} of capacity ({result.get('arrivals', 'poisson')} arrivals), "
-                "mean over the seeds [95% CI]: latency (s) and "
+                f"mean over the seeds [95% CI over {_interval_basis(result)}]: latency (s) and "
                 f"PTL (s/token) quantiles; the longest wait from arrival to admission (s); the most consecutive "
                 f"steps a resident request was held out of decoding; long requests' P95 and P99 latency (s):", "",
             _table(["policy", "P50 lat", "P95 lat", "P99 lat", "P95 PTL", "P99 PTL", "max wait", "max held out",
@@ -848,6 +847,25 @@ def _with_intervals(figures: list[dict[str, float]], names=None) -> dict:
         merged[name] = float(values.mean()) if values.size else float("nan")
         ci = (bootstrap_ci(mean_last_axis, values, vectorized=True) if values.size > 1
               else {"ci_low": merged[name], "ci_high": merged[name]})
+        merged[f"{name}_ci"] = [ci["ci_low"], ci["ci_high"]]
+    return merged
+
+
+def _with_split_intervals(figures: list[list[dict[str, float]]], names: Sequence[str]) -> dict:
+    """`_with_intervals` for the figures of every split's seeds ((splits, seeds) nested lists): each mean
+    over all of them, its interval over the splits, then the seeds within each
+    (`hierarchical_bootstrap_ci`), as the table's mean PTL; a figure some workload lacks (no long request
+    in its draw) falls back to the workloads that have it, pooled."""
+    if len(figures) < 2:
+        return _with_intervals([f for seeds_of in figures for f in seeds_of], names)
+    merged: dict = {}
+    for name in names:
+        values = _per_seed(figures, name).astype(np.float64)
+        if not np.isfinite(values).all():
+            merged.update(_with_intervals([f for seeds_of in figures for f in seeds_of], [name]))
+            continue
+        merged[name] = float(values.mean())
+        ci = hierarchical_bootstrap_ci(mean_last_axis, values)
         merged[f"{name}_ci"] = [ci["ci_low"], ci["ci_high"]]
     return merged
 

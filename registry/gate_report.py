@@ -50,7 +50,8 @@ def verdict_paragraph(verdict: Mapping[str, Any], champion_version: str | None) 
     level = float(verdict.get("level", 0.95))
     return (f"{DESCRIPTION_MARK} {outcome} against {against}. Mean PTL x{verdict['mean_ptl_ratio']:.3f} of "
             f"{bar}'s ({level:.0%} interval x{verdict['ci_low']:.3f} to x{verdict['ci_high']:.3f}; "
-            f"{verdict.get('n_requests')} requests x {verdict.get('repeats')} repeats on the step clock); "
+            f"{verdict.get('n_requests')} requests, each replayed {verdict.get('repeats')}x a policy on the step "
+            f"clock); "
             f"longest-quartile P95 PTL x{verdict['long_p95_ratio']:.3f}{_long_interval(verdict)}. "
             f"{_shadow_sentence(verdict.get('shadow'))}"
             f"{'Passed' if verdict.get('passed') else 'Not passed'} under the rule "

@@ -556,3 +556,16 @@ def test_plots_write_pngs_and_sections_hold_tables(tmp_path, load_result, refres
     assert "Tail at" not in section_load(old_result, "x.png")  # results saved before these keys still render
     assert "refresh wins" in section_refresh(refresh_results[0], "x.png")
     assert "exp(-aging x held_out)" in section_tail(tail_result, "x.png")
+
+
+def test_the_tail_intervals_over_splits_span_what_the_splits_disagree_on():
+    """The tail block's intervals resample the splits, then the seeds, as the table's mean PTL does: LEAP
+    exact on one split and noisy on the other, its P95 PTL interval holds both splits' own figures (an
+    interval over the 8 workloads pooled, as the block had before, ended above the exact split's)."""
+    first, second = _two_splits()
+    options = dict(loads=(0.9,), overloads=(), n_requests=150, seeds=4, decode_slots=4)
+    both = run_load_over_splits([first, second], STEP_MODEL, **options)["tail"]["leap"]["0.9"]
+    alone = [run_load(split.prompt_tokens, split.lengths, split.predictions, STEP_MODEL, seed=k,
+                      **options)["tail"]["leap"]["0.9"] for k, split in enumerate((first, second))]
+    low, high = sorted(row["p95_ptl"] for row in alone)
+    assert both["p95_ptl_ci"][0] <= low and both["p95_ptl_ci"][1] >= high
