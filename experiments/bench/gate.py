@@ -7,41 +7,38 @@ trials replay); the training rows are cut into two disjoint halves, A and B:
 - **worse**: the bar is the readout fitted on half A; the challenger has the same weights in a shuffled
   order (a readout whose ranking is unrelated to, here against, the lengths).
 - **better**: the challenger is half A's readout against a bar that ranks clearly worse. By default
-  (`better_bar="small"`) a first champion fitted on a small slice (SMALL_SLICE training rows drawn from
-  half B); with `better_bar="fcfs"`, the bar of a first promotion when no champion exists yet: FCFS, which
-  orders by arrival, blind to length.
+  (`better_bar="fcfs"`) the bar of a first promotion, when no champion exists yet: FCFS, which orders by
+  arrival, blind to length. With `better_bar="small"`, a first champion fitted on a small slice
+  (SMALL_SLICE training rows drawn from half B), whose gain is a few percent (below).
 - **equal**: a refit of the same size on a disjoint sample: half A's readout as the bar, half B's as the
   challenger. Their quality differs only by the sample, so the gate should find no difference; the same
   weights twice would replay identically on the step clock and could not test anything.
 
-Each trial draws its own slice of pool requests (with their recorded true lengths) and its own arrival
-seed and replays it as the flows' gate does (`harness.gate_replay`: one engine, the step clock
-calibrated on it, arrivals at a load of its FCFS capacity, counterbalanced repeats). A trial replays the
-four readouts the cases use (A, shuffled, small, B) in one counterbalanced run (ABCD DCBA ...), and
-each case's verdict (`leap_core.gate_verdict`, the bar as the champion) compares its two arms from it:
-the pairs are paired within the trial, as the flows' two arms are, and the cases of one trial share
-their slice and arrivals. The figures are the share of trials promoted per case (and, for the equal
-case, called "no difference"), each with its Wilson 95% interval; the seconds of one gate run as the
-flows make it (engine start, step-clock calibration and the two arms' replays, `gate_seconds_median`);
-and the step clock's error against the wall clock over each arm.
+Each trial draws its own requests from the pool (with their recorded true lengths), `blocks` disjoint
+blocks of `slice_size`, and its own arrival seed, and replays them as the flows' gate does
+(`harness.gate_replay`: one engine, the step clock calibrated on it, arrivals at a load of its FCFS
+capacity, counterbalanced repeats, repeat r on block r % blocks). A trial replays the four readouts the
+cases use (A, shuffled, FCFS or small, B) in one counterbalanced run (ABCD DCBA ...), and each case's
+verdict (`leap_core.gate_verdict`, the bar as the champion) compares its two arms from it: the pairs are
+paired within the trial, as the flows' two arms are, and the cases of one trial share their requests and
+arrivals. The figures are the share of trials promoted per case (and, for the equal case, called "no
+difference"), each with its Wilson 95% interval; the seconds of one gate run as the flows make it (engine
+start, step-clock calibration and the two arms' replays, `gate_seconds_median`); and the step clock's
+error against the wall clock over each arm.
 
 `quick` keeps the schedule's questions and shrinks the work so that 20 trials fit in minutes on two
 CPU cores: the pool is the prompts of at most QUICK["max_prompt_tokens"] tokens, every recorded length
 is divided by QUICK["length_divisor"] (at least 1 token; the same predictions and the same order of true
-lengths), and a trial replays QUICK["slice"] requests. The full run replays the recorded lengths of
-every pool prompt, 64 a trial. The shrink costs power, and the quick run shows how much. In 20 quick
-trials (32 requests x 2 repeats, load 1.2) the small-slice bar (Spearman 0.28 on the pool against half
-A's 0.55) lost x0.98 of mean PTL at the median (x0.82 to x1.04), which a 32-request interval rarely
-separates from 1: 3 of 20 promoted. Against FCFS the gain was x0.80 at the median (x0.66 to x1.01) and
-10 of 20 were promoted; 2 more were called worse by the long-request guard, rightly so on its rule
-(countdown serves long requests later than arrival order does). A simulated power analysis (the
-calibrated step model, 40 trials a configuration, no guard) gives the same picture: 15-75% for gains of a
-few percent whatever the slice (32-128), divisor (8-64) and load (1.2-1.5); 78% against FCFS at the quick
-size; about 70% for a math-fitted bar at the full size (64 requests, lengths / 4). Per-request PTL is
-heavy-tailed (a request of a few tokens that waited has a PTL of its whole wait), so an interval over a
-few dozen requests is wider than a 5% gain. What the quick run promises: it does not promote a worse
-readout, and it calls equal ones equal; gains of a few percent need the full size or shadow scoring's
-live figures.
+lengths), and a block holds QUICK["slice"] requests. The full run replays the recorded lengths of every
+pool prompt, 64 a block. Prefill is most of a short request's cost here, so at a fixed replay time many
+short requests (a long queue, where the order matters) resolve more than fewer long ones. One quick run
+(2 blocks of 96, 2 repeats, load 1.2; 745 s): worse promoted 0 of 20 (called worse in 15), equal called
+no difference in 19 of 20, better against FCFS promoted in 19 of 20 (x0.83 of FCFS's mean PTL at the
+median). Earlier shapes of the same bench promoted against FCFS 14 of 20 (one block of 96 replayed twice,
+two runs) and 10 of 20 (32 requests, lengths / 16). Gains of a few percent stay out of reach: per-request
+PTL is heavy-tailed (a request of a few tokens that waited has a PTL of its whole wait), and in 100
+simulated trials of the quick shape (the calibrated step model) the small-slice bar's successor (x0.93-0.97
+of mean PTL) was promoted 35 times; with one block replayed twice, 19.
 """
 
 from __future__ import annotations
