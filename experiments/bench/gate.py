@@ -31,10 +31,10 @@ CPU cores: the pool is the prompts of at most QUICK["max_prompt_tokens"] tokens,
 is divided by QUICK["length_divisor"] (at least 1 token; the same predictions and the same order of true
 lengths), and a block holds QUICK["slice"] requests. The full run replays the recorded lengths of every
 pool prompt, 64 a block. Prefill is most of a short request's cost here, so at a fixed replay time many
-short requests (a long queue, where the order matters) resolve more than fewer long ones. One quick run
-(2 blocks of 96, 2 repeats, load 1.2; 745 s): worse promoted 0 of 20 (called worse in 15), equal called
-no difference in 19 of 20, better against FCFS promoted in 19 of 20 (x0.83 of FCFS's mean PTL at the
-median). Earlier shapes of the same bench promoted against FCFS 14 of 20 (one block of 96 replayed twice,
+short requests (a long queue, where the order matters) resolve more than fewer long ones. Two quick runs
+(2 blocks of 96, 2 repeats, load 1.2; 736-745 s each) gave the same counts: worse promoted 0 of 20
+(called worse in 15 and 16), equal called no difference in 19 of 20, better against FCFS promoted in 19
+of 20 (x0.83 and x0.81 of FCFS's mean PTL at the median). Earlier shapes of the same bench promoted against FCFS 14 of 20 (one block of 96 replayed twice,
 two runs) and 10 of 20 (32 requests, lengths / 16). Gains of a few percent stay out of reach: per-request
 PTL is heavy-tailed (a request of a few tokens that waited has a PTL of its whole wait), and in 100
 simulated trials of the quick shape (the calibrated step model) the small-slice bar's successor (x0.93-0.97
