@@ -132,6 +132,13 @@ def gate_runtime(engine: Any) -> Any:
     return leap_scheduler(engine).leap
 
 
+def block_count(blocks: int, repeats: int, n_requests: int | None = None) -> int:
+    """The most blocks, at most `blocks`, that divide `repeats` (every request replayed as often) and, given
+    `n_requests`, hold MIN_BLOCK requests each (at least one block)."""
+    most = blocks if n_requests is None else min(blocks, n_requests // MIN_BLOCK)
+    return max(b for b in range(1, max(1, most) + 1) if repeats % b == 0)
+
+
 def request_blocks(requests: Sequence[Any], blocks: int, repeats: int) -> list[list[Any]]:
     """`requests` cut into `blocks` disjoint blocks of (nearly) equal size, in their order; repeat r replays
     block r % blocks, so `repeats` must be a multiple of `blocks` (each request replayed as often)."""
@@ -220,7 +227,7 @@ def replay_gate(engine_settings: Any, prompts: Sequence[Mapping[str, Any]], fixe
         if load is not None:
             rate, capacity = load_rate(engine, clock, requests, load)
         policies = [policy for policy in POLICY_ORDER if policy == "fcfs" or readouts.get(policy) is not None]
-        blocks = max(b for b in range(1, max(1, min(blocks, len(requests) // MIN_BLOCK)) + 1) if repeats % b == 0)
+        blocks = block_count(blocks, repeats, len(requests))
         results = replay_arms(engine, requests, readouts, policies, float(rate), seed, repeats, clock, blocks)
         errors = [abs(summary["modeled_over_wall"] - 1.0) for summary in results.values()]
         step_model = {**calibration, "repeats": repeats,

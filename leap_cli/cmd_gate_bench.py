@@ -23,8 +23,8 @@ def bench_gate(
                                                                   "replay_slice; default 64, 96 with --quick).")] = None,
     repeats: Annotated[int, typer.Option(help="Replays of each arm per trial (counterbalanced).")] = 2,
     blocks: Annotated[int | None, typer.Option(help="Disjoint blocks of --slice requests a trial replays, one a "
-                                                    "repeat (as the gate's gate_blocks; default 2, at most "
-                                                    "--repeats); must divide --repeats.")] = None,
+                                                    "repeat (as the gate's gate_blocks; default the most, up to "
+                                                    "2, that divide --repeats); must divide --repeats.")] = None,
     load: Annotated[float, typer.Option(help="Arrivals as a fraction of the FCFS capacity.")] = 1.2,
     better_bar: Annotated[str, typer.Option(help="The better case's bar: fcfs (a first promotion, no champion "
                                                  "yet) or small (a first champion fitted on 16 rows).")] = "fcfs",

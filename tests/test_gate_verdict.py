@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness.gate_replay import _arm_summary, arm_order, request_blocks
+from harness.gate_replay import _arm_summary, arm_order, block_count, request_blocks
 from leap_core.gate_verdict import BETTER, NO_DIFFERENCE, WORSE, gate_verdict
 
 
@@ -90,6 +90,9 @@ def test_each_repeat_replays_its_block_and_the_summary_counts_each_request_once_
     for blocks, repeats in ((2, 3), (0, 2), (8, 8)):
         with pytest.raises(ValueError):
             request_blocks(requests, blocks, repeats)
+    # the most blocks that divide the repeats and hold 4 requests each
+    assert block_count(2, 2) == 2 and block_count(2, 3) == 1 and block_count(2, 4, 100) == 2
+    assert block_count(2, 2, 7) == 1 and block_count(4, 4, 12) == 2
 
     class Replay:  # one repeat's per-request figures, as harness.replay returns them (no steps)
         def __init__(self, ptl):

@@ -131,15 +131,17 @@ def bench_gate(trials: int = 20, quick: bool = False, slice_size: int | None = N
     """Run `trials` gate trials of each case (module docstring); the error rates and timings."""
     from harness.engine import EngineSettings, build_engine
     from harness.experiment import resolve_model
-    from harness.gate_replay import (BLOCKS, DECODE_SLOTS, calibrate_step_clock, gate_config, gate_requests,
-                                     gate_runtime, load_rate, replay_arms, request_blocks, warm_up)
+    from harness.gate_replay import (BLOCKS, DECODE_SLOTS, block_count, calibrate_step_clock, gate_config,
+                                     gate_requests, gate_runtime, load_rate, replay_arms, warm_up)
     from leap_core.gate_verdict import MARGIN, NO_DIFFERENCE, P95_BOUND, gate_verdict
     from leap_core.recipes import readout_recipe
 
     say = on_progress or (lambda message: None)
     margin = MARGIN if margin is None else margin
-    blocks = min(BLOCKS, repeats) if blocks is None else blocks
-    request_blocks(range(blocks), blocks, repeats)  # refuses blocks that do not divide the repeats
+    if blocks is None:
+        blocks = block_count(BLOCKS, repeats)
+    elif blocks < 1 or block_count(blocks, repeats) != blocks:
+        raise ValueError(f"blocks must be at least 1 and divide the repeats ({repeats}), not {blocks}")
     p95_bound = P95_BOUND if p95_bound is None else p95_bound
     started = time.perf_counter()
     slice_size = slice_size or (QUICK["slice"] if quick else FULL_SLICE)
