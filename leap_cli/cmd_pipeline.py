@@ -344,6 +344,10 @@ def demo_command(
     max_tokens: int = typer.Option(1024, help="output budget M of the demo traffic (the snapshot's: about one "
                                               "chat output in ten reaches it)"),
     keep_serving: bool = typer.Option(False, help="leave the serving process running afterwards"),
+    first_champion: str = typer.Option("none", help="what serves before the first fit: 'none' (FCFS, a first "
+                                                    "deployment; the gate decides the first promotion) or "
+                                                    "'snapshot' (a readout fitted on the committed corpus "
+                                                    "snapshot; one replica)"),
     replicas: int = typer.Option(1, min=1, help="serving replicas; 2 or more run the fleet loop (experiments/demo_fleet.py): "
                                                 "feedback through S3, a PostgreSQL store, MLflow on PostgreSQL, the "
                                                 "exact merge of the replicas' RLS, a replica killed and restarted, "
@@ -360,10 +364,14 @@ def demo_command(
                                      keep_serving=keep_serving, progress=say)
         emit(summary, as_json, "LEAP fleet demo")
         return
-    from experiments.demo import run_demo
+    from experiments.demo import FIRST_CHAMPIONS, run_demo
 
+    if first_champion not in FIRST_CHAMPIONS:
+        raise typer.BadParameter(f"one of {', '.join(FIRST_CHAMPIONS)}, not {first_champion!r}",
+                                 param_hint="--first-champion")
     with json_stdout(as_json):
-        summary = run_demo(n_prompts=prompts, max_tokens=max_tokens, keep_serving=keep_serving, progress=say)
+        summary = run_demo(n_prompts=prompts, max_tokens=max_tokens, keep_serving=keep_serving,
+                           first_champion=first_champion, progress=say)
     emit(summary, as_json, "LEAP demo")
     if not as_json:
         console.print(f"Compare readouts in the MLflow UI: [bold]{summary['mlflow_ui']}[/]")
