@@ -110,7 +110,8 @@ ArrivalPredictor = Callable[[list[ReplayRequest]], np.ndarray]
 def replay(engine: Any, requests: Sequence[ReplayRequest], arrivals: np.ndarray, policy: str,
            decoding: dict | None = None, runtime: Any = None,
            on_progress: Callable[[int, int], None] | None = None, tag: str = "",
-           predict_at_arrival: ArrivalPredictor | None = None, clock: Any = None) -> ReplayResult:
+           predict_at_arrival: ArrivalPredictor | None = None, clock: Any = None,
+           before_step: Callable[[int], None] | None = None) -> ReplayResult:
     """Release `requests` at `arrivals` (seconds from now) into `engine`, step until all finish.
 
     `clock` (a `StepTimeModel`, needs `runtime`) replays on the step clock described above; every time
@@ -119,6 +120,9 @@ def replay(engine: Any, requests: Sequence[ReplayRequest], arrivals: np.ndarray,
     `predict_at_arrival` (a separate predictor that reads the prompt, as SSJF/LTR-style systems do) runs
     in the serving loop on each batch of newly arrived requests before they are added, so its time delays
     the engine exactly as a predictor sharing the accelerator would; its lengths go to the `client` policy.
+
+    `before_step(k)` runs before the k-th engine step, outside its timing (a switchback experiment turns
+    something on and off between steps); `per_step["tokens"]` counts the tokens each step generated.
     """
     decoding = decoding or DEFAULT_DECODING
     if clock is not None and runtime is None:
@@ -130,6 +134,7 @@ def replay(engine: Any, requests: Sequence[ReplayRequest], arrivals: np.ndarray,
     finish = np.full(n, np.nan)
     out_tokens = np.zeros(n, dtype=np.int64)
     step_times: list[float] = []
+    step_tokens: list[int] = []
     step_starts: list[float] = []
     step_shapes: list[tuple[int, int]] = []
     start = 0.0 if clock is not None else time.time()
@@ -166,6 +171,8 @@ def replay(engine: Any, requests: Sequence[ReplayRequest], arrivals: np.ndarray,
             elif released < n:
                 time.sleep(max(0.0, min(planned[order[released]] - time.time(), 0.05)))
             continue
+        if before_step is not None:
+            before_step(len(step_times))
         step_start = time.perf_counter()
         step_starts.append(step_start)
         outputs = engine.step()
@@ -175,18 +182,22 @@ def replay(engine: Any, requests: Sequence[ReplayRequest], arrivals: np.ndarray,
         if clock is not None:
             modeled += float(clock.step_seconds(*runtime.last_step_shape))
         now = modeled if clock is not None else time.time()
+        generated = 0
         for output in outputs:
             i = index_of.get(output.request_id)
             if i is None:
                 continue
-            if np.isnan(first_token[i]) and output.outputs and len(output.outputs[0].token_ids) > 0:
+            so_far = len(output.outputs[0].token_ids) if output.outputs else 0
+            generated += so_far - int(out_tokens[i])
+            out_tokens[i] = so_far
+            if np.isnan(first_token[i]) and so_far > 0:
                 first_token[i] = now
             if output.finished:
                 finish[i] = now
-                out_tokens[i] = len(output.outputs[0].token_ids)
                 done += 1
                 if on_progress is not None:
                     on_progress(done, n)
+        step_tokens.append(generated)
     per_request_ptl = ptl(planned, finish, np.maximum(out_tokens, 1))
     ttft = first_token - planned
     ptl_summary, ttft_summary = summary(per_request_ptl), summary(ttft)
@@ -206,5 +217,5 @@ def replay(engine: Any, requests: Sequence[ReplayRequest], arrivals: np.ndarray,
         per_request={"ptl": per_request_ptl, "ttft": ttft, "output_tokens": out_tokens,
                      "finish": finish - start, "arrival": planned - start},
         per_step={"seconds": np.asarray(step_times), "shapes": np.asarray(step_shapes, dtype=np.int64),
-                  "started": np.asarray(step_starts)},
+                  "started": np.asarray(step_starts), "tokens": np.asarray(step_tokens, dtype=np.int64)},
     )

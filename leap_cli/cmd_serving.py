@@ -233,8 +233,10 @@ def bench_serving_command(
     max_tokens: int = typer.Option(1024, help="output budget M of the recorded lengths"),
     seed: int = typer.Option(0, help="arrival seed"),
     via: str = typer.Option("engine", help="engine: in-process engines; http: the OpenAI servers and a client"),
-    shadow: bool = typer.Option(False, help="a third arm: LEAP holding a challenger in shadow (its throughput "
-                                            "over LEAP's alone under 'shadow'; --via engine)"),
+    shadow: bool = typer.Option(False, help="a third arm: LEAP holding a challenger in shadow in alternating "
+                                            "blocks of steps (its throughput with the shadow over without under "
+                                            "'shadow'; --via engine)"),
+    shadow_block_steps: int = typer.Option(8, min=1, help="engine steps in each block of the shadow arm"),
     model: Optional[str] = typer.Option(None),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -245,7 +247,7 @@ def bench_serving_command(
 
     result = bench_serving(_prompts(None, requests + train, seed=0), n_requests=requests, n_train=train,
                            repeats=repeats, load=load, rate=rate, model=model, max_tokens=max_tokens, seed=seed,
-                           via=via, shadow=shadow,
+                           via=via, shadow=shadow, shadow_block_steps=shadow_block_steps,
                            say=lambda m: console.print(f"[bold]bench serving[/]: {m}"))
     emit(result if as_json else {k: v for k, v in result.items() if k != "runs"}, as_json,
          "stock vLLM against LEAP, each with its defaults")

@@ -5,12 +5,12 @@ schedules.
 body lets it go. The bundle is validated exactly as a push (`serving.push.validate_push`: the model
 fingerprint, the capture recipe, finite weights), but no version order applies: a shadow may be older or
 newer than what serves. From then on, each finished request whose vector was captured is predicted by the
-shadow from that same vector (one dot product on the thread that writes the row: no extra capture, no
-work on the engine's step), and its feedback row carries `shadow_predicted` and `shadow_version` beside
-the served `predicted_at_admission`.
+shadow from that same vector (one dot product where the row is written, in the engine step that frees
+the request: no extra capture, no forward pass), and its feedback row carries `shadow_predicted` and
+`shadow_version` beside the served `predicted_at_admission`.
 
-The live figures are paired: over the last `window` finished requests that both predicted, the rolling
-Spearman and MAE of each readout against the true length, on `/metrics` as
+The live figures are paired: over the last `window` finished requests that both predicted, recomputed every
+`FIGURES_EVERY` of them, the rolling Spearman and MAE of each readout against the true length, on `/metrics` as
 `leap_shadow_figure{readout="served"|"shadow", figure="spearman"|"mae"}` and `leap_shadow_rows`. The
 delayed-label figures with intervals are the flows' (`leap_core.shadow_figures` over the stored rows),
 since those see every replica's rows and only honest labels.
@@ -54,6 +54,7 @@ class ShadowReadout:
         self._pairs: deque[tuple[float, float, int]] = deque(maxlen=window)
         self.predicted = 0
         self.errors = 0
+        self._paired = 0  # pairs taken since held: the figures are recomputed every FIGURES_EVERY of them
         self.seconds = 0.0  # spent predicting and pairing: what holding the shadow costs this process
 
     @property
@@ -68,6 +69,7 @@ class ShadowReadout:
             with self._lock:
                 previous, self._held = self.version, None
                 self._pairs.clear()
+                self._paired = 0
             self._telemetry.shadow_rows.set(0)
             logger.info("LEAP shadow %s let go", previous)
             return {"shadow": None, "previous": previous}
@@ -77,6 +79,7 @@ class ShadowReadout:
         with self._lock:
             previous, self._held = self.version, held
             self._pairs.clear()
+            self._paired = 0
         self._telemetry.shadow_rows.set(0)
         logger.info("LEAP shadow %s held (was %s)", held.version, previous)
         return {"shadow": held.version, "previous": previous}
@@ -116,8 +119,9 @@ class ShadowReadout:
     def _pair(self, served: float, shadow: float, output_tokens: int) -> None:
         with self._lock:
             self._pairs.append((served, shadow, output_tokens))
+            self._paired += 1
             n = len(self._pairs)
-            pairs = np.asarray(self._pairs, dtype=np.float64) if n % FIGURES_EVERY == 0 else None
+            pairs = np.asarray(self._pairs, dtype=np.float64) if self._paired % FIGURES_EVERY == 0 else None
         self._telemetry.shadow_rows.set(n)
         if pairs is None:
             return

@@ -233,17 +233,31 @@ def test_the_gate_report_carries_the_shadow_figures_as_metrics_and_in_its_senten
     assert paragraph.endswith("Not passed under the rule 'keep' on no difference.")
 
 
-def test_the_serving_bench_reports_the_shadow_arms_throughput_over_leaps_by_repeat():
-    from experiments.bench.serving import LEAP, SHADOW, shadow_cost
+def test_the_live_figures_are_recomputed_every_period_once_the_window_is_full_too(monkeypatch):
+    import serving.shadow as shadow_module
+    from serving.telemetry import Telemetry
 
-    runs = {LEAP: [{"tok_s": 100.0}, {"tok_s": 110.0}, {"tok_s": 90.0}],
-            SHADOW: [{"tok_s": 99.0, "shadow_predicted": 40, "shadow_seconds": 0.02, "makespan_s": 100.0},
-                     {"tok_s": 110.0, "shadow_predicted": 40, "shadow_seconds": 0.01, "makespan_s": 100.0},
-                     {"tok_s": 90.9, "shadow_predicted": 40}]}
-    cost = shadow_cost(runs)
-    assert cost["throughput_ratio_per_repeat"] == pytest.approx([0.99, 1.0, 1.01])
-    assert cost["throughput_ratio"] == pytest.approx(1.0) and cost["repeats"] == 3
-    assert cost["shadow_seconds_over_makespan"] == pytest.approx([2e-4, 1e-4])  # a run without the figure: left out
+    calls = []
+    monkeypatch.setattr(shadow_module, "spearman", lambda a, b: calls.append(len(a)) or 0.0)
+    shadow = shadow_module.ShadowReadout({}, None, Telemetry(), window=32)
+    for i in range(8 * shadow_module.FIGURES_EVERY):  # 4x the window: full after the first 32 pairs
+        shadow.observe(float(i), float(i), i + 1)
+    assert len(calls) == 2 * 8  # both readouts, once per period, not once per pair after the window fills
+    assert calls[-1] == 32
+
+
+def test_the_serving_bench_prices_the_shadow_by_switchback_blocks_pooled_over_repeats():
+    from experiments.bench.serving import SHADOW, shadow_cost
+
+    def run(tok_on: float, tok_off: float, pairs: int, shadow_seconds: float) -> dict:
+        on = [True, False, False, True] * (pairs // 2)
+        tokens = [tok_on if o else tok_off for o in on]
+        return {"shadow_predicted": 40, "shadow_seconds": shadow_seconds,
+                "switchback": {"block_steps": 8, "on": on, "tokens": tokens, "seconds": [1.0] * len(on)}}
+
+    cost = shadow_cost({SHADOW: [run(99.0, 100.0, 10, 0.5), run(99.0, 100.0, 10, 1.0)]})
+    assert cost["throughput_ratio"] == pytest.approx(0.99) and cost["pairs"] == 20 and cost["repeats"] == 2
     low, high = cost["throughput_ratio_ci"]
-    assert low < 1.0 < high and high - low == pytest.approx(2 * 4.302653 * 0.01 / np.sqrt(3), rel=1e-4)
-    assert shadow_cost({LEAP: [{"tok_s": 1.0}], SHADOW: [{"tok_s": 1.0}]})["throughput_ratio_ci"] == [None, None]
+    assert low == pytest.approx(0.99) and high == pytest.approx(0.99)  # every pair the same: no spread
+    assert cost["block_steps"] == 8 and cost["shadow_predictions"] == [40, 40]
+    assert cost["shadow_seconds_over_on_seconds"] == pytest.approx([0.05, 0.1])  # 10 on-blocks of 1 s each

@@ -10,7 +10,8 @@ figures are paired per request, so drift on a shared machine hits both sides ali
 - LEAP: the same plus LEAP's scheduler, worker and settings (R = 512 resident, K = 64 decode slots, the
   readout fitted on training prompts that the trace does not contain, RLS on);
 - with `shadow`, a third arm: LEAP holding a challenger in shadow (`serving.shadow`: the same readout held
-  a second time, so every finished request is predicted twice), and its throughput over LEAP's alone.
+  a second time, so every finished request is predicted twice) in alternating blocks of steps, and its
+  throughput with the shadow over without, paired by neighbouring blocks (`shadow_cost`).
 
 The arrival rate is `load` times the capacity measured while building the corpus (generated tok/s with
 every slot open, divided by the mean recorded length). The default, 3x, is chosen so that the stock engine
@@ -33,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from leap_core.readout_format import to_bytes
+from experiments.bench.switchback import block_is_on, blocks, throughput_ratio
 from leap_core.simulator import poisson_arrivals
 
 STOCK, LEAP, SHADOW = "stock", "leap", "leap-shadow"
@@ -98,17 +100,20 @@ def _capacity(folder: Path, corpus, cached: set, build_s: float, min_new: int = 
 
 def bench_serving(prompts: list[dict], n_requests: int = 200, n_train: int = 300, repeats: int = 2,
                   load: float = 3.0, rate: float | None = None, model: str | None = None, max_tokens: int = 1024,
-                  seed: int = 0, via: str = "engine", shadow: bool = False,
+                  seed: int = 0, via: str = "engine", shadow: bool = False, shadow_block_steps: int = 8,
                   say: Callable[[str], None] = lambda m: None) -> dict:
     """Run the comparison; figures are ratios LEAP / stock, paired by request within each repeat.
 
     `via="engine"`: each engine in-process in a fresh Python process (`LLMEngine.step`); `via="http"`:
     the OpenAI servers a user starts (stock `vllm.entrypoints.openai.api_server` and `leap serve`),
     each in its own process, driven by an async HTTP client on loopback. `shadow` adds the arm that holds
-    a challenger in shadow (in-process engines only); the arms rotate order between repeats.
+    a challenger in shadow in alternating blocks of `shadow_block_steps` steps (in-process engines only);
+    the arms rotate order between repeats.
     """
     if shadow and via != "engine":
         raise ValueError("the shadow arm runs on in-process engines (via='engine')")
+    if shadow_block_steps < 1:
+        raise ValueError(f"shadow_block_steps must be at least 1, not {shadow_block_steps}")
     folder = Path(tempfile.mkdtemp(prefix="leap-bench-serving-"))
     spec = prepare(prompts, n_requests, n_train, folder, model, max_tokens, say)
     lengths = np.array([r["fixed_length"] for r in spec["requests"]], dtype=np.float64)
@@ -118,6 +123,7 @@ def bench_serving(prompts: list[dict], n_requests: int = 200, n_train: int = 300
             raise ValueError("capacity was not measured (too few new corpus rows): pass --rate")
         rate = load * tok_s / float(lengths.mean())
     spec["arrivals"] = poisson_arrivals(len(lengths), rate, seed=seed).tolist()
+    spec["shadow_block_steps"] = shadow_block_steps
     (folder / "spec.json").write_text(json.dumps(spec))
     kinds = (STOCK, LEAP, SHADOW) if shadow else (STOCK, LEAP)
     runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
@@ -177,23 +183,24 @@ def summarize(runs: dict[str, list[dict]], rate: float, spec: dict) -> dict:
 
 
 def shadow_cost(runs: dict[str, list[dict]]) -> dict:
-    """Throughput of LEAP holding a shadow over LEAP alone, paired by repeat (each repeat the same trace);
-    the interval is a t interval over the repeats' ratios (none with one repeat). The direct cost is the
-    time the shadow took in the serving process over each run's makespan."""
-    from scipy import stats
+    """What holding a shadow costs LEAP's throughput, from the shadow arm's switchback runs: the shadow held
+    in alternating blocks of steps (`experiments.bench.switchback`), tokens per step-second with it over
+    without, pooled over the pairs of neighbouring blocks of every repeat, with a bootstrap interval over
+    pairs. Whole runs are no use for this: two LEAP runs on the same trace differ by several percent.
 
-    ratios = np.array([s["tok_s"] / l["tok_s"] for s, l in zip(runs[SHADOW], runs[LEAP])])
-    interval = [None, None]
-    if ratios.size > 1:
-        half = stats.t.ppf(0.975, ratios.size - 1) * ratios.std(ddof=1) / np.sqrt(ratios.size)
-        interval = [float(ratios.mean() - half), float(ratios.mean() + half)]
-    return {"leap_shadow_tok_s": statistics.mean(r["tok_s"] for r in runs[SHADOW]),
-            "throughput_ratio": float(ratios.mean()), "throughput_ratio_ci": interval,
-            "throughput_ratio_per_repeat": ratios.tolist(), "repeats": int(ratios.size),
+    The direct cost is the time the shadow's predictions and live figures took in the serving process, over
+    the step seconds of the blocks that held it."""
+    records = [r["switchback"] for r in runs[SHADOW] if r.get("switchback")]
+    figure = throughput_ratio(records)
+    on_seconds = [sum(s for s, on in zip(r["switchback"]["seconds"], r["switchback"]["on"]) if on)
+                  for r in runs[SHADOW] if r.get("switchback")]
+    return {"throughput_ratio": figure["ratio"], "throughput_ratio_ci": [figure["ci_low"], figure["ci_high"]],
+            "pairs": figure["pairs"], "repeats": len(records),
+            "block_steps": records[0]["block_steps"] if records else None,
             "shadow_predictions": [r.get("shadow_predicted") for r in runs[SHADOW]],
-            # measured inside the serving process: the time holding the shadow took, over the run's length
-            "shadow_seconds_over_makespan": [r["shadow_seconds"] / r["makespan_s"] for r in runs[SHADOW]
-                                             if r.get("shadow_seconds") is not None and r.get("makespan_s")]}
+            "shadow_seconds_over_on_seconds": [r["shadow_seconds"] / seconds for r, seconds
+                                               in zip([r for r in runs[SHADOW] if r.get("switchback")], on_seconds)
+                                               if r.get("shadow_seconds") is not None and seconds > 0]}
 
 
 # -- through the OpenAI API: the servers a user starts, driven by an HTTP client ------------------------------
@@ -286,6 +293,32 @@ def run_http(kind: str, spec: dict, timeout_s: float = 600.0) -> dict:
         log.close()
 
 
+class _ShadowSwitch:
+    """Holds the shadow in 'on' blocks of steps and lets it go in 'off' ones (`experiments.bench.switchback`),
+    through the runtime's own `hold_shadow`, between steps."""
+
+    def __init__(self, runtime, spec: dict) -> None:
+        from leap_io.push_bundle import make_bundle
+
+        self.runtime = runtime
+        self.block_steps = int(spec["shadow_block_steps"])
+        self.bundle = make_bundle(Path(spec["readout_path"]).read_bytes(), None)
+        self.on: list[bool] = []
+        self.held = False
+
+    def before_step(self, step: int) -> None:
+        want = block_is_on(step, self.block_steps)
+        if want != self.held:
+            self.runtime.hold_shadow(self.bundle if want else b"")
+            self.held = want
+        self.on.append(want)
+
+    def blocks(self, result) -> dict:
+        return {"block_steps": self.block_steps,
+                **blocks(np.asarray(self.on), result.per_step["tokens"], result.per_step["seconds"],
+                         self.block_steps)}
+
+
 # -- the child: one engine, one replay ---------------------------------------------------------------------
 def run_engine(kind: str, spec: dict) -> dict:
     """Build the engine as a user would, warm it up, replay the trace; per-request latency and tok/s."""
@@ -310,17 +343,15 @@ def run_engine(kind: str, spec: dict) -> dict:
             from harness.engine import leap_scheduler
 
             runtime = leap_scheduler(engine).leap
-        if kind == SHADOW:
-            from leap_io.push_bundle import make_bundle
-
-            runtime.hold_shadow(make_bundle(Path(spec["readout_path"]).read_bytes(), None))
         requests = [ReplayRequest(id=r["id"], prompt_token_ids=r["prompt_token_ids"], max_tokens=spec["max_tokens"],
                                   fixed_length=r["fixed_length"]) for r in spec["requests"]]
         warm = requests[:8]
         replay(engine, warm, np.zeros(len(warm)), kind, tag="warmup-")
         if runtime is not None:
             runtime.configure()  # counters from the measured replay only
-        result = replay(engine, requests, np.asarray(spec["arrivals"]), kind, runtime=runtime, tag="trace-")
+        switch = _ShadowSwitch(runtime, spec) if kind == SHADOW else None
+        result = replay(engine, requests, np.asarray(spec["arrivals"]), kind, runtime=runtime, tag="trace-",
+                        before_step=None if switch is None else switch.before_step)
         latency = result.per_request["finish"] - result.per_request["arrival"]
         return {"kind": kind, "tok_s": result.throughput_tok_s, "makespan_s": result.makespan_s,
                 "mean_latency_s": float(np.mean(latency)), "mean_ptl": result.mean_ptl,
@@ -332,6 +363,7 @@ def run_engine(kind: str, spec: dict) -> dict:
                 "dtype": str(engine.vllm_config.model_config.dtype),
                 "shadow_predicted": None if runtime is None else runtime.shadow.predicted,
                 "shadow_seconds": None if runtime is None else runtime.shadow.seconds,
+                **({} if switch is None else {"switchback": switch.blocks(result)}),
                 "latency_s": latency.tolist()}
     finally:
         engine.engine_core.shutdown()
