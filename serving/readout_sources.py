@@ -199,6 +199,11 @@ class ReadoutSources:
                 readout, rls = self.service.check(opened.champion_bundle(name, self.service.expect))
             except Exception as exc:
                 error = redact_text(f"{type(exc).__name__}: {exc}")  # no traceback: it would show the password
+                if getattr(exc, "not_found", False) is True:  # registry.calls.RegistryError: nothing promoted yet
+                    logger.info("LEAP finds no champion in the registry at %s yet (%s); it serves what it has until "
+                                "one is pushed", redact_url(uri), error)
+                    self.registry_status = {"state": "none", "uri": redact_url(uri), "error": error}
+                    return
                 logger.warning("LEAP could not load the registry champion from %s: %s", redact_url(uri), error)
                 self.registry_status = {"state": "failed", "uri": redact_url(uri), "error": error}
                 return

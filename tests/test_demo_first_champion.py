@@ -32,3 +32,13 @@ def test_run_demo_refuses_an_unknown_first_champion_too():
 
     with pytest.raises(ValueError, match="first_champion"):
         run_demo(first_champion="small")
+
+
+def test_the_cli_offers_exactly_the_first_champions_the_demo_runs():
+    import typing
+
+    from experiments.demo import FIRST_CHAMPIONS
+    from leap_cli.cmd_pipeline import demo_command
+
+    offered = typing.get_args(typing.get_type_hints(demo_command)["first_champion"])
+    assert offered == FIRST_CHAMPIONS

@@ -60,3 +60,18 @@ def test_an_unreachable_registry_is_logged_and_never_fatal(build, tmp_path, monk
     assert described["registry"]["state"] == "failed" and described["source"] == "none"
     assert runtime.health()["healthy"]
     assert any("registry" in record.getMessage() for record in caplog.records)
+
+
+def test_a_registry_without_a_champion_yet_is_a_first_deployment_not_a_failure(build, tmp_path, caplog):
+    empty = f"sqlite:///{tmp_path}/mlflow.db"
+    ReadoutRegistry(empty)  # the store exists, nothing is registered or promoted in it
+    with caplog.at_level(logging.INFO, logger="serving"):
+        runtime = build(policy="leap", registry_uri=empty)
+        assert eventually(lambda: runtime.describe()["registry"]["state"] != "loading", 60)
+    described = runtime.describe()
+    assert described["registry"]["state"] == "none" and described["source"] == "none", described["registry"]
+    assert "not found" in described["registry"]["error"]
+    assert runtime.health()["healthy"]
+    said = [r for r in caplog.records if "no champion in the registry" in r.getMessage()]
+    assert said and all(r.levelno == logging.INFO for r in said)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "registry" in r.getMessage()]
