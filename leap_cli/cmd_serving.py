@@ -236,7 +236,10 @@ def bench_serving_command(
     shadow: bool = typer.Option(False, help="a third arm: LEAP holding a challenger in shadow in alternating "
                                             "blocks of steps (its throughput with the shadow over without under "
                                             "'shadow'; --via engine)"),
-    shadow_block_steps: int = typer.Option(8, min=1, help="engine steps in each block of the shadow arm"),
+    shadow_block_steps: int = typer.Option(4, min=1, help="engine steps in each block of the shadow arm"),
+    shadow_control_ms: float = typer.Option(0.0, min=0.0, max=1000.0,
+                                            help="a positive control: each shadow prediction busy-waits this "
+                                                 "long more, a known cost the figure must find"),
     model: Optional[str] = typer.Option(None),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -248,6 +251,7 @@ def bench_serving_command(
     result = bench_serving(_prompts(None, requests + train, seed=0), n_requests=requests, n_train=train,
                            repeats=repeats, load=load, rate=rate, model=model, max_tokens=max_tokens, seed=seed,
                            via=via, shadow=shadow, shadow_block_steps=shadow_block_steps,
+                           shadow_control_ms=shadow_control_ms,
                            say=lambda m: console.print(f"[bold]bench serving[/]: {m}"))
     emit(result if as_json else {k: v for k, v in result.items() if k != "runs"}, as_json,
          "stock vLLM against LEAP, each with its defaults")

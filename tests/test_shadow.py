@@ -246,18 +246,25 @@ def test_the_live_figures_are_recomputed_every_period_once_the_window_is_full_to
     assert calls[-1] == 32
 
 
-def test_the_serving_bench_prices_the_shadow_by_switchback_blocks_pooled_over_repeats():
+def test_the_serving_bench_prices_the_shadow_by_switchback_steps_pooled_over_repeats():
     from experiments.bench.serving import SHADOW, shadow_cost
+    from experiments.bench.switchback import block_is_on
 
-    def run(tok_on: float, tok_off: float, pairs: int, shadow_seconds: float) -> dict:
-        on = [True, False, False, True] * (pairs // 2)
-        tokens = [tok_on if o else tok_off for o in on]
+    def run(cost_s: float, shadow_seconds: float) -> dict:
+        on = [block_is_on(k, 4) for k in range(160)]
+        decodes = [8 + k % 5 for k in range(160)]
+        seconds = [0.05 + 0.001 * d + (cost_s if o else 0.0) + 1e-4 * (k % 3) for k, (o, d) in enumerate(zip(on, decodes))]
         return {"shadow_predicted": 40, "shadow_seconds": shadow_seconds,
-                "switchback": {"block_steps": 8, "on": on, "tokens": tokens, "seconds": [1.0] * len(on)}}
+                "switchback": {"block_steps": 4, "on": on, "tokens": decodes, "seconds": seconds,
+                               "decodes": decodes, "prefill": [0] * 160}}
 
-    cost = shadow_cost({SHADOW: [run(99.0, 100.0, 10, 0.5), run(99.0, 100.0, 10, 1.0)]})
-    assert cost["throughput_ratio"] == pytest.approx(0.99) and cost["pairs"] == 20 and cost["repeats"] == 2
-    low, high = cost["throughput_ratio_ci"]
-    assert low == pytest.approx(0.99) and high == pytest.approx(0.99)  # every pair the same: no spread
-    assert cost["block_steps"] == 8 and cost["shadow_predictions"] == [40, 40]
-    assert cost["shadow_seconds_over_on_seconds"] == pytest.approx([0.05, 0.1])  # 10 on-blocks of 1 s each
+    cost = shadow_cost({SHADOW: [run(0.0005, 0.4), run(0.0005, 0.8)]})
+    base = 0.05 + 0.001 * 10 + 1e-4  # the mean decode-only step without the shadow
+    expected = base / (base + 0.0005)
+    assert cost["throughput_ratio"] == pytest.approx(expected, rel=2e-3)
+    assert cost["throughput_ratio_ci"][0] <= cost["throughput_ratio"] <= cost["throughput_ratio_ci"][1] < 1.0
+    assert cost["pairs"] == 2 * 160 // 8 and cost["repeats"] == 2 and cost["block_steps"] == 4
+    assert cost["delta_ms_per_step"] == pytest.approx(0.5, rel=0.05) and cost["shadow_predictions"] == [40, 40]
+    on_seconds = sum(s for s, o in zip(run(0.0005, 0.4)["switchback"]["seconds"], run(0.0005, 0.4)["switchback"]["on"]) if o)
+    assert cost["shadow_seconds_over_on_seconds"] == pytest.approx([0.4 / on_seconds, 0.8 / on_seconds])
+    assert shadow_cost({SHADOW: [{"shadow_predicted": 0}]})["throughput_ratio"] is None

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from leap_core.readout_format import to_bytes
-from experiments.bench.switchback import block_is_on, blocks, throughput_ratio
+from experiments.bench.switchback import block_is_on, throughput_ratio
 from leap_core.simulator import poisson_arrivals
 
 STOCK, LEAP, SHADOW = "stock", "leap", "leap-shadow"
@@ -126,7 +126,8 @@ def _capacity(folder: Path, corpus, cached: set, build_s: float, min_new: int = 
 
 def bench_serving(prompts: list[dict], n_requests: int = 200, n_train: int = 300, repeats: int = 2,
                   load: float = 3.0, rate: float | None = None, model: str | None = None, max_tokens: int = 1024,
-                  seed: int = 0, via: str = "engine", shadow: bool = False, shadow_block_steps: int = 8,
+                  seed: int = 0, via: str = "engine", shadow: bool = False, shadow_block_steps: int = 4,
+                  shadow_control_ms: float = 0.0,
                   say: Callable[[str], None] = lambda m: None) -> dict:
     """Run the comparison; figures are ratios LEAP / stock, paired by request within each repeat.
 
@@ -134,12 +135,15 @@ def bench_serving(prompts: list[dict], n_requests: int = 200, n_train: int = 300
     the OpenAI servers a user starts (stock `vllm.entrypoints.openai.api_server` and `leap serve`),
     each in its own process, driven by an async HTTP client on loopback. `shadow` adds the arm that holds
     a challenger in shadow in alternating blocks of `shadow_block_steps` steps (in-process engines only);
-    the arms rotate order between repeats.
+    the arms rotate order between repeats. `shadow_control_ms` > 0 makes each shadow prediction busy-wait
+    that long more: a positive control, a known cost the shadow's figure must find.
     """
     if shadow and via != "engine":
         raise ValueError("the shadow arm runs on in-process engines (via='engine')")
     if shadow_block_steps < 1:
         raise ValueError(f"shadow_block_steps must be at least 1, not {shadow_block_steps}")
+    if not 0.0 <= shadow_control_ms <= 1000.0:
+        raise ValueError(f"shadow_control_ms must be in [0, 1000], not {shadow_control_ms}")
     folder = Path(tempfile.mkdtemp(prefix="leap-bench-serving-"))
     spec = prepare(prompts, n_requests, n_train, folder, model, max_tokens, say)
     lengths = np.array([r["fixed_length"] for r in spec["requests"]], dtype=np.float64)
@@ -150,6 +154,7 @@ def bench_serving(prompts: list[dict], n_requests: int = 200, n_train: int = 300
         rate = load * tok_s / float(lengths.mean())
     spec["arrivals"] = poisson_arrivals(len(lengths), rate, seed=seed).tolist()
     spec["shadow_block_steps"] = shadow_block_steps
+    spec["shadow_control_ms"] = shadow_control_ms
     (folder / "spec.json").write_text(json.dumps(spec))
     kinds = (STOCK, LEAP, SHADOW) if shadow else (STOCK, LEAP)
     runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
@@ -204,29 +209,35 @@ def summarize(runs: dict[str, list[dict]], rate: float, spec: dict) -> dict:
         "latency_ratio_per_repeat": lat_ratios,
         "ready_before_decode": min(ready) if ready else None,
         **({"shadow": shadow_cost(runs)} if runs.get(SHADOW) else {}),
-        "runs": {kind: [{k: v for k, v in r.items() if k != "latency_s"} for r in rs] for kind, rs in runs.items()},
+        "runs": {kind: [{k: v for k, v in r.items() if k not in ("latency_s", "switchback")} for r in rs]
+                 for kind, rs in runs.items()},
     }
 
 
 def shadow_cost(runs: dict[str, list[dict]]) -> dict:
     """What holding a shadow costs LEAP's throughput, from the shadow arm's switchback runs: the shadow held
-    in alternating blocks of steps (`experiments.bench.switchback`), tokens per step-second with it over
-    without, pooled over the pairs of neighbouring blocks of every repeat, with a bootstrap interval over
+    in alternating blocks of steps (`experiments.bench.switchback`), throughput with it over without on the
+    same work, pooled over the pairs of neighbouring blocks of every repeat, with a bootstrap interval over
     pairs. Whole runs are no use for this: two LEAP runs on the same trace differ by several percent.
 
     The direct cost is the time the shadow's predictions and live figures took in the serving process, over
     the step seconds of the blocks that held it."""
     records = [r["switchback"] for r in runs[SHADOW] if r.get("switchback")]
-    figure = throughput_ratio(records)
-    on_seconds = [sum(s for s, on in zip(r["switchback"]["seconds"], r["switchback"]["on"]) if on)
-                  for r in runs[SHADOW] if r.get("switchback")]
+    block_steps = records[0]["block_steps"] if records else None
+    figure = throughput_ratio(records, block_steps) if records else throughput_ratio([], 1)
+    direct = []
+    for run in runs[SHADOW]:
+        record = run.get("switchback")
+        on_seconds = sum(s for s, on in zip(record["seconds"], record["on"]) if on) if record else 0.0
+        if run.get("shadow_seconds") is not None and on_seconds > 0:
+            direct.append(run["shadow_seconds"] / on_seconds)
+    control = [r.get("shadow_control_ms") for r in runs[SHADOW]]
     return {"throughput_ratio": figure["ratio"], "throughput_ratio_ci": [figure["ci_low"], figure["ci_high"]],
-            "pairs": figure["pairs"], "repeats": len(records),
-            "block_steps": records[0]["block_steps"] if records else None,
+            "control_ms_per_prediction": control[0] if control else None,
+            "unadjusted_ratio": figure["unadjusted_ratio"], "delta_ms_per_step": figure["delta_ms_per_step"],
+            "pairs": figure["pairs"], "repeats": len(records), "block_steps": block_steps,
             "shadow_predictions": [r.get("shadow_predicted") for r in runs[SHADOW]],
-            "shadow_seconds_over_on_seconds": [r["shadow_seconds"] / seconds for r, seconds
-                                               in zip([r for r in runs[SHADOW] if r.get("switchback")], on_seconds)
-                                               if r.get("shadow_seconds") is not None and seconds > 0]}
+            "shadow_seconds_over_on_seconds": direct}
 
 
 # -- through the OpenAI API: the servers a user starts, driven by an HTTP client ------------------------------
@@ -331,6 +342,19 @@ class _ShadowSwitch:
         self.bundle = make_bundle(Path(spec["readout_path"]).read_bytes(), None)
         self.on: list[bool] = []
         self.held = False
+        control_ms = float(spec.get("shadow_control_ms") or 0.0)
+        if control_ms > 0:  # a positive control: a known extra cost per shadow prediction the bench must find
+            predict = runtime.shadow.predict
+
+            def predict_slowly(feature):
+                answer = predict(feature)
+                if answer[0] is not None:
+                    until = time.perf_counter() + control_ms / 1000.0
+                    while time.perf_counter() < until:
+                        pass
+                return answer
+
+            runtime.shadow.predict = predict_slowly
 
     def before_step(self, step: int) -> None:
         want = block_is_on(step, self.block_steps)
@@ -339,10 +363,12 @@ class _ShadowSwitch:
             self.held = want
         self.on.append(want)
 
-    def blocks(self, result) -> dict:
-        return {"block_steps": self.block_steps,
-                **blocks(np.asarray(self.on), result.per_step["tokens"], result.per_step["seconds"],
-                         self.block_steps)}
+    def record(self, result) -> dict:
+        """Each step's flag, generated tokens, seconds and shape (decoded requests, prefill tokens)."""
+        shapes = result.per_step["shapes"].reshape(-1, 2)
+        return {"block_steps": self.block_steps, "on": self.on, "tokens": result.per_step["tokens"].tolist(),
+                "seconds": result.per_step["seconds"].tolist(), "decodes": shapes[:, 0].tolist(),
+                "prefill": shapes[:, 1].tolist()}
 
 
 # -- the child: one engine, one replay ---------------------------------------------------------------------
@@ -389,7 +415,8 @@ def run_engine(kind: str, spec: dict) -> dict:
                 "dtype": str(engine.vllm_config.model_config.dtype),
                 "shadow_predicted": None if runtime is None else runtime.shadow.predicted,
                 "shadow_seconds": None if runtime is None else runtime.shadow.seconds,
-                **({} if switch is None else {"switchback": switch.blocks(result)}),
+                **({} if switch is None else {"switchback": switch.record(result),
+                                              "shadow_control_ms": float(spec.get("shadow_control_ms") or 0.0)}),
                 "latency_s": latency.tolist()}
     finally:
         engine.engine_core.shutdown()
