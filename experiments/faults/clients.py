@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import numpy as np
 
 from experiments.faults.serve import (
+    MAX_TOKENS_BUDGET,
     Admin,
     ServeProcess,
     bundle_of,
@@ -28,7 +30,9 @@ from experiments.faults.serve import (
     openai_path,
     openai_request,
     raw_http,
+    with_array,
     with_array_value,
+    with_length_distribution,
     zip_bomb,
 )
 
@@ -304,6 +308,15 @@ def push_cases(replica: Replica) -> list[tuple[str, bytes, str, tuple[int, ...]]
     log_target.target = "log"
     short_budget, _ = fault_readout(described, f"v{number + 55}", seed=107)
     short_budget.max_tokens = 64
+    spread, _ = fault_readout(described, f"v{number + 56}", seed=108)
+    spread_bytes = to_bytes(with_length_distribution(spread))
+
+    def set_at(index: int, value: float):
+        def edit(values: np.ndarray) -> np.ndarray:
+            values.reshape(-1)[index] = value
+            return values
+        return edit
+
     bad_state = dict(state)
     bad_state["theta"] = state["theta"].copy()
     bad_state["theta"][0] = float("inf")
@@ -340,6 +353,14 @@ def push_cases(replica: Replica) -> list[tuple[str, bytes, str, tuple[int, ...]]
         ("wrong_dim", to_bytes(wide), "", (409,)),
         ("wrong_target", to_bytes(log_target), "", (409,)),
         ("wrong_max_tokens", to_bytes(short_budget), "", (409,)),
+        ("distribution_edges_nan", with_array(spread_bytes, "length_edges", set_at(0, float("nan"))), "", (422,)),
+        ("distribution_length_past_budget", with_array(spread_bytes, "length_samples",
+                                                       set_at(-1, MAX_TOKENS_BUDGET + 1)), "", (422,)),
+        ("distribution_lengths_unsorted", with_array(spread_bytes, "length_samples", lambda v: v[::-1].copy()),
+         "", (422,)),
+        ("distribution_sizes_miscount", with_array(spread_bytes, "length_bin_sizes", set_at(0, 10**6)), "", (422,)),
+        ("distribution_float_sizes", with_array(spread_bytes, "length_bin_sizes", lambda v: v.astype(np.float64)),
+         "", (422,)),
         ("not_a_readout", b"PK\x03\x04 definitely not a zip", "", (422,)),
         ("npz_without_readout", make_bundle(b"", {"theta": state["theta"]}), "", (422,)),
         ("numpy_file_not_zip", npy_bytes(state["theta"]), "", (422,)),

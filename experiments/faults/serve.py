@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -409,6 +410,30 @@ def with_array_value(readout_bytes: bytes, array: str, value: float, index: int 
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     return buffer.getvalue()
+
+
+def with_array(readout_bytes: bytes, array: str, edit: Callable[[np.ndarray], np.ndarray]) -> bytes:
+    """A readout file with one stored array replaced by `edit(copy)`, its dtype kept unless `edit` changes
+    it: written past the readout's own checks."""
+    with np.load(io.BytesIO(readout_bytes)) as npz:
+        arrays = {key: npz[key] for key in npz.files}
+    arrays[array] = edit(np.array(arrays[array]))
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def with_length_distribution(readout, n: int = 256, seed: int = 0):
+    """`readout` carrying a length distribution (what a Gittins-ranking readout pushes), fitted on random
+    predicted and true lengths in [1, M]."""
+    from leap_core.gittins import LengthGivenPrediction
+
+    rng = np.random.default_rng(seed)
+    budget = int(readout.max_tokens)
+    true = np.clip(np.exp(rng.normal(4.0, 1.0, n)), 1, budget).round()
+    predicted = np.clip(true * np.exp(rng.normal(0.0, 0.5, n)), 1, budget)
+    readout.length_distribution_ = LengthGivenPrediction(n_bins=4, max_tokens=budget).fit(predicted, true)
+    return readout
 
 
 def npy_bytes(array: np.ndarray) -> bytes:

@@ -10,7 +10,8 @@ Against it, in this order:
    oversized Content-Length, truncated, garbage and wrong-JSON bodies, a stalled body, a flood: each a
    4xx (or 503 for the flood), the readout unchanged;
 3. `hostile_pushes`: compressed bombs (one inflating to 1 GiB), NaN and float32-overflowing weights,
-   broken RLS state, foreign and older readouts: each refused, the readout unchanged;
+   broken RLS state, corrupt length distributions (NaN edges, lengths past M or unsorted, miscounted
+   bins), foreign and older readouts: each refused, the readout unchanged;
 3a. `admin_slowloris`: twelve trickling connections hold what one address may; health and metrics answer
    and a flush from another address is served meanwhile (experiments/faults/flood.py);
 3b. `unknown_extras`: 10,000 distinct unknown `leap_*` keys, each request a 400, /metrics unchanged;
