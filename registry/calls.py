@@ -13,12 +13,14 @@ as `RegistryError`, with MLflow's error code kept: no caller of the registry han
 from __future__ import annotations
 
 import functools
+import re
 import time
 from collections.abc import Callable
 from typing import Any
 
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import (
+    INVALID_PARAMETER_VALUE,
     PERMISSION_DENIED,
     RESOURCE_ALREADY_EXISTS,
     RESOURCE_DOES_NOT_EXIST,
@@ -39,6 +41,9 @@ _TRANSIENT_CODES = frozenset({"INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQU
                               "DEADLINE_EXCEEDED", "ABORTED", "IO_ERROR", "UNAVAILABLE"})
 
 
+_ALIAS_NOT_FOUND = re.compile(r"Registered model alias \S+ not found")
+
+
 class RegistryUnavailable(RuntimeError):
     """The MLflow tracking server (or its database) did not answer a call after every retry."""
 
@@ -52,8 +57,12 @@ class RegistryError(RuntimeError):
 
     @property
     def not_found(self) -> bool:
-        """The model, version, alias or run named does not exist."""
-        return self.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST)
+        """The model, version, alias or run named does not exist (MLflow answers a missing alias of a model
+        that exists with INVALID_PARAMETER_VALUE, "Registered model alias champion not found.")."""
+        if self.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+            return True
+        return (self.error_code == ErrorCode.Name(INVALID_PARAMETER_VALUE)
+                and _ALIAS_NOT_FOUND.search(str(self)) is not None)
 
     @property
     def already_exists(self) -> bool:

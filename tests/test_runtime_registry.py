@@ -62,9 +62,15 @@ def test_an_unreachable_registry_is_logged_and_never_fatal(build, tmp_path, monk
     assert any("registry" in record.getMessage() for record in caplog.records)
 
 
-def test_a_registry_without_a_champion_yet_is_a_first_deployment_not_a_failure(build, tmp_path, caplog):
+@pytest.mark.parametrize("registered", [False, True], ids=["nothing-registered", "versions-but-no-champion"])
+def test_a_registry_without_a_champion_yet_is_a_first_deployment_not_a_failure(build, tmp_path, caplog, registered):
     empty = f"sqlite:///{tmp_path}/mlflow.db"
-    ReadoutRegistry(empty)  # the store exists, nothing is registered or promoted in it
+    registry = ReadoutRegistry(empty)  # the store exists, nothing is promoted in it
+    if registered:  # a fit registered a version, no gate promoted it yet (MLflow: "alias champion not found")
+        readout = first_value_readout("challenger-1")
+        X = np.random.default_rng(0).normal(scale=4.0, size=(4 * DIM, DIM))
+        registry.log_readout(readout, rls=RLS.from_readout(readout, X), params={"data_hash": "test"},
+                             metrics={"spearman": 0.5})
     with caplog.at_level(logging.INFO, logger="serving"):
         runtime = build(policy="leap", registry_uri=empty)
         assert eventually(lambda: runtime.describe()["registry"]["state"] != "loading", 60)
