@@ -403,13 +403,12 @@ def bundle_of(readout, rls=None, force: bool = False) -> bytes:
 def with_array_value(readout_bytes: bytes, array: str, value: float, index: int = 3) -> bytes:
     """A well-formed readout file with one stored weight replaced (NaN, inf, 1e39 ...), written past
     the readout's own checks by editing the stored arrays."""
-    with np.load(io.BytesIO(readout_bytes)) as npz:
-        arrays = {key: npz[key] for key in npz.files}
-    arrays[array] = np.array(arrays[array], dtype=np.float64)
-    arrays[array].reshape(-1)[index % arrays[array].size] = value
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    return buffer.getvalue()
+    def edit(values: np.ndarray) -> np.ndarray:
+        values = values.astype(np.float64)
+        values.reshape(-1)[index % values.size] = value
+        return values
+
+    return with_array(readout_bytes, array, edit)
 
 
 def with_array(readout_bytes: bytes, array: str, edit: Callable[[np.ndarray], np.ndarray]) -> bytes:
