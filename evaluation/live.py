@@ -106,8 +106,8 @@ def calibrate(live: Any, requests: list[ReplayRequest], settings: LiveSettings,
         sample = [replace(r, fixed_length=min(r.fixed_length or cap_tokens, cap_tokens)) for r in sample]
     result = replay(live.engine, sample, np.zeros(len(sample)), "calibration", runtime=runtime, tag="calib-")
     shapes, seconds = result.per_step["shapes"], result.per_step["seconds"]
-    model = StepTimeModel.fit(shapes[:, 0], shapes[:, 1], seconds)
-    modeled = model.step_seconds(shapes[:, 0], shapes[:, 1])
+    model = StepTimeModel.fit_shapes(shapes, seconds)
+    modeled = model.shape_seconds(shapes)
     fit = {"steps": int(seconds.size), "max_decodes": int(shapes[:, 0].max()),
            "median_abs_rel_error": float(np.median(np.abs(modeled - seconds) / seconds)),
            "total_modeled_over_measured": float(modeled.sum() / seconds.sum())}
@@ -274,7 +274,7 @@ def replay_policy(live: Any, name: str, requests: list[ReplayRequest], arrivals:
     shapes, wall = result.per_step["shapes"], result.per_step["seconds"]
     summary["wall_s"] = float(wall.sum())
     if clock is not None and wall.size:
-        summary["modeled_over_wall"] = float(clock.step_seconds(shapes[:, 0], shapes[:, 1]).sum() / wall.sum())
+        summary["modeled_over_wall"] = float(clock.shape_seconds(shapes).sum() / wall.sum())
     summary["ptl_per_request"] = result.per_request["ptl"]
     summary["latency_per_request"] = result.per_request["finish"] - result.per_request["arrival"]
     summary["tokens_per_request"] = np.maximum(result.per_request["output_tokens"], 1)

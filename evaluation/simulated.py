@@ -13,7 +13,7 @@ from __future__ import annotations
 import pathlib
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -117,8 +117,7 @@ class EngineCapacity:
 
     def rescale(self, step_model: StepTimeModel) -> StepTimeModel:
         """`step_model` on the engine's time base."""
-        return StepTimeModel(base_s=step_model.base_s / self.scale, per_decode_s=step_model.per_decode_s / self.scale,
-                             per_prefill_token_s=step_model.per_prefill_token_s / self.scale)
+        return StepTimeModel(**{cost: seconds / self.scale for cost, seconds in asdict(step_model).items()})
 
     def of(self, capacity_rps: float) -> dict[str, Any]:
         """A pool's capacity simulated on the rescaled step model, as {value, ci_low, ci_high} (requests/s)

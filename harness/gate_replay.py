@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import numpy as np
@@ -51,7 +51,7 @@ def _arm_summary(replays: Sequence[Any], clock: Any, wall_s: float = float("nan"
     for r in replays:
         shapes, seconds = r.per_step["shapes"], r.per_step["seconds"]
         if len(seconds):
-            modeled += float(np.sum(clock.step_seconds(shapes[:, 0], shapes[:, 1])))
+            modeled += float(np.sum(clock.shape_seconds(shapes)))
             wall += float(np.sum(seconds))
     per_repeat = [{key: (value.item() if hasattr(value, "item") else value) for key, value in r.summary().items()}
                   for r in replays]
@@ -73,10 +73,9 @@ def calibrate_step_clock(engine: Any, runtime: Any, requests: Sequence[Any]) -> 
                       fixed_length=min(r.fixed_length or CALIBRATION_TOKENS, CALIBRATION_TOKENS)) for r in requests]
     result = replay(engine, capped, np.zeros(len(capped)), "calibration", runtime=runtime, tag="calib-")
     shapes, seconds = result.per_step["shapes"], result.per_step["seconds"]
-    model = StepTimeModel.fit(shapes[:, 0], shapes[:, 1], seconds)
-    modeled = model.step_seconds(shapes[:, 0], shapes[:, 1])
-    return model, {"steps": int(seconds.size), "base_s": model.base_s, "per_decode_s": model.per_decode_s,
-                   "per_prefill_token_s": model.per_prefill_token_s,
+    model = StepTimeModel.fit_shapes(shapes, seconds)
+    modeled = model.shape_seconds(shapes)
+    return model, {"steps": int(seconds.size), **asdict(model),
                    "median_abs_rel_error": float(np.median(np.abs(modeled - seconds) / seconds)),
                    "total_modeled_over_measured": float(modeled.sum() / seconds.sum())}
 

@@ -3,9 +3,10 @@
 Each step the engine admits waiting requests in arrival order (their prefill yields the first token and
 the hidden state the length prediction needs, so admission cannot be length-aware), then decodes up
 to `decode_slots` of the requests already resident, chosen by the policy. A step's duration comes from
-a linear `StepTimeModel` that can be calibrated from measured engine steps. Within a step everything is
-vectorised, and a stretch of steps in which the selection cannot change (no request finishes, joins or
-is forced in by the waiting cap) is taken in one move, so a 20,000-request trace takes seconds.
+a linear `StepTimeModel` (decodes, their context, prefill tokens) calibrated from measured engine steps.
+Within a step everything is vectorised, and a stretch of steps in which the selection cannot change (no
+request finishes, joins or is forced in by the waiting cap) is taken in one move, so a 20,000-request
+trace takes seconds.
 
 Optionally the predictions can be refreshed during decoding (the alternative to LEAP's one-shot
 countdown): when a resident request's generated count reaches one of `refresh_at`, its estimate of the
@@ -28,32 +29,56 @@ __all__ = ["StepTimeModel", "SimConfig", "SimResult", "simulate", "fcfs_capacity
 
 @dataclass(frozen=True)
 class StepTimeModel:
-    """Seconds one engine step takes: a fixed cost, plus a cost per decoded sequence and per prefill token.
+    """Seconds one engine step takes: a fixed cost, plus a cost per decoded sequence, per token of context
+    the decoded sequences attend to, and per prefill token.
 
-    The defaults are plausible for SmolLM2-135M on two CPU cores (about 760 generated tokens/s with 64
-    decodes a step, about 20,000 prefill tokens/s); calibrate with `fit` from measured steps.
+    A decode reads its sequence's whole KV cache, so a step of 8 decodes over 5,000 tokens of context costs
+    measurably more than one over 1,000 (on two CPU cores about 1.7 us a token: 28 against 24 ms at 8
+    decodes); a model without the context term, fitted on saturated runs of long requests, overprices the
+    short-context steps of a lightly loaded engine by a fifth. The context of a decoded request is its
+    prompt plus the tokens it has generated. The defaults are plausible for SmolLM2-135M on two CPU cores;
+    calibrate with `fit` from measured steps (a model saved before the context term reads it as 0).
     """
 
     base_s: float = 0.02
     per_decode_s: float = 0.001
     per_prefill_token_s: float = 0.00005
+    per_context_token_s: float = 0.0
 
-    def step_seconds(self, num_decodes, num_prefill_tokens):
-        """Duration of a step (scalars or arrays)."""
-        return self.base_s + self.per_decode_s * num_decodes + self.per_prefill_token_s * num_prefill_tokens
+    def step_seconds(self, num_decodes, num_prefill_tokens, context_tokens=0):
+        """Duration of a step (scalars or arrays): `context_tokens` sums the decoded requests' contexts."""
+        return (self.base_s + self.per_decode_s * num_decodes + self.per_prefill_token_s * num_prefill_tokens
+                + self.per_context_token_s * context_tokens)
+
+    def shape_seconds(self, shapes) -> np.ndarray:
+        """Durations of steps given as rows (decodes, prefill tokens[, context tokens]), as the runtime
+        records them."""
+        shapes = np.asarray(shapes, dtype=np.float64)
+        if shapes.size == 0:
+            return np.zeros(0)
+        return self.step_seconds(*np.atleast_2d(shapes).T)
 
     @classmethod
-    def fit(cls, num_decodes, num_prefill_tokens, step_seconds) -> "StepTimeModel":
-        """Least-squares coefficients from measured steps, constrained non-negative (a cost cannot be < 0)."""
+    def fit(cls, num_decodes, num_prefill_tokens, step_seconds, context_tokens=None) -> "StepTimeModel":
+        """Least-squares coefficients from measured steps, constrained non-negative (a cost cannot be < 0);
+        without `context_tokens` the context term is 0."""
         decodes = np.asarray(num_decodes, dtype=np.float64)
         prefill = np.asarray(num_prefill_tokens, dtype=np.float64)
         seconds = np.asarray(step_seconds, dtype=np.float64)
-        design = np.column_stack((np.ones_like(decodes), decodes, prefill))
+        context = np.zeros_like(decodes) if context_tokens is None else np.asarray(context_tokens, dtype=np.float64)
+        design = np.column_stack((np.ones_like(decodes), decodes, prefill, context))
         scale = np.abs(design).max(axis=0)
         scale[scale == 0] = 1.0  # a column never exercised gets coefficient 0
         coef, _ = nnls(design / scale, seconds)
         coef = coef / scale
-        return cls(base_s=float(coef[0]), per_decode_s=float(coef[1]), per_prefill_token_s=float(coef[2]))
+        return cls(base_s=float(coef[0]), per_decode_s=float(coef[1]), per_prefill_token_s=float(coef[2]),
+                   per_context_token_s=float(coef[3]))
+
+    @classmethod
+    def fit_shapes(cls, shapes, step_seconds) -> "StepTimeModel":
+        """`fit` on step rows (decodes, prefill tokens[, context tokens]) as the runtime records them."""
+        shapes = np.asarray(shapes, dtype=np.float64)
+        return cls.fit(shapes[:, 0], shapes[:, 1], step_seconds, shapes[:, 2] if shapes.shape[1] > 2 else None)
 
 
 @dataclass(frozen=True)
@@ -156,17 +181,20 @@ def simulate(arrival, prompt_tokens, output_tokens, predicted, config: SimConfig
         admitted, prefill_tokens = queue.admissible(now, config.max_resident - len(resident),
                                                     config.max_prefill_tokens_per_step)
         decoding, stable_steps, num_decodes = resident.decoding(policy, config.decode_slots)
+        context = resident.context(decoding)
         if admitted:
             jump = 1
-            now = now + model.step_seconds(num_decodes, prefill_tokens)
+            now = now + model.step_seconds(num_decodes, prefill_tokens, context)
         else:
             # the same step repeats while nothing changes the selection: until a decoding request finishes
-            # or is due a refresh, or (when a slot is free) the first step at or after the next arrival
-            dt = model.step_seconds(num_decodes, 0)
+            # or is due a refresh, or (when a slot is free) the first step at or after the next arrival;
+            # each repeat is `growth` longer than the one before (every decoded context gains a token)
+            dt = model.step_seconds(num_decodes, 0, context)
+            growth = model.per_context_token_s * num_decodes
             jump = resident.steps_unchanged(decoding, stable_steps, refresh_at)
             if len(resident) < config.max_resident and queue.waiting:
-                jump = max(min(jump, int(np.ceil((queue.next_arrival - now) / dt))), 1)
-            now = now + jump * dt
+                jump = max(min(jump, steps_to_cover(queue.next_arrival - now, dt, growth)), 1)
+            now = now + repeated_seconds(jump, dt, growth)
         steps += jump
         tokens += jump * num_decodes + admitted
         resident.advance(decoding, jump)
@@ -188,6 +216,26 @@ def simulate(arrival, prompt_tokens, output_tokens, predicted, config: SimConfig
     inverse[order] = np.arange(n)
     return SimResult(arrival=arrival, output_tokens=output_tokens, first_token=first_token[inverse],
                      finish=finish[inverse], max_held_out=max_held[inverse], steps=steps, tokens=tokens)
+
+
+def repeated_seconds(steps: int, first: float, growth: float) -> float:
+    """Seconds of `steps` consecutive steps, the first taking `first` and each `growth` longer than the last."""
+    return steps * first + growth * steps * (steps - 1) / 2
+
+
+def steps_to_cover(gap: float, first: float, growth: float) -> int:
+    """The fewest such steps (at least 0) that together take `gap` seconds or more."""
+    if gap <= 0:
+        return 0
+    if growth <= 0:
+        return int(np.ceil(gap / first))
+    b = first - growth / 2
+    steps = int(np.ceil((-b + np.sqrt(b * b + 2 * growth * gap)) / growth))
+    while steps > 0 and repeated_seconds(steps - 1, first, growth) >= gap:  # float rounding, either way
+        steps -= 1
+    while repeated_seconds(steps, first, growth) < gap:
+        steps += 1
+    return steps
 
 
 def _checked_requests(arrival, prompt_tokens, output_tokens, predicted, config: SimConfig):
@@ -264,13 +312,13 @@ class _Resident:
     the most of those so far."""
 
     def __init__(self, ids: np.ndarray, output: np.ndarray, predicted: np.ndarray, arrival: np.ndarray,
-                 generated: np.ndarray, held: np.ndarray, max_held: np.ndarray) -> None:
+                 generated: np.ndarray, held: np.ndarray, max_held: np.ndarray, prompt: np.ndarray) -> None:
         self.ids, self.output, self.predicted, self.arrival = ids, output, predicted, arrival
-        self.generated, self.held, self.max_held = generated, held, max_held
+        self.generated, self.held, self.max_held, self.prompt = generated, held, max_held, prompt
 
     @classmethod
     def empty(cls) -> _Resident:
-        counts = [np.empty(0, dtype=np.int64) for _ in range(3)]
+        counts = [np.empty(0, dtype=np.int64) for _ in range(4)]
         return cls(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float64),
                    np.empty(0, dtype=np.float64), *counts)
 
@@ -286,6 +334,10 @@ class _Resident:
         decoding = np.zeros(len(self), dtype=bool)
         decoding[chosen] = True
         return decoding, stable_steps, chosen.shape[0]
+
+    def context(self, decoding: np.ndarray) -> int:
+        """Tokens of context the decoded requests attend to: each one's prompt and what it generated."""
+        return int((self.prompt[decoding] + self.generated[decoding]).sum())
 
     def steps_unchanged(self, decoding: np.ndarray, stable_steps: int, refresh_at: np.ndarray) -> int:
         """Steps the selection holds: until the policy would choose again, a decoding request finishes, or
@@ -325,6 +377,7 @@ class _Resident:
         self.generated = np.concatenate((self.generated, np.ones(count, dtype=np.int64)))
         self.held = np.concatenate((self.held, np.zeros(count, dtype=np.int64)))
         self.max_held = np.concatenate((self.max_held, np.zeros(count, dtype=np.int64)))
+        self.prompt = np.concatenate((self.prompt, queue.prompt[new]))
 
     def remove_finished(self) -> tuple[np.ndarray, np.ndarray]:
         """Take out the requests that generated their whole output: (their positions, most steps held out)."""
@@ -336,6 +389,7 @@ class _Resident:
         self.ids, self.output, self.predicted, self.arrival = (self.ids[keep], self.output[keep],
                                                                self.predicted[keep], self.arrival[keep])
         self.generated, self.held, self.max_held = self.generated[keep], self.held[keep], self.max_held[keep]
+        self.prompt = self.prompt[keep]
         return finished
 
 

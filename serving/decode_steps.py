@@ -65,7 +65,8 @@ class DecodeSteps:
         self.policy: DecodePolicy = self._make_policy()
         self.counters = Counters()
         self.last_held: set[str] = set()
-        self.last_step_shape: tuple[int, int] = (0, 0)  # (decoded requests, prefill tokens) of the last step
+        # (decoded requests, prefill tokens, tokens of context the decoded requests attend to) of the last step
+        self.last_step_shape: tuple[int, int, int] = (0, 0, 0)
         self._next_expiry = 0.0
 
     def _make_policy(self) -> DecodePolicy:
@@ -188,7 +189,8 @@ class DecodeSteps:
     def count(self, running: list, num_scheduled_tokens: dict[str, int]) -> None:
         """Count hold-outs from what the engine actually scheduled, and the step's shape."""
         decodes = sum(1 for tokens in num_scheduled_tokens.values() if tokens == 1)
-        self.last_step_shape = (decodes, sum(num_scheduled_tokens.values()) - decodes)
+        context = sum(vllm_compat.context_tokens(r) for r in running if num_scheduled_tokens.get(r.request_id) == 1)
+        self.last_step_shape = (decodes, sum(num_scheduled_tokens.values()) - decodes, context)
         worst = self.counters.max_held_out
         tracked = self._tracker.tracked
         for request in running:

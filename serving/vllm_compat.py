@@ -104,6 +104,11 @@ def past_prefill(request: Any) -> bool:
     return request.num_output_tokens > 0 and request.num_computed_tokens >= request.num_prompt_tokens
 
 
+def context_tokens(request: Any) -> int:
+    """Tokens a resident request's next decode attends to: its prompt and the tokens it generated."""
+    return int(request.num_tokens)
+
+
 def finish_reason(request: Any) -> str:
     """"stop", "length", "abort", ... for a finished request; "abort" when vLLM records no reason."""
     reason = request.get_finished_reason()

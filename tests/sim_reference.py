@@ -32,12 +32,13 @@ def reference_simulate(arrival, prompt, out, predicted, config: SimConfig, refre
             admitted.append(request)
             prefill += prompt[request]
             next_pos += 1
-        decoded = n_refreshed = 0
+        decoded = n_refreshed = context = 0
         if resident:
             chosen = set(policy.select(predicted[resident], np.array([generated[r] for r in resident]),
                                        np.array([held[r] for r in resident]), arrival[resident]).tolist())
             for slot, request in enumerate(resident):
                 if slot in chosen:
+                    context += prompt[request] + generated[request]
                     generated[request] += 1
                     held[request] = 0
                     decoded += 1
@@ -48,7 +49,7 @@ def reference_simulate(arrival, prompt, out, predicted, config: SimConfig, refre
                 else:
                     held[request] += 1
                     max_held[request] = max(max_held[request], held[request])
-        now += config.step_model.step_seconds(decoded, prefill) + n_refreshed * config.refresh_cost_s
+        now += config.step_model.step_seconds(decoded, prefill, context) + n_refreshed * config.refresh_cost_s
         for request in admitted:
             first[request] = now
             generated[request], held[request] = 1, 0

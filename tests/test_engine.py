@@ -150,6 +150,21 @@ def test_waiting_cap_holds_and_nothing_starves(live):
         runtime.configure(policy="leap")
 
 
+def test_each_step_records_the_context_its_decodes_attend_to(live):
+    """The step model's third count: the decoded requests' prompts and generated tokens, as the engine holds
+    them (a decode-only step of the same d requests attends to d tokens more than the one before)."""
+    runtime = live["runtime"]
+    prompts = [len(chat_ids(live["engine"], text)) for text in PROMPTS[:3]]
+    before_each_step = []  # `run` calls back before each step: the shape of the step before it
+    run(live, PROMPTS[:3], tokens=6, tag="ctx", on_step=lambda: before_each_step.append(runtime.last_step_shape))
+    shapes = np.array(before_each_step[1:] + [runtime.last_step_shape])
+    decode_only = shapes[(shapes[:, 0] == 3) & (shapes[:, 1] == 0)]
+    assert len(decode_only) >= 3
+    # each has its prompt and at least its first token; the last decode of 6 tokens has 5 generated
+    assert sum(prompts) + 3 <= decode_only[0, 2] and decode_only[-1, 2] <= sum(prompts) + 3 * 5
+    assert np.all(np.diff(decode_only[:, 2]) == 3)
+
+
 def _get(runtime, path="/leap/readout"):
     return httpx.get(f"http://127.0.0.1:{runtime.admin.port}{path}", headers={"Authorization": f"Bearer {TOKEN}"},
                      timeout=10)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from leap_core.noise import noisy_predictions
-from leap_core.simulator import SimConfig, StepTimeModel, fcfs_capacity, poisson_arrivals, simulate
+from leap_core.simulator import (SimConfig, StepTimeModel, fcfs_capacity, poisson_arrivals, repeated_seconds, simulate,
+                                  steps_to_cover)
 from tests.sim_reference import reference_simulate
 
 
@@ -30,7 +31,8 @@ def test_matches_a_literal_step_by_step_loop(policy, aging, predictions):
     predicted = out if predictions == "true" else noisy_predictions(out, 0.6, seed=3)
     config = SimConfig(max_resident=24, decode_slots=6, waiting_cap=5, aging=aging, policy=policy,
                        max_prefill_tokens_per_step=100,
-                       step_model=StepTimeModel(base_s=0.02, per_decode_s=0.004, per_prefill_token_s=0.0002))
+                       step_model=StepTimeModel(base_s=0.02, per_decode_s=0.004, per_prefill_token_s=0.0002,
+                                                 per_context_token_s=2e-5))
     result = simulate(arrival, prompt, out, predicted, config)
     first, finish, max_held = reference_simulate(arrival, prompt, out, predicted, config)
     np.testing.assert_allclose(result.first_token, first, rtol=1e-9)
@@ -92,14 +94,26 @@ def test_fcfs_capacity_separates_light_from_heavy_load():
 
 def test_step_model_fit_recovers_known_coefficients():
     rng = np.random.default_rng(5)
-    truth = StepTimeModel(base_s=0.015, per_decode_s=0.0008, per_prefill_token_s=0.00004)
+    truth = StepTimeModel(base_s=0.015, per_decode_s=0.0008, per_prefill_token_s=0.00004, per_context_token_s=2e-6)
     decodes = rng.integers(0, 65, 400)
     prefill = rng.integers(0, 2049, 400) * (rng.random(400) < 0.3)
-    seconds = truth.step_seconds(decodes, prefill) * np.exp(rng.normal(0, 0.02, 400))
-    fitted = StepTimeModel.fit(decodes, prefill, seconds)
+    context = decodes * rng.integers(50, 1500, 400)
+    seconds = truth.step_seconds(decodes, prefill, context) * np.exp(rng.normal(0, 0.02, 400))
+    fitted = StepTimeModel.fit_shapes(np.column_stack((decodes, prefill, context)), seconds)
     assert fitted.base_s == pytest.approx(truth.base_s, rel=0.1)
-    assert fitted.per_decode_s == pytest.approx(truth.per_decode_s, rel=0.05)
-    assert fitted.per_prefill_token_s == pytest.approx(truth.per_prefill_token_s, rel=0.05)
+    assert fitted.per_context_token_s == pytest.approx(truth.per_context_token_s, rel=0.1)
+    assert fitted.shape_seconds(np.column_stack((decodes, prefill, context))) == pytest.approx(
+        fitted.step_seconds(decodes, prefill, context))
+    without = StepTimeModel.fit(decodes, prefill, seconds)  # no context column: its cost is 0
+    assert without.per_context_token_s == 0.0
+
+
+def test_steps_to_cover_a_gap_while_each_step_grows():
+    for first, growth, gap in [(0.02, 0.0, 1.0), (0.02, 1e-5, 1.0), (0.025, 3e-4, 7.3), (0.01, 1e-6, 0.01)]:
+        steps = steps_to_cover(gap, first, growth)
+        assert repeated_seconds(steps, first, growth) >= gap > repeated_seconds(steps - 1, first, growth)
+        assert repeated_seconds(steps, first, growth) == pytest.approx(sum(first + k * growth for k in range(steps)))
+    assert steps_to_cover(0.0, 0.02, 1e-5) == 0
 
 
 def test_step_model_fit_keeps_costs_non_negative():
