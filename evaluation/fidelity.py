@@ -21,8 +21,8 @@ neither chose:
 
 Figures: the per-request latency error of simulator against wall clock (median, P90), and for every
 policy ratio at every load (mean PTL of a policy over FCFS's, LEAP over the oracle and over the
-baseline) the live value with a 95% bootstrap interval (paired over requests, each request with all its
-repeats) beside the simulated value, and whether the simulated value lies inside the live interval.
+baseline) the live value with a 95% bootstrap interval (over repeats, then requests within each, both
+arms paired) beside the simulated value, and whether the simulated value lies inside the live interval.
 
 `quick` keeps the questions and shrinks the work to minutes on two CPU cores: prompts of at most
 QUICK["max_prompt_tokens"] tokens and recorded lengths divided by QUICK["length_divisor"] (at least one
@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from leap_core.metrics import ratio_over_requests
+from leap_core.metrics import hierarchical_bootstrap_ci, ratio_of_means
 
 QUICK = {"length_divisor": 8, "max_prompt_tokens": 256}
 REQUEST_ERROR_GOAL = 0.10  # median per-request latency error of the simulator against the wall clock
@@ -88,9 +88,16 @@ def mean_interval(values: Sequence[float], level: float = 0.95) -> dict[str, flo
     return {"value": mean, "ci_low": mean - half, "ci_high": mean + half}
 
 
-def paired_ratio(num: np.ndarray, den: np.ndarray, repeats: int, seed: int = 0) -> dict[str, float]:
-    """Ratio of mean PTL, numerator arm over denominator arm (`leap_core.metrics.ratio_over_requests`)."""
-    return ratio_over_requests(num, den, repeats, seed=seed)
+def paired_ratio(num: np.ndarray, den: np.ndarray, repeats: int, seed: int = 0) -> dict[str, Any]:
+    """Ratio of mean PTL, numerator arm over denominator arm, of per-(repeat, request) figures laid out
+    repeat after repeat, with a two-level bootstrap interval: repeats drawn with replacement, then requests
+    within each, both arms jointly (`leap_core.metrics.hierarchical_bootstrap_ci`). A repeat's runs share
+    the machine's state of those minutes, so a slow run moves every request in it: resampling requests
+    alone would take one run's luck for a difference between the arms. `per_repeat`: each repeat's ratio."""
+    num = np.asarray(num, dtype=np.float64).reshape(repeats, -1)
+    den = np.asarray(den, dtype=np.float64).reshape(repeats, -1)
+    interval = hierarchical_bootstrap_ci(ratio_of_means, num, den, seed=seed)
+    return {**interval, "per_repeat": [float(r) for r in ratio_of_means(num, den)]}
 
 
 def ratio_pairs(policies: Sequence[str], baseline: str) -> dict[str, tuple[str, str]]:
@@ -198,8 +205,8 @@ def run_fidelity(train_prompts: Sequence[dict], pool_prompts: Sequence[dict], se
                                 layer=live.runtime.layer, version="fidelity-train")
         say(f"measuring capacity: {settings.capacity_runs} saturated FCFS runs on the wall clock")
         runs, shapes, seconds = capacity_runs(live, samples)
-        step_model = StepTimeModel.fit(shapes[:, 0], shapes[:, 1], seconds)
-        modeled = step_model.step_seconds(shapes[:, 0], shapes[:, 1])
+        step_model = StepTimeModel.fit_shapes(shapes, seconds)
+        modeled = step_model.shape_seconds(shapes)
         sim_config = SimConfig(max_resident=settings.max_resident, decode_slots=settings.decode_slots,
                                waiting_cap=settings.waiting_cap, step_model=step_model,
                                max_prefill_tokens_per_step=prefill_budget(live))
@@ -301,7 +308,9 @@ def section_fidelity(result: dict, image: str | None = None) -> str:
         f"{ratio['value']:.3f} [{ratio['ci_low']:.3f}, {ratio['ci_high']:.3f}]), {s['repeats']} repeats with fresh Poisson "
         f"arrivals, the policies in reverse order every other repeat; R = {s['max_resident']}, K = "
         f"{s['decode_slots']}. The step model was fitted on the capacity runs only ({result['step_model_fit']['steps']} "
-        f"steps, median step error {100 * result['step_model_fit']['median_abs_rel_error']:.1f}%).{shrink}",
+        f"steps, median step error {100 * result['step_model_fit']['median_abs_rel_error']:.1f}%): "
+        f"{_step_model_text(result['step_model'])}.{shrink} Live intervals resample the repeats, then the requests "
+        "within each.",
         "",
         f"Per-request latency, simulator against wall clock: median error {100 * err['median']:.1f}%, P90 "
         f"{100 * err['p90']:.1f}% over {err['requests']} request runs (goal: median <= "
@@ -312,6 +321,12 @@ def section_fidelity(result: dict, image: str | None = None) -> str:
         "",
         f"Regenerate: `{result['command']}`" if "command" in result else "",
     ])
+
+
+def _step_model_text(model: dict) -> str:
+    return (f"{1e3 * model['base_s']:.1f} ms a step + {1e3 * model['per_decode_s']:.2f} ms a decoded request + "
+            f"{1e6 * model.get('per_context_token_s', 0.0):.2f} us a token of their context + "
+            f"{1e3 * model['per_prefill_token_s']:.2f} ms a prefill token")
 
 
 def plot_fidelity(result: dict, path) -> None:

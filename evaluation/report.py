@@ -83,7 +83,7 @@ def _load(folder: Path) -> dict[str, list[dict]]:
     by_study: dict[str, list[dict]] = {}
     for path in sorted(folder.glob("*.json")):
         result = json.loads(path.read_text())
-        if "study" not in result:  # not a study's result (step-models.json)
+        if "study" not in result:  # not a study's result
             continue
         key = result["study"]
         if key in ("live", "fidelity") and result.get("quick"):

@@ -107,7 +107,7 @@ def layers_study(n_prompts: int = 400, test_fraction: float = 0.3, max_tokens: i
     return result
 
 
-STEP_MODELS = Path(__file__).resolve().parent.parent / "docs" / "results" / "step-models.json"
+FIDELITY_RESULT = Path(__file__).resolve().parent.parent / "docs" / "results" / "fidelity.json"
 # The engine shape every simulation runs at, the live study's: on 2 CPU cores a step costs about the same
 # per decoded request at any K (calibrated at K=64: 0.75 ms a step plus 1.6 ms per decode), so requests
 # wait for decode slots only when K is small; 64 slots, as on a GPU, would never fill below capacity.
@@ -115,40 +115,29 @@ SIM_SHAPE = {"decode_slots": 8, "max_resident": 512}
 
 
 def step_model_from(path: Path | None, max_tokens: int, model: str | None, say: Say,
-                    decode_slots: int = SIM_SHAPE["decode_slots"], max_resident: int = SIM_SHAPE["max_resident"],
-                    save: bool = False) -> tuple[StepTimeModel, str]:
-    """The step-time model calibrated on the live engine at this K and R: read from `path` (a JSON of
-    `K<k>-R<r>` entries, default docs/results/step-models.json), else calibrated now (and, with `save`,
-    recorded there). A model calibrated at one K is never used at another."""
-    path = path or STEP_MODELS
-    shape = f"K{decode_slots}-R{max_resident}"
+                    decode_slots: int = SIM_SHAPE["decode_slots"],
+                    max_resident: int = SIM_SHAPE["max_resident"]) -> tuple[StepTimeModel, str]:
+    """The step-time model the simulations at this K and R price steps with: the one a saved full fidelity
+    study (`path`, default docs/results/fidelity.json) fitted on the engine's saturated runs and checked
+    against the wall clock on other requests; without one at this K and R, calibrated now on a saturated
+    FCFS run (unchecked, and said so in the source). A model calibrated at one K is never used at another;
+    each study records the model it used in its own result."""
+    path = path or FIDELITY_RESULT
     saved = json.loads(path.read_text()) if path.exists() else {}
-    if shape in saved:
-        return StepTimeModel(**saved[shape]["step_model"]), f"{path.name}:{shape}"
+    settings = saved.get("settings", {})
+    shape = f"K{decode_slots}-R{max_resident}"
+    if (saved.get("study") == "fidelity" and not saved.get("quick") and settings.get("decode_slots") == decode_slots
+            and settings.get("max_resident") == max_resident and "step_model" in saved):
+        fit = saved.get("step_model_fit", {})
+        return StepTimeModel(**saved["step_model"]), (
+            f"{path.name} (commit {str(saved.get('commit'))[:12]}) at {shape}: fitted on {fit.get('steps')} steps of "
+            f"saturated runs, median per-request error against the wall clock "
+            f"{100 * saved['request_error_wall']['median']:.1f}% on other requests")
     from evaluation.live import calibrated_step_model
 
     say(f"calibrating the step-time model on the live engine at {shape}")
-    steps, report = calibrated_step_model(decode_slots, max_resident, max_tokens, model)
-    if save:
-        record_step_model(decode_slots, max_resident, report["step_model"], report["fit"], path)
-    return steps, f"calibrated now at {shape}"
-
-
-def record_step_model(decode_slots: int, max_resident: int, step_model: dict, fit: dict,
-                      path: Path | None = None) -> None:
-    """Keep a calibration (the live study's, or one made for a simulation) under its `K<k>-R<r>`."""
-    from harness.snapshot import provenance
-
-    path = path or STEP_MODELS
-    saved = json.loads(path.read_text()) if path.exists() else {}
-    source = provenance()
-    saved[f"K{decode_slots}-R{max_resident}"] = {"step_model": step_model, "fit": fit, "commit": source["commit"],
-                                                 "corpus_hash": source["corpus_hash"]}
-    saved["corpus_hash"] = source["corpus_hash"]  # the snapshot the latest calibration's prompts came from
-    path.write_text(dumps(saved, indent=1, sort_keys=True) + "\n")
-
-
-FIDELITY_RESULT = STEP_MODELS.parent / "fidelity.json"
+    steps, _ = calibrated_step_model(decode_slots, max_resident, max_tokens, model)
+    return steps, f"calibrated now at {shape} on a saturated FCFS run (not checked against the wall clock)"
 
 
 def engine_capacity(step_model: StepTimeModel, path: Path | None = None, **config: Any) -> simulated.EngineCapacity:

@@ -23,8 +23,10 @@ BUILD = typer.Option(True, "--build/--no-build",
                      help="run prompts missing from the corpus (--no-build: leave them out)")
 MODEL = typer.Option(None, help="HF model folder (default: the prepared SmolLM2)")
 MAX_TOKENS = typer.Option(1024, help="output budget M (at most 10% of chat outputs reach it)")
-STEP_MODEL = typer.Option(None, help="JSON of step models by K and R (default docs/results/step-models.json); "
-                                     "calibrated on the engine at K=8, R=512 when missing")
+STEP_MODEL = typer.Option(None, help="a saved full `leap eval fidelity` result whose step model (fitted on the "
+                                     "engine, checked against the wall clock) prices the steps (default "
+                                     "docs/results/fidelity.json); calibrated on the engine at K=8, R=512 when it "
+                                     "has none at that shape")
 
 
 def _say(as_json: bool):
@@ -85,11 +87,6 @@ def live(
     from evaluation.studies import live_study
 
     result = live_study(quick, requests, repeats, load, decode_slots, max_tokens, model, _say(as_json))
-    if save:  # the simulations at this K use the calibration the live study validated
-        from evaluation.studies import record_step_model
-
-        record_step_model(result["decode_slots"], result["max_resident"], result["step_model"],
-                          result["step_model_fit"])
     _finish(result, "live", "live-quick" if quick else "live", as_json, save)
 
 
@@ -165,8 +162,7 @@ def load(
     limit: Optional[int] = typer.Option(1200, help="target prompts per test set: half feed RLS, half are the pool"),
     name: Optional[str] = typer.Option(None),
     baselines: Optional[str] = typer.Option(None, help="default: every baseline (--quick: prompt_length,trail_mlp)"),
-    step_model: Optional[Path] = typer.Option(None, help="JSON of step models by K and R (default "
-                                                         "docs/results/step-models.json); calibrated when missing"),
+    step_model: Optional[Path] = STEP_MODEL,
     n_requests: Optional[int] = typer.Option(None, help="requests per run (default 2000; 1000 with --quick)"),
     splits: int = typer.Option(5, help="train/test splits: each partitions the target anew and refits every "
                                        "predictor; intervals resample the splits, then the seeds within each"),
@@ -190,7 +186,7 @@ def load(
     from evaluation.studies import BASELINES, LOAD_WORKLOADS, QUICK_LOAD_WORKLOADS, load_study, step_model_from
 
     say = _say(as_json)
-    steps, source = step_model_from(step_model, max_tokens, model, say, decode_slots, max_resident, save)
+    steps, source = step_model_from(step_model, max_tokens, model, say, decode_slots, max_resident)
     chosen = _names(baselines) if baselines else (["prompt_length", "trail_mlp"] if quick else list(BASELINES))
     options = dict(loads=QUICK_LOADS, overloads=()) if quick else {}
     tests = test or ["sharegpt"]
@@ -211,7 +207,7 @@ def _simulated_study(study: str, step_model: Optional[Path], max_tokens: int, mo
     from dataclasses import asdict
 
     say = _say(as_json)
-    steps, source = studies.step_model_from(step_model, max_tokens, model, say, save=save)
+    steps, source = studies.step_model_from(step_model, max_tokens, model, say)
     result = getattr(studies, f"{study}_study")(steps, max_tokens, model, say, **options)
     result.update(step_model_source=source, step_model=asdict(steps), **studies.SIM_SHAPE)
     _finish(result, study, study, as_json, save)

@@ -33,16 +33,25 @@ def test_mean_interval_is_a_t_interval_over_runs():
     assert np.isnan(mean_interval([3.0])["ci_low"])
 
 
-def test_paired_ratio_resamples_requests_with_all_their_repeats():
+def test_paired_ratio_resamples_repeats_then_requests():
     rng = np.random.default_rng(1)
     base = rng.uniform(0.01, 0.1, size=20)
     den = np.concatenate([base, base * 1.1])  # 2 repeats of 20 requests
     num = 0.8 * den
     r = paired_ratio(num, den, repeats=2)
     assert r["value"] == pytest.approx(0.8) and r["ci_low"] == pytest.approx(0.8) and r["ci_high"] == pytest.approx(0.8)
+    assert r["per_repeat"] == pytest.approx([0.8, 0.8])
     noisy = num * rng.uniform(0.7, 1.3, size=num.size)
     r = paired_ratio(noisy, den, repeats=2)
     assert r["ci_low"] < r["value"] < r["ci_high"]
+    # one slow run per pair of repeats, the same for every request in it: the interval spans the runs'
+    # spread, which resampling requests alone (each with all its repeats) would not see
+    den = np.tile(base, 6)
+    num = den * np.repeat([0.9, 1.1, 0.9, 1.1, 0.9, 1.1], base.size)
+    r = paired_ratio(num, den, repeats=6)
+    assert r["value"] == pytest.approx(1.0)
+    assert r["ci_low"] < 0.97 and r["ci_high"] > 1.03
+    assert r["per_repeat"] == pytest.approx([0.9, 1.1] * 3)
 
 
 def test_compare_marks_a_simulated_ratio_outside_the_live_interval():

@@ -2,7 +2,7 @@
 on agrees with a literal step loop, and the load, refresh and tail studies return what they document."""
 
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
@@ -57,7 +57,8 @@ def test_refresh_matches_a_literal_step_by_step_loop(points, noise, cost):
     fresh = _estimates(out, points, noise, seed=4)
     fresh[::7, 0] = np.nan  # a missing estimate keeps the countdown
     config = SimConfig(max_resident=24, decode_slots=6, waiting_cap=5, max_prefill_tokens_per_step=100,
-                       step_model=StepTimeModel(base_s=0.02, per_decode_s=0.004, per_prefill_token_s=0.0002),
+                       step_model=StepTimeModel(base_s=0.02, per_decode_s=0.004, per_prefill_token_s=0.0002,
+                                                 per_context_token_s=2e-5),
                        refresh_at=points, refresh_cost_s=cost)
     result = simulate(arrival, prompt, out, predicted, config, refreshed=fresh)
     first, finish, _ = reference_simulate(arrival, prompt, out, predicted, config, refreshed=fresh)
@@ -393,6 +394,29 @@ def test_the_load_study_reads_the_engine_capacity_of_the_saved_fidelity_study(tm
     path.write_text(json.dumps({**saved, "quick": True}))  # shrunk lengths: not the studies' regime
     assert engine_capacity(STEP_MODEL, path, decode_slots=8, max_resident=512).scale == 1.0
     assert engine_capacity(STEP_MODEL, tmp_path / "missing.json").scale == 1.0
+
+
+def test_the_simulations_price_steps_with_the_saved_fidelity_studys_model(tmp_path, monkeypatch):
+    """The full fidelity study's model at its K and R; a quick one (shrunk lengths) or another shape is not
+    used: the engine calibrates one then (stood in for here: no engine in this test), and the source says so."""
+    import evaluation.live
+    from evaluation.studies import step_model_from
+
+    fitted = StepTimeModel(base_s=0.016, per_decode_s=0.0006, per_prefill_token_s=0.0008, per_context_token_s=1.7e-6)
+    saved = {"study": "fidelity", "quick": False, "commit": "0123456789abcdef", "step_model": asdict(fitted),
+             "step_model_fit": {"steps": 6000}, "request_error_wall": {"median": 0.061},
+             "settings": {"decode_slots": 8, "max_resident": 512}}
+    path = tmp_path / "fidelity.json"
+    path.write_text(json.dumps(saved))
+    model, source = step_model_from(path, 1024, None, print)
+    assert model == fitted and "0123456789ab" in source and "6.1%" in source
+    calibrated = StepTimeModel(base_s=0.03)
+    monkeypatch.setattr(evaluation.live, "calibrated_step_model", lambda *args: (calibrated, {}))
+    assert step_model_from(path, 1024, None, print, decode_slots=16)[0] == calibrated
+    path.write_text(json.dumps({**saved, "quick": True}))
+    model, source = step_model_from(path, 1024, None, print)
+    assert model == calibrated and "not checked against the wall clock" in source
+    assert step_model_from(tmp_path / "missing.json", 1024, None, print)[0] == calibrated
 
 
 def test_bursty_arrivals_keep_a_trace_windows_shape_at_the_loads_mean_rate():
