@@ -26,7 +26,6 @@ from leap_core.cross_fit import FOLDS as GITTINS_FOLDS
 from leap_core.cross_fit import cross_fitted_distribution
 from leap_core.metrics import spearman as offline_spearman
 from leap_core.simulator import StepTimeModel
-from leap_io.jsonable import dumps
 from leap_io.paths import sub_dir
 
 BASELINES = ("prompt_length", "minilm_ridge", "minilm_finetuned", "minilm_ltr", "trail_mlp")
