@@ -324,9 +324,12 @@ def section_fidelity(result: dict, image: str | None = None) -> str:
 
 
 def _step_model_text(model: dict) -> str:
-    return (f"{1e3 * model['base_s']:.1f} ms a step + {1e3 * model['per_decode_s']:.2f} ms a decoded request + "
-            f"{1e6 * model.get('per_context_token_s', 0.0):.2f} us a token of their context + "
-            f"{1e3 * model['per_prefill_token_s']:.2f} ms a prefill token")
+    table = model.get("decode_base_s") or []
+    fixed = (f"a fixed {', '.join(f'{1e3 * v:.1f}' for v in table)} ms for 0 to {len(table) - 1} decoded requests"
+             if table else f"{1e3 * model['base_s']:.1f} ms a step + {1e3 * model['per_decode_s']:.2f} ms a decoded request")
+    return (f"{fixed} + {1e6 * model.get('per_context_token_s', 0.0):.2f} us a token of their context + "
+            f"{1e3 * model['per_prefill_token_s']:.2f} ms a prefill token + "
+            f"{1e9 * model.get('per_prefill_pair_s', 0.0):.0f} ns a pair of prefill tokens attending to each other")
 
 
 def plot_fidelity(result: dict, path) -> None:

@@ -117,7 +117,9 @@ class EngineCapacity:
 
     def rescale(self, step_model: StepTimeModel) -> StepTimeModel:
         """`step_model` on the engine's time base."""
-        return StepTimeModel(**{cost: seconds / self.scale for cost, seconds in asdict(step_model).items()})
+        costs = asdict(step_model)
+        table = tuple(seconds / self.scale for seconds in costs.pop("decode_base_s"))
+        return StepTimeModel(**{cost: seconds / self.scale for cost, seconds in costs.items()}, decode_base_s=table)
 
     def of(self, capacity_rps: float) -> dict[str, Any]:
         """A pool's capacity simulated on the rescaled step model, as {value, ci_low, ci_high} (requests/s)

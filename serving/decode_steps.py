@@ -65,8 +65,9 @@ class DecodeSteps:
         self.policy: DecodePolicy = self._make_policy()
         self.counters = Counters()
         self.last_held: set[str] = set()
-        # (decoded requests, prefill tokens, tokens of context the decoded requests attend to) of the last step
-        self.last_step_shape: tuple[int, int, int] = (0, 0, 0)
+        # the last step's (decoded requests, prefill tokens, tokens of context the decoded requests attend
+        # to, attending pairs of the prefill chunks): what the step-time model prices
+        self.last_step_shape: tuple[int, int, int, int] = (0, 0, 0, 0)
         self._next_expiry = 0.0
 
     def _make_policy(self) -> DecodePolicy:
@@ -189,8 +190,14 @@ class DecodeSteps:
     def count(self, running: list, num_scheduled_tokens: dict[str, int]) -> None:
         """Count hold-outs from what the engine actually scheduled, and the step's shape."""
         decodes = sum(1 for tokens in num_scheduled_tokens.values() if tokens == 1)
-        context = sum(vllm_compat.context_tokens(r) for r in running if num_scheduled_tokens.get(r.request_id) == 1)
-        self.last_step_shape = (decodes, sum(num_scheduled_tokens.values()) - decodes, context)
+        context = pairs = 0
+        for request in running:
+            tokens = num_scheduled_tokens.get(request.request_id, 0)
+            if tokens == 1:
+                context += vllm_compat.context_tokens(request)
+            elif tokens > 1:
+                pairs += vllm_compat.prefill_pairs(request, tokens)
+        self.last_step_shape = (decodes, sum(num_scheduled_tokens.values()) - decodes, context, pairs)
         worst = self.counters.max_held_out
         tracked = self._tracker.tracked
         for request in running:

@@ -198,8 +198,9 @@ class LeapRuntime:
         return self.steps.last_held
 
     @property
-    def last_step_shape(self) -> tuple[int, int, int]:
-        """(decoded requests, prefill tokens, context tokens of the decoded requests) of the last step."""
+    def last_step_shape(self) -> tuple[int, int, int, int]:
+        """(decoded requests, prefill tokens, context tokens of the decoded requests, prefill pairs) of the
+        last step."""
         return self.steps.last_step_shape
 
     @property

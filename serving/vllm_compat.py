@@ -109,6 +109,13 @@ def context_tokens(request: Any) -> int:
     return int(request.num_tokens)
 
 
+def prefill_pairs(request: Any, scheduled: int) -> int:
+    """Attending token pairs of a prefill chunk of `scheduled` tokens, n (c + (n + 1) / 2) with c the tokens
+    computed before it. Read after `schedule()`, which has already advanced `num_computed_tokens` by n."""
+    start = int(request.num_computed_tokens) - scheduled
+    return scheduled * (2 * start + scheduled + 1) // 2
+
+
 def finish_reason(request: Any) -> str:
     """"stop", "length", "abort", ... for a finished request; "abort" when vLLM records no reason."""
     reason = request.get_finished_reason()

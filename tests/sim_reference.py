@@ -49,7 +49,8 @@ def reference_simulate(arrival, prompt, out, predicted, config: SimConfig, refre
                 else:
                     held[request] += 1
                     max_held[request] = max(max_held[request], held[request])
-        now += config.step_model.step_seconds(decoded, prefill, context) + n_refreshed * config.refresh_cost_s
+        pairs = sum(prompt[r] * (prompt[r] + 1) // 2 for r in admitted)
+        now += config.step_model.step_seconds(decoded, prefill, context, pairs) + n_refreshed * config.refresh_cost_s
         for request in admitted:
             first[request] = now
             generated[request], held[request] = 1, 0

@@ -150,9 +150,10 @@ def test_waiting_cap_holds_and_nothing_starves(live):
         runtime.configure(policy="leap")
 
 
-def test_each_step_records_the_context_its_decodes_attend_to(live):
-    """The step model's third count: the decoded requests' prompts and generated tokens, as the engine holds
-    them (a decode-only step of the same d requests attends to d tokens more than the one before)."""
+def test_each_step_records_the_context_its_decodes_and_prefills_attend_to(live):
+    """The step model's counts: the decoded requests' prompts and generated tokens, as the engine holds them
+    (a decode-only step of the same d requests attends to d tokens more than the one before), and the
+    prefill chunks' attending pairs."""
     runtime = live["runtime"]
     prompts = [len(chat_ids(live["engine"], text)) for text in PROMPTS[:3]]
     before_each_step = []  # `run` calls back before each step: the shape of the step before it
@@ -163,6 +164,9 @@ def test_each_step_records_the_context_its_decodes_attend_to(live):
     # each has its prompt and at least its first token; the last decode of 6 tokens has 5 generated
     assert sum(prompts) + 3 <= decode_only[0, 2] and decode_only[-1, 2] <= sum(prompts) + 3 * 5
     assert np.all(np.diff(decode_only[:, 2]) == 3)
+    # every prompt's prefill, however chunked, makes P (P + 1) / 2 attending pairs
+    assert shapes[:, 3].sum() == sum(p * (p + 1) // 2 for p in prompts)
+    assert shapes[:, 1].sum() == sum(prompts)
 
 
 def _get(runtime, path="/leap/readout"):

@@ -58,7 +58,8 @@ def test_refresh_matches_a_literal_step_by_step_loop(points, noise, cost):
     fresh[::7, 0] = np.nan  # a missing estimate keeps the countdown
     config = SimConfig(max_resident=24, decode_slots=6, waiting_cap=5, max_prefill_tokens_per_step=100,
                        step_model=StepTimeModel(base_s=0.02, per_decode_s=0.004, per_prefill_token_s=0.0002,
-                                                 per_context_token_s=2e-5),
+                                                 per_context_token_s=2e-5, per_prefill_pair_s=1e-7,
+                                                 decode_base_s=(0.0, 0.021, 0.03, 0.026, 0.028)),
                        refresh_at=points, refresh_cost_s=cost)
     result = simulate(arrival, prompt, out, predicted, config, refreshed=fresh)
     first, finish, _ = reference_simulate(arrival, prompt, out, predicted, config, refreshed=fresh)

@@ -2,6 +2,7 @@
 capacity, the step-time fit, and the `leap simulate` command on the real trace."""
 
 import json
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -32,7 +33,8 @@ def test_matches_a_literal_step_by_step_loop(policy, aging, predictions):
     config = SimConfig(max_resident=24, decode_slots=6, waiting_cap=5, aging=aging, policy=policy,
                        max_prefill_tokens_per_step=100,
                        step_model=StepTimeModel(base_s=0.02, per_decode_s=0.004, per_prefill_token_s=0.0002,
-                                                 per_context_token_s=2e-5))
+                                                 per_context_token_s=2e-5, per_prefill_pair_s=1e-7,
+                                                 decode_base_s=(0.0, 0.021, 0.03, 0.026, 0.028)))
     result = simulate(arrival, prompt, out, predicted, config)
     first, finish, max_held = reference_simulate(arrival, prompt, out, predicted, config)
     np.testing.assert_allclose(result.first_token, first, rtol=1e-9)
@@ -94,18 +96,41 @@ def test_fcfs_capacity_separates_light_from_heavy_load():
 
 def test_step_model_fit_recovers_known_coefficients():
     rng = np.random.default_rng(5)
-    truth = StepTimeModel(base_s=0.015, per_decode_s=0.0008, per_prefill_token_s=0.00004, per_context_token_s=2e-6)
+    truth = StepTimeModel(base_s=0.015, per_decode_s=0.0008, per_prefill_token_s=0.00004, per_context_token_s=2e-6,
+                          per_prefill_pair_s=2e-8)
     decodes = rng.integers(0, 65, 400)
     prefill = rng.integers(0, 2049, 400) * (rng.random(400) < 0.3)
     context = decodes * rng.integers(50, 1500, 400)
-    seconds = truth.step_seconds(decodes, prefill, context) * np.exp(rng.normal(0, 0.02, 400))
+    pairs = prefill * (prefill + 1) // 2
+    seconds = truth.step_seconds(decodes, prefill, context, pairs) * np.exp(rng.normal(0, 0.02, 400))
+    fitted = StepTimeModel.fit(decodes, prefill, seconds, context, pairs)
+    for cost in ("base_s", "per_decode_s", "per_context_token_s", "per_prefill_pair_s"):
+        assert getattr(fitted, cost) == pytest.approx(getattr(truth, cost), rel=0.15), cost
+    shapes = np.column_stack((decodes, prefill, context, pairs))
+    assert fitted.shape_seconds(shapes) == pytest.approx(fitted.step_seconds(decodes, prefill, context, pairs))
+    without = StepTimeModel.fit(decodes, prefill, seconds)  # counts not given: their cost is 0
+    assert without.per_context_token_s == 0.0 and without.per_prefill_pair_s == 0.0
+
+
+def test_step_model_fit_by_decode_count_recovers_a_fixed_cost_that_is_not_linear():
+    """As on two CPU cores, where 3 or 4 decodes cost less than 2: each count seen often enough gets its own
+    fixed cost, a count between seen ones is interpolated, and past the table the linear fit takes over."""
+    rng = np.random.default_rng(6)
+    table = (0.0, 0.018, 0.0198, 0.0172, 0.0168, 0.0175, 0.0176, 0.0194, 0.0208)
+    truth = StepTimeModel(per_context_token_s=1.8e-6, per_prefill_token_s=5e-4, decode_base_s=table)
+    decodes = rng.integers(1, 9, 3000)
+    decodes[decodes == 5] = 4  # never seen: interpolated between 4 and 6
+    prefill = rng.integers(0, 300, 3000) * (rng.random(3000) < 0.1)
+    context = decodes * rng.integers(40, 900, 3000)
+    seconds = truth.step_seconds(decodes, prefill, context) * np.exp(rng.normal(0, 0.02, 3000))
     fitted = StepTimeModel.fit_shapes(np.column_stack((decodes, prefill, context)), seconds)
-    assert fitted.base_s == pytest.approx(truth.base_s, rel=0.1)
-    assert fitted.per_context_token_s == pytest.approx(truth.per_context_token_s, rel=0.1)
-    assert fitted.shape_seconds(np.column_stack((decodes, prefill, context))) == pytest.approx(
-        fitted.step_seconds(decodes, prefill, context))
-    without = StepTimeModel.fit(decodes, prefill, seconds)  # no context column: its cost is 0
-    assert without.per_context_token_s == 0.0
+    assert len(fitted.decode_base_s) == 9
+    for d in (1, 2, 3, 4, 6, 7, 8):
+        assert fitted.decode_base_s[d] == pytest.approx(table[d], rel=0.05), d
+    assert fitted.decode_base_s[5] == pytest.approx((fitted.decode_base_s[4] + fitted.decode_base_s[6]) / 2)
+    assert fitted.per_context_token_s == pytest.approx(1.8e-6, rel=0.1)
+    assert fitted.step_seconds(12, 0) == pytest.approx(fitted.base_s + 12 * fitted.per_decode_s)  # past the table
+    assert StepTimeModel(**{**asdict(fitted), "decode_base_s": list(fitted.decode_base_s)}) == fitted  # from JSON
 
 
 def test_steps_to_cover_a_gap_while_each_step_grows():

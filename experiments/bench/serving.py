@@ -365,7 +365,7 @@ class _ShadowSwitch:
 
     def record(self, result) -> dict:
         """Each step's flag, generated tokens, seconds and shape (decoded requests, prefill tokens)."""
-        shapes = result.per_step["shapes"].reshape(-1, 3)
+        shapes = result.per_step["shapes"].reshape(-1, 4)
         return {"block_steps": self.block_steps, "on": self.on, "tokens": result.per_step["tokens"].tolist(),
                 "seconds": result.per_step["seconds"].tolist(), "decodes": shapes[:, 0].tolist(),
                 "prefill": shapes[:, 1].tolist()}
