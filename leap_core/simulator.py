@@ -3,7 +3,8 @@
 Each step the engine admits waiting requests in arrival order (their prefill yields the first token and
 the hidden state the length prediction needs, so admission cannot be length-aware), then decodes up
 to `decode_slots` of the requests already resident, chosen by the policy. A step's duration comes from
-a linear `StepTimeModel` (decodes, their context, prefill tokens) calibrated from measured engine steps.
+a `StepTimeModel` (a fixed cost per decode count, their context, prefill tokens and their attending pairs)
+calibrated from measured engine steps.
 Within a step everything is vectorised, and a stretch of steps in which the selection cannot change (no
 request finishes, joins or is forced in by the waiting cap) is taken in one move, so a 20,000-request
 trace takes seconds.
