@@ -191,24 +191,23 @@ class DecodeSteps:
         """Count hold-outs from what the engine actually scheduled, and the step's shape."""
         decodes = sum(1 for tokens in num_scheduled_tokens.values() if tokens == 1)
         context = pairs = 0
-        for request in running:
+        worst = self.counters.max_held_out
+        tracked = self._tracker.tracked
+        for request in running:  # one pass: the step's shape, then the hold-outs
             tokens = num_scheduled_tokens.get(request.request_id, 0)
             if tokens == 1:
                 context += vllm_compat.context_tokens(request)
             elif tokens > 1:
                 pairs += vllm_compat.prefill_pairs(request, tokens)
-        self.last_step_shape = (decodes, sum(num_scheduled_tokens.values()) - decodes, context, pairs)
-        worst = self.counters.max_held_out
-        tracked = self._tracker.tracked
-        for request in running:
             entry = tracked.get(request.request_id)
             if entry is None or not entry.decode_seen:
                 continue
-            if request.request_id in num_scheduled_tokens:
+            if tokens:
                 entry.held_out = 0
             else:
                 entry.held_out += 1
                 worst = max(worst, entry.held_out)
+        self.last_step_shape = (decodes, sum(num_scheduled_tokens.values()) - decodes, context, pairs)
         if worst != self.counters.max_held_out:
             self.counters.max_held_out = worst
             self._telemetry.max_held.set(worst)
