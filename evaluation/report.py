@@ -59,6 +59,7 @@ RERUN: tuple[tuple[str, ...], ...] = (
     ("eval", "fidelity", "--quick"),
     ("eval", "load", *BASELINES),
     ("eval", "load", "--quick"),
+    ("eval", "load", "--untouched", *BASELINES),
     ("eval", "refresh"),
     ("eval", "tail"),
 )
@@ -121,7 +122,8 @@ def render_report(folder: Path, out: Path) -> dict:
             transfer.plot_transfer(results, image)
             text = transfer.section_transfer(results, _relative(image, out))
         elif study == "load":
-            text = "\n\n".join(_load_section(r, folder, out) for r in results)
+            final_first = sorted(results, key=lambda r: not r.get("untouched"))  # the final table leads
+            text = "\n\n".join(_load_section(r, folder, out) for r in final_first)
         else:
             plot, section = SINGLE[study.removesuffix("-quick")]
             plot(results[0], image)

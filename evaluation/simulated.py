@@ -517,14 +517,17 @@ def section_load(result: dict, image: str) -> str:
     ratio_rows = [[key, _interval(r)] for key, r in result["ratios"].items()]
     overloads = "; ".join(f"{o['load']:g} over {o['horizon_requests']} arrivals ({_g(o['horizon_s'])} s)"
                           for o in result.get("overloads", []))
+    untouched = result.get("untouched")
+    pool = (f"the untouched test slice ({result['n_pool']} rows: {untouched['rows']})" if untouched else f"a pool of {result['n_pool']} held-out prompts")
     text = [
-        "## Simulated scheduling under load",
+        "## The final table: simulated scheduling on the untouched test slice" if untouched
+        else "## Simulated scheduling under load",
         "",
         f"End-to-end latency and per-token latency (PTL = latency / output tokens) of each decode policy in the "
         f"step-loop simulator at R = {result.get('max_resident', '?')}, K = {result.get('decode_slots', '?')}, with "
         f"the step-time model calibrated on the live engine at that R and K ({result.get('step_model_source', '')}"
         f"). {result['n_requests']} requests "
-        f"per run drawn from a pool of {result['n_pool']} held-out prompts, Poisson arrivals at fractions of the "
+        f"per run drawn from {pool}, Poisson arrivals at fractions of the "
         f"sustained FCFS capacity ({_capacity(result['capacity_rps'])}; {result['capacity_measure']}); "
         f"{_workloads_in_words(result)} (every policy replays the same draw), mean PTL with its 95% bootstrap "
         f"interval over {_interval_basis(result)}. Overloads (queues grow without bound, so figures depend on the "

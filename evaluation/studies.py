@@ -19,7 +19,7 @@ from evaluation.baselines import (LengthData, LeapReadoutPredictor, fit_cached, 
 from evaluation.corpora import load_or_build, model_info
 from evaluation.data import length_data
 from evaluation.offline import choose_alpha
-from evaluation.selections import CHAT_TEST, CHAT_TRAIN, select
+from evaluation.selections import CHAT_TEST, CHAT_TRAIN, UNTOUCHED, select
 from evaluation.transfer import FEEDBACK_COUNTS, domain_predictions, fit_leap, run_transfer, stream_predictions
 from harness.datasets import trace_gaps
 from leap_core.cross_fit import FOLDS as GITTINS_FOLDS
@@ -172,7 +172,8 @@ TRAIN_SHARE = 0.9  # of the training rows, each split after the first refits on 
 
 def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, baselines: Sequence[str],
                step_model: StepTimeModel, max_tokens: int = 1024, model: str | None = None,
-               say: Say = _quiet, build: bool = True, splits: int = LOAD_SPLITS, **options: Any) -> dict:
+               say: Say = _quiet, build: bool = True, splits: int = LOAD_SPLITS, untouched: bool = False,
+               **options: Any) -> dict:
     """Simulated scheduling of a domain's held-out rows under every predictor (Table 4, Figure 6), over
     `splits` train/test splits, so the ratios' intervals carry what refitting on other rows moves as well
     as the workload's noise (`simulated.run_load_over_splits`).
@@ -185,10 +186,16 @@ def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, ba
     `TRAIN_SHARE` of them. Each split's stream half also chooses the best baseline LEAP is compared against
     on that split (`validated_baseline`): the baselines never saw it, so the test pool never picks LEAP's
     opponent. The Gittins order's distribution and the tail guard's cap come from the whole training
-    window, once."""
+    window, once.
+
+    `untouched`: the final table. The simulated pool is the untouched test slice
+    (`evaluation.selections.UNTOUCHED`, every split the same rows), which no choice was made on; the
+    target's rows still give each split's feedback stream and the baseline's validation rows."""
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
-    train, target = datasets([train_spec, ",".join(test_specs)], max_tokens, model, say, limit, build)
+    specs = [train_spec, ",".join(test_specs), *([UNTOUCHED] if untouched else [])]
+    train, target, *final = datasets(specs, max_tokens, model, say, limit, build)
+    pool = final[0] if final else None
     fitted = fitted_baselines(train, baselines, say)
     counts = (len(target) // 2,)
     shape = {k: options[k] for k in ("decode_slots", "max_resident") if k in options}
@@ -199,7 +206,8 @@ def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, ba
         rows = train if k == 0 else train.subset(_train_subsample(len(train), k))
         refitted = fitted if k == 0 else refit_pinned(fitted, rows, say)
         say(f"split {k + 1} of {splits}: {len(rows)} training rows, the target partitioned by seed {k}")
-        evaluation, predictions = domain_predictions(rows, target, refitted, counts=counts, alpha=alpha, seed=k)
+        evaluation, predictions = domain_predictions(rows, target, refitted, counts=counts, alpha=alpha, seed=k,
+                                                     pool=pool)
         validation = validated_baseline(target, refitted, counts, step_model, say, engine=engine, seed=k, **options)
         pools.append(simulated.Split(evaluation.prompt_tokens, evaluation.lengths, predictions,
                                      validation.get("best_baseline")))
@@ -229,6 +237,12 @@ def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, ba
                  "the split's stream; each baseline on the split's training rows at the hyper-parameters its "
                  "search chose on the first split (which fits on every training row)",
         "best_baseline": "chosen on each split's own stream rows"}
+    if pool is not None:
+        result["split_setup"]["partition"] = ("the target's rows permuted by the split's seed (0, 1, ...): half the "
+                                              "feedback stream and validation rows; the pool is the untouched slice")
+        result["untouched"] = {"set": UNTOUCHED, "n": len(pool),
+                               "rows": "ShareGPT prompts after the snapshot's first 3,050 in the seeded order; no "
+                                       "choice (window, recipe, penalty, baseline, tail cap) was made on them"}
     say("the same policies at the headline load with bursty arrivals (a real trace's gaps)")
     headline = options.get("headline", simulated.HEADLINE_LOAD)
     bursty = simulated.run_load_over_splits(pools, step_model, orders=orders, engine=engine, gaps=trace_gaps(),

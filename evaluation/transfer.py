@@ -129,11 +129,13 @@ def run_transfer(train: LengthData, target: LengthData, baselines: Mapping[str, 
 
 def domain_predictions(train: LengthData, target: LengthData, baselines: Mapping[str, Any],
                        counts: Sequence[int] = FEEDBACK_COUNTS, alpha: float | None = None,
-                       seed: int = 0) -> tuple[LengthData, dict[str, np.ndarray]]:
+                       seed: int = 0, pool: LengthData | None = None) -> tuple[LengthData, dict[str, np.ndarray]]:
     """The target's evaluation rows and every predictor's lengths for them (for the scheduling simulations):
-    frozen LEAP, LEAP after RLS on the whole feedback stream, and each baseline fitted on `train`."""
+    frozen LEAP, LEAP after RLS on the whole feedback stream, and each baseline fitted on `train`. `pool`:
+    rows to predict instead of the target's evaluation half (the stream is the target's either way)."""
     readout, rls = fit_leap_anchored(train, alpha)
     stream, evaluation = _stream_and_evaluation(target, counts, seed)
+    evaluation = evaluation if pool is None else pool
     for start in range(0, len(stream), RLS_BATCH):
         rls.partial_fit(stream.features[start:start + RLS_BATCH], stream.lengths[start:start + RLS_BATCH])
     predictions = {"leap": readout.predict(evaluation.features), "leap-rls": rls.readout().predict(evaluation.features)}

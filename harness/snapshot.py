@@ -38,8 +38,9 @@ FORMAT = 1
 
 # What the snapshot holds: every study's prompts (seeded samples, see evaluation.selections), at least
 # 3,000 ShareGPT rows (3,050 prompts: about 1.5% are longer than the engine's prompt limit), all 500
-# Arena-Hard and 300 of each other shared set (all 252 of self_instruct) ...
-SELECTION = ("sharegpt:3050,arena_hard:500,alpaca:300,alpaca_eval:300,self_instruct:300,math:300,gsm8k:300,"
+# Arena-Hard and 300 of each other shared set (all 252 of self_instruct), and the untouched test slice
+# (evaluation.selections.UNTOUCHED: 600 more ShareGPT prompts that only the final table reads) ...
+SELECTION = ("sharegpt:3050,sharegpt_untouched:600,arena_hard:500,alpaca:300,alpaca_eval:300,self_instruct:300,math:300,gsm8k:300,"
              "mgsm:300,llmzoo:300,mtbench_x:300,alpaca_zh:300")
 # ... and every decoder layer's state for a ShareGPT subset (the layer study), kept small.
 ALL_LAYERS_SELECTION = "sharegpt:400"

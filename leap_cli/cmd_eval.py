@@ -174,6 +174,10 @@ def load(
                 "cores a step costs about the same per decoded request at any K, so decode slots are scarce "
                 "only at small K; K=64 queues on a GPU, where a step's cost is mostly fixed)"),
     max_resident: int = typer.Option(512, help="R, requests resident"),
+    untouched: bool = typer.Option(False, "--untouched", help="the final table: the pool is the untouched test "
+                                                              "slice (600 ShareGPT prompts no choice was made on); "
+                                                              "the --test rows still feed RLS and choose the "
+                                                              "baseline"),
     max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
     build: bool = BUILD,
 ) -> None:
@@ -193,10 +197,11 @@ def load(
     seeds = seeds or -(-(QUICK_LOAD_WORKLOADS if quick else LOAD_WORKLOADS) // splits)
     result = load_study(train, tests, limit or None, chosen, steps, max_tokens, model, say, build, splits=splits,
                         n_requests=n_requests or (1000 if quick else 2000), seeds=seeds,
-                        decode_slots=decode_slots, max_resident=max_resident, **options)
+                        decode_slots=decode_slots, max_resident=max_resident, untouched=untouched, **options)
     result.update(step_model_source=source, step_model=asdict(steps), quick=quick,
                   decode_slots=decode_slots, max_resident=max_resident)
-    default = "load-quick" if quick else "load-" + "-".join(Path(t).stem for t in tests)
+    default = ("load-untouched" + ("-quick" if quick else "") if untouched
+               else "load-quick" if quick else "load-" + "-".join(Path(t).stem for t in tests))
     _finish(result, "load", name or default, as_json, save)
 
 

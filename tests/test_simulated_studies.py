@@ -316,6 +316,12 @@ def test_the_load_study_chooses_its_best_baseline_on_the_stream_rows_not_the_tes
     assert validation["validation"]["seeds"] == 8 and validation["validation"]["n_requests"] == 200
 
     evaluation, predictions = domain_predictions(synthetic_train(), target, fitted, counts=counts)
+    # Another pool (the untouched slice's role) is predicted by the same predictors: the stream still feeds RLS.
+    other, on_other = domain_predictions(synthetic_train(), target, fitted, counts=counts,
+                                         pool=target.subset(eval_rows[:50]))
+    assert list(other.ids) == list(evaluation.ids[:50])
+    for name, values in predictions.items():
+        np.testing.assert_allclose(on_other[name], values[:50])
     result = run_load(evaluation.prompt_tokens, evaluation.lengths, predictions, STEP_MODEL,
                       best_baseline=validation["best_baseline"], **options)
     head = result["table"]["0.9"]
@@ -325,6 +331,10 @@ def test_the_load_study_chooses_its_best_baseline_on_the_stream_rows_not_the_tes
         head["leap"]["mean_ptl"] / head["stream_honest"]["mean_ptl"])
     text = section_load({**result, **validation}, "x.png")
     assert "chosen on validation rows" in text and "| stream_honest |" in text
+    final = section_load({**result, **validation, "untouched": {"set": "s", "n": 150, "rows": "rows nobody chose on"}},
+                         "x.png")
+    assert final.startswith("## The final table")
+    assert f"untouched test slice ({result['n_pool']} rows: rows nobody chose on)" in final
 
 
 def synthetic_train(n: int = 80):

@@ -162,6 +162,36 @@ def test_stored_prompts_keep_the_seeded_order_and_select_without_the_shared_fold
     assert snapshot.manifest_hash({}, record) != snapshot.manifest_hash({})
 
 
+def test_the_untouched_slice_is_cut_from_sharegpts_order_and_the_name_sharegpt_never_selects_it(root, tmp_path,
+                                                                                                   monkeypatch):
+    from evaluation import selections
+
+    shared = tmp_path / "shared"
+    (shared / "data" / "prompts").mkdir(parents=True)
+    lines = [json.dumps({"id": f"sharegpt-{i}", "set": "sharegpt", "domain": "chat", "lang": "en",
+                         "prompt": f"text {i}"}) for i in range(10)]
+    (shared / "data" / "prompts" / "sharegpt.jsonl").write_text("\n".join(lines) + "\n")
+    monkeypatch.setenv("LEAP_SHARED", str(shared))
+    monkeypatch.setattr(selections, "UNTOUCHED_START", 3)
+    monkeypatch.setattr(selections, "UNTOUCHED_END", 6)
+    whole = [p["id"] for p in selections._ordered("sharegpt")[0]]
+    everything = selections.select("sharegpt")
+    untouched = selections.select(selections.UNTOUCHED)
+    assert [p["id"] for p in untouched] == whole[3:6]
+    assert {p["set"] for p in untouched} == {selections.UNTOUCHED}
+    assert [p["id"] for p in everything] == whole[:3] + whole[6:]
+    assert [p["id"] for p in selections.select("sharegpt:5")] == whole[:3] + whole[6:8]
+
+    # Stored in the snapshot under its own name, it selects the same prompts without the shared folder.
+    snapshot.write_prompts({"sharegpt": selections.seeded_prompts("sharegpt")[:3], selections.UNTOUCHED: untouched})
+    monkeypatch.setenv("LEAP_SHARED", str(tmp_path / "absent"))
+    assert [p["id"] for p in selections.select(selections.UNTOUCHED)] == whole[3:6]
+    assert [p["id"] for p in selections.select("sharegpt")] == whole[:3]
+    snapshot.write_prompts({"sharegpt": selections.seeded_prompts("sharegpt")[:3]})
+    with pytest.raises(FileNotFoundError, match="sharegpt_untouched"):
+        selections.select(selections.UNTOUCHED)
+
+
 def test_prompts_the_engine_could_not_take_are_not_retried(root, tmp_path):
     key = "L3-M100-skip"
     rows = _corpus(2)
