@@ -216,6 +216,9 @@ def build_snapshot(selection: str, all_layers_selection: str, max_tokens: int = 
         skipped = (noted_skipped(corpus_dir(key)) | snapshot.skipped_ids(key)) & set(wanted)
         snapshot.write_rows(corpus, key)
         entry = snapshot.corpus_entry(corpus, spec, skipped)
+        old = (snapshot.read_manifest() or {"corpora": {}})["corpora"].get(key, {})
+        entry["extends"] = extended_hashes(
+            old, entry, lambda ids, rows=corpus: snapshot.content_hash(rows.subset(np.isin(rows.ids, ids))))
         manifest = snapshot.write_manifest({key: entry}, info, DEFAULT_DECODING, max_tokens, prompts=stored)
         say(f"snapshot {key}: {len(corpus)} rows, {len(skipped)} prompts too long for the engine")
     include_sampled = decode_states if sampled is None else sampled

@@ -67,10 +67,29 @@ def write_prompts(ordered: dict[str, list[dict]], root: Path | None = None) -> d
                      | {"rank": pa.array([r["rank"] for r in rows], pa.int32())})
     folder = root or ROOT
     folder.mkdir(parents=True, exist_ok=True)
+    old = (read_manifest(folder) or {}).get("prompts") or {}
     write_durably(folder / PROMPTS, lambda partial: pq.write_table(table, partial, compression="zstd"))
-    digest = hashlib.sha256("\n".join(f"{r['set']}\t{r['rank']}\t{r['id']}\t{r['prompt']}" for r in rows).encode())
-    return {"file": PROMPTS, "per_set": {name: len(ordered[name]) for name in sorted(ordered)},
-            "content_hash": digest.hexdigest()}
+    record = {"file": PROMPTS, "per_set": {name: len(ordered[name]) for name in sorted(ordered)},
+              "content_hash": _prompts_digest(rows)}
+    return {**record, "extends": _extended_prompts(old, record, rows)}
+
+
+def _prompts_digest(rows: Sequence[dict]) -> str:
+    """sha256 over the stored prompts (set, rank, id, text), in set then rank order."""
+    return hashlib.sha256("\n".join(f"{r['set']}\t{r['rank']}\t{r['id']}\t{r['prompt']}" for r in rows).encode()
+                          ).hexdigest()
+
+
+def _extended_prompts(old: dict, record: dict, rows: Sequence[dict]) -> list[str]:
+    """The prompt-file hashes the new file still holds unchanged: the old record's (and those it extended)
+    when the old sets' prompts are the new file's first ones of each set, in the same order, same texts."""
+    if not old or old.get("content_hash") == record["content_hash"]:
+        return list(old.get("extends", []))
+    counts = old.get("per_set", {})
+    kept = [r for r in rows if r["rank"] < counts.get(r["set"], 0)]
+    if len(kept) != sum(counts.values()) or _prompts_digest(kept) != old.get("content_hash"):
+        return []
+    return [*old.get("extends", []), old["content_hash"]]
 
 
 def read_prompts(name: str, root: Path | None = None) -> list[dict] | None:
@@ -181,15 +200,17 @@ def write_manifest(entries: dict[str, dict], model: Any, decoding: dict, max_tok
 
 def _superseded(old: dict, corpora: dict[str, dict], prompts: dict | None, corpus_hash: str) -> list[str]:
     """Earlier corpus hashes whose rows this snapshot still holds unchanged: a rewrite that only adds corpus
-    keys, or rows to a key (the key's entry lists the old content hash in `extends`), keeps every result
-    recorded on the earlier snapshot current (it read the same rows). A changed key or prompt file clears
-    the list."""
+    keys, or rows to a key (the key's entry lists the old content hash in `extends`), or prompts to the
+    prompt file (likewise), keeps every result recorded on the earlier snapshot current (it read the same
+    rows). A changed key or prompt file clears the list."""
     if not old or old.get("corpus_hash") in (None, corpus_hash):
         return list(old.get("supersedes", []))
     same = all(entry.get("content_hash") == corpora.get(key, {}).get("content_hash")
                or entry.get("content_hash") in corpora.get(key, {}).get("extends", [])
                for key, entry in old.get("corpora", {}).items())
-    same = same and (old.get("prompts") or {}).get("content_hash") == (prompts or {}).get("content_hash")
+    old_prompts = (old.get("prompts") or {}).get("content_hash")
+    same = same and (old_prompts == (prompts or {}).get("content_hash")
+                     or old_prompts in (prompts or {}).get("extends", []))
     return [*old.get("supersedes", []), old["corpus_hash"]] if same else []
 
 

@@ -252,6 +252,32 @@ def test_adding_rows_to_a_key_keeps_earlier_results_current_only_when_the_old_ro
     assert snapshot.current_hashes(rewritten) == {rewritten["corpus_hash"]}
 
 
+def test_adding_prompts_keeps_earlier_results_current_only_when_the_old_prompts_are_unchanged(root):
+    from leap_io.model_identity import ModelInfo
+
+    model = ModelInfo(path="/m", model_id="m", fingerprint="f" * 16, num_layers=4, hidden_size=4,
+                      max_position_embeddings=64)
+
+    def prompts(name: str, ids: range, text: str = "text") -> list[dict]:
+        return [{"id": f"{name}-{i}", "set": name, "domain": "chat", "lang": "en", "prompt": f"{text} {i}"} for i in ids]
+
+    entries = {"L3-a": snapshot.corpus_entry(_corpus(6), "a")}
+    old = snapshot.write_manifest(entries, model, {}, 100, prompts=snapshot.write_prompts({"a": prompts("a", range(3))}))
+    # A new set, and more prompts of an old set after its stored ones: the old prompts are all still there.
+    record = snapshot.write_prompts({"a": prompts("a", range(5)), "new": prompts("new", range(2))})
+    assert record["extends"] == [old["prompts"]["content_hash"]]
+    grown = snapshot.write_manifest(entries, model, {}, 100, prompts=record)
+    assert snapshot.current_hashes(grown) == {grown["corpus_hash"], old["corpus_hash"]}
+    # An old prompt's text changed: nothing earlier stays current.
+    changed = snapshot.write_prompts({"a": prompts("a", range(5), "other"), "new": prompts("new", range(2))})
+    assert changed["extends"] == []
+    rewritten = snapshot.write_manifest(entries, model, {}, 100, prompts=changed)
+    assert snapshot.current_hashes(rewritten) == {rewritten["corpus_hash"]}
+    # Reordered (another seed's order): not the same selection either.
+    snapshot.write_manifest(entries, model, {}, 100, prompts=snapshot.write_prompts({"a": prompts("a", range(3))}))
+    assert snapshot.write_prompts({"a": prompts("a", range(2, -1, -1))})["extends"] == []
+
+
 def test_the_commit_is_dirty_for_changed_code_but_not_for_written_results(tmp_path):
     import subprocess
 
