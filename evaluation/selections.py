@@ -31,6 +31,7 @@ SEED = 0
 # is scored there.
 UNTOUCHED = "sharegpt_untouched"
 UNTOUCHED_START, UNTOUCHED_END = 3050, 3650
+UNTOUCHED_SPEC = f"{UNTOUCHED}:{UNTOUCHED_END - UNTOUCHED_START}"  # the whole slice, whatever a study's limit
 
 
 def seeded_prompts(name_or_path: str | Path) -> list[dict]:

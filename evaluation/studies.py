@@ -19,7 +19,7 @@ from evaluation.baselines import (LengthData, LeapReadoutPredictor, fit_cached, 
 from evaluation.corpora import load_or_build, model_info
 from evaluation.data import length_data
 from evaluation.offline import choose_alpha
-from evaluation.selections import CHAT_TEST, CHAT_TRAIN, UNTOUCHED, select
+from evaluation.selections import CHAT_TEST, CHAT_TRAIN, UNTOUCHED, UNTOUCHED_SPEC, select
 from evaluation.transfer import FEEDBACK_COUNTS, domain_predictions, fit_leap, run_transfer, stream_predictions
 from harness.datasets import trace_gaps
 from leap_core.cross_fit import FOLDS as GITTINS_FOLDS
@@ -193,7 +193,7 @@ def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, ba
     target's rows still give each split's feedback stream and the baseline's validation rows."""
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
-    specs = [train_spec, ",".join(test_specs), *([UNTOUCHED] if untouched else [])]
+    specs = [train_spec, ",".join(test_specs), *([UNTOUCHED_SPEC] if untouched else [])]
     train, target, *final = datasets(specs, max_tokens, model, say, limit, build)
     pool = final[0] if final else None
     fitted = fitted_baselines(train, baselines, say)
