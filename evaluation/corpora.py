@@ -185,7 +185,10 @@ def build_snapshot(selection: str, all_layers_selection: str, max_tokens: int = 
 
     info = model_info(model)
     layer = default_layer(info.num_layers)
-    stored = snapshot.write_prompts(_stored_prompts([selection, all_layers_selection], seeded_prompts))
+    already = ((snapshot.read_manifest() or {}).get("prompts") or {}).get("per_set", {})  # an extension keeps them
+    stored = snapshot.write_prompts(_stored_prompts([selection, all_layers_selection,
+                                                     ",".join(f"{name}:{n}" for name, n in already.items())],
+                                                    seeded_prompts))
     manifest = snapshot.write_manifest({}, info, DEFAULT_DECODING, max_tokens, prompts=stored)
     # The serving layer first, then the refresh study's decode states, then the every-layer subset; the
     # manifest is rewritten after each, so a stopped build leaves a consistent snapshot.
@@ -215,8 +218,9 @@ def build_snapshot(selection: str, all_layers_selection: str, max_tokens: int = 
             continue
         skipped = (noted_skipped(corpus_dir(key)) | snapshot.skipped_ids(key)) & set(wanted)
         snapshot.write_rows(corpus, key)
-        entry = snapshot.corpus_entry(corpus, spec, skipped)
         old = (snapshot.read_manifest() or {"corpora": {}})["corpora"].get(key, {})
+        entry = snapshot.corpus_entry(corpus, merged_selection(old.get("selection", ""), spec) if part != "decode"
+                                      else spec, skipped)
         entry["extends"] = extended_hashes(
             old, entry, lambda ids, rows=corpus: snapshot.content_hash(rows.subset(np.isin(rows.ids, ids))))
         manifest = snapshot.write_manifest({key: entry}, info, DEFAULT_DECODING, max_tokens, prompts=stored)
@@ -320,6 +324,16 @@ def extended_hashes(old: dict, new: dict, hash_of_ids: Callable[[list[str]], str
     if not set(ids) <= set(new.get("ids", [])) or hash_of_ids(ids) != old.get("content_hash"):
         return []
     return [*old.get("extends", []), old["content_hash"]]
+
+
+def merged_selection(old: str, new: str) -> str:
+    """The selection a key holds after adding `new` to `old`: each set once, at the larger count, in the
+    order first named ("sharegpt:3050,math:300" + "sharegpt:4000" -> "sharegpt:4000,math:300")."""
+    counts: dict[str, float] = {}
+    for part in (p.strip() for spec in (old, new) for p in spec.split(",") if p.strip()):
+        name, _, count = part.rpartition(":") if part.rsplit(":", 1)[-1].isdigit() else (part, "", "")
+        counts[name] = max(counts.get(name, 0), int(count) if count else float("inf"))  # no count: all of it
+    return ",".join(name if count == float("inf") else f"{name}:{int(count)}" for name, count in counts.items())
 
 
 def _stored_prompts(specs: Sequence[str], seeded: Callable[[str], list[dict]]) -> dict[str, list[dict]]:

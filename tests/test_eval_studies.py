@@ -23,6 +23,15 @@ def synthetic(n: int, d: int = 12, seed: int = 0, shift: float = 0.0, max_tokens
                       max_tokens=max_tokens)
 
 
+def test_a_snapshot_extension_records_every_set_once_at_its_larger_count():
+    from evaluation.corpora import merged_selection
+
+    assert merged_selection("sharegpt:3050,math:300", "sharegpt:4000") == "sharegpt:4000,math:300"
+    assert merged_selection("sharegpt:3050,math:300", "sharegpt_untouched:600") == \
+        "sharegpt:3050,math:300,sharegpt_untouched:600"
+    assert merged_selection("a:5", "a") == "a" and merged_selection("", "b:2") == "b:2"
+
+
 def test_selection_is_seeded_disjoint_and_per_file(tmp_path):
     from evaluation.selections import select
 
