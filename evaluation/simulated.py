@@ -376,7 +376,8 @@ def choose_baseline(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: d
                           for name, values in preds.items()}}
 
 
-TAIL_GOAL = 1.2  # long-request P95 latency at most this multiple of FCFS's (the tail guard's goal)
+TAIL_GOAL = 1.2  # long-request P95 latency at most this multiple of FCFS's (the tail guard's goal) ...
+TAIL_MEAN_GOAL = 0.5  # ... while mean PTL stays at most this multiple of FCFS's
 GUARD_CAPS = (8, 16, 32, 64, 128)
 
 
@@ -800,14 +801,17 @@ def section_refresh(result: dict, image: str) -> str:
 
 
 def run_tail(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: ArrayLike, step_model: StepTimeModel,
-             waiting_caps=(16, 32, 64, 128, 256, 1024), agings=(0.0, 0.001, 0.01, 0.1), multiplier: float = HEADLINE_LOAD,
-             long_quantile: float = LONG_QUANTILE, n_requests: int = 2000, seeds: int = 30, seed: int = 0,
-             aging_waiting_cap: int = 128, **config) -> dict:
+             waiting_caps=(8, 16, 32, 64, 128, 256, 1024), agings=(0.0, 0.01, 0.1, 0.3, 1.0, 3.0),
+             multiplier: float = HEADLINE_LOAD, long_quantile: float = LONG_QUANTILE, n_requests: int = 2000,
+             seeds: int = 30, seed: int = 0, aging_waiting_cap: int = 128, **config) -> dict:
     """How the waiting cap and aging trade long-request tail latency against mean PTL under countdown.
 
     Long requests are those whose true length is at least the pool's `long_quantile`. Cap rows use no
     aging; aging rows use `aging_waiting_cap`. `config` holds the other SimConfig knobs. Every figure is
-    a mean over `seeds` paired workloads with its 95% bootstrap interval (`<figure>_ci`).
+    a mean over `seeds` paired workloads with its 95% bootstrap interval (`<figure>_ci`). Each row also
+    has its long-request P95 and mean PTL over FCFS's, paired by seed, and whether it meets the tail goal
+    (`meets_goal`: long-request P95 <= TAIL_GOAL x FCFS's and mean PTL <= TAIL_MEAN_GOAL x FCFS's, both
+    point values); `met_by` lists the rows that do.
     """
     prompt, out, preds = _pool(prompt_tokens, lengths, {"countdown": predicted})
     base = _base_config(step_model, config)
@@ -827,6 +831,11 @@ def run_tail(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: ArrayLike,
             result = _run_policy(policy, arrival, prompt[idx], out[idx], drawn, setting or base)
             runs[key].append(_tail_figures(result, long))
     mean = {key: _with_intervals(values) for key, values in runs.items()}
+    for key in settings:
+        if key != ("fcfs",):
+            mean[key].update(_tail_goal(runs[key], runs[("fcfs",)]))
+    rows = {"cap": [{"waiting_cap": int(c), **mean[("cap", int(c))]} for c in waiting_caps],
+            "aging": [{"aging": float(a), **mean[("aging", float(a))]} for a in agings]}
     return {
         "multiplier": float(multiplier),
         "capacity_rps": float(capacity),
@@ -836,9 +845,24 @@ def run_tail(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: ArrayLike,
         "long_threshold_tokens": threshold,
         "aging_waiting_cap": int(aging_waiting_cap),
         "fcfs": mean[("fcfs",)],
-        "cap": [{"waiting_cap": int(c), **mean[("cap", int(c))]} for c in waiting_caps],
-        "aging": [{"aging": float(a), **mean[("aging", float(a))]} for a in agings],
+        **rows,
+        "goal": {"long_p95_over_fcfs": TAIL_GOAL, "mean_ptl_over_fcfs": TAIL_MEAN_GOAL},
+        "met_by": [{knob: row[knob]} for key, knob in (("cap", "waiting_cap"), ("aging", "aging"))
+                   for row in rows[key] if row["meets_goal"]],
     }
+
+
+def _tail_goal(figures: list[dict[str, float]], fcfs: list[dict[str, float]]) -> dict:
+    """One tail row's long-request P95 and mean PTL over FCFS's, paired by seed (seeds whose draw has a
+    long request), and whether both meet the tail goal."""
+    def over_fcfs(name: str) -> dict[str, float]:
+        a, b = (np.array([f[name] for f in rows], dtype=np.float64) for rows in (figures, fcfs))
+        keep = np.isfinite(a) & np.isfinite(b)
+        return paired_ratio(a[keep], b[keep])
+
+    long, ptl = over_fcfs("long_p95_latency_s"), over_fcfs("mean_ptl")
+    return {"long_p95_over_fcfs": long, "mean_ptl_over_fcfs": ptl,
+            "meets_goal": bool(long["value"] <= TAIL_GOAL and ptl["value"] <= TAIL_MEAN_GOAL)}
 
 
 def _with_intervals(figures: list[dict[str, float]], names=None) -> dict:
@@ -912,12 +936,17 @@ def section_tail(result: dict, image: str) -> str:
     """docs/results.md section: the waiting cap and aging against long-request tail latency and mean PTL."""
     fcfs = result["fcfs"]
 
+    goal = result.get("goal")  # results saved before the goal columns have none
+
     def rows(key: str, knob: str) -> list[list[str]]:
         figures = ("long_p95_latency_s", "all_p95_latency_s", "mean_ptl")
-        return [[f"{r[knob]:g}", *(_with_ci(r, f) for f in figures)] for r in result[key]] + \
-            [["FCFS", *(_with_ci(fcfs, f) for f in figures)]]
+        ratios = (lambda r: [_interval(r["long_p95_over_fcfs"]), _interval(r["mean_ptl_over_fcfs"]),
+                             "yes" if r["meets_goal"] else "no"]) if goal else (lambda r: [])
+        return [[f"{r[knob]:g}", *(_with_ci(r, f) for f in figures), *ratios(r)] for r in result[key]] + \
+            [["FCFS", *(_with_ci(fcfs, f) for f in figures), *(["1", "1", "no"] if goal else [])]]
 
-    columns = ["long P95 latency (s) [95% CI]", "all P95 latency (s) [95% CI]", "mean PTL (s/token) [95% CI]"]
+    columns = ["long P95 latency (s) [95% CI]", "all P95 latency (s) [95% CI]", "mean PTL (s/token) [95% CI]",
+               *(["long P95 / FCFS [95% CI]", "mean PTL / FCFS [95% CI]", "meets the goal"] if goal else [])]
     text = [
         "## Long-request tail: waiting cap and aging",
         "",
@@ -933,6 +962,11 @@ def section_tail(result: dict, image: str) -> str:
         "",
         _table(["aging", *columns], rows("aging", "aging")),
     ]
+    if goal:
+        met = ", ".join(", ".join(f"{knob} {value:g}" for knob, value in row.items()) for row in result["met_by"])
+        text += ["", f"The goal: long-request P95 latency <= {goal['long_p95_over_fcfs']:g} x FCFS's while mean PTL "
+                     f"stays <= {goal['mean_ptl_over_fcfs']:g} x FCFS's (point values, paired by seed): "
+                     + (f"met by {met}." if met else "no cap or aging rate meets it.")]
     return _finish(text, result, "Long-request tail", image)
 
 

@@ -556,8 +556,18 @@ def test_run_tail_shapes_and_a_small_cap_does_not_hurt_long_requests(tail_result
             assert low <= row[name] <= high
     assert [row["waiting_cap"] for row in result["cap"]] == [16, 128, 1024]
     assert [row["aging"] for row in result["aging"]] == [0.0, 0.01]
-    assert all(set(row) == keys | {"waiting_cap"} for row in result["cap"])
-    assert all(set(row) == keys | {"aging"} for row in result["aging"])
+    goal = {"long_p95_over_fcfs", "mean_ptl_over_fcfs", "meets_goal"}
+    assert all(set(row) == keys | goal | {"waiting_cap"} for row in result["cap"])
+    assert all(set(row) == keys | goal | {"aging"} for row in result["aging"])
+    for row in (*result["cap"], *result["aging"]):  # the ratios are those of the means, paired by seed
+        for name, ratio in (("long_p95_latency_s", "long_p95_over_fcfs"), ("mean_ptl", "mean_ptl_over_fcfs")):
+            assert row[ratio]["value"] == pytest.approx(row[name] / result["fcfs"][name])
+            assert row[ratio]["ci_low"] <= row[ratio]["value"] <= row[ratio]["ci_high"]
+        assert row["meets_goal"] == (row["long_p95_over_fcfs"]["value"] <= 1.2
+                                     and row["mean_ptl_over_fcfs"]["value"] <= 0.5)
+    met = [{"waiting_cap": r["waiting_cap"]} for r in result["cap"] if r["meets_goal"]] + \
+        [{"aging": r["aging"]} for r in result["aging"] if r["meets_goal"]]
+    assert result["met_by"] == met
     _, out, _ = _pool()
     assert result["long_threshold_tokens"] == pytest.approx(np.quantile(out, 0.9))
     # aging 0 at cap 128 is the cap-128 run: same workload, same policy
@@ -581,6 +591,9 @@ def test_plots_write_pngs_and_sections_hold_tables(tmp_path, load_result, refres
         assert "Regenerate: `leap evaluate simulated`" in text
         assert "beats_fcfs" in text and "met" in text
         assert "Regenerate" not in section(result, path.name)
+    tail_text = section_tail(tail_result, "x.png")
+    assert "| meets the goal |" in tail_text and "The goal: long-request P95 latency <= 1.2 x FCFS's" in tail_text
+    assert "| meets the goal |" not in section_tail({k: v for k, v in tail_result.items() if k != "goal"}, "x.png")
     assert "| 1.5 | oracle |" in section_load(load_result, "x.png")
     load_text = section_load(load_result, "x.png")
     assert "leap_over_best_baseline" in load_text and "chosen on these test seeds" in load_text
