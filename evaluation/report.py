@@ -106,12 +106,17 @@ def render_report(folder: Path, out: Path) -> dict:
     current = current_hashes(manifest)  # a snapshot that only added corpus keys keeps earlier results current
     stale = sorted(r["_name"] for results in by_study.values() for r in results
                    if r.get("corpus_hash") not in current)
+    dirty = sorted(r["_name"] for results in by_study.values() for r in results
+                   if not _clean_commit(r.get("commit")))
     header = HEADER + (f"\nCorpus snapshot `{snapshot_hash}` (`corpus/manifest.json`: "
                        f"{sum(e['rows'] for e in manifest.get('corpora', {}).values()):,} rows)."
                        if snapshot_hash else "\nNo corpus snapshot in this checkout.")
     if stale:
         header += (" Result files recorded on another corpus or before hashes were recorded: "
                    + ", ".join(f"`{name}`" for name in stale) + ".")
+    if dirty:
+        header += (" Result files from a commit with uncommitted changes, or none recorded: "
+                   + ", ".join(f"`{name}`" for name in dirty) + ".")
     sections, rendered = [header], []
     for study in ORDER:
         results = by_study.get(study)
@@ -134,7 +139,12 @@ def render_report(folder: Path, out: Path) -> dict:
         rendered.append(study)
     out.write_text("\n\n".join(sections) + "\n")
     return {"out": str(out), "sections": rendered, "missing": [s for s in ORDER if s not in rendered],
-            "corpus_hash": snapshot_hash, "stale": stale}
+            "corpus_hash": snapshot_hash, "stale": stale, "dirty": dirty}
+
+
+def _clean_commit(commit: object) -> bool:
+    """Whether a result names the commit it ran on, without uncommitted changes."""
+    return isinstance(commit, str) and commit not in ("", "unknown") and not commit.endswith("-dirty")
 
 
 def _load_section(result: dict, folder: Path, out: Path) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -249,6 +250,10 @@ def report(results: Path = typer.Option(RESULTS, help="folder of saved study res
     if outcomes is not None:
         rendered["reruns"] = outcomes
     emit(rendered, as_json, "report")
+    if rendered["stale"] or rendered["dirty"]:  # the page still renders, naming them in its header
+        print(f"results not from the snapshot's corpus: {rendered['stale'] or 'none'}; from a dirty or unknown "
+              f"commit: {rendered['dirty'] or 'none'}", file=sys.stderr)
+        raise typer.Exit(1)
     if outcomes is not None and any(o["rc"] for o in outcomes):
         raise typer.Exit(1)
 

@@ -95,3 +95,31 @@ def test_report_renders_every_saved_study(tmp_path):
     assert f"{transfer['spearman_frozen']:.3f}" in text
     for png in ("corpus.png", "transfer.png"):
         assert (tmp_path / png).stat().st_size > 5000 and f"]({png})" in text
+    # Neither records its corpus or a clean commit: the page names them, and the command fails.
+    assert rendered["stale"] == rendered["dirty"] == ["corpus", "transfer-multilingual"]
+    assert "commit with uncommitted changes, or none recorded: `corpus`, `transfer-multilingual`" in text
+
+
+def test_the_report_fails_on_a_result_from_another_corpus_or_a_dirty_commit(tmp_path):
+    from typer.testing import CliRunner
+
+    from harness.snapshot import read_manifest
+    from leap_cli.main import app
+
+    current = read_manifest()["corpus_hash"]
+    corpus = {"study": "corpus", "max_tokens": 1024, "n": 3, "chat_capped_fraction": 0.05, "command": "leap eval corpus",
+              "per_set": {"sharegpt": {"n": 3, "mean": 100.0, "p10": 10.0, "p50": 90.0, "p90": 300.0,
+                                       "capped_fraction": 0.05}}, "corpus_hash": current, "commit": "0" * 40,
+              "goals": {"chat_capped_fraction": {"target": "<= 0.1", "measured": 0.05, "met": True}}}
+
+    def report(**recorded) -> tuple[int, dict]:
+        (tmp_path / "corpus.json").write_text(json.dumps({**corpus, **recorded}))
+        done = CliRunner().invoke(app, ["eval", "report", "--results", str(tmp_path), "--out",
+                                        str(tmp_path / "results.md"), "--json"])
+        return done.exit_code, json.loads(done.stdout[done.stdout.index("{"):done.stdout.rindex("}") + 1])
+
+    assert report() == (0, {**report()[1], "stale": [], "dirty": []})
+    code, rendered = report(commit="0" * 40 + "-dirty")
+    assert code == 1 and rendered["dirty"] == ["corpus"] and rendered["stale"] == []
+    code, rendered = report(corpus_hash="0123456789abcdef")
+    assert code == 1 and rendered["stale"] == ["corpus"] and rendered["dirty"] == []
