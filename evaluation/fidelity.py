@@ -177,6 +177,7 @@ def run_fidelity(train_prompts: Sequence[dict], pool_prompts: Sequence[dict], se
                  model: str | None = None, say: Callable[[str], None] = lambda message: None) -> dict:
     """The study of the module docstring; `pool_prompts` are held out from `train_prompts` and split into
     the capacity samples and the replayed requests, disjoint."""
+    from evaluation.baselines import hyperparameters
     from evaluation.data import length_data
     from evaluation.live import (fit_leap_with_anchor, fit_predictors, open_replay_engine, predicted_lengths,
                                  prefill_budget, replay_policy, simulated_latency, training_and_requests)
@@ -235,7 +236,8 @@ def run_fidelity(train_prompts: Sequence[dict], pool_prompts: Sequence[dict], se
                     sim_runs[m][name].append(simulated_latency(name, arrivals, replayed, predicted, sim_config))
     finally:
         live.close()
-    return _aggregate(live_runs, sim_runs, settings, capacity, rate_of, step_model, modeled, seconds, len(train))
+    result = _aggregate(live_runs, sim_runs, settings, capacity, rate_of, step_model, modeled, seconds, len(train))
+    return {**result, "baseline_hyperparameters": {name: hyperparameters(p) for name, p in predictors.items()}}
 
 
 def _aggregate(live_runs: dict, sim_runs: dict, settings: FidelitySettings, capacity: dict, rate_of: dict,

@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from evaluation.baselines import LengthData, LeapReadoutPredictor, fit_cached, make_predictor, measure_cost
+from evaluation.baselines import (LengthData, LeapReadoutPredictor, fit_cached, hyperparameters, make_predictor,
+                                  measure_cost)
 from evaluation.data import length_data
 from evaluation.transfer import fit_leap_anchored
 from evaluation.simulated import paired_ratio, paired_ratios, ratio_goals
@@ -182,7 +183,8 @@ def run_live(train_prompts: Sequence[dict], replay_prompts: Sequence[dict], sett
                 runs[name].append(run)
     finally:
         live.close()
-    return _aggregate(runs, costs, settings, rate, capacity, step_model, fit, len(requests), len(train))
+    result = _aggregate(runs, costs, settings, rate, capacity, step_model, fit, len(requests), len(train))
+    return {**result, "baseline_hyperparameters": {name: hyperparameters(p) for name, p in predictors.items()}}
 
 
 def open_replay_engine(settings: Any, model: str | None = None) -> Any:

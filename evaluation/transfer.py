@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from evaluation.baselines import LengthData
+from evaluation.baselines import LengthData, hyperparameters
 from evaluation.data import split_stream
 from evaluation.offline import choose_alpha
 from leap_core import metrics
@@ -106,6 +106,7 @@ def run_transfer(train: LengthData, target: LengthData, baselines: Mapping[str, 
         "n_train": len(train), "n_feedback_pool": len(stream), "n_eval": len(evaluation), "alpha": readout.alpha,
         "spearman_frozen": frozen, "spearman_rls": curve, "spearman_refit": refit,
         "spearman_baselines": {name: pooled(entry) for name, entry in figures["baselines"].items()},
+        "baseline_hyperparameters": {name: hyperparameters(p) for name, p in baselines.items()},
         "per_set_frozen": _per_set(figures["frozen"]),
         "censored_share": metrics.censored_share(truth, budget, censored),
         "bootstrap": {"n_boot": int(n_boot), "level": float(level), "seed": int(seed), "resampled": "evaluation rows"},

@@ -166,6 +166,8 @@ def test_live_replay_study_conserves_requests_and_work(all_layers, prompt_file):
     assert result["capacity_rps"] > 0 and result["step_model"]["per_decode_s"] >= 0
     assert result["policies"]["leap-rls"]["runs"][0]["rls_updates"] >= 1  # 8 finished requests: one publish
     assert result["policies"]["leap"]["runs"][0]["rls_updates"] == 0
+    hyper = result["baseline_hyperparameters"]  # what each baseline was given and what its search chose
+    assert set(hyper) == {"prompt_length", "trail_mlp"} and "chosen" in hyper["trail_mlp"]
 
 
 def test_eval_transfer_command_takes_any_prompt_file(all_layers, prompt_file):
@@ -207,7 +209,9 @@ def test_simulated_studies_on_the_small_real_corpus(all_layers, prompt_file):
     assert set(load["ratios"]) == {"leap_over_fcfs", "leap_over_oracle"}  # no baseline given
     tail = run_tail(pool.prompt_tokens, pool.lengths, predicted["leap"], steps, n_requests=60, seeds=2,
                     decode_slots=2)
-    assert len(tail["cap"]) == 6 and len(tail["aging"]) == 4
+    assert [r["waiting_cap"] for r in tail["cap"]] == [8, 16, 32, 64, 128, 256, 1024]
+    assert [r["aging"] for r in tail["aging"]] == [0.0, 0.01, 0.1, 0.3, 1.0, 3.0]
+    assert all(isinstance(r["meets_goal"], bool) for r in tail["cap"] + tail["aging"])
 
 
 def test_decode_states_hold_the_remaining_length_at_each_checkpoint(home, prompt_file):
@@ -264,3 +268,4 @@ def test_fidelity_study_replays_on_the_wall_clock_and_simulates_the_same_runs(al
         assert r["live"]["ci_low"] <= r["live"]["value"] <= r["live"]["ci_high"]
         assert r["inside"] == (r["live"]["ci_low"] <= r["sim"] <= r["live"]["ci_high"])
     assert result["step_model_fit"]["steps"] > 0
+    assert set(result["baseline_hyperparameters"]) == {"prompt_length"}

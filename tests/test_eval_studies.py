@@ -71,6 +71,10 @@ def test_transfer_rls_recovers_a_rotated_domain():
     assert curve[-1] <= result["spearman_refit"] + 0.02
     assert result["gap_closed"]["fraction"] > 0.6
     assert "prompt_length" in result["spearman_baselines"]
+    # Each baseline's hyper-parameters are recorded with the result, as given to it.
+    recorded = json.loads(json.dumps(result["baseline_hyperparameters"]))
+    assert list(recorded) == ["prompt_length"]
+    assert recorded["prompt_length"]["params"] == json.loads(json.dumps(baselines["prompt_length"].get_params()))
 
 
 def test_report_renders_every_saved_study(tmp_path):
