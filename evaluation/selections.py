@@ -87,7 +87,9 @@ def select(spec: str, default_limit: int | None = None, exclude: Iterable[str] =
     """Prompts of `NAME_OR_FILE[:N],...`, each taken in the seeded order, skipping excluded ids.
 
     A set read from the snapshot holds only the snapshot's prompts: asking for more is an error, never a
-    silently smaller selection."""
+    silently smaller selection, unless the snapshot holds the whole set (`snapshot.holds_whole_set`)."""
+    from harness import snapshot
+
     excluded = set(exclude)
     chosen: list[dict] = []
     for part in (p.strip() for p in spec.split(",") if p.strip()):
@@ -95,7 +97,8 @@ def select(spec: str, default_limit: int | None = None, exclude: Iterable[str] =
         limit = int(count) if count else default_limit
         ordered, source = _seeded(name)
         items = [p for p in ordered if p["id"] not in excluded]
-        if limit is not None and len(items) < limit and source == "snapshot":
+        missing = limit is not None and len(items) < limit and source == "snapshot"
+        if missing and not snapshot.holds_whole_set(name):
             raise FileNotFoundError(f"{part}: the committed snapshot stores {len(ordered)} prompts of {name!r} "
                                     f"({len(items)} after exclusions); set LEAP_SHARED for more")
         chosen.extend(items if limit is None else items[:limit])

@@ -104,6 +104,14 @@ def read_prompts(name: str, root: Path | None = None) -> list[dict] | None:
     return [{k: row[k] for k in ("id", "set", "domain", "lang", "prompt")} for row in rows]
 
 
+def holds_whole_set(name: str, root: Path | None = None) -> bool:
+    """Whether the snapshot stores every prompt of a set: it asked SELECTION's count and got fewer (all 252
+    of self_instruct for 300), so a larger selection of it is the whole set, not a missing part."""
+    asked = {part.rsplit(":", 1)[0]: int(part.rsplit(":", 1)[1]) for part in SELECTION.split(",")}
+    stored = read_prompts(name, root)
+    return stored is not None and name in asked and len(stored) < asked[name]
+
+
 def stored_texts(root: Path | None = None) -> dict[str, str]:
     """Every stored prompt's text by id (empty without stored prompts)."""
     path = (root or ROOT) / PROMPTS

@@ -156,8 +156,11 @@ def test_stored_prompts_keep_the_seeded_order_and_select_without_the_shared_fold
     chosen = selections.select("sharegpt:2,arena_hard:1", exclude={"sharegpt-7"})
     assert [p["id"] for p in chosen] == ["sharegpt-2", "sharegpt-9", "a1"]
     assert chosen[0]["prompt"] == "text 2"
+    monkeypatch.setattr(snapshot, "SELECTION", "sharegpt:4,arena_hard:3")
     with pytest.raises(FileNotFoundError, match="stores 4 prompts of 'sharegpt'"):
         selections.select("sharegpt:5")
+    # The snapshot asked for 3 Arena-Hard prompts and the set had 1: it holds the whole set.
+    assert [p["id"] for p in selections.select("arena_hard:3")] == ["a1"]
     # the prompts' hash enters the snapshot's hash
     assert snapshot.manifest_hash({}, record) != snapshot.manifest_hash({})
 
