@@ -640,8 +640,10 @@ def measure_cost(predictor: BaseEstimator, data: LengthData, batch_size: int = 1
 
 def _settings(predictor: BaseEstimator) -> dict[str, Any]:
     """The predictor's hyper-parameters (`get_params`), `num_threads` left out: it changes how fast a model
-    trains, not which model it is."""
-    return {key: value for key, value in predictor.get_params(deep=False).items() if key != "num_threads"}
+    trains, not which model it is. A predictor that is not a scikit-learn estimator (only `predict`) has none."""
+    get_params = getattr(predictor, "get_params", None)
+    params = get_params(deep=False) if callable(get_params) else {}
+    return {key: value for key, value in params.items() if key != "num_threads"}
 
 
 def hyperparameters(predictor: BaseEstimator) -> dict[str, Any]:

@@ -57,6 +57,7 @@ def test_anchored_fit_is_fit_leap_and_its_anchor():
 
 def test_every_spearman_carries_an_interval_per_set_and_pooled(result):
     assert result["n_eval"] == 200 and result["n_feedback_pool"] == 500
+    assert result["baseline_hyperparameters"] == {"prompt_length": {"params": {}}}  # only `predict`: none
     figures = result["metrics"]
     for entry in [figures["frozen"], figures["refit"], *figures["rls"].values()]:
         assert set(entry["per_set"]) == {"short", "long"}
