@@ -329,10 +329,11 @@ def extended_hashes(old: dict, new: dict, hash_of_ids: Callable[[list[str]], str
 def merged_selection(old: str, new: str) -> str:
     """The selection a key holds after adding `new` to `old`: each set once, at the larger count, in the
     order first named ("sharegpt:3050,math:300" + "sharegpt:4000" -> "sharegpt:4000,math:300")."""
+    from evaluation.selections import spec_parts
+
     counts: dict[str, float] = {}
-    for part in (p.strip() for spec in (old, new) for p in spec.split(",") if p.strip()):
-        name, _, count = part.rpartition(":") if part.rsplit(":", 1)[-1].isdigit() else (part, "", "")
-        counts[name] = max(counts.get(name, 0), int(count) if count else float("inf"))  # no count: all of it
+    for name, count in (part for spec in (old, new) for part in spec_parts(spec)):
+        counts[name] = max(counts.get(name, 0), float("inf") if count is None else count)  # no count: all of it
     return ",".join(name if count == float("inf") else f"{name}:{int(count)}" for name, count in counts.items())
 
 

@@ -83,22 +83,39 @@ def _ordered(name_or_path: str | Path) -> tuple[list[dict], str]:
                             "or set LEAP_SHARED")
 
 
+def spec_parts(spec: str) -> list[tuple[str, int | None]]:
+    """`NAME_OR_FILE[:N],...` as (name, N) pairs, N None where a part names no count."""
+    parts = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        name, _, count = part.rpartition(":") if part.rsplit(":", 1)[-1].isdigit() else (part, "", "")
+        parts.append((name, int(count) if count else None))
+    return parts
+
+
+def _snapshot_holds_whole_set(name: str) -> bool:
+    """Whether the snapshot stores every prompt of a set: it asked its SELECTION's count and got fewer (all
+    252 of self_instruct for 300), so a larger selection of it is the whole set, not a missing part."""
+    from harness import snapshot
+
+    asked = dict(spec_parts(snapshot.SELECTION))
+    stored = snapshot.read_prompts(name)
+    return stored is not None and asked.get(name) is not None and len(stored) < asked[name]
+
+
 def select(spec: str, default_limit: int | None = None, exclude: Iterable[str] = ()) -> list[dict]:
     """Prompts of `NAME_OR_FILE[:N],...`, each taken in the seeded order, skipping excluded ids.
 
     A set read from the snapshot holds only the snapshot's prompts: asking for more is an error, never a
-    silently smaller selection, unless the snapshot holds the whole set (`snapshot.holds_whole_set`)."""
-    from harness import snapshot
-
+    silently smaller selection, unless the snapshot holds the whole set."""
     excluded = set(exclude)
     chosen: list[dict] = []
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
-        name, _, count = part.rpartition(":") if part.rsplit(":", 1)[-1].isdigit() else (part, "", "")
-        limit = int(count) if count else default_limit
+    for name, count in spec_parts(spec):
+        limit = count if count is not None else default_limit
         ordered, source = _seeded(name)
         items = [p for p in ordered if p["id"] not in excluded]
         missing = limit is not None and len(items) < limit and source == "snapshot"
-        if missing and not snapshot.holds_whole_set(name):
+        if missing and not _snapshot_holds_whole_set(name):
+            part = name if count is None else f"{name}:{count}"
             raise FileNotFoundError(f"{part}: the committed snapshot stores {len(ordered)} prompts of {name!r} "
                                     f"({len(items)} after exclusions); set LEAP_SHARED for more")
         chosen.extend(items if limit is None else items[:limit])

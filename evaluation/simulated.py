@@ -519,7 +519,8 @@ def section_load(result: dict, image: str) -> str:
     overloads = "; ".join(f"{o['load']:g} over {o['horizon_requests']} arrivals ({_g(o['horizon_s'])} s)"
                           for o in result.get("overloads", []))
     untouched = result.get("untouched")
-    pool = (f"the untouched test slice ({result['n_pool']} rows: {untouched['rows']})" if untouched else f"a pool of {result['n_pool']} held-out prompts")
+    pool = (f"the untouched test slice ({result['n_pool']} rows: {untouched['rows']})" if untouched
+            else f"a pool of {result['n_pool']} held-out prompts")
     text = [
         "## The final table: simulated scheduling on the untouched test slice" if untouched
         else "## Simulated scheduling under load",

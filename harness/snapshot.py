@@ -40,8 +40,8 @@ FORMAT = 1
 # 3,000 ShareGPT rows (3,050 prompts: about 1.5% are longer than the engine's prompt limit), all 500
 # Arena-Hard and 300 of each other shared set (all 252 of self_instruct), and the untouched test slice
 # (evaluation.selections.UNTOUCHED: 600 more ShareGPT prompts that only the final table reads) ...
-SELECTION = ("sharegpt:3050,sharegpt_untouched:600,arena_hard:500,alpaca:300,alpaca_eval:300,self_instruct:300,math:300,gsm8k:300,"
-             "mgsm:300,llmzoo:300,mtbench_x:300,alpaca_zh:300")
+SELECTION = ("sharegpt:3050,sharegpt_untouched:600,arena_hard:500,alpaca:300,alpaca_eval:300,self_instruct:300,"
+             "math:300,gsm8k:300,mgsm:300,llmzoo:300,mtbench_x:300,alpaca_zh:300")
 # ... and every decoder layer's state for a ShareGPT subset (the layer study), kept small.
 ALL_LAYERS_SELECTION = "sharegpt:400"
 
@@ -102,14 +102,6 @@ def read_prompts(name: str, root: Path | None = None) -> list[dict] | None:
         return None
     rows = table.sort_by("rank").to_pylist()
     return [{k: row[k] for k in ("id", "set", "domain", "lang", "prompt")} for row in rows]
-
-
-def holds_whole_set(name: str, root: Path | None = None) -> bool:
-    """Whether the snapshot stores every prompt of a set: it asked SELECTION's count and got fewer (all 252
-    of self_instruct for 300), so a larger selection of it is the whole set, not a missing part."""
-    asked = {part.rsplit(":", 1)[0]: int(part.rsplit(":", 1)[1]) for part in SELECTION.split(",")}
-    stored = read_prompts(name, root)
-    return stored is not None and name in asked and len(stored) < asked[name]
 
 
 def stored_texts(root: Path | None = None) -> dict[str, str]:
