@@ -42,10 +42,27 @@ TEXT_BASELINES = ("prompt_length", "minilm_ridge", "minilm_finetuned", "minilm_l
 HIDDEN_BASELINES = ("trail_mlp",)
 FULL_POLICIES = ("fcfs", *TEXT_BASELINES, *HIDDEN_BASELINES, "leap", "leap-rls", "leap-gittins", "oracle")
 QUICK_POLICIES = ("fcfs", "prompt_length", "trail_mlp", "leap", "leap-gittins", "oracle")
-REFERENCE = ("fcfs", "leap", "leap-rls", "leap-gittins", "oracle")
-LEAP_ARMS = ("leap", "leap-rls", "leap-gittins")
-"""LEAP's readout served by the runtime: countdown, countdown corrected online by RLS, and the Gittins order on
-the readout's length distribution (`LeapConfig.order`), which `gittins_over_countdown` compares with countdown."""
+REFRESH_POLICIES = ("leap", "leap-refresh")
+"""`leap eval live --refresh`: countdown and refresh, on one engine that captures decode states for both."""
+REFERENCE = ("fcfs", "leap", "leap-rls", "leap-gittins", "leap-refresh", "oracle")
+LEAP_ARMS = ("leap", "leap-rls", "leap-gittins", "leap-refresh")
+"""LEAP's readout served by the runtime: countdown, countdown corrected online by RLS, the Gittins order on
+the readout's length distribution (`LeapConfig.order`), which `gittins_over_countdown` compares with countdown,
+and countdown refreshed from decode states (`serving/refresh.py`), which `refresh_over_countdown` compares."""
+
+
+@dataclass
+class RefreshArm:
+    """What the leap-refresh arm serves: the refresh readout file the engine loads, its checkpoints, and each
+    replayed prompt's remaining-length estimates at them from its recorded decode states (NaN where the
+    output ended first; for the simulator's refresh arm). `n_train`: decode states the readout was fitted on,
+    from `n_pool` prompts that are not replayed."""
+
+    readout_path: str
+    checkpoints: tuple[int, ...]
+    estimates: dict[str, np.ndarray]
+    n_train: int = 0
+    n_pool: int = 0
 
 
 @dataclass
@@ -146,13 +163,18 @@ def calibrated_step_model(decode_slots: int = 64, max_resident: int = 512, max_t
 
 
 def run_live(train_prompts: Sequence[dict], replay_prompts: Sequence[dict], settings: LiveSettings,
-             model: str | None = None, say: Callable[[str], None] = lambda message: None) -> dict:
+             model: str | None = None, say: Callable[[str], None] = lambda message: None,
+             refresh: RefreshArm | None = None) -> dict:
     """Mean/P95 PTL, TTFT and throughput per policy on the step clock, paired ratios with intervals, the
-    simulator's fidelity on the same workloads, and predictor costs."""
-    unknown = [p for p in settings.policies if p not in FULL_POLICIES]
+    simulator's fidelity on the same workloads, and predictor costs. The leap-refresh arm needs `refresh`;
+    the engine then captures decode states for every arm and only that arm refreshes."""
+    known = (*FULL_POLICIES, "leap-refresh")
+    unknown = [p for p in settings.policies if p not in known]
     if unknown:
-        raise ValueError(f"unknown policies {unknown}; expected some of {FULL_POLICIES}")
-    live = open_replay_engine(settings, model)
+        raise ValueError(f"unknown policies {unknown}; expected some of {known}")
+    if ("leap-refresh" in settings.policies) != (refresh is not None):
+        raise ValueError("the leap-refresh arm and a RefreshArm go together")
+    live = open_replay_engine(settings, model, refresh)
     try:
         say(f"lengths and features of {len(train_prompts)} training and {len(replay_prompts)} replayed prompts")
         train, replay_corpus, requests = training_and_requests(live, train_prompts, replay_prompts)
@@ -171,6 +193,12 @@ def run_live(train_prompts: Sequence[dict], replay_prompts: Sequence[dict], sett
                                waiting_cap=settings.waiting_cap, step_model=step_model,
                                max_prefill_tokens_per_step=prefill_budget(live),
                                distribution=readout.length_distribution_)
+        if refresh is not None:
+            if live.runtime.refresher is None:
+                raise RuntimeError(f"the engine refused the refresh readout: {live.runtime.refresh_error}")
+            sim_config = replace(sim_config, refresh_at=tuple(refresh.checkpoints))
+            nan = np.full(len(refresh.checkpoints), np.nan)
+            refreshed = np.stack([refresh.estimates.get(r.id, nan) for r in requests])
         runs: dict[str, list[dict]] = {name: [] for name in settings.policies}
         for repeat in range(settings.repeats):
             arrivals = planned_arrivals(len(requests), rate, None, settings.seed + repeat)
@@ -179,7 +207,8 @@ def run_live(train_prompts: Sequence[dict], replay_prompts: Sequence[dict], sett
                 say(f"repeat {repeat + 1}/{settings.repeats}: {name}")
                 run = replay_policy(live, name, requests, arrivals, predictors, readout, anchor,
                                      settings.max_tokens, tag=f"r{repeat}-{name}-", clock=step_model)
-                run["simulated_latency"] = simulated_latency(name, arrivals, requests, predicted, sim_config)
+                run["simulated_latency"] = simulated_latency(name, arrivals, requests, predicted, sim_config,
+                                                             refreshed if refresh is not None else None)
                 runs[name].append(run)
     finally:
         live.close()
@@ -187,11 +216,18 @@ def run_live(train_prompts: Sequence[dict], replay_prompts: Sequence[dict], sett
     return {**result, "baseline_hyperparameters": {name: hyperparameters(p) for name, p in predictors.items()}}
 
 
-def open_replay_engine(settings: Any, model: str | None = None) -> Any:
-    """The in-process engine a replay study runs on: FCFS to start, `settings`' R, K, waiting cap and M."""
-    return open_live(model, LeapConfig(policy="fcfs", rls=False, max_resident=settings.max_resident,
-                                       decode_slots=settings.decode_slots, waiting_cap=settings.waiting_cap),
-                     max_tokens=settings.max_tokens)
+def open_replay_engine(settings: Any, model: str | None = None, refresh: RefreshArm | None = None) -> Any:
+    """The in-process engine a replay study runs on: FCFS to start, `settings`' R, K, waiting cap and M; with
+    `refresh`, capturing decode states at its checkpoints and loading its refresh readout (paused until the
+    leap-refresh arm)."""
+    extra = {} if refresh is None else {"refresh_at": tuple(refresh.checkpoints),
+                                        "refresh_readout_path": refresh.readout_path}
+    live = open_live(model, LeapConfig(policy="fcfs", rls=False, max_resident=settings.max_resident,
+                                       decode_slots=settings.decode_slots, waiting_cap=settings.waiting_cap,
+                                       **extra), max_tokens=settings.max_tokens)
+    if refresh is not None and live.runtime.refresher is not None:
+        live.runtime.configure(refresh=False)
+    return live
 
 
 def training_and_requests(live: Any, train_prompts: Sequence[dict],
@@ -223,13 +259,16 @@ def predicted_lengths(requests: list[ReplayRequest], replayed: LengthData, reado
     position = {rid: i for i, rid in enumerate(replayed.ids)}
     rows = replayed.subset(np.array([position[r.id] for r in requests]))
     out = {"leap": readout.predict(rows.features)}
-    out["leap-rls"] = out["leap-gittins"] = out["leap"]
+    out["leap-rls"] = out["leap-gittins"] = out["leap-refresh"] = out["leap"]
     out.update({name: np.asarray(p.predict(rows), dtype=np.float64) for name, p in predictors.items()})
     return out
 
 
 def simulated_latency(name: str, arrivals: np.ndarray, requests: list[ReplayRequest],
-                       predicted: dict[str, np.ndarray], config: SimConfig) -> np.ndarray:
+                       predicted: dict[str, np.ndarray], config: SimConfig,
+                       refreshed: np.ndarray | None = None) -> np.ndarray:
+    """The simulator's latency for each request of one replay; the leap-refresh arm refreshes with `refreshed`
+    (n, checkpoints) at `config.refresh_at`, every other arm counts down from its prediction alone."""
     lengths = np.array([r.fixed_length for r in requests], dtype=np.int64)
     prompt = np.array([len(r.prompt_token_ids) for r in requests], dtype=np.int64)
     if name in ("fcfs", "oracle"):
@@ -238,7 +277,9 @@ def simulated_latency(name: str, arrivals: np.ndarray, requests: list[ReplayRequ
         policy, guess = "gittins", predicted[name]
     else:
         policy, guess = "countdown", predicted[name]
-    return simulate(arrivals, prompt, lengths, guess, replace(config, policy=policy)).latency
+    if name == "leap-refresh":  # the config carries the checkpoints
+        return simulate(arrivals, prompt, lengths, guess, replace(config, policy=policy), refreshed=refreshed).latency
+    return simulate(arrivals, prompt, lengths, guess, replace(config, policy=policy, refresh_at=())).latency
 
 
 def fit_predictors(train: LengthData, policies: Sequence[str], say: Callable[[str], None]) -> dict[str, Any]:
@@ -257,6 +298,8 @@ def replay_policy(live: Any, name: str, requests: list[ReplayRequest], arrivals:
     predict_at_arrival = None
     runtime.reset_readout(None, None)
     order = "gittins" if name == "leap-gittins" else "countdown"
+    if runtime.refresher is not None:  # an engine capturing decode states refreshes in its refresh arm only
+        runtime.configure(refresh=name == "leap-refresh")
     if name in LEAP_ARMS:  # configured first: the reset anchors RLS only if it is on
         runtime.configure(policy="leap", rls=name == "leap-rls", order=order)
         runtime.reset_readout(readout, anchor)
@@ -285,6 +328,8 @@ def replay_policy(live: Any, name: str, requests: list[ReplayRequest], arrivals:
         summary["ready_before_decode"] = None
     if name == "leap-gittins":
         summary["decode_order"] = runtime.steps.describe_order()
+    if runtime.refresher is not None:  # requests refreshed in this run (0 unless it is the refresh arm)
+        summary["refreshed"] = runtime.describe_refresh()["refreshed"]
     return summary
 
 
@@ -317,6 +362,16 @@ def _aggregate(runs: dict[str, list[dict]], costs: dict, settings: LiveSettings,
     ratios = paired_ratios(ptl, best)
     if "leap-gittins" in ptl and "leap" in ptl:
         ratios["gittins_over_countdown"] = paired_ratio(ptl["leap-gittins"], ptl["leap"])
+    refreshed = {}
+    if "leap-refresh" in runs and "leap" in runs:  # repeats share arrivals: resample them, then requests
+        by_repeat = {name: np.stack([s["ptl_per_request"] for s in runs[name]]) for name in ("leap-refresh", "leap")}
+        ratios["refresh_over_countdown"] = paired_ratio(by_repeat["leap-refresh"], by_repeat["leap"])
+        sim = {name: np.stack([s["simulated_latency"] / s["tokens_per_request"] for s in runs[name]])
+               for name in ("leap-refresh", "leap")}
+        refreshed = {"refresh_over_countdown_per_repeat": [float(a.mean() / b.mean()) for a, b in
+                                                           zip(by_repeat["leap-refresh"], by_repeat["leap"])],
+                     "simulated_refresh_over_countdown": paired_ratio(sim["leap-refresh"], sim["leap"]),
+                     "refreshed_per_run": [s.get("refreshed") for s in runs["leap-refresh"]]}
     all_errors = np.concatenate(list(errors.values()))
     drift = [s["modeled_over_wall"] for summaries in runs.values() for s in summaries if "modeled_over_wall" in s]
     return {"n_requests": n, "n_train": n_train, "repeats": settings.repeats, "load": settings.load,
@@ -331,7 +386,8 @@ def _aggregate(runs: dict[str, list[dict]], costs: dict, settings: LiveSettings,
                                    "requests": int(all_errors.size), "goal": "<= 0.10",
                                    "met": bool(np.median(all_errors) <= 0.10)},
             "mean_ptl": {name: entry["mean_ptl"] for name, entry in policies.items()},
-            "ratios": ratios, "best_baseline": best, "goals": ratio_goals(ratios), "policies": policies}
+            "ratios": ratios, "best_baseline": best, "goals": ratio_goals(ratios), "policies": policies,
+            **({"refresh": refreshed} if refreshed else {})}
 
 
 def _ci_pair(interval: dict) -> list[float]:
@@ -416,6 +472,46 @@ def section_live(result: dict, image: str) -> str:
         *goals,
         "",
         f"![live replay]({image})",
+        "",
+        f"Regenerate: `{result['command']}`" if "command" in result else "",
+    ])
+
+
+def section_live_refresh(result: dict, image: str) -> str:
+    """docs/results.md section: refresh against countdown on the engine, paired by repeat, then request."""
+    refresh = result["refresh"]
+    ratio = result["ratios"]["refresh_over_countdown"]
+    per_repeat = ", ".join(f"{value:.3f}" for value in refresh["refresh_over_countdown_per_repeat"])
+    fit = result["step_model_fit"]
+    arm = result.get("refresh_arm", {})
+    rows = ["| arm | mean PTL [95% CI over requests] | P95 PTL | mean TTFT (s) | simulated mean PTL |",
+            "|---|---:|---:|---:|---:|"]
+    for name, p in result["policies"].items():
+        low, high = p["mean_ptl_ci"]
+        rows.append(f"| {name} | {p['mean_ptl']:.4f} [{low:.4f}, {high:.4f}] | {p['p95_ptl']:.4f} | "
+                    f"{p['mean_ttft']:.2f} | {p['simulated_mean_ptl']:.4f} |")
+    wins = ratio["ci_high"] < 1.0
+    return "\n".join([
+        "## Refresh on the engine",
+        "",
+        f"Countdown (`leap`) against refresh (`leap-refresh`: the remaining length re-estimated from the decode "
+        f"state at {arm.get('checkpoints', '?')} generated tokens) on one engine that captures decode states for "
+        f"both arms (only the refresh arm applies them). {result['n_requests']} held-out ShareGPT requests at their "
+        f"recorded lengths, Poisson arrivals at {result['load']} x the engine's sustained FCFS capacity, "
+        f"{result['repeats']} repeats with new arrivals each, the arms visited forward then backward; R = "
+        f"{result['max_resident']}, K = {result['decode_slots']}, waiting cap {result['waiting_cap']}; the step "
+        f"clock (fit over {fit['steps']} steps). The refresh readout was fitted on {arm.get('n_train', '?')} decode "
+        f"states of {arm.get('n_pool', '?')} other prompts (none replayed).",
+        "",
+        *rows,
+        "",
+        f"Refresh over countdown, mean PTL paired by request (95% interval resampling repeats, then requests): "
+        f"**{_interval(ratio)}**; per repeat {per_repeat}; the simulator on the same workloads and estimates: "
+        f"{_interval(refresh['simulated_refresh_over_countdown'])}. Requests refreshed per run: "
+        f"{refresh['refreshed_per_run']}. "
+        + ("Its interval lies below 1." if wins else "Its interval does not lie below 1: refresh stays off by default."),
+        "",
+        f"![refresh on the engine]({image})",
         "",
         f"Regenerate: `{result['command']}`" if "command" in result else "",
     ])

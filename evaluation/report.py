@@ -20,12 +20,13 @@ SINGLE: dict[str, Renderer] = {
     "recipes": (recipes_report.plot_recipes, recipes_report.section_recipes),
     "ceiling": (ceiling_report.plot_ceiling, ceiling_report.section_ceiling),
     "live": (live.plot_live, live.section_live),
+    "live-refresh": (live.plot_live, live.section_live_refresh),
     "fidelity": (fidelity.plot_fidelity, fidelity.section_fidelity),
     "refresh": (simulated.plot_refresh, simulated.section_refresh),
     "tail": (simulated.plot_tail, simulated.section_tail),
 }
 ORDER = ("corpus", "targets", "layers", "recipes", "ceiling", "transfer", "live", "live-quick", "fidelity",
-         "fidelity-quick", "load", "refresh", "tail")
+         "fidelity-quick", "load", "refresh", "live-refresh", "tail")
 
 HEADER = """# Results
 
@@ -61,6 +62,7 @@ RERUN: tuple[tuple[str, ...], ...] = (
     ("eval", "load", "--quick"),
     ("eval", "load", "--untouched", *BASELINES),
     ("eval", "refresh"),
+    ("eval", "live", "--refresh"),
     ("eval", "tail"),
 )
 

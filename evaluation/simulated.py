@@ -309,6 +309,7 @@ def run_load_over_splits(splits: Sequence[Split], step_model: StepTimeModel, loa
         "ratios": ratios,
         "ratios_by_load": ratios_by_load,
         "long_p95_over_fcfs": {p: paired_ratio(long_p95[p], long_p95["fcfs"]) for p in policies if p != "fcfs"},
+        "tail_goal": _tail_goals(long_p95, ptl[head], [p for p in policies if p != "fcfs"]),
         "goals": ratio_goals(ratios),
         "sweep": {
             "multipliers": every_load,
@@ -316,6 +317,17 @@ def run_load_over_splits(splits: Sequence[Split], step_model: StepTimeModel, loa
                for key in ("mean_ptl", "mean_ptl_ci_low", "mean_ptl_ci_high", "mean_latency_s")},
         },
     }
+
+
+def _tail_goals(long_p95: dict[str, np.ndarray], ptl: dict[str, np.ndarray], policies: list[str]) -> dict:
+    """Each policy's long-request P95 latency and mean PTL over FCFS's, paired by (split, seed), and whether
+    both meet the tail goal (TAIL_GOAL, TAIL_MEAN_GOAL; point values)."""
+    goals = {}
+    for p in policies:
+        long, mean = paired_ratio(long_p95[p], long_p95["fcfs"]), paired_ratio(ptl[p], ptl["fcfs"])
+        goals[p] = {"long_p95_over_fcfs": long, "mean_ptl_over_fcfs": mean,
+                    "meets_goal": bool(long["value"] <= TAIL_GOAL and mean["value"] <= TAIL_MEAN_GOAL)}
+    return goals
 
 
 def _per_seed(figures: list[list[dict[str, float]]], key: str) -> np.ndarray:
@@ -378,44 +390,59 @@ def choose_baseline(prompt_tokens: ArrayLike, lengths: ArrayLike, predictions: d
 
 TAIL_GOAL = 1.2  # long-request P95 latency at most this multiple of FCFS's (the tail guard's goal) ...
 TAIL_MEAN_GOAL = 0.5  # ... while mean PTL stays at most this multiple of FCFS's
-GUARD_CAPS = (8, 16, 32, 64, 128)
+GUARD_CAPS = (32, 128)  # the tail guard's knobs: the waiting cap ...
+GUARD_WAIT_AGINGS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)  # ... and the wait aging (`CountdownPolicy`)
 
 
-def choose_waiting_cap(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: ArrayLike,
-                       step_model: StepTimeModel, order: Order, caps=GUARD_CAPS, multiplier: float = HEADLINE_LOAD,
-                       n_requests: int = 1000, seeds: int = 8, seed: int = 100,
-                       engine: EngineCapacity = EngineCapacity(), **config) -> dict:
-    """The tail guard: the waiting cap of `order` (run on `predicted`) whose long-request P95 latency is
-    at most TAIL_GOAL x FCFS's at the least mean PTL (none meets it: the cap with the lowest tail ratio).
+def choose_tail_guard(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: ArrayLike,
+                      step_model: StepTimeModel, order: Order, caps=GUARD_CAPS, wait_agings=GUARD_WAIT_AGINGS,
+                      multiplier: float = HEADLINE_LOAD, n_requests: int = 1000, seeds: int = 8, seed: int = 100,
+                      engine: EngineCapacity = EngineCapacity(), **config) -> dict:
+    """The tail guard of `order` (run on `predicted`): the waiting cap and wait aging that meet the tail goal
+    (long-request P95 latency <= TAIL_GOAL x FCFS's and mean PTL <= TAIL_MEAN_GOAL x FCFS's, both paired
+    by seed) at the least mean PTL. When none meets both, the one with the lowest long-request tail among
+    those that keep the mean goal; when none keeps that either, the one with the least mean PTL.
 
     Meant for a validation pool (the training rows with cross-fitted predictions), so the test pool's
-    figures never chose it. Paired seeds as in `run_load`; the table keeps every cap's figures."""
+    figures never chose it. Paired seeds as in `run_load`; the table keeps every knob's figures."""
     prompt, out, preds = _pool(prompt_tokens, lengths, {order.predictor: predicted})
     base = _base_config(engine.rescale(step_model), config)
     capacity = fcfs_capacity(prompt, out, base)
     threshold = float(np.quantile(out, LONG_QUANTILE))
-    guarded = {int(c): replace(order, overrides={**order.overrides, "waiting_cap": int(c)}) for c in caps}
-    runs: dict[Any, list] = {"fcfs": [], **{c: [] for c in guarded}}
+    knobs = [(int(c), float(w)) for c in caps for w in wait_agings]
+    guarded = {knob: replace(order, overrides={**order.overrides, "waiting_cap": knob[0], "wait_aging": knob[1]})
+               for knob in knobs}
+    runs: dict[Any, list] = {"fcfs": [], **{knob: [] for knob in knobs}}
     for idx, arrival_seed in _workloads(out.size, n_requests, seeds, seed):
         arrival = poisson_arrivals(n_requests, multiplier * capacity, seed=arrival_seed)
         drawn = {order.predictor: preds[order.predictor][idx]}
         long = out[idx] >= threshold
         runs["fcfs"].append(_figures(_run_policy("fcfs", arrival, prompt[idx], out[idx], drawn, base), long))
-        for cap, guard in guarded.items():
-            runs[cap].append(_figures(_run_policy("guard", arrival, prompt[idx], out[idx], drawn, base,
-                                                  {"guard": guard}), long))
-    fcfs_tail = float(np.mean([f["long_p95_latency_s"] for f in runs["fcfs"]]))
-    table = [{"waiting_cap": cap, "mean_ptl": float(np.mean([f["mean_ptl"] for f in runs[cap]])),
-              "long_p95_latency_s": float(np.mean([f["long_p95_latency_s"] for f in runs[cap]]))}
-             for cap in guarded]
-    for row in table:
-        row["long_p95_over_fcfs"] = row["long_p95_latency_s"] / fcfs_tail
-    meeting = [row for row in table if row["long_p95_over_fcfs"] <= TAIL_GOAL]
-    chosen = min(meeting, key=lambda row: row["mean_ptl"]) if meeting else min(
-        table, key=lambda row: row["long_p95_over_fcfs"])
-    return {"waiting_cap": chosen["waiting_cap"], "met_on_validation": bool(meeting), "goal": TAIL_GOAL,
+        for knob, guard in guarded.items():
+            runs[knob].append(_figures(_run_policy("guard", arrival, prompt[idx], out[idx], drawn, base,
+                                                   {"guard": guard}), long))
+    table = []
+    for cap, wait_aging in knobs:
+        figures = runs[(cap, wait_aging)]
+        row = {"waiting_cap": cap, "wait_aging": wait_aging,
+               "mean_ptl": float(np.mean([f["mean_ptl"] for f in figures])),
+               "long_p95_latency_s": float(np.nanmean([f["long_p95_latency_s"] for f in figures]))}
+        row.update(_tail_goal(figures, runs["fcfs"]))
+        table.append(row)
+    long_ratio = lambda row: row["long_p95_over_fcfs"]["value"]  # noqa: E731
+    ptl_ratio = lambda row: row["mean_ptl_over_fcfs"]["value"]  # noqa: E731
+    meeting = [row for row in table if row["meets_goal"]]
+    keeping_mean = [row for row in table if ptl_ratio(row) <= TAIL_MEAN_GOAL]
+    chosen = (min(meeting, key=ptl_ratio) if meeting else min(keeping_mean, key=long_ratio) if keeping_mean
+              else min(table, key=ptl_ratio))
+    return {"waiting_cap": chosen["waiting_cap"], "wait_aging": chosen["wait_aging"],
+            "met_on_validation": bool(meeting),
+            "goal": {"long_p95_over_fcfs": TAIL_GOAL, "mean_ptl_over_fcfs": TAIL_MEAN_GOAL},
+            "validation": {"long_p95_over_fcfs": chosen["long_p95_over_fcfs"],
+                           "mean_ptl_over_fcfs": chosen["mean_ptl_over_fcfs"]},
             "load": float(multiplier), "n_pool": int(out.size), "n_requests": int(n_requests), "seeds": int(seeds),
-            "fcfs_long_p95_latency_s": fcfs_tail, "table": table}
+            "fcfs_long_p95_latency_s": float(np.nanmean([f["long_p95_latency_s"] for f in runs["fcfs"]])),
+            "fcfs_mean_ptl": float(np.mean([f["mean_ptl"] for f in runs["fcfs"]])), "table": table}
 
 
 def _over_seeds(figures: list[list[dict[str, float]]]) -> dict[str, float]:
@@ -554,23 +581,41 @@ def section_load(result: dict, image: str) -> str:
                      "LEAP's mean PTL over each reference:", "",
                  *[f"- {key}: {_interval(r)}" for key, r in bursty["ratios"].items()], *_tail_lines(bursty)]
     if result.get("long_p95_over_fcfs"):
+        goals = result.get("tail_goal", {})
+        rows = [[name, _interval(r), *((_interval(goals[name]["mean_ptl_over_fcfs"]),
+                                        "yes" if goals[name]["meets_goal"] else "no") if name in goals else ())]
+                for name, r in result["long_p95_over_fcfs"].items()]
         text += ["", f"Long requests (true length >= {_g(result['long_requests']['min_tokens'])} tokens, the pool's "
-                     f"top decile): P95 latency over FCFS's at {result['headline_load']:g}, paired by seed (goal "
-                     f"<= {TAIL_GOAL:g}):", "",
-                 _table(["policy", "long-request P95 / FCFS [95% CI]"],
-                        [[name, _interval(r)] for name, r in result["long_p95_over_fcfs"].items()])]
-    guard = result.get("tail_guard")
-    if guard:
-        gittins = result.get("gittins", {})
-        text += ["", f"`leap-gittins` ranks by the Gittins index of the remaining length under LEAP's error "
-                     f"distribution ({gittins.get('bins')} bins of predicted length from "
-                     f"{gittins.get('validation_pairs')} {gittins.get('fitted_on')}), weight 1/length. "
-                     f"`leap-gittins-guard` is the same order with the waiting cap the tail guard chose on the "
-                     f"training rows ({guard['seeds']} seeds of {guard['n_requests']} requests at "
-                     f"{guard['load']:g}): {guard['waiting_cap']} steps, "
-                     + ("the cheapest cap meeting the goal there." if guard["met_on_validation"]
-                        else "none met the goal there; the cap with the lowest tail.")]
+                     f"top decile): P95 latency over FCFS's at {result['headline_load']:g}, paired by seed (the tail "
+                     f"goal: <= {TAIL_GOAL:g} while mean PTL <= {TAIL_MEAN_GOAL:g} x FCFS's):", "",
+                 _table(["policy", "long-request P95 / FCFS [95% CI]",
+                         *(("mean PTL / FCFS [95% CI]", "meets the tail goal") if goals else ())], rows)]
+    text += _guard_lines(result)
     return _finish(text, result, "Mean PTL vs load", image)
+
+
+def _guard_lines(result: dict) -> list[str]:
+    """What the Gittins order ranks by and which tail guard each guarded order runs (chosen on training rows)."""
+    gittins = result.get("gittins", {})
+    guards = result.get("tail_guards") or ({"leap-gittins-guard": result["tail_guard"]} if result.get("tail_guard")
+                                           else {})
+    if not guards:
+        return []
+    lines = ["", f"`leap-gittins` ranks by the Gittins index of the remaining length under LEAP's error distribution "
+                 f"({gittins.get('bins')} bins of predicted length from {gittins.get('validation_pairs')} "
+                 f"{gittins.get('fitted_on')}), weight 1/length. A guarded order adds the tail guard chosen on the "
+                 f"training rows (cross-fitted predictions): its waiting cap and its wait aging (priority x "
+                 f"exp(-wait_aging x steps waited / predicted remaining), HRRN-style):", ""]
+    for name, guard in guards.items():
+        validation = guard.get("validation")
+        seen = (f"; there long P95 {_g(validation['long_p95_over_fcfs']['value'])} x FCFS's at mean PTL "
+                f"{_g(validation['mean_ptl_over_fcfs']['value'])} x" if validation else "")
+        verdict = ("the cheapest knob meeting the goal there" if guard["met_on_validation"]
+                   else "none met the goal there; the lowest tail that keeps the mean goal")
+        lines.append(f"- `{name}`: cap {guard['waiting_cap']}, wait aging {_g(guard.get('wait_aging', 0.0))} "
+                     f"({guard['seeds']} seeds of {guard['n_requests']} requests at {guard['load']:g}; {verdict}"
+                     f"{seen}).")
+    return lines
 
 
 def _best_baseline_lines(result: dict) -> list[str]:
@@ -803,12 +848,13 @@ def section_refresh(result: dict, image: str) -> str:
 
 def run_tail(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: ArrayLike, step_model: StepTimeModel,
              waiting_caps=(8, 16, 32, 64, 128, 256, 1024), agings=(0.0, 0.01, 0.1, 0.3, 1.0, 3.0),
-             multiplier: float = HEADLINE_LOAD, long_quantile: float = LONG_QUANTILE, n_requests: int = 2000,
+             wait_agings=(0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 3.0), multiplier: float = HEADLINE_LOAD, long_quantile: float = LONG_QUANTILE, n_requests: int = 2000,
              seeds: int = 30, seed: int = 0, aging_waiting_cap: int = 128, **config) -> dict:
-    """How the waiting cap and aging trade long-request tail latency against mean PTL under countdown.
+    """How the waiting cap, aging and wait aging trade long-request tail latency against mean PTL under
+    countdown.
 
     Long requests are those whose true length is at least the pool's `long_quantile`. Cap rows use no
-    aging; aging rows use `aging_waiting_cap`. `config` holds the other SimConfig knobs. Every figure is
+    aging; aging and wait-aging rows (`leap_core.policy.CountdownPolicy`) use `aging_waiting_cap`. `config` holds the other SimConfig knobs. Every figure is
     a mean over `seeds` paired workloads with its 95% bootstrap interval (`<figure>_ci`). Each row also
     has its long-request P95 and mean PTL over FCFS's, paired by seed, and whether it meets the tail goal
     (`meets_goal`: long-request P95 <= TAIL_GOAL x FCFS's and mean PTL <= TAIL_MEAN_GOAL x FCFS's, both
@@ -821,7 +867,9 @@ def run_tail(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: ArrayLike,
     settings = {("fcfs",): None, **{("cap", int(c)): replace(base, waiting_cap=int(c), aging=0.0)
                                     for c in waiting_caps},
                 **{("aging", float(a)): replace(base, waiting_cap=int(aging_waiting_cap), aging=float(a))
-                   for a in agings}}
+                   for a in agings},
+                **{("wait_aging", float(w)): replace(base, waiting_cap=int(aging_waiting_cap), aging=0.0,
+                                                     wait_aging=float(w)) for w in wait_agings}}
     runs: dict[tuple, list] = {key: [] for key in settings}
     for idx, arrival_seed in _workloads(out.size, n_requests, seeds, seed):
         arrival = poisson_arrivals(n_requests, multiplier * capacity, seed=arrival_seed)
@@ -836,7 +884,8 @@ def run_tail(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: ArrayLike,
         if key != ("fcfs",):
             mean[key].update(_tail_goal(runs[key], runs[("fcfs",)]))
     rows = {"cap": [{"waiting_cap": int(c), **mean[("cap", int(c))]} for c in waiting_caps],
-            "aging": [{"aging": float(a), **mean[("aging", float(a))]} for a in agings]}
+            "aging": [{"aging": float(a), **mean[("aging", float(a))]} for a in agings],
+            "wait_aging": [{"wait_aging": float(w), **mean[("wait_aging", float(w))]} for w in wait_agings]}
     return {
         "multiplier": float(multiplier),
         "capacity_rps": float(capacity),
@@ -848,9 +897,11 @@ def run_tail(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: ArrayLike,
         "fcfs": mean[("fcfs",)],
         **rows,
         "goal": {"long_p95_over_fcfs": TAIL_GOAL, "mean_ptl_over_fcfs": TAIL_MEAN_GOAL},
-        "met_by": [{knob: row[knob]} for key, knob in (("cap", "waiting_cap"), ("aging", "aging"))
-                   for row in rows[key] if row["meets_goal"]],
+        "met_by": [{knob: row[knob]} for key, knob in _TAIL_KNOBS for row in rows[key] if row["meets_goal"]],
     }
+
+
+_TAIL_KNOBS = (("cap", "waiting_cap"), ("aging", "aging"), ("wait_aging", "wait_aging"))  # (rows, knob)
 
 
 def _tail_goal(figures: list[dict[str, float]], fcfs: list[dict[str, float]]) -> dict:
@@ -906,15 +957,18 @@ def _tail_figures(result: SimResult, long: np.ndarray) -> dict[str, float]:
 
 
 def plot_tail(result: dict, path: pathlib.Path) -> None:
-    """Two columns (waiting cap, aging): long-request P95 latency above, mean PTL below, FCFS's as dashed lines."""
+    """A column per knob (waiting cap, aging, wait aging): long-request P95 latency above, mean PTL below, FCFS's
+    as dashed lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(8, 5.5), dpi=120, sharex="col")
-    columns = (("cap", "waiting_cap", "waiting cap (steps held out)"),
-               ("aging", "aging", f"aging rate (waiting cap {result['aging_waiting_cap']})"))
+    columns = [(key, knob, label) for key, knob, label in (
+        ("cap", "waiting_cap", "waiting cap (steps held out)"),
+        ("aging", "aging", f"aging rate (waiting cap {result['aging_waiting_cap']})"),
+        ("wait_aging", "wait_aging", f"wait aging (waiting cap {result['aging_waiting_cap']})")) if result.get(key)]
+    fig, axes = plt.subplots(2, len(columns), figsize=(4 * len(columns), 5.5), dpi=120, sharex="col", squeeze=False)
     for (key, knob, label), (top, bottom) in zip(columns, axes.T):
         rows = result[key]
         x = np.arange(len(rows))  # categorical axis: caps and agings span decades and include 0
@@ -949,7 +1003,7 @@ def section_tail(result: dict, image: str) -> str:
     columns = ["long P95 latency (s) [95% CI]", "all P95 latency (s) [95% CI]", "mean PTL (s/token) [95% CI]",
                *(["long P95 / FCFS [95% CI]", "mean PTL / FCFS [95% CI]", "meets the goal"] if goal else [])]
     text = [
-        "## Long-request tail: waiting cap and aging",
+        "## Long-request tail: waiting cap, aging and wait aging",
         "",
         f"P95 latency of long requests (true length >= the pool's {result['long_quantile']:g} quantile, "
         f"{result['long_threshold_tokens']:g} tokens) and of all requests, with mean PTL, under countdown at "
@@ -957,17 +1011,22 @@ def section_tail(result: dict, image: str) -> str:
         f"{result['seeds']} paired seeds with 95% bootstrap intervals. The waiting cap forces a resident request into the decode batch once it "
         f"has been held out that many consecutive steps. Aging (as in leap_core/policy.py, after TIE) orders by "
         f"predicted remaining x exp(-aging x held_out), where held_out counts the consecutive steps the request "
-        f"was not decoded and restarts at 0 when it is; aging rows use cap {result['aging_waiting_cap']}.",
+        f"was not decoded and restarts at 0 when it is. Wait aging (the tail guard, HRRN-style) orders by "
+        f"predicted remaining x exp(-w x waited / predicted remaining), where waited counts every step the "
+        f"request was resident and not decoded, never reset; aging and wait-aging rows use cap "
+        f"{result['aging_waiting_cap']}.",
         "",
         _table(["waiting cap", *columns], rows("cap", "waiting_cap")),
         "",
         _table(["aging", *columns], rows("aging", "aging")),
+        *(["", _table(["wait aging", *columns], rows("wait_aging", "wait_aging"))] if result.get("wait_aging")
+          else []),
     ]
     if goal:
         met = ", ".join(", ".join(f"{knob} {value:g}" for knob, value in row.items()) for row in result["met_by"])
         text += ["", f"The goal: long-request P95 latency <= {goal['long_p95_over_fcfs']:g} x FCFS's while mean PTL "
                      f"stays <= {goal['mean_ptl_over_fcfs']:g} x FCFS's (point values, paired by seed): "
-                     + (f"met by {met}." if met else "no cap or aging rate meets it.")]
+                     + (f"met by {met}." if met else "no cap, aging or wait aging rate meets it.")]
     return _finish(text, result, "Long-request tail", image)
 
 

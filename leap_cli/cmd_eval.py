@@ -81,14 +81,21 @@ def live(
     decode_slots: Optional[int] = typer.Option(
         None, help="K, requests decoded per step (default 8): scaled so that requests queue for slots on "
                    "2 CPU cores, as 512 do for 64 on a GPU"),
+    refresh: bool = typer.Option(False, "--refresh", help="countdown against refresh (leap-refresh) on one engine "
+                                                          "that captures decode states for both: 64 requests x 4 "
+                                                          "repeats by default, `refresh_over_countdown` paired by "
+                                                          "repeat, then request"),
     max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
 ) -> None:
     """Replay held-out requests through the real engine (step clock) under FCFS, baselines, LEAP, LEAP + RLS
-    and the oracle; paired ratios with intervals and the simulator's fidelity on the same workloads."""
+    and the oracle (--refresh: LEAP with and without refresh); paired ratios with intervals and the
+    simulator's fidelity on the same workloads."""
     from evaluation.studies import live_study
 
-    result = live_study(quick, requests, repeats, load, decode_slots, max_tokens, model, _say(as_json))
-    _finish(result, "live", "live-quick" if quick else "live", as_json, save)
+    result = live_study(quick, requests, repeats, load, decode_slots, max_tokens, model, _say(as_json),
+                        refresh=refresh)
+    study = "live-refresh" if refresh else "live"
+    _finish(result, study, study if refresh else "live-quick" if quick else "live", as_json, save)
 
 
 @eval_app.command("fidelity")
@@ -184,7 +191,7 @@ def load(
 ) -> None:
     """Simulated replay at 0.7-0.95 of sustained capacity (and an overload) on several train/test splits, paired
     seeds, ratios with intervals over splits and seeds; countdown beside the uncertainty-aware order (leap-gittins)
-    and its tail guard (leap-gittins-guard)."""
+    and the tail guard on each (leap-guard, leap-gittins-guard), with every policy's `tail_goal`."""
     from dataclasses import asdict
 
     from evaluation.simulated import QUICK_LOADS
@@ -232,7 +239,7 @@ def refresh(step_model: Optional[Path] = STEP_MODEL, max_tokens: int = MAX_TOKEN
 @eval_app.command("tail")
 def tail(step_model: Optional[Path] = STEP_MODEL, max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL,
          as_json: bool = JSON, save: bool = SAVE) -> None:
-    """Long-request P95 latency against the waiting cap and the aging strength."""
+    """Long-request P95 latency against the waiting cap, the aging strength and the wait aging (the tail guard)."""
     _simulated_study("tail", step_model, max_tokens, model, as_json, save)
 
 

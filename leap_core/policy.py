@@ -38,17 +38,19 @@ class DecodePolicy(Protocol):
 
     All arrays are aligned, one entry per candidate: `predicted_total` is the predicted total output
     length (tokens), `generated` the tokens produced so far, `held_out` the consecutive steps each has
-    been left out, `arrival` the arrival time (ties). `select` returns the indices of at most `k`
-    candidates to decode, most urgent first; it must not modify its inputs.
+    been left out, `arrival` the arrival time (ties), `waited` (optional, zeros when omitted) every step
+    each has been resident and not decoded since it joined (held-out steps are not reset by a decode).
+    `select` returns the indices of at most `k` candidates to decode, most urgent first; it must not
+    modify its inputs.
     """
 
     k: int
 
     def select(self, predicted_total: np.ndarray, generated: np.ndarray, held_out: np.ndarray,
-               arrival: np.ndarray) -> np.ndarray: ...
+               arrival: np.ndarray, waited: np.ndarray | None = None) -> np.ndarray: ...
 
     def select_steps(self, predicted_total: np.ndarray, generated: np.ndarray, held_out: np.ndarray,
-                     arrival: np.ndarray) -> tuple[np.ndarray, int]: ...
+                     arrival: np.ndarray, waited: np.ndarray | None = None) -> tuple[np.ndarray, int]: ...
 
 
 def advance_held_out(held_out: np.ndarray, selected_mask: np.ndarray, steps: int = 1) -> np.ndarray:
@@ -89,6 +91,11 @@ class CountdownPolicy:
     waiting_cap : the most consecutive steps a resident request may be held out.
     aging : exponential aging rate as in TIE: priority = remaining * exp(-aging * held_out). 0 is plain
         countdown.
+    wait_aging : aging by wait over predicted remaining length, as in HRRN (highest response ratio next):
+        priority = remaining * exp(-wait_aging * waited / remaining), where `waited` counts every step the
+        request has been resident and not decoded. A request predicted long ages slowly and one predicted
+        short quickly, each in proportion to the service it still needs; unlike `aging`, a forced decode does
+        not reset it. 0 ignores waits.
 
     Starvation guard: a request held out `waiting_cap` steps is forced in. Forcing only those could
     still overshoot the cap when more than k reach it in the same step (a burst admitted together and
@@ -99,10 +106,11 @@ class CountdownPolicy:
     Forced requests go first (most held out, then earliest arrival); the other slots go by priority.
     """
 
-    def __init__(self, k: int = 64, waiting_cap: int = 128, aging: float = 0.0) -> None:
+    def __init__(self, k: int = 64, waiting_cap: int = 128, aging: float = 0.0, wait_aging: float = 0.0) -> None:
         self.k = k
         self.waiting_cap = waiting_cap
         self.aging = aging
+        self.wait_aging = wait_aging
 
     def _forced(self, held_out: np.ndarray, arrival: np.ndarray) -> np.ndarray:
         """The requests that must decode now so no one later exceeds the cap, most held out first."""
@@ -119,23 +127,35 @@ class CountdownPolicy:
         need = min(int((np.arange(1, due.shape[0] + 1) - self.k * due).max()), self.k)
         return urgent[order[:need]] if need > 0 else _NONE
 
-    def _priority(self, predicted_total: np.ndarray, generated: np.ndarray, held_out: np.ndarray) -> np.ndarray:
-        """Smaller decodes first: the predicted remaining length (at least 1), aged when `aging` > 0."""
+    def _rank(self, predicted_total: np.ndarray, generated: np.ndarray, remaining: np.ndarray) -> np.ndarray:
+        """The un-aged priority, smaller first: the predicted remaining length."""
+        return remaining
+
+    def _priority(self, predicted_total: np.ndarray, generated: np.ndarray, held_out: np.ndarray,
+                  waited: np.ndarray | None) -> np.ndarray:
+        """Smaller decodes first: `_rank` (the predicted remaining length, at least 1), aged when `aging` or
+        `wait_aging` > 0."""
         remaining = np.maximum(predicted_total - generated, 1.0)
-        return remaining * np.exp(-self.aging * held_out) if self.aging else remaining
+        rank = self._rank(predicted_total, generated, remaining)
+        if not (self.aging or (self.wait_aging and waited is not None)):
+            return rank
+        exponent = self.aging * np.asarray(held_out, dtype=np.float64)
+        if self.wait_aging and waited is not None:
+            exponent = exponent + self.wait_aging * np.asarray(waited, dtype=np.float64) / remaining
+        return rank * np.exp(-exponent)
 
     @property
     def _steady(self) -> bool:
         """Whether the chosen requests' priorities keep their order while they decode (remaining only
         shrinks for them; held-out requests' priorities do not move unless aging moves them)."""
-        return not self.aging
+        return not (self.aging or self.wait_aging)
 
-    def _select(self, predicted_total, generated, held_out, arrival) -> tuple[np.ndarray, int]:
+    def _select(self, predicted_total, generated, held_out, arrival, waited=None) -> tuple[np.ndarray, int]:
         """The selection and how many of its first entries were forced in by the cap."""
         n = held_out.shape[0]
         if n == 0:
             return _NONE, 0
-        priority = self._priority(np.asarray(predicted_total, dtype=np.float64), generated, held_out)
+        priority = self._priority(np.asarray(predicted_total, dtype=np.float64), generated, held_out, waited)
         if n <= self.k:
             return np.lexsort((arrival, priority)), 0
         forced = self._forced(held_out, arrival)
@@ -148,13 +168,13 @@ class CountdownPolicy:
         return np.concatenate((forced, _k_smallest(priority, arrival, self.k - num_forced))), num_forced
 
     def select(self, predicted_total: np.ndarray, generated: np.ndarray, held_out: np.ndarray,
-               arrival: np.ndarray) -> np.ndarray:
+               arrival: np.ndarray, waited: np.ndarray | None = None) -> np.ndarray:
         """Indices (into the given arrays) of at most k requests to decode this step, most urgent first."""
         held_out = np.asarray(held_out, dtype=np.int64)
-        return self._select(predicted_total, generated, held_out, np.asarray(arrival))[0]
+        return self._select(predicted_total, generated, held_out, np.asarray(arrival), waited)[0]
 
     def select_steps(self, predicted_total: np.ndarray, generated: np.ndarray, held_out: np.ndarray,
-                     arrival: np.ndarray) -> tuple[np.ndarray, int]:
+                     arrival: np.ndarray, waited: np.ndarray | None = None) -> tuple[np.ndarray, int]:
         """`select`, plus for how many consecutive steps (this one included) the same requests stay chosen.
 
         Valid while only the chosen requests advance and none finishes or joins: their remaining
@@ -163,7 +183,7 @@ class CountdownPolicy:
         """
         held_out = np.asarray(held_out, dtype=np.int64)
         arrival = np.asarray(arrival)
-        chosen, num_forced = self._select(predicted_total, generated, held_out, arrival)
+        chosen, num_forced = self._select(predicted_total, generated, held_out, arrival, waited)
         n = held_out.shape[0]
         if n <= self.k:
             return chosen, UNBOUNDED_STEPS
@@ -179,15 +199,16 @@ class CountdownPolicy:
 
 
 class GittinsPolicy(CountdownPolicy):
-    """Countdown's slots and waiting cap, ranked by the Gittins index of the remaining length under the
-    predictor's error distribution (`leap_core.gittins.LengthGivenPrediction`): the largest expected weight
-    completed per token of service first. `distribution` maps (predicted total, generated) to the index."""
+    """Countdown's slots, waiting cap and wait aging, ranked by the Gittins index of the remaining length
+    under the predictor's error distribution (`leap_core.gittins.LengthGivenPrediction`): the largest
+    expected weight completed per token of service first. `distribution` maps (predicted total, generated)
+    to the index."""
 
-    def __init__(self, distribution, k: int = 64, waiting_cap: int = 128) -> None:
-        super().__init__(k=k, waiting_cap=waiting_cap)
+    def __init__(self, distribution, k: int = 64, waiting_cap: int = 128, wait_aging: float = 0.0) -> None:
+        super().__init__(k=k, waiting_cap=waiting_cap, wait_aging=wait_aging)
         self.distribution = distribution
 
-    def _priority(self, predicted_total: np.ndarray, generated: np.ndarray, held_out: np.ndarray) -> np.ndarray:
+    def _rank(self, predicted_total: np.ndarray, generated: np.ndarray, remaining: np.ndarray) -> np.ndarray:
         return 1.0 / self.distribution.index(predicted_total, generated)
 
     @property
@@ -202,7 +223,7 @@ class FcfsPolicy:
         self.k = k
 
     def select(self, predicted_total: np.ndarray, generated: np.ndarray, held_out: np.ndarray,
-               arrival: np.ndarray) -> np.ndarray:
+               arrival: np.ndarray, waited: np.ndarray | None = None) -> np.ndarray:
         """Indices of the at most k earliest arrivals, earliest first; the other inputs are ignored."""
         arrival = np.asarray(arrival, dtype=np.float64)
         n = arrival.shape[0]
@@ -214,21 +235,21 @@ class FcfsPolicy:
         return chosen[np.lexsort((chosen, arrival[chosen]))][: self.k]
 
     def select_steps(self, predicted_total: np.ndarray, generated: np.ndarray, held_out: np.ndarray,
-                     arrival: np.ndarray) -> tuple[np.ndarray, int]:
+                     arrival: np.ndarray, waited: np.ndarray | None = None) -> tuple[np.ndarray, int]:
         """`select`, plus for how many steps it holds: until a request finishes or joins."""
         return self.select(predicted_total, generated, held_out, arrival), UNBOUNDED_STEPS
 
 
 def make_policy(name: str, k: int = 64, waiting_cap: int = 128, aging: float = 0.0,
-                distribution=None) -> DecodePolicy:
+                distribution=None, wait_aging: float = 0.0) -> DecodePolicy:
     """The policy called `name` ("fcfs", "countdown", or "gittins" with the predictor's `distribution`).
     The oracle is countdown fed the true lengths."""
     if name == "countdown":
-        return CountdownPolicy(k=k, waiting_cap=waiting_cap, aging=aging)
+        return CountdownPolicy(k=k, waiting_cap=waiting_cap, aging=aging, wait_aging=wait_aging)
     if name == "fcfs":
         return FcfsPolicy(k=k)
     if name == "gittins":
         if distribution is None:
             raise ValueError("the gittins policy needs the predictor's length distribution")
-        return GittinsPolicy(distribution, k=k, waiting_cap=waiting_cap)
+        return GittinsPolicy(distribution, k=k, waiting_cap=waiting_cap, wait_aging=wait_aging)
     raise ValueError(f"unknown policy {name!r}; expected one of {POLICY_NAMES}")

@@ -143,6 +143,7 @@ class SimConfig:
     decode_slots: int = 64
     waiting_cap: int = 128
     aging: float = 0.0
+    wait_aging: float = 0.0
     policy: str = "countdown"
     max_prefill_tokens_per_step: int = 2048
     step_model: StepTimeModel = field(default_factory=StepTimeModel)
@@ -217,7 +218,7 @@ def simulate(arrival, prompt_tokens, output_tokens, predicted, config: SimConfig
     finish = np.full(n, np.nan)
     max_held = np.zeros(n, dtype=np.int64)
     policy = make_policy(config.policy, k=config.decode_slots, waiting_cap=config.waiting_cap, aging=config.aging,
-                         distribution=config.distribution)
+                         distribution=config.distribution, wait_aging=config.wait_aging)
     model = config.step_model
     resident = _Resident.empty()
 
@@ -361,17 +362,19 @@ class _Queue:
 
 class _Resident:
     """The resident requests as parallel arrays, in admission (= arrival) order: position in arrival
-    order, true and predicted total length, arrival, tokens generated, consecutive steps held out and
-    the most of those so far."""
+    order, true and predicted total length, arrival, tokens generated, consecutive steps held out,
+    the most of those so far, prompt tokens, and every step held out since joining."""
 
     def __init__(self, ids: np.ndarray, output: np.ndarray, predicted: np.ndarray, arrival: np.ndarray,
-                 generated: np.ndarray, held: np.ndarray, max_held: np.ndarray, prompt: np.ndarray) -> None:
+                 generated: np.ndarray, held: np.ndarray, max_held: np.ndarray, prompt: np.ndarray,
+                 waited: np.ndarray) -> None:
         self.ids, self.output, self.predicted, self.arrival = ids, output, predicted, arrival
         self.generated, self.held, self.max_held, self.prompt = generated, held, max_held, prompt
+        self.waited = waited
 
     @classmethod
     def empty(cls) -> _Resident:
-        counts = [np.empty(0, dtype=np.int64) for _ in range(4)]
+        counts = [np.empty(0, dtype=np.int64) for _ in range(5)]
         return cls(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float64),
                    np.empty(0, dtype=np.float64), *counts)
 
@@ -383,7 +386,8 @@ class _Resident:
         policy picks when more requests are resident than there are decode slots."""
         if len(self) <= slots:
             return np.ones(len(self), dtype=bool), UNBOUNDED_STEPS, len(self)
-        chosen, stable_steps = policy.select_steps(self.predicted, self.generated, self.held, self.arrival)
+        chosen, stable_steps = policy.select_steps(self.predicted, self.generated, self.held, self.arrival,
+                                                   self.waited)
         decoding = np.zeros(len(self), dtype=bool)
         decoding[chosen] = True
         return decoding, stable_steps, chosen.shape[0]
@@ -408,6 +412,7 @@ class _Resident:
         self.generated = self.generated + steps * decoding
         self.held = advance_held_out(self.held, decoding, steps)
         self.max_held = np.maximum(self.max_held, self.held)
+        self.waited = self.waited + steps * ~decoding
 
     def refresh(self, decoding: np.ndarray, refresh_at: np.ndarray, refreshed: np.ndarray) -> int:
         """Replace the predicted total of each decoding request that just reached a refresh point and is not
@@ -431,6 +436,7 @@ class _Resident:
         self.held = np.concatenate((self.held, np.zeros(count, dtype=np.int64)))
         self.max_held = np.concatenate((self.max_held, np.zeros(count, dtype=np.int64)))
         self.prompt = np.concatenate((self.prompt, queue.prompt[new]))
+        self.waited = np.concatenate((self.waited, np.zeros(count, dtype=np.int64)))
 
     def remove_finished(self) -> tuple[np.ndarray, np.ndarray]:
         """Take out the requests that generated their whole output: (their positions, most steps held out)."""
@@ -442,7 +448,7 @@ class _Resident:
         self.ids, self.output, self.predicted, self.arrival = (self.ids[keep], self.output[keep],
                                                                self.predicted[keep], self.arrival[keep])
         self.generated, self.held, self.max_held = self.generated[keep], self.held[keep], self.max_held[keep]
-        self.prompt = self.prompt[keep]
+        self.prompt, self.waited = self.prompt[keep], self.waited[keep]
         return finished
 
 

@@ -76,6 +76,10 @@ class LeapConfig(BaseSettings):
     decode_slots: int = Field(64, ge=1, description="K: requests decoded per step")
     waiting_cap: int = Field(128, ge=1, description="C: steps a resident request may be held out")
     aging: float = Field(0.0, ge=0.0, description="exponential aging strength (0: plain countdown)")
+    wait_aging: float = Field(
+        0.0, ge=0.0, le=100.0, description="the tail guard (LEAP_WAIT_AGING): aging by every step a request waited "
+                                           "over its predicted remaining length, HRRN-style, for either order "
+                                           "(0: none; `leap eval tail` and the load study choose it)")
     order: Order = Field(
         "countdown", description="how predictor-based policies rank (LEAP_ORDER): countdown by predicted remaining "
                                  "length, or gittins: the Gittins index of the remaining length under the serving "

@@ -85,7 +85,7 @@ class DecodeSteps:
                 logger.warning("LEAP: the gittins order counts down instead: %s", fallback)
         self._telemetry.order_fallback.set(0 if fallback is None else 1)
         return make_policy(order, k=c.decode_slots, waiting_cap=c.waiting_cap, aging=c.aging,
-                           distribution=self._distribution)
+                           distribution=self._distribution, wait_aging=c.wait_aging)
 
     def _order_fallback(self) -> str | None:
         """Why the configured order cannot rank the serving readout's requests (None when it can); the
@@ -164,8 +164,9 @@ class DecodeSteps:
             generated = np.fromiter((r.num_output_tokens for r in candidates), dtype=np.float64, count=n)
             held_out = np.fromiter((e.held_out for e in entries), dtype=np.int64, count=n)
             arrival = np.fromiter((e.arrival for e in entries), dtype=np.float64, count=n)
+            waited = np.fromiter((e.waited for e in entries), dtype=np.int64, count=n)
             chosen = np.zeros(n, dtype=bool)
-            chosen[policy.select(predicted, generated, held_out, arrival)] = True
+            chosen[policy.select(predicted, generated, held_out, arrival, waited)] = True
             for request, keep in zip(candidates, chosen):
                 if not keep:
                     vllm_compat.hold_out_next_step(request, current_step)
@@ -206,6 +207,7 @@ class DecodeSteps:
                 entry.held_out = 0
             else:
                 entry.held_out += 1
+                entry.waited += 1
                 worst = max(worst, entry.held_out)
         self.last_step_shape = (decodes, sum(num_scheduled_tokens.values()) - decodes, context, pairs)
         if worst != self.counters.max_held_out:

@@ -113,6 +113,7 @@ class LeapRuntime:
         self.finished = FinishedRequests(self.config, self.tracker, self.readouts, self.recorder, self.telemetry)
         self.steps = DecodeSteps(self.config, self.tracker, self.telemetry, self.readouts, self.fallback)
         self.refresher, self.refresh_error = configured_refresher(self.config, self._expect(), self.capture)
+        self.refresh_paused = False  # `configure(refresh=False)`: rows still arrive, totals are not refreshed
         self.readouts.start()
         self.sources = ReadoutSources(self.readouts, self.telemetry, self.model_id, self.layer,
                                       registry_source).start()
@@ -232,6 +233,9 @@ class LeapRuntime:
         if refresher is None:  # the worker captured them, but this runtime refused the refresh readout
             self.telemetry.drop("refresh", "refresh_off", len(request_ids))
             return
+        if self.refresh_paused:  # an arm that counts down from the prefill prediction alone
+            self.telemetry.drop("refresh", "refresh_paused", len(request_ids))
+            return
         totals = refresher.predicted_totals(generated, np.stack(states))
         applied = self.tracker.refresh(request_ids, generated, totals)
         self.steps.counters.refreshed += applied
@@ -258,9 +262,12 @@ class LeapRuntime:
 
     # -- control, between replays and from the admin API ----------------------------------------
     def configure(self, policy: str | None = None, rls: bool | None = None, decode_slots: int | None = None,
-                  waiting_cap: int | None = None, order: str | None = None) -> None:
-        """Switch policy, decode order, online learning or the decode shape between replays (no request in
-        flight)."""
+                  waiting_cap: int | None = None, order: str | None = None, refresh: bool | None = None) -> None:
+        """Switch policy, decode order, online learning, refresh or the decode shape between replays (no request
+        in flight). `refresh=False` pauses a configured refresh (its rows are dropped, counted as
+        `refresh_paused`); True resumes it, and raises when refresh does not serve here."""
+        if refresh and self.refresher is None:
+            raise ValueError(f"refresh does not serve here: {self.refresh_error or 'it is not configured'}")
         if policy is not None:
             self.config.policy = policy  # validated: an unknown name raises and changes nothing
         if order is not None:
@@ -271,6 +278,8 @@ class LeapRuntime:
             self.config.waiting_cap = waiting_cap
         if rls is not None:
             self.config.rls = rls
+        if refresh is not None:
+            self.refresh_paused = not refresh
         self.fallback.release()  # a replay's policy is the one it asks for
         self.steps.reset()
 
@@ -334,7 +343,8 @@ class LeapRuntime:
     def describe_refresh(self) -> dict:
         """Whether refresh serves, at which generated counts, with which readout, or why it does not."""
         refresher = self.refresher
-        return {"active": refresher is not None, "at": list(self.config.refresh_at),
+        return {"active": refresher is not None and not self.refresh_paused, "paused": self.refresh_paused,
+                "at": list(self.config.refresh_at),
                 "version": refresher.version if refresher is not None else None, "error": self.refresh_error,
                 "refreshed": self.steps.counters.refreshed}
 

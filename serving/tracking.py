@@ -52,7 +52,8 @@ class Tracked:
 
     arrival: float
     extras: LeapExtras
-    held_out: int = 0
+    held_out: int = 0  # consecutive steps held out; 0 after each decode
+    waited: int = 0  # every step held out since its first decode (the tail guard's wait)
     first_token_time: float | None = None
     decode_seen: bool = False
     predicted_at_admission: float | None = None

@@ -15,9 +15,10 @@ def reference_simulate(arrival, prompt, out, predicted, config: SimConfig, refre
     predicted = np.array(predicted, dtype=float)
     points = list(config.refresh_at)
     order = sorted(range(n), key=lambda i: (arrival[i], i))
-    policy = make_policy(config.policy, config.decode_slots, config.waiting_cap, config.aging)
+    policy = make_policy(config.policy, config.decode_slots, config.waiting_cap, config.aging,
+                         distribution=config.distribution, wait_aging=config.wait_aging)
     first, finish, max_held = np.full(n, np.nan), np.full(n, np.nan), np.zeros(n, dtype=int)
-    generated, held = {}, {}
+    generated, held, waited = {}, {}, {}
     resident: list[int] = []
     now, next_pos, done = arrival[order[0]], 0, 0
     while done < n:
@@ -35,7 +36,8 @@ def reference_simulate(arrival, prompt, out, predicted, config: SimConfig, refre
         decoded = n_refreshed = context = 0
         if resident:
             chosen = set(policy.select(predicted[resident], np.array([generated[r] for r in resident]),
-                                       np.array([held[r] for r in resident]), arrival[resident]).tolist())
+                                       np.array([held[r] for r in resident]), arrival[resident],
+                                       np.array([waited[r] for r in resident])).tolist())
             for slot, request in enumerate(resident):
                 if slot in chosen:
                     context += prompt[request] + generated[request]
@@ -48,12 +50,13 @@ def reference_simulate(arrival, prompt, out, predicted, config: SimConfig, refre
                         n_refreshed += 1
                 else:
                     held[request] += 1
+                    waited[request] += 1
                     max_held[request] = max(max_held[request], held[request])
         pairs = sum(prompt[r] * (prompt[r] + 1) // 2 for r in admitted)
         now += config.step_model.step_seconds(decoded, prefill, context, pairs) + n_refreshed * config.refresh_cost_s
         for request in admitted:
             first[request] = now
-            generated[request], held[request] = 1, 0
+            generated[request], held[request], waited[request] = 1, 0, 0
             resident.append(request)
         for request in [r for r in resident if generated[r] == out[r]]:
             finish[request] = now

@@ -135,6 +135,48 @@ def test_predictions_ready_and_decode_order_follows_predicted_remaining(live):
         assert worst_decoded <= best_held + 1e-9
 
 
+def test_wait_aging_counts_every_held_out_step_and_ranks_by_wait_over_remaining(live):
+    scheduler, runtime = live["scheduler"], live["runtime"]
+    rate = 2.0
+    runtime.config.wait_aging = rate
+    runtime.configure(policy="leap")
+    checked, waits = [], []
+
+    def before_step():
+        tracked = runtime.tracked
+        candidates = [r for r in scheduler.running if r.num_output_tokens > 0 and r.request_id in runtime.predictions
+                      and r.request_id in tracked]
+        priority = {}
+        for r in candidates:
+            remaining = max(runtime.predictions[r.request_id] - r.num_output_tokens, 1.0)
+            priority[r.request_id] = remaining * np.exp(-rate * tracked[r.request_id].waited / remaining)
+            waits.append((tracked[r.request_id].waited, tracked[r.request_id].held_out))
+        original = scheduler.schedule
+
+        def observed(*args, **kwargs):
+            output = original(*args, **kwargs)
+            scheduler.schedule = original
+            decoded = [rid for rid in priority if rid in output.num_scheduled_tokens]
+            held = [rid for rid in priority if rid not in output.num_scheduled_tokens]
+            if decoded and held:
+                checked.append((max(priority[r] for r in decoded), min(priority[r] for r in held)))
+            return output
+
+        scheduler.schedule = observed
+
+    try:
+        finished = run(live, PROMPTS, tokens=24, tag="wait-aging", on_step=before_step)
+    finally:
+        runtime.config.wait_aging = 0.0
+        runtime.configure(policy="leap")
+    assert len(finished) == len(PROMPTS) and set(finished.values()) == {24}
+    assert len(checked) > 5, "the resident set must exceed the decode slots for several steps"
+    # waits accumulate past a decode (the consecutive hold-out count restarts; the wait does not)
+    assert any(waited > held_out for waited, held_out in waits)
+    for worst_decoded, best_held in checked:
+        assert worst_decoded <= best_held * (1 + 1e-9)
+
+
 def test_waiting_cap_holds_and_nothing_starves(live):
     runtime = live["runtime"]
     # 10 resident, 2 slots: each request must decode once every 5 steps, so a cap of 4 is just feasible.

@@ -67,6 +67,36 @@ def test_aging_lets_a_long_waiting_request_overtake():
     assert set(chosen) != set(plain)
 
 
+def test_wait_aging_ranks_by_wait_over_predicted_remaining():
+    rng = np.random.default_rng(5)
+    n, k, rate = 256, 32, 0.5
+    predicted = rng.integers(1, 1000, n).astype(float)
+    generated = rng.integers(0, 50, n).astype(float)
+    held_out = rng.integers(0, 20, n)
+    waited = held_out + rng.integers(0, 2000, n)  # every step held out, not only the last run of them
+    arrival = rng.random(n)
+
+    chosen = CountdownPolicy(k=k, waiting_cap=1000, wait_aging=rate).select(predicted, generated, held_out, arrival,
+                                                                            waited)
+
+    remaining = np.maximum(predicted - generated, 1)
+    np.testing.assert_array_equal(chosen, _reference_order(remaining * np.exp(-rate * waited / remaining),
+                                                           arrival)[:k])
+    plain = CountdownPolicy(k=k, waiting_cap=1000).select(predicted, generated, held_out, arrival, waited)
+    assert set(chosen) != set(plain)
+    # without waits (a caller that counts none) the order is countdown's
+    np.testing.assert_array_equal(
+        CountdownPolicy(k=k, waiting_cap=1000, wait_aging=rate).select(predicted, generated, held_out, arrival), plain)
+
+
+def test_a_long_request_that_waited_its_length_overtakes_a_fresh_short_one():
+    policy = CountdownPolicy(k=1, waiting_cap=10_000, wait_aging=1.0)
+    predicted, generated, held_out, arrival = np.array([1000.0, 50.0]), np.zeros(2), np.zeros(2, int), np.zeros(2)
+    assert policy.select(predicted, generated, held_out, arrival, np.array([2000, 0])).tolist() == [1]
+    assert policy.select(predicted, generated, held_out, arrival, np.array([4000, 0])).tolist() == [0]
+    assert policy.select_steps(predicted, generated, held_out, arrival, np.array([4000, 0]))[1] == 1
+
+
 def test_fcfs_decodes_the_earliest_arrivals_in_order():
     rng = np.random.default_rng(4)
     n, k = 512, 64

@@ -322,14 +322,39 @@ def test_a_refresh_reorders_decodes_and_feedback_keeps_the_prefill_feature_and_p
     assert runtime.telemetry.dropped("refresh", "not_resident") == 1
 
     assert runtime.stats()["refreshed"] == 1
-    assert runtime.describe()["refresh"] == {"active": True, "at": [4, 8], "version": "refresh-1", "error": None,
-                                             "refreshed": 1}
+    assert runtime.describe()["refresh"] == {"active": True, "paused": False, "at": [4, 8], "version": "refresh-1",
+                                             "error": None, "refreshed": 1}
     assert runtime.metrics_registry.get_sample_value("leap_refreshes_total") == 1.0
     a.status = RequestStatus.FINISHED_LENGTH_CAPPED
     runtime.on_finished(a)
     (row,) = rows
     np.testing.assert_array_equal(row["feature"], vector(10.0))
     assert row["predicted_latest"] == pytest.approx(10.0) and row["predicted_at_admission"] == pytest.approx(10.0)
+
+
+def test_a_paused_refresh_keeps_the_countdown_and_counts_the_rows_it_drops(build, refresh_file):
+    runtime = build(policy="leap", refresh_at=CHECKPOINTS, refresh_readout_path=refresh_file)
+    runtime.reset_readout(first_value_readout("v1"), None)
+    runtime.configure(refresh=False)  # the countdown arm of a paired replay on a refresh-capturing engine
+    a = decoding("a-00000002", 4)
+    sender = FeatureSender(runtime.config.channel)
+    sender.send([a.request_id], vector(10.0)[None])
+    runtime.before_schedule([a], 1)
+    sender.send_refresh([a.request_id], np.array([4]), vector(100.0, seed=1)[None])
+    assert runtime.tracked[a.request_id].refreshed_total is None
+    assert runtime.telemetry.dropped("refresh", "refresh_paused") == 1
+    assert runtime.describe_refresh()["paused"] and not runtime.describe_refresh()["active"]
+    runtime.configure(refresh=True)
+    sender.send_refresh([a.request_id], np.array([8]), vector(100.0, seed=1)[None])
+    assert runtime.tracked[a.request_id].refreshed_total == pytest.approx(108.0)
+    assert runtime.describe_refresh()["active"]
+
+
+def test_refresh_cannot_be_resumed_where_it_does_not_serve(build):
+    runtime = build(policy="leap")
+    with pytest.raises(ValueError, match="refresh does not serve here"):
+        runtime.configure(refresh=True)
+    runtime.configure(refresh=False)  # pausing what is off is harmless
 
 
 def nan_readout_bytes() -> bytes:

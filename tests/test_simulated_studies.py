@@ -541,7 +541,7 @@ def test_life_error_counts_each_request_once_over_the_points_it_reaches():
 def tail_result():
     prompt, out, predicted = _pool()
     return run_tail(prompt, out, predicted, STEP_MODEL, waiting_caps=(16, 128, 1024), agings=(0.0, 0.01),
-                    n_requests=400, seeds=3)
+                    wait_agings=(0.3, 3.0), n_requests=400, seeds=3, decode_slots=8, max_resident=128)
 
 
 def test_run_tail_shapes_and_a_small_cap_does_not_hurt_long_requests(tail_result):
@@ -550,7 +550,7 @@ def test_run_tail_shapes_and_a_small_cap_does_not_hurt_long_requests(tail_result
     keys = {"long_p95_latency_s", "all_p95_latency_s", "mean_ptl"}
     keys |= {f"{k}_ci" for k in keys}
     assert set(result["fcfs"]) == keys
-    for row in (result["fcfs"], *result["cap"], *result["aging"]):
+    for row in (result["fcfs"], *result["cap"], *result["aging"], *result["wait_aging"]):
         for name in ("long_p95_latency_s", "all_p95_latency_s", "mean_ptl"):
             low, high = row[f"{name}_ci"]
             assert low <= row[name] <= high
@@ -559,14 +559,17 @@ def test_run_tail_shapes_and_a_small_cap_does_not_hurt_long_requests(tail_result
     goal = {"long_p95_over_fcfs", "mean_ptl_over_fcfs", "meets_goal"}
     assert all(set(row) == keys | goal | {"waiting_cap"} for row in result["cap"])
     assert all(set(row) == keys | goal | {"aging"} for row in result["aging"])
-    for row in (*result["cap"], *result["aging"]):  # the ratios are those of the means, paired by seed
+    assert [row["wait_aging"] for row in result["wait_aging"]] == [0.3, 3.0]
+    assert all(set(row) == keys | goal | {"wait_aging"} for row in result["wait_aging"])
+    for row in (*result["cap"], *result["aging"], *result["wait_aging"]):  # the ratios are those of the means, paired by seed
         for name, ratio in (("long_p95_latency_s", "long_p95_over_fcfs"), ("mean_ptl", "mean_ptl_over_fcfs")):
             assert row[ratio]["value"] == pytest.approx(row[name] / result["fcfs"][name])
             assert row[ratio]["ci_low"] <= row[ratio]["value"] <= row[ratio]["ci_high"]
         assert row["meets_goal"] == (row["long_p95_over_fcfs"]["value"] <= 1.2
                                      and row["mean_ptl_over_fcfs"]["value"] <= 0.5)
     met = [{"waiting_cap": r["waiting_cap"]} for r in result["cap"] if r["meets_goal"]] + \
-        [{"aging": r["aging"]} for r in result["aging"] if r["meets_goal"]]
+        [{"aging": r["aging"]} for r in result["aging"] if r["meets_goal"]] + \
+        [{"wait_aging": r["wait_aging"]} for r in result["wait_aging"] if r["meets_goal"]]
     assert result["met_by"] == met
     _, out, _ = _pool()
     assert result["long_threshold_tokens"] == pytest.approx(np.quantile(out, 0.9))
@@ -574,6 +577,8 @@ def test_run_tail_shapes_and_a_small_cap_does_not_hurt_long_requests(tail_result
     assert {k: result["aging"][0][k] for k in keys} == {k: result["cap"][1][k] for k in keys}
     by_cap = {row["waiting_cap"]: row for row in result["cap"]}
     assert by_cap[16]["long_p95_latency_s"] <= 1.02 * by_cap[1024]["long_p95_latency_s"]
+    # aging by the wait moves long requests ahead: the stronger rate shortens their tail against countdown's
+    assert result["wait_aging"][1]["long_p95_latency_s"] < by_cap[128]["long_p95_latency_s"]
 
 
 def test_plots_write_pngs_and_sections_hold_tables(tmp_path, load_result, refresh_results, tail_result):
@@ -604,6 +609,7 @@ def test_plots_write_pngs_and_sections_hold_tables(tmp_path, load_result, refres
     assert "Tail at" not in section_load(old_result, "x.png")  # results saved before these keys still render
     assert "refresh wins" in section_refresh(refresh_results[0], "x.png")
     assert "exp(-aging x held_out)" in section_tail(tail_result, "x.png")
+    assert "| wait aging |" in section_tail(tail_result, "x.png")
 
 
 def test_the_tail_intervals_over_splits_span_what_the_splits_disagree_on():

@@ -2,7 +2,7 @@
 capacity, the step-time fit, and the `leap simulate` command on the real trace."""
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
@@ -21,16 +21,18 @@ def _small_load(seed: int, n: int = 300):
     return arrival, prompt, out, rng
 
 
-@pytest.mark.parametrize("policy,aging,predictions", [
-    ("fcfs", 0.0, "true"),
-    ("countdown", 0.0, "true"),
-    ("countdown", 0.0, "noisy"),
-    ("countdown", 0.2, "noisy"),
+@pytest.mark.parametrize("policy,aging,wait_aging,predictions", [
+    ("fcfs", 0.0, 0.0, "true"),
+    ("countdown", 0.0, 0.0, "true"),
+    ("countdown", 0.0, 0.0, "noisy"),
+    ("countdown", 0.2, 0.0, "noisy"),
+    ("countdown", 0.0, 0.5, "noisy"),
 ])
-def test_matches_a_literal_step_by_step_loop(policy, aging, predictions):
+def test_matches_a_literal_step_by_step_loop(policy, aging, wait_aging, predictions):
     arrival, prompt, out, rng = _small_load(seed=11)
     predicted = out if predictions == "true" else noisy_predictions(out, 0.6, seed=3)
-    config = SimConfig(max_resident=24, decode_slots=6, waiting_cap=5, aging=aging, policy=policy,
+    config = SimConfig(max_resident=24, decode_slots=6, waiting_cap=5, aging=aging, wait_aging=wait_aging,
+                       policy=policy,
                        max_prefill_tokens_per_step=100,
                        step_model=StepTimeModel(base_s=0.02, per_decode_s=0.004, per_prefill_token_s=0.0002,
                                                  per_context_token_s=2e-5, per_prefill_pair_s=1e-7,
@@ -41,6 +43,9 @@ def test_matches_a_literal_step_by_step_loop(policy, aging, predictions):
     np.testing.assert_allclose(result.finish, finish, rtol=1e-9)
     np.testing.assert_array_equal(result.max_held_out, max_held)
     assert np.nanmax(max_held) > 0  # the load did queue, so selection was exercised
+    if wait_aging:  # the waits were counted and moved the order
+        plain = simulate(arrival, prompt, out, predicted, replace(config, wait_aging=0.0))
+        assert not np.allclose(plain.finish, result.finish)
 
 
 def _saturated_load(n: int = 1500, seed: int = 0, load: float = 1.5):
