@@ -21,6 +21,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from leap_core import alpha as alpha_path
 from leap_core import metrics
+from evaluation.target_heads import HEADS, choose_head_alpha, make_head
 from leap_core.readout import LinearReadout
 
 ALPHAS: tuple[float, ...] = alpha_path.ALPHAS
@@ -92,8 +93,10 @@ def _fit_predict(X_train: ArrayLike, y_train: ArrayLike, X_test: ArrayLike, alph
 
 def run_targets(X_train: ArrayLike, y_train: ArrayLike, X_test: ArrayLike, y_test: ArrayLike,
                 max_tokens: int, alpha: float | None = None, *, sets_test: ArrayLike | None = None,
-                censored_test: ArrayLike | None = None, n_boot: int = N_BOOT, seed: int = 0) -> dict:
-    """Table 6: the readout fitted on raw, log and sqrt lengths, scored in tokens and by rank.
+                censored_test: ArrayLike | None = None, n_boot: int = N_BOOT, seed: int = 0,
+                heads: tuple[str, ...] | None = None) -> dict:
+    """Table 6: the readout fitted on raw, log and sqrt lengths, scored in tokens and by rank; `heads`
+    (`evaluation.target_heads.HEADS`): also the rank-normalized and soft-bin heads, scored the same way.
 
     alpha=None chooses alpha per target by 5-fold CV on the training rows over `ALPHAS`.
     sets_test: the prompt set of each test row, for per-set figures (None: pooled only).
@@ -104,9 +107,12 @@ def run_targets(X_train: ArrayLike, y_train: ArrayLike, X_test: ArrayLike, y_tes
     y_test = np.asarray(y_test, dtype=np.float64).reshape(-1)
     _check_split(X_train, y_train, X_test, y_test)
     per_target = {}
-    for target in TARGET_ORDER:
-        chosen = float(alpha) if alpha is not None else choose_alpha(X_train, y_train, target, max_tokens)
-        pred = _fit_predict(X_train, y_train, X_test, chosen, target, max_tokens)
+    for target in (*TARGET_ORDER, *(heads or ())):
+        chosen = (float(alpha) if alpha is not None
+                  else choose_head_alpha(target, X_train, y_train, max_tokens, ALPHAS, N_SPLITS, CV_SEED)
+                  if target in HEADS else choose_alpha(X_train, y_train, target, max_tokens))
+        pred = (make_head(target, chosen, max_tokens).fit(X_train, y_train).predict(X_test) if target in HEADS
+                else _fit_predict(X_train, y_train, X_test, chosen, target, max_tokens))
         scored = _scored(y_test, pred, max_tokens, sets_test, censored_test, n_boot, seed)
         per_target[target] = {
             "alpha": chosen,
@@ -361,7 +367,13 @@ def section_targets(result: dict, image: str) -> str:
         "",
         f"The same linear readout fitted on raw, log and sqrt output lengths ({alpha_note}), "
         f"scored on {result['n_test']} test requests ({result['n_train']} training). MAE is in tokens, "
-        f"by true length bucket: short < {low:g} <= medium < {high:g} <= long (M = {result['max_tokens']}).",
+        f"by true length bucket: short < {low:g} <= medium < {high:g} <= long (M = {result['max_tokens']})."
+        + (" Beside them two heads on the same features (evaluation/target_heads.py): rank, ridge on the "
+           "normal score of the log length's rank among the training lengths (decoded through the same "
+           "quantiles), and softbin, one ridge output per log-length bin (16 bins at the training quantiles, "
+           "Gaussian soft labels, width 0.5 in log length) decoded to the expected log length. Neither is a "
+           "serving target yet: the readout file carries neither the quantile map nor the bin matrix."
+           if any(name in HEADS for name in result["targets"]) else ""),
         "",
         "| Target | alpha | MAE | MAE short | MAE medium | MAE long | Spearman | Kendall |",
         "|---|---|---|---|---|---|---|---|",

@@ -75,8 +75,10 @@ def chat_split(max_tokens: int, model: str | None, say: Say) -> tuple[LengthData
 
 def targets_study(max_tokens: int = 1024, model: str | None = None, say: Say = _quiet) -> dict:
     train, test = chat_split(max_tokens, model, say)
+    from evaluation.target_heads import HEADS
+
     result = offline.run_targets(train.features, train.lengths, test.features, test.lengths, max_tokens,
-                                 sets_test=test.sets)
+                                 sets_test=test.sets, heads=HEADS)
     result.update(train=CHAT_TRAIN, test=CHAT_TEST)
     sqrt = result["targets"]["sqrt"]
     result["goals"] = {"sharegpt_heldout_spearman": {
