@@ -611,7 +611,8 @@ def _guard_lines(result: dict) -> list[str]:
         seen = (f"; there long P95 {_g(validation['long_p95_over_fcfs']['value'])} x FCFS's at mean PTL "
                 f"{_g(validation['mean_ptl_over_fcfs']['value'])} x" if validation else "")
         verdict = ("the cheapest knob meeting the goal there" if guard["met_on_validation"]
-                   else "none met the goal there; the lowest tail that keeps the mean goal")
+                   else "none met the goal there; the lowest tail that keeps the mean goal" if validation
+                   else "none met the goal there; the cap with the lowest tail")  # chosen by the cap alone
         lines.append(f"- `{name}`: cap {guard['waiting_cap']}, wait aging {_g(guard.get('wait_aging', 0.0))} "
                      f"({guard['seeds']} seeds of {guard['n_requests']} requests at {guard['load']:g}; {verdict}"
                      f"{seen}).")
