@@ -101,6 +101,23 @@ def test_capture_matches_transformers_including_chunked_prefill(live, model):
         assert cosine >= 0.999, (text[:30], cosine)
 
 
+def observe_next_schedule(scheduler, priority: dict, checked: list) -> None:
+    """Wrap the scheduler's next `schedule` call once: when it decodes some of `priority`'s requests and holds
+    out others, record (worst priority decoded, best priority held out, how many decoded)."""
+    original = scheduler.schedule
+
+    def observed(*args, **kwargs):
+        output = original(*args, **kwargs)
+        scheduler.schedule = original
+        decoded = [rid for rid in priority if rid in output.num_scheduled_tokens]
+        held = [rid for rid in priority if rid not in output.num_scheduled_tokens]
+        if decoded and held:
+            checked.append((max(priority[r] for r in decoded), min(priority[r] for r in held), len(decoded)))
+        return output
+
+    scheduler.schedule = observed
+
+
 def test_predictions_ready_and_decode_order_follows_predicted_remaining(live):
     scheduler, runtime = live["scheduler"], live["runtime"]
     runtime.configure(policy="leap")
@@ -111,19 +128,7 @@ def test_predictions_ready_and_decode_order_follows_predicted_remaining(live):
                       if r.num_output_tokens > 0 and r.request_id in runtime.predictions]
         remaining = {r.request_id: max(runtime.predictions[r.request_id] - r.num_output_tokens, 1.0)
                      for r in candidates}
-        original = scheduler.schedule
-
-        def observed(*args, **kwargs):
-            output = original(*args, **kwargs)
-            scheduler.schedule = original
-            decoded = [rid for rid in remaining if rid in output.num_scheduled_tokens]
-            held = [rid for rid in remaining if rid not in output.num_scheduled_tokens]
-            if decoded and held:
-                checked.append((max(remaining[r] for r in decoded), min(remaining[r] for r in held),
-                                len(decoded)))
-            return output
-
-        scheduler.schedule = observed
+        observe_next_schedule(scheduler, remaining, checked)
 
     finished = run(live, PROMPTS, tokens=24, tag="order", on_step=before_step)
     assert len(finished) == len(PROMPTS) and set(finished.values()) == {24}
@@ -151,18 +156,7 @@ def test_wait_aging_counts_every_held_out_step_and_ranks_by_wait_over_remaining(
             remaining = max(runtime.predictions[r.request_id] - r.num_output_tokens, 1.0)
             priority[r.request_id] = remaining * np.exp(-rate * tracked[r.request_id].waited / remaining)
             waits.append((tracked[r.request_id].waited, tracked[r.request_id].held_out))
-        original = scheduler.schedule
-
-        def observed(*args, **kwargs):
-            output = original(*args, **kwargs)
-            scheduler.schedule = original
-            decoded = [rid for rid in priority if rid in output.num_scheduled_tokens]
-            held = [rid for rid in priority if rid not in output.num_scheduled_tokens]
-            if decoded and held:
-                checked.append((max(priority[r] for r in decoded), min(priority[r] for r in held)))
-            return output
-
-        scheduler.schedule = observed
+        observe_next_schedule(scheduler, priority, checked)
 
     try:
         finished = run(live, PROMPTS, tokens=24, tag="wait-aging", on_step=before_step)
@@ -173,7 +167,7 @@ def test_wait_aging_counts_every_held_out_step_and_ranks_by_wait_over_remaining(
     assert len(checked) > 5, "the resident set must exceed the decode slots for several steps"
     # waits accumulate past a decode (the consecutive hold-out count restarts; the wait does not)
     assert any(waited > held_out for waited, held_out in waits)
-    for worst_decoded, best_held in checked:
+    for worst_decoded, best_held, _ in checked:
         assert worst_decoded <= best_held * (1 + 1e-9)
 
 
