@@ -10,7 +10,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from evaluation import ceiling_report, corpus_report, fidelity, live, offline, recipes_report, simulated, transfer
+from evaluation import (ceiling_report, corpus_report, fidelity, learning_curve_report, live, offline, recipes_report,
+                        simulated, transfer)
 
 Renderer = tuple[Callable[[dict, Path], None], Callable[[dict, str], str]]
 SINGLE: dict[str, Renderer] = {
@@ -19,13 +20,14 @@ SINGLE: dict[str, Renderer] = {
     "layers": (offline.plot_layers, offline.section_layers),
     "recipes": (recipes_report.plot_recipes, recipes_report.section_recipes),
     "ceiling": (ceiling_report.plot_ceiling, ceiling_report.section_ceiling),
+    "curve": (learning_curve_report.plot_learning_curve, learning_curve_report.section_learning_curve),
     "live": (live.plot_live, live.section_live),
     "live-refresh": (live.plot_live, live.section_live_refresh),
     "fidelity": (fidelity.plot_fidelity, fidelity.section_fidelity),
     "refresh": (simulated.plot_refresh, simulated.section_refresh),
     "tail": (simulated.plot_tail, simulated.section_tail),
 }
-ORDER = ("corpus", "targets", "layers", "recipes", "ceiling", "transfer", "live", "live-quick", "fidelity",
+ORDER = ("corpus", "curve", "targets", "layers", "recipes", "ceiling", "transfer", "live", "live-quick", "fidelity",
          "fidelity-quick", "load", "refresh", "live-refresh", "tail")
 
 HEADER = """# Results
@@ -44,6 +46,7 @@ decoding with frequency penalty 0.5, output budget M = 1024 unless a section say
 BASELINES = ("--baselines", "prompt_length,minilm_ridge,trail_mlp")
 RERUN: tuple[tuple[str, ...], ...] = (
     ("eval", "corpus"),
+    ("eval", "curve"),
     ("eval", "targets"),
     ("eval", "layers"),
     ("bench", "recipes"),

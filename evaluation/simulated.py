@@ -550,9 +550,13 @@ def section_load(result: dict, image: str) -> str:
     untouched = result.get("untouched")
     pool = (f"the untouched test slice ({result['n_pool']} rows: {untouched['rows']})" if untouched
             else f"a pool of {result['n_pool']} held-out prompts")
+    from evaluation.selections import CHAT_TRAIN
+
+    window = ("" if result.get("train", CHAT_TRAIN) == CHAT_TRAIN
+              else f", trained on {result['train']} ({result.get('n_train', '?')} rows)")
     text = [
-        "## The final table: simulated scheduling on the untouched test slice" if untouched
-        else "## Simulated scheduling under load",
+        ("## The final table: simulated scheduling on the untouched test slice" if untouched
+         else "## Simulated scheduling under load") + window,
         "",
         f"End-to-end latency and per-token latency (PTL = latency / output tokens) of each decode policy in the "
         f"step-loop simulator at R = {result.get('max_resident', '?')}, K = {result.get('decode_slots', '?')}, with "

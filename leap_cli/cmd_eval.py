@@ -139,6 +139,23 @@ def ceiling(max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json:
     _finish(ceiling_study(max_tokens, model, _say(as_json), build, n_boot), "ceiling", "ceiling", as_json, save)
 
 
+@eval_app.command("curve")
+def curve(
+    pool: Optional[int] = typer.Option(None, min=100, help="the first N ShareGPT prompts form the training pool, less "
+                                                           "the test slice (default: the snapshot's ShareGPT prompts)"),
+    draws: int = typer.Option(5, min=1, help="seeded training subsamples per size"),
+    n_boot: int = typer.Option(2000, "--n-boot", min=100, help="bootstrap replicates per interval"),
+    max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
+    build: bool = BUILD,
+) -> None:
+    """The learning curve: held-out ShareGPT Spearman of the readout (sqrt and log targets) against its training
+    rows, intervals over test prompts and training draws, and the slope per doubling of the rows."""
+    from evaluation.learning_curve import learning_curve_study
+
+    result = learning_curve_study(pool, max_tokens, model, _say(as_json), build, draws, n_boot)
+    _finish(result, "curve", "curve", as_json, save)
+
+
 @eval_app.command("targets")
 def targets(max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON,
             save: bool = SAVE) -> None:

@@ -218,7 +218,7 @@ def spearman_difference(true: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.nd
     return spearman_batch(true, a) - spearman_batch(true, b)
 
 
-def _percentile_interval(value: float, replicates: np.ndarray, level: float) -> dict[str, float]:
+def percentile_interval(value: float, replicates: np.ndarray, level: float) -> dict[str, float]:
     """{"value", "ci_low", "ci_high"}: the (1 - level)/2 and (1 + level)/2 quantiles of the finite replicates
     (NaN when none is)."""
     replicates = replicates[np.isfinite(replicates)]
@@ -281,7 +281,7 @@ def bootstrap_ci(statistic: Callable[..., Any], *arrays: ArrayLike, n_boot: int 
             replicates.append(np.asarray(statistic(*(c[index] for c in columns)), dtype=np.float64).reshape(-1))
         else:
             replicates.append(np.asarray([statistic(*(c[row] for c in columns)) for row in index], dtype=np.float64))
-    return _percentile_interval(value, np.concatenate(replicates), level)
+    return percentile_interval(value, np.concatenate(replicates), level)
 
 
 def hierarchical_bootstrap_ci(statistic: Callable[..., Any], *arrays: ArrayLike, n_boot: int = 2000, seed: int = 0,
@@ -320,7 +320,7 @@ def hierarchical_bootstrap_ci(statistic: Callable[..., Any], *arrays: ArrayLike,
         rows = rng.integers(0, n_rows, size=(size, n_groups, n_rows))
         replicates.append(np.asarray(statistic(*(b[groups, rows].reshape(size, cells) for b in blocks)),
                                      dtype=np.float64).reshape(-1))
-    return _percentile_interval(value, np.concatenate(replicates), level)
+    return percentile_interval(value, np.concatenate(replicates), level)
 
 
 # ------------------------------------------------------------------ per set and pooled

@@ -70,6 +70,7 @@ def test_the_rerun_queues_the_pool_in_another_fixed_order():
 @pytest.mark.parametrize("command, module, function", [
     (["eval", "ceiling", "--save", "--json"], "evaluation.ceiling", "ceiling_study"),
     (["bench", "recipes", "--save", "--json"], "harness.recipe_bench", "bench_recipes"),
+    (["eval", "curve", "--save", "--json"], "evaluation.learning_curve", "learning_curve_study"),
 ])
 def test_saving_a_result_from_a_dirty_checkout_is_refused_before_the_work_runs(monkeypatch, command, module,
                                                                                function):

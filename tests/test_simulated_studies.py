@@ -333,8 +333,13 @@ def test_the_load_study_chooses_its_best_baseline_on_the_stream_rows_not_the_tes
     assert "chosen on validation rows" in text and "| stream_honest |" in text
     final = section_load({**result, **validation, "untouched": {"set": "s", "n": 150, "rows": "rows nobody chose on"}},
                          "x.png")
-    assert final.startswith("## The final table")
+    assert final.startswith("## The final table: simulated scheduling on the untouched test slice\n")
     assert f"untouched test slice ({result['n_pool']} rows: rows nobody chose on)" in final
+    # a final table fitted on another training window than the chat one says which in its title
+    wider = section_load({**result, **validation, "untouched": {"set": "s", "n": 150, "rows": "r"},
+                          "train": "sharegpt:4800,arena_hard:100", "n_train": 4812}, "x.png")
+    assert wider.startswith("## The final table: simulated scheduling on the untouched test slice, trained on "
+                            "sharegpt:4800,arena_hard:100 (4812 rows)\n")
 
 
 def synthetic_train(n: int = 80):
