@@ -44,6 +44,7 @@ decoding with frequency penalty 0.5, output budget M = 1024 unless a section say
 # cores (on the multilingual sets also the multilingual USE ridge); the fine-tuned MiniLM baselines (minilm_finetuned, minilm_ltr) run with `--baselines` where a
 # machine has the time.
 BASELINES = ("--baselines", "prompt_length,minilm_ridge,trail_mlp")
+WIDE_TRAIN = "sharegpt:4800,arena_hard:100"
 RERUN: tuple[tuple[str, ...], ...] = (
     ("eval", "corpus"),
     ("eval", "curve"),
@@ -64,6 +65,9 @@ RERUN: tuple[tuple[str, ...], ...] = (
     ("eval", "load", *BASELINES),
     ("eval", "load", "--quick"),
     ("eval", "load", "--untouched", *BASELINES),
+    # the same final table with the readout and the baselines fitted on every ShareGPT row of the snapshot
+    # before the last 1,200 (which feed RLS and choose the baseline), not the chat window's 1,500
+    ("eval", "load", "--untouched", "--train", WIDE_TRAIN, "--name", "load-untouched-wide", *BASELINES),
     ("eval", "refresh"),
     ("eval", "live", "--refresh"),
     ("eval", "tail"),
