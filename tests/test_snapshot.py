@@ -190,6 +190,15 @@ def test_the_untouched_slice_is_cut_from_sharegpts_order_and_the_name_sharegpt_n
     monkeypatch.setenv("LEAP_SHARED", str(tmp_path / "absent"))
     assert [p["id"] for p in selections.select(selections.UNTOUCHED)] == whole[3:6]
     assert [p["id"] for p in selections.select("sharegpt")] == whole[:3]
+    # A snapshot storing ShareGPT prompts past the slice's place in the order: they are stored cut, so
+    # neither set is cut again (the untouched slice comes from its own stored set, never from "sharegpt").
+    monkeypatch.setenv("LEAP_SHARED", str(shared))
+    beyond = selections.seeded_prompts("sharegpt")[:6]
+    snapshot.write_prompts({"sharegpt": beyond, selections.UNTOUCHED: untouched})
+    monkeypatch.setenv("LEAP_SHARED", str(tmp_path / "absent"))
+    assert [p["id"] for p in selections.select("sharegpt")] == whole[:3] + whole[6:9]
+    assert [p["id"] for p in selections.select("sharegpt:6")] == [p["id"] for p in beyond]
+    assert [p["id"] for p in selections.select(selections.UNTOUCHED)] == whole[3:6]
     snapshot.write_prompts({"sharegpt": selections.seeded_prompts("sharegpt")[:3]})
     with pytest.raises(FileNotFoundError, match="sharegpt_untouched"):
         selections.select(selections.UNTOUCHED)
