@@ -10,8 +10,13 @@ def _ci(figure: dict) -> str:
     return f"{figure['value']:.3f} [{figure['ci_low']:.3f}, {figure['ci_high']:.3f}]"
 
 
+ROWS_SHOWN = 10_000_000  # beyond this an extrapolated row count says only that it is beyond
+
+
 def _rows(value: float) -> str:
-    return "never (slope <= 0)" if not math.isfinite(value) else f"{value:,.0f}"
+    if not math.isfinite(value):
+        return "never (slope <= 0)"
+    return f"more than {ROWS_SHOWN:,}" if value > ROWS_SHOWN else f"{value:,.0f}"
 
 
 def plot_learning_curve(result: dict, path: pathlib.Path) -> None:

@@ -112,3 +112,11 @@ def test_the_command_runs_on_the_committed_snapshot():
         assert [p["rows"] for p in points] == result["sizes"]
         assert 0.3 < points[-1]["spearman"]["value"] < 0.8  # the readout ranks held-out ShareGPT
         assert "slope_per_doubling" in result["targets"][target]
+
+
+def test_extrapolated_row_counts_beyond_reason_are_printed_as_such():
+    from evaluation.learning_curve_report import _rows
+
+    assert _rows(192_157.4) == "192,157"
+    assert _rows(3.5e9) == "more than 10,000,000"
+    assert _rows(float("inf")) == "never (slope <= 0)"
