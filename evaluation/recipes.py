@@ -53,7 +53,7 @@ SAMPLED = {"temperature": 0.7, "top_p": 0.9, "frequency_penalty": 0.5}  # harnes
 GREEDY_DECODING = {"temperature": 0.0, "frequency_penalty": 0.5}  # harness.replay.DEFAULT_DECODING
 COSTS = Path(__file__).resolve().parent.parent / "docs" / "results" / "recipe-costs.json"
 N_SPLITS = 5
-TARGETS = ("sqrt", "log")  # the regression targets validated with every recipe (leap_core.targets)
+TARGETS = ("sqrt", "log", "rank", "softbin")  # the regression targets validated with every recipe (leap_core.targets)
 TARGET_SETS = ("sharegpt", "sharegpt@sampled")  # where each (recipe, target) pair is scored with intervals
 
 

@@ -113,7 +113,7 @@ class PipelineSettings(BaseSettings):
     alpha: str = Field("auto", description="ridge penalty, or 'auto' for cross-validation")
     target: str = Field("sqrt", description="regression target of the readout (leap_core.targets.TARGETS)")
     targets: Annotated[list[str] | None, NoDecode] = Field(
-        None, description="candidate regression targets, comma-separated or a JSON list (e.g. 'sqrt,log'): "
+        None, description="candidate regression targets, comma-separated or a JSON list (e.g. 'sqrt,log,rank,softbin'): "
                           "chosen with the recipe by the same validation while no champion fixes the target "
                           "(serving keeps the champion's); None: `target`, no choice")
     fit_anchor: Literal["none", "champion"] = Field(

@@ -119,15 +119,17 @@ def cv_scores(X: ArrayLike, lengths: ArrayLike, *, target: str, max_tokens: int,
     if scoring not in SCORINGS:
         raise ValueError(f"unknown scoring {scoring!r}; expected one of {SCORINGS}")
     splitter = kfold() if cv is None else kfold(int(cv)) if isinstance(cv, int) else cv
-    y = targets.transform(lengths, target)
-    low, high = targets.bounds(target, int(max_tokens))
     total, n_held = np.zeros(alphas.size), 0
     for fit_rows, held_rows in splitter.split(X):
-        pred = held_out_path(_rows(X, fit_rows), y[fit_rows], _rows(X, held_rows), alphas)
+        target_map = targets.fit_map(target, lengths[fit_rows], int(max_tokens))  # a fitted target sees its fold only
+        y_fit = targets.transform(lengths[fit_rows], target, target_map)
+        pred = held_out_path(_rows(X, fit_rows), y_fit, _rows(X, held_rows), alphas)
         if scoring == "mae":
-            error = np.abs(targets.to_lengths(pred, target, int(max_tokens)) - lengths[held_rows, None])
+            error = np.abs(targets.to_lengths(pred, target, int(max_tokens), target_map) - lengths[held_rows, None])
         else:
-            error = np.square(np.clip(pred, low, high) - y[held_rows, None])
+            low, high = targets.bounds(target, int(max_tokens), target_map)
+            y_held = targets.transform(lengths[held_rows], target, target_map)
+            error = np.square(np.clip(pred, low, high) - y_held[:, None])
         total += error.sum(axis=0)
         n_held += held_rows.size
     return total / n_held

@@ -34,7 +34,6 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from leap_core import targets
 from leap_core.readout import LinearReadout
 from leap_core.rls import RLS
 
@@ -141,7 +140,7 @@ def anchored_refit(readout: LinearReadout, base: RLS | State, X: ArrayLike, leng
     base = _arrays(base)
     X = np.atleast_2d(np.asarray(X, dtype=np.float64))
     U = np.column_stack([np.ones(X.shape[0]), readout.standardize(X)]) if X.size else np.zeros((0, readout.n_params_))
-    y = targets.transform(np.asarray(lengths, dtype=np.float64).reshape(-1), readout.target)
+    y = readout.target_values(lengths)
     if U.shape[0] != y.shape[0]:
         raise ValueError(f"{U.shape[0]} feedback rows but {y.shape[0]} lengths")
     A = np.asarray(base["A"], dtype=np.float64) + U.T @ U

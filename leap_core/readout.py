@@ -69,7 +69,9 @@ class LinearReadout(BaseEstimator):
     Learned besides the weights: `length_distribution_`, the distribution of the true length given this
     readout's prediction (`leap_core.gittins.LengthGivenPrediction`) that the Gittins decode order ranks
     by. `fit` leaves it None; the fit flow fits it on cross-fitted predictions (`leap_core.cross_fit`), the
-    readout file carries it, and readouts corrected by RLS keep their anchor's.
+    readout file carries it, and readouts corrected by RLS keep their anchor's. `target_map_`: the fitted
+    target's map (`leap_core.targets.TargetMap`, learned from the training lengths by `fit`; None for a fixed
+    target), kept by RLS corrections so feedback lands in the anchor's space.
     """
 
     def __init__(self, alpha: float = 1.0, target: str = "sqrt", max_tokens: int = 2048,
@@ -85,9 +87,11 @@ class LinearReadout(BaseEstimator):
         """Standardize X and fit Ridge(alpha) on transform(lengths)."""
         self._check_params()
         X = _as_matrix(X)
-        y = targets.transform(np.asarray(lengths, dtype=np.float64).reshape(-1), self.target)
-        if y.shape[0] != X.shape[0]:
-            raise ValueError(f"X has {X.shape[0]} rows but lengths has {y.shape[0]}")
+        lengths = np.asarray(lengths, dtype=np.float64).reshape(-1)
+        if lengths.shape[0] != X.shape[0]:
+            raise ValueError(f"X has {X.shape[0]} rows but lengths has {lengths.shape[0]}")
+        self.target_map_ = targets.fit_map(self.target, lengths, int(self.max_tokens))
+        y = targets.transform(lengths, self.target, self.target_map_)
         standardizer = Standardizer().fit(X)
         Z = standardizer.transform(X)
         ridge = Ridge(alpha=float(self.alpha), fit_intercept=True).fit(Z, y)
@@ -100,11 +104,21 @@ class LinearReadout(BaseEstimator):
     def from_weights(cls, mean: ArrayLike, scale: ArrayLike, coef: ArrayLike, intercept: float,
                      alpha: float = 1.0, target: str = "sqrt", max_tokens: int = 2048,
                      metadata: dict[str, Any] | None = None,
-                     length_distribution: LengthGivenPrediction | None = None) -> LinearReadout:
-        """A fitted readout from stored or corrected weights (the file format and RLS use this)."""
+                     length_distribution: LengthGivenPrediction | None = None,
+                     target_map: targets.TargetMap | None = None) -> LinearReadout:
+        """A fitted readout from stored or corrected weights (the file format and RLS use this). A fitted
+        target needs its `target_map`, fitted for this `max_tokens`; a fixed one takes none."""
         readout = cls(alpha=alpha, target=target, max_tokens=max_tokens,
                       metadata=dict(metadata) if metadata else {})
         readout._check_params()
+        if (target in targets.FITTED_TARGETS) != (target_map is not None):
+            raise ValueError(f"the {target} target takes {'a' if target in targets.FITTED_TARGETS else 'no'} "
+                             "target map")
+        if target_map is not None:
+            if target_map.name != target or target_map.max_tokens != int(max_tokens):
+                raise ValueError(f"the target map is for {target_map.name!r} up to {target_map.max_tokens} tokens, "
+                                 f"not {target!r} up to {max_tokens}")
+        readout.target_map_ = target_map
         readout._set_weights(mean, scale, coef, intercept)
         readout.length_distribution_ = length_distribution
         return readout
@@ -162,7 +176,12 @@ class LinearReadout(BaseEstimator):
 
     def predict(self, X: ArrayLike) -> NDArray[np.float64]:
         """Predicted output lengths in tokens, within [1, max_tokens]."""
-        return targets.to_lengths(self.predict_transformed(X), self.target, int(self.max_tokens))
+        return targets.to_lengths(self.predict_transformed(X), self.target, int(self.max_tokens), self.target_map_)
+
+    def target_values(self, lengths: ArrayLike) -> NDArray[np.float64]:
+        """Output lengths in this readout's target space (through its fitted map, if any): what RLS regresses."""
+        self._check_fitted()
+        return targets.transform(np.asarray(lengths, dtype=np.float64).reshape(-1), self.target, self.target_map_)
 
     # ------------------------------------------------------------------ shapes
 

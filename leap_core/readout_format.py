@@ -9,6 +9,10 @@ Gittins decode order ranks by), as three arrays (the inner bin edges, every bin'
 one after another as int16, or int32 for budgets beyond int16, and each bin's count) and a
 `length_distribution` entry of the blob (n_bins, max_tokens, weight). Files without it load with
 `length_distribution_` None; a block that is present is validated as strictly as the weights.
+
+A readout on a fitted target (`leap_core.targets.FITTED_TARGETS`) carries its map as two float arrays,
+`target_knots` (log lengths) and `target_values`; they are required for such a target, refused for any
+other, and checked as `TargetMap` checks them (strictly increasing, from length 1 to the readout's M).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ _IDENTITY_KEYS = ("model_id", "model_fingerprint", "layer", "version")
 _OPTIONAL_KEYS = ("created_at", "n_train")
 _DISTRIBUTION_KEY = "length_distribution"
 _DISTRIBUTION_ARRAYS = ("length_edges", "length_samples", "length_bin_sizes")
+_MAP_ARRAYS = ("target_knots", "target_values")
 
 
 class ReadoutFormatError(ValueError):
@@ -89,6 +94,7 @@ def to_bytes(readout: LinearReadout) -> bytes:
         intercept=np.array([readout.intercept_], dtype=np.float64),
         metadata=np.frombuffer(text.encode("utf-8"), dtype=np.uint8),
         **block,
+        **_map_arrays(getattr(readout, "target_map_", None)),
     )
     return buffer.getvalue()
 
@@ -107,6 +113,13 @@ def _distribution_arrays(distribution: LengthGivenPrediction, max_tokens: int) -
             "length_bin_sizes": np.array([np.size(s) for s in distribution.samples_], dtype=np.int64)}
 
 
+def _map_arrays(target_map: targets.TargetMap | None) -> dict[str, np.ndarray]:
+    if target_map is None:
+        return {}
+    return {"target_knots": np.asarray(target_map.log_lengths, dtype=np.float64),
+            "target_values": np.asarray(target_map.values, dtype=np.float64)}
+
+
 def _read_arrays(data: bytes) -> dict[str, np.ndarray]:
     if not data.startswith(b"PK"):
         raise ReadoutFormatError(f"not a readout file: {len(data)} bytes without the zip signature "
@@ -121,7 +134,8 @@ def _read_arrays(data: bytes) -> dict[str, np.ndarray]:
         missing = [name for name in (*_ARRAYS, _METADATA_ARRAY) if name not in stored.files]
         if missing:
             raise ReadoutFormatError(f"not a readout file: missing arrays {missing}")
-        names = (*_ARRAYS, _METADATA_ARRAY, *(name for name in _DISTRIBUTION_ARRAYS if name in stored.files))
+        names = (*_ARRAYS, _METADATA_ARRAY,
+                 *(name for name in (*_DISTRIBUTION_ARRAYS, *_MAP_ARRAYS) if name in stored.files))
         try:
             return {name: stored[name] for name in names}
         except Exception as exc:  # zipfile, zlib and the .npy reader fail in assorted ways
@@ -197,13 +211,39 @@ def from_bytes(data: bytes, expect: dict[str, Any] | None = None) -> LinearReado
     _check_arrays(arrays, blob["dim"])
     _check_expect(blob, expect or {})
     distribution = _read_distribution(arrays, blob)
+    target_map = _read_map(arrays, blob)
     metadata = {key: value for key, value in blob.items() if key not in (*_STRUCTURE_KEYS, _DISTRIBUTION_KEY)}
     return LinearReadout.from_weights(
         mean=arrays["mean"], scale=arrays["scale"], coef=arrays["coef"],
         intercept=float(arrays["intercept"].reshape(-1)[0]),
         alpha=float(blob["alpha"]), target=blob["target"], max_tokens=blob["max_tokens"],
-        metadata=metadata, length_distribution=distribution,
+        metadata=metadata, length_distribution=distribution, target_map=target_map,
     )
+
+
+def _read_map(arrays: dict[str, np.ndarray], blob: dict[str, Any]) -> targets.TargetMap | None:
+    """The fitted target's map, validated; None for a fixed target (whose file must not carry one)."""
+    present = [name for name in _MAP_ARRAYS if name in arrays]
+    fitted = blob["target"] in targets.FITTED_TARGETS
+    if not fitted:
+        if present:
+            raise ReadoutFormatError(f"readout target {blob['target']!r} is fixed but the file carries {present}")
+        return None
+    if len(present) != len(_MAP_ARRAYS):
+        raise ReadoutFormatError(f"readout target {blob['target']!r} is fitted: the file needs {list(_MAP_ARRAYS)}, "
+                                 f"has {present}")
+    knots, values = (arrays[name] for name in _MAP_ARRAYS)
+    for name, array in zip(_MAP_ARRAYS, (knots, values)):
+        if array.ndim != 1 or not np.issubdtype(array.dtype, np.floating):
+            raise ReadoutFormatError(f"readout {name} must be a 1-D float array, got {array.dtype} {array.shape}")
+    try:
+        target_map = targets.TargetMap(blob["target"], knots, values)
+    except ValueError as exc:
+        raise ReadoutFormatError(f"invalid readout target map: {exc}") from exc
+    if not np.isclose(target_map.log_lengths[-1], np.log(blob["max_tokens"]), rtol=0.0, atol=1e-9):
+        raise ReadoutFormatError(f"readout target map ends at length {np.exp(target_map.log_lengths[-1]):.6g}, "
+                                 f"not at the readout's max_tokens {blob['max_tokens']}")
+    return target_map
 
 
 def _read_distribution(arrays: dict[str, np.ndarray], blob: dict[str, Any]) -> LengthGivenPrediction | None:

@@ -40,11 +40,12 @@ def validate_recipe(X: ArrayLike, lengths: ArrayLike, *, max_tokens: int, target
     lengths = np.asarray(lengths, dtype=np.float64).reshape(-1)
     alphas = np.asarray(alphas, dtype=np.float64).reshape(-1)
     splitter = kfold() if cv is None else cv
-    y = targets_module.transform(lengths, target)
     held = np.full((lengths.size, alphas.size), np.nan)
     for fit_rows, held_rows in splitter.split(X, lengths, groups):
-        pred = held_out_path(X[fit_rows], y[fit_rows], X[held_rows], alphas)
-        held[held_rows] = targets_module.to_lengths(pred, target, int(max_tokens))
+        target_map = targets_module.fit_map(target, lengths[fit_rows], int(max_tokens))  # fitted on the fold alone
+        pred = held_out_path(X[fit_rows], targets_module.transform(lengths[fit_rows], target, target_map),
+                             X[held_rows], alphas)
+        held[held_rows] = targets_module.to_lengths(pred, target, int(max_tokens), target_map)
     scored = ~np.isnan(held[:, 0])
     if scored.sum() < 3:
         raise ValueError(f"validation scored {int(scored.sum())} rows; it needs at least 3")

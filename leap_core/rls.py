@@ -40,7 +40,6 @@ from sklearn.base import BaseEstimator
 from sklearn.exceptions import NotFittedError
 from threadpoolctl import ThreadpoolController
 
-from leap_core import targets
 from leap_core.readout import LinearReadout
 
 _BLAS: ThreadpoolController | None = None  # found on first use: introspecting the BLAS libraries costs ms
@@ -241,7 +240,7 @@ class RLS(BaseEstimator):
         with the readout's own mean, scale and target)."""
         self._check_started()
         U = _augment(self.readout_.standardize(X))
-        return self.update(U, targets.transform(np.asarray(lengths).reshape(-1), self.readout_.target))
+        return self.update(U, self.readout_.target_values(lengths))
 
     def _gain(self, U: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """V = P U^T and the Cholesky factor of S = rho I + U V; None when P is unusable."""
@@ -359,7 +358,8 @@ class RLS(BaseEstimator):
         return LinearReadout.from_weights(
             mean=base.mean_, scale=base.scale_, coef=self.theta_[1:], intercept=float(self.theta_[0]),
             alpha=base.alpha, target=base.target, max_tokens=base.max_tokens, metadata=metadata,
-            length_distribution=getattr(base, "length_distribution_", None))
+            length_distribution=getattr(base, "length_distribution_", None),
+            target_map=getattr(base, "target_map_", None))
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Everything needed to resume (for versioning next to the readout file)."""

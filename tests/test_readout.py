@@ -32,7 +32,8 @@ def _anchored_solve(X, lengths, alpha, target):
     U = np.column_stack([np.ones(len(Z)), Z])
     D = np.eye(U.shape[1])
     D[0, 0] = 0.0
-    return np.linalg.solve(U.T @ U + alpha * D, U.T @ targets.transform(lengths, target))
+    y = targets.transform(lengths, target, targets.fit_map(target, lengths, MAX_TOKENS))
+    return np.linalg.solve(U.T @ U + alpha * D, U.T @ y)
 
 
 # ------------------------------------------------------------------ targets
@@ -41,13 +42,16 @@ def _anchored_solve(X, lengths, alpha, target):
 @pytest.mark.parametrize("target", targets.TARGETS)
 def test_transform_inverse_round_trip_and_bounds(target):
     lengths = np.arange(1, MAX_TOKENS + 1, dtype=float)
-    values = targets.transform(lengths, target)
-    np.testing.assert_allclose(targets.inverse(values, target), lengths, rtol=1e-12)
+    trained = np.round(np.exp(np.random.default_rng(0).uniform(1.0, 6.0, 300)))  # a fitted target's training lengths
+    target_map = targets.fit_map(target, trained, MAX_TOKENS)
+    assert (target_map is None) == (target not in targets.FITTED_TARGETS)
+    values = targets.transform(lengths, target, target_map)
+    np.testing.assert_allclose(targets.inverse(values, target, target_map), lengths, rtol=1e-9)
     assert np.all(np.diff(values) > 0), "the transform must keep the order of lengths"
-    lo, hi = targets.bounds(target, MAX_TOKENS)
+    lo, hi = targets.bounds(target, MAX_TOKENS, target_map)
     assert lo == pytest.approx(values[0]) and hi == pytest.approx(values[-1])
-    clipped = targets.to_lengths([lo - 5.0, hi + 5.0, values[99]], target, MAX_TOKENS)
-    np.testing.assert_allclose(clipped, [1.0, MAX_TOKENS, 100.0], rtol=1e-12)
+    clipped = targets.to_lengths([lo - 5.0, hi + 5.0, values[99]], target, MAX_TOKENS, target_map)
+    np.testing.assert_allclose(clipped, [1.0, MAX_TOKENS, 100.0], rtol=1e-9)
 
 
 def test_unknown_target_is_refused():

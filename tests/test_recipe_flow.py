@@ -320,6 +320,20 @@ def test_settings_read_candidate_targets_and_refuse_unknown_ones(monkeypatch):
         PipelineSettings()
 
 
+def test_fitted_targets_are_chosen_versioned_and_served_with_their_map(fitted):
+    """rank and softbin are candidates like sqrt and log: the chosen one is registered with the map it learned
+    from the training lengths, and the registry's readout (what serving loads) decodes through that map."""
+    registry = ReadoutRegistry(fitted["uri"])
+    chosen = fit_flow(targets=["rank", "softbin"])
+    params = registry.client.get_run(chosen["run_id"]).data.params
+    assert params["target_candidates"] == "rank,softbin" and params["target"] in ("rank", "softbin")
+    readout = registry.load_readout(chosen["name"], chosen["version"])
+    assert readout.target == params["target"] and readout.target_map_ is not None
+    assert readout.target_map_.name == readout.target and readout.target_map_.max_tokens == readout.max_tokens
+    predicted = readout.predict(np.zeros((1, readout.dim_)))
+    assert 1.0 <= predicted[0] <= readout.max_tokens
+
+
 def test_the_fit_chooses_the_target_with_the_recipe_until_a_champion_fixes_it(fitted, monkeypatch):
     """Lengths here are exp(linear drive): each (recipe, target) pair is one validation row, the served pair
     is the best one, and the readout regresses in its target. A champion then fixes the target: candidates
