@@ -36,7 +36,7 @@ class SoftBinClassifier(RegressorMixin, BaseEstimator):
 
     def fit(self, X: ArrayLike, lengths: ArrayLike) -> SoftBinClassifier:
         log_length = np.log(np.clip(np.asarray(lengths, dtype=np.float64).reshape(-1), 1.0, self.max_tokens))
-        self.centers_ = softbin_centers(log_length)
+        self.centers_ = softbin_centers(log_length, int(self.max_tokens))
         self.model_ = make_pipeline(StandardScaler(), Ridge(alpha=self.alpha))
         self.model_.fit(np.asarray(X, dtype=np.float64), soft_labels(log_length, self.centers_))
         return self

@@ -98,11 +98,12 @@ def soft_labels(log_lengths: ArrayLike, centers: ArrayLike, width: float = SOFTB
     return weights / weights.sum(axis=1, keepdims=True)
 
 
-def softbin_centers(log_lengths: ArrayLike, n_bins: int = SOFTBIN_BINS) -> NDArray[np.float64]:
-    """Bin centers: midpoints of the distinct quantile edges of the training log lengths."""
+def softbin_centers(log_lengths: ArrayLike, max_tokens: int, n_bins: int = SOFTBIN_BINS) -> NDArray[np.float64]:
+    """Bin centers: midpoints of the distinct quantile edges of the training log lengths; where those give fewer
+    than 2 bins (nearly all lengths equal), `n_bins` even bins over the feasible range [0, log max_tokens]."""
     edges = np.unique(np.quantile(np.asarray(log_lengths, dtype=np.float64), np.linspace(0.0, 1.0, n_bins + 1)))
     if edges.size < 3:
-        raise ValueError("the soft-bin target needs training lengths with at least 3 distinct quantile edges")
+        edges = np.linspace(0.0, float(np.log(max(int(max_tokens), 2))), n_bins + 1)
     return 0.5 * (edges[1:] + edges[:-1])
 
 
@@ -119,12 +120,10 @@ def fit_map(target: str, lengths: ArrayLike, max_tokens: int) -> TargetMap | Non
     if u.size < 2 or not np.isfinite(u).all():
         raise ValueError(f"a fitted target needs at least 2 finite training lengths, got {u.size}")
     if target == "softbin":
-        centers = softbin_centers(u)
+        centers = softbin_centers(u, int(max_tokens))
         grid = np.linspace(0.0, top, _SOFTBIN_GRID)
         return TargetMap("softbin", grid, soft_labels(grid, centers) @ centers + _RISE * grid)
-    distinct, counts = np.unique(u, return_counts=True)
-    if distinct.size < 2:
-        raise ValueError("the rank target needs at least 2 distinct training lengths")
+    distinct, counts = np.unique(u, return_counts=True)  # one distinct length still gets the two end knots
     below = np.cumsum(counts) - counts
     share = (below + 0.5 * counts) / u.size  # mid-rank: tied lengths share one score
     if distinct.size > MAX_KNOTS - 2:  # keep evenly spaced ranks, ends included

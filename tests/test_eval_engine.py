@@ -123,7 +123,7 @@ def test_offline_and_transfer_studies_on_the_small_corpus(all_layers, prompt_fil
     assert layers["n_train"] == 10 and layers["n_test"] == 6
     layer22 = data.features[:, 22 * info.hidden_size:23 * info.hidden_size]
     targets = run_targets(layer22[:10], data.lengths[:10], layer22[10:], data.lengths[10:], M)
-    assert set(targets["targets"]) == {"raw", "log", "sqrt"}
+    assert set(targets["targets"]) == {"raw", "log", "sqrt", "rank", "softbin"}
     one_layer = length_data(load_or_build([prompts], M)[0], prompts)
     baselines = {"prompt_length": make_predictor("prompt_length").fit(one_layer.subset(np.arange(10)))}
     result = run_transfer(one_layer.subset(np.arange(10)), one_layer.subset(np.arange(10, 16)), baselines,

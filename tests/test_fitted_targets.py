@@ -125,3 +125,16 @@ def test_weights_without_their_map_or_with_another_budgets_are_refused():
         LinearReadout.from_weights(**weights, target="softbin", max_tokens=2048, target_map=readout.target_map_)
     with pytest.raises(ValueError, match="pass its TargetMap"):
         targets.transform([1, 2], "rank")
+
+
+@pytest.mark.parametrize("target", targets.FITTED_TARGETS)
+@pytest.mark.parametrize("lengths", [[7.0] * 8, [MAX_TOKENS] * 8, [1.0] * 8, [5.0] * 7 + [6.0]],
+                         ids=["one-length", "all-at-M", "all-at-1", "two-lengths"])
+def test_a_fitted_target_on_nearly_equal_lengths_still_maps_every_length(target, lengths):
+    """A fold of a small window may see one or two distinct lengths: the map still covers [1, M], increasing."""
+    target_map = targets.fit_map(target, lengths, MAX_TOKENS)
+    values = targets.transform(np.arange(1, MAX_TOKENS + 1), target, target_map)
+    assert np.all(np.diff(values) > 0) and target_map.max_tokens == MAX_TOKENS
+    X = np.random.default_rng(0).standard_normal((8, 3))
+    predicted = LinearReadout(alpha=1.0, target=target, max_tokens=MAX_TOKENS).fit(X, lengths).predict(X)
+    assert ((predicted >= 1) & (predicted <= MAX_TOKENS)).all()
