@@ -349,3 +349,28 @@ def test_a_slope_that_overflows_float32_is_refused(replica):
     readout.coef_[2], readout.scale_[2] = 1e35, 1e-5  # each fits float32; coef / scale does not
     response = _post(url, to_bytes(readout))
     assert response.status_code == 422 and "coef / scale" in response.json()["error"]
+
+
+def test_a_fitted_target_serves_with_its_map_and_a_pushed_map_out_of_order_is_refused(replica):
+    """A rank readout pushes like any other and decodes through the map it carries; a later push whose map is not
+    increasing is refused with the reason over HTTP, and the rank readout keeps serving."""
+    target, url = replica
+    rng = np.random.default_rng(9)
+    features = rng.normal(size=(200, DIM)).astype(np.float32)
+    lengths = np.clip(np.exp(4 + 0.5 * features[:, 0]), 1, MAX_TOKENS).round()
+    readout = LinearReadout(alpha=1.0, target="rank", max_tokens=MAX_TOKENS).fit(features, lengths)
+    readout.metadata.update(model_id=MODEL_ID, model_fingerprint=FINGERPRINT, layer=LAYER, version="v-rank")
+    push_readout(url, TOKEN, _bundle(readout, RLS.from_readout(readout, features)), "v-rank", retries=0)
+    assert target.readout.target_map_ == readout.target_map_
+    np.testing.assert_array_equal(target.readout.predict(features), readout.predict(features))
+
+    readout.metadata["version"] = "v-rank-2"
+    with np.load(io.BytesIO(to_bytes(readout))) as stored:
+        arrays = {name: stored[name] for name in stored.files}
+    arrays["target_values"] = arrays["target_values"][::-1].copy()
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    with pytest.raises(PushFailed) as failure:
+        push_readout(url, TOKEN, make_bundle(buffer.getvalue(), None), "v-rank-2", retries=0)
+    assert failure.value.status == 422 and "strictly increasing" in str(failure.value)
+    assert serving_version(url, TOKEN) == "v-rank"
