@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from evaluation.offline import _fit_predict, choose_alpha
+from evaluation.offline import readout_predictions, choose_alpha
 from leap_core.metrics import percentile_interval, spearman_batch
 
 SIZES = (250, 500, 1000, 1500, 2000, 3000, 4000, 6000, 8000)  # those below the pool's size, then the pool
@@ -52,7 +52,7 @@ def fit_predict(X_train: np.ndarray, y_train: np.ndarray, X_test: np.ndarray, ta
                 max_tokens: int) -> tuple[np.ndarray, float]:
     """The readout fitted as the fit flow fits it (alpha by CV on these rows); its test predictions and alpha."""
     alpha = choose_alpha(X_train, y_train, target, max_tokens)
-    return _fit_predict(X_train, y_train, X_test, alpha, target, max_tokens), float(alpha)
+    return readout_predictions(X_train, y_train, X_test, alpha, target, max_tokens), float(alpha)
 
 
 def curve_figures(y_test: np.ndarray, predictions: dict[int, np.ndarray], n_boot: int = N_BOOT, seed: int = 0,

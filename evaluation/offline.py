@@ -86,8 +86,9 @@ def _scored(y_test: np.ndarray, pred: np.ndarray, max_tokens: int, sets: ArrayLi
     return figures
 
 
-def _fit_predict(X_train: ArrayLike, y_train: ArrayLike, X_test: ArrayLike, alpha: float, target: str,
-                 max_tokens: int) -> NDArray[np.float64]:
+def readout_predictions(X_train: ArrayLike, y_train: ArrayLike, X_test: ArrayLike, alpha: float, target: str,
+                        max_tokens: int) -> NDArray[np.float64]:
+    """Test predictions of `LinearReadout(alpha, target, max_tokens)` fitted on the training rows."""
     return LinearReadout(alpha=alpha, target=target, max_tokens=max_tokens).fit(X_train, y_train).predict(X_test)
 
 
@@ -113,7 +114,7 @@ def run_targets(X_train: ArrayLike, y_train: ArrayLike, X_test: ArrayLike, y_tes
                   else choose_head_alpha(target, X_train, y_train, max_tokens, ALPHAS, N_SPLITS, CV_SEED)
                   if target in HEADS else choose_alpha(X_train, y_train, target, max_tokens))
         pred = (make_head(target, chosen, max_tokens).fit(X_train, y_train).predict(X_test) if target in HEADS
-                else _fit_predict(X_train, y_train, X_test, chosen, target, max_tokens))
+                else readout_predictions(X_train, y_train, X_test, chosen, target, max_tokens))
         scored = _scored(y_test, pred, max_tokens, sets_test, censored_test, n_boot, seed)
         per_target[target] = {
             "alpha": chosen,
@@ -161,7 +162,7 @@ def run_layers(F_train: ArrayLike, y_train: ArrayLike, F_test: ArrayLike, y_test
                    else choose_alpha(F_train[:, default_layer], y_train, "sqrt", max_tokens))
     layers, predictions = [], []
     for layer in range(num_layers):
-        pred = _fit_predict(F_train[:, layer], y_train, F_test[:, layer], layer_alpha, "sqrt", max_tokens)
+        pred = readout_predictions(F_train[:, layer], y_train, F_test[:, layer], layer_alpha, "sqrt", max_tokens)
         scored = _scored(y_test, pred, max_tokens, sets_test, censored_test, n_boot, seed, per_set=False)
         predictions.append(pred)
         layers.append({
@@ -183,7 +184,7 @@ def run_layers(F_train: ArrayLike, y_train: ArrayLike, F_test: ArrayLike, y_test
     flat_train = F_train.reshape(n_train, num_layers * dim)
     flat_test = F_test.reshape(F_test.shape[0], num_layers * dim)
     all_alpha = float(alpha) if alpha is not None else choose_alpha(flat_train, y_train, "sqrt", max_tokens)
-    all_pred = _fit_predict(flat_train, y_train, flat_test, all_alpha, "sqrt", max_tokens)
+    all_pred = readout_predictions(flat_train, y_train, flat_test, all_alpha, "sqrt", max_tokens)
     all_layers = {
         "alpha": all_alpha,
         **_scored(y_test, all_pred, max_tokens, sets_test, censored_test, n_boot, seed),
