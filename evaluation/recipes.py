@@ -33,6 +33,7 @@ from harness.corpus import Corpus
 from harness.recipe_corpus import WIDE_RECIPE
 from leap_core import metrics
 from leap_core.readout import LinearReadout
+from leap_core.recipe_choice import RULE as CHOICE_RULE
 from leap_core.recipe_choice import choose_recipe, validate_recipes
 from leap_core.recipes import GREEDY, Block, Recipe, decoding_columns, domain_columns, prompt_column
 from leap_core.rls import RLS
@@ -281,6 +282,8 @@ def run_recipes(train: RecipeRows, held: RecipeRows, candidates: Sequence[str], 
         alphas[name] = alphas[name.split("+domain=")[0]]
     return {
         "recipes": recipes, "chosen": chosen["recipe"], "chosen_target": chosen["target"], "default": DEFAULT_RECIPE,
+        "choice": {"rule": CHOICE_RULE, "best_spearman": max(row["spearman"] for row in table),
+                   **{key: chosen[key] for key in ("spearman", "gap", "gap_ci_low", "gap_ci_high", "gap_se")}},
         "targets": targets, "target_sets": list(TARGET_SETS), "rls_target": "sqrt",
         "validation": table, "validation_split": f"{N_SPLITS}-fold grouped by prompt, training window only",
         "n_train": len(train), "n_held_out": {name: int((held.sets == name).sum()) for name in sorted(set(held.sets))},

@@ -44,6 +44,16 @@ def _target_choice(result: dict) -> str:
     return f" with the `{result['chosen_target']}` target" if result.get("chosen_target") else ""
 
 
+def _choice_sentence(result: dict) -> str:
+    """How the choice was made and the noise it was made in (studies saved before the rule carry none)."""
+    choice = result.get("choice")
+    if not choice:
+        return " The rule then: the highest validation Spearman."
+    return (f" The rule: {choice['rule']}. The chosen pair's validation Spearman {_corr(choice['spearman'])} trails "
+            f"the best ({_corr(choice['best_spearman'])}) by {choice['gap']:.3f} [{choice['gap_ci_low']:.3f}, "
+            f"{choice['gap_ci_high']:.3f}] (standard error {choice['gap_se']:.3f}).")
+
+
 def _target_lines(result: dict) -> list[str]:
     """Per recipe and regression target: the validation Spearman and the held-out Spearman on ShareGPT
     (greedy and sampled labels) with intervals, and the paired difference from the sqrt target."""
@@ -75,7 +85,8 @@ def section_recipes(result: dict, image: str) -> str:
         f"decoding settings and domain columns). Every recipe is fitted on the chat training window "
         f"({result['n_train']} rows, greedy and sampled labels) with the penalty its validation chose, and "
         f"scored on held-out rows per set. The fit flow's choice, by {result['validation_split']}: "
-        f"**`{result['chosen']}`**{_target_choice(result)} (today's recipe: `{result['default']}`).",
+        f"**`{result['chosen']}`**{_target_choice(result)} (today's recipe: `{result['default']}`)."
+        + _choice_sentence(result),
         "",
         "| Recipe | dim | bytes / feedback row | cost ms / request (capture + predict) | validation Spearman | "
         "ShareGPT Spearman | pooled Spearman | pooled MAE (uncensored) |",

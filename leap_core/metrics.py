@@ -239,28 +239,39 @@ def bootstrap_ci(statistic: Callable[..., Any], *arrays: ArrayLike, n_boot: int 
                  level: float = 0.95, strata: ArrayLike | None = None, vectorized: bool = False) -> dict[str, float]:
     """A statistic of paired rows and its percentile bootstrap interval: {"value", "ci_low", "ci_high"}.
 
-    Rows (the i-th element of every array together) are resampled with replacement, `n_boot` times,
-    and the interval is the (1 - level)/2 and (1 + level)/2 quantiles of the statistic over the
-    replicates whose value is finite (NaN when none is). With `strata`, each row is drawn from its own
-    stratum only, and column j of every replicate comes from row j's stratum, so a statistic may
-    group columns by stratum (see `within_set_spearman`). The same seed and row count draw the same
-    replicates, so figures of several predictors on one test set are resampled alike.
+    Rows (the i-th element of every array together) are resampled with replacement, `n_boot` times
+    (`bootstrap_replicates`), and the interval is the (1 - level)/2 and (1 + level)/2 quantiles of the
+    statistic over the replicates whose value is finite (NaN when none is).
+    """
+    _check_bootstrap(level, n_boot)
+    return percentile_interval(*bootstrap_replicates(statistic, *arrays, n_boot=n_boot, seed=seed, strata=strata,
+                                                     vectorized=vectorized), level)
+
+
+def bootstrap_replicates(statistic: Callable[..., Any], *arrays: ArrayLike, n_boot: int = 2000, seed: int = 0,
+                         strata: ArrayLike | None = None, vectorized: bool = False) -> tuple[float, np.ndarray]:
+    """The statistic of paired rows and its `n_boot` bootstrap replicates (NaN where degenerate).
+
+    Rows (the i-th element of every array together) are resampled with replacement. With `strata`, each
+    row is drawn from its own stratum only, and column j of every replicate comes from row j's stratum, so
+    a statistic may group columns by stratum (see `within_set_spearman`). The same seed and row count draw
+    the same replicates, so figures of several predictors on one test set are resampled alike.
 
     statistic: f(*arrays) -> float on 1-D arrays; with vectorized=True, f takes (..., n) arrays and
         reduces the last axis (one value per replicate), which is much faster than a Python loop.
-        (scipy.stats.bootstrap does the unstratified case; resampling here keeps strata and skips
-        degenerate replicates instead of failing on them.)
+        (scipy.stats.bootstrap does the unstratified case; resampling here keeps strata and keeps
+        degenerate replicates as NaN instead of failing on them.)
     """
     columns = [np.asarray(a).reshape(-1) for a in arrays]
     if not columns:
-        raise ValueError("bootstrap_ci needs at least one array")
+        raise ValueError("bootstrap needs at least one array")
     n = columns[0].size
     if any(c.size != n for c in columns):
         raise ValueError(f"arrays differ in length: {[c.size for c in columns]}")
-    _check_bootstrap(level, n_boot)
-    nan = float("nan")
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be >= 1, got {n_boot}")
     if n == 0:
-        return {"value": nan, "ci_low": nan, "ci_high": nan}
+        return float("nan"), np.empty(0)
     if vectorized:
         value = float(np.asarray(statistic(*(c[None, :] for c in columns))).reshape(-1)[0])
     else:
@@ -281,7 +292,7 @@ def bootstrap_ci(statistic: Callable[..., Any], *arrays: ArrayLike, n_boot: int 
             replicates.append(np.asarray(statistic(*(c[index] for c in columns)), dtype=np.float64).reshape(-1))
         else:
             replicates.append(np.asarray([statistic(*(c[row] for c in columns)) for row in index], dtype=np.float64))
-    return percentile_interval(value, np.concatenate(replicates), level)
+    return value, np.concatenate(replicates)
 
 
 def hierarchical_bootstrap_ci(statistic: Callable[..., Any], *arrays: ArrayLike, n_boot: int = 2000, seed: int = 0,

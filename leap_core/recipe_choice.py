@@ -4,8 +4,14 @@ For each candidate recipe, every split's held-out predictions come from the one 
 (`leap_core.alpha.held_out_path`: the whole penalty grid for the cost of one fit). The penalty is the one
 with the lowest held-out mean absolute error; the recipe's score is the Spearman rank correlation of
 its held-out predictions at that penalty against the true lengths (outputs that reached M tie at M),
-since ranking is what the scheduler uses. The chosen recipe has the highest score; a recipe within
-`tolerance` of it with fewer columns wins instead (it costs less to capture, store and correct).
+since ranking is what the scheduler uses.
+
+The choice follows the one-standard-error rule: the best score marks the bar, and the recipe with the
+fewest columns whose score trails the best by at most one standard error of that difference wins (it
+costs less to capture, store and correct, and a smaller gap is noise). The standard error is the paired
+bootstrap's: the validation rows are resampled, and the best row's Spearman and this row's are computed
+on the same draws. Each table row carries its gap to the best with a 95% interval (`gap`, `gap_ci_low`,
+`gap_ci_high`) and the standard error (`gap_se`), so the choice is shown with the noise it was made in.
 
 Candidate regression targets (`leap_core.targets`) are chosen the same way: a (recipe, target) pair is
 one row of the table, scored in tokens like every other.
@@ -24,10 +30,15 @@ from numpy.typing import ArrayLike
 
 from leap_core import targets as targets_module  # `targets` is validate_recipes' argument
 from leap_core.alpha import ALPHAS, held_out_path, kfold
-from leap_core.metrics import censored_spearman
+from leap_core.metrics import bootstrap_replicates, censor, censored_spearman, percentile_interval, spearman_difference
 
-TOLERANCE = 0.0
-"""Validation Spearman a smaller recipe may give up and still be chosen (0: the best score wins)."""
+N_SE = 1.0
+"""Standard errors of its gap to the best a smaller recipe may trail by and still be chosen (0: the best wins)."""
+N_BOOT = 200
+"""Paired bootstrap replicates behind each gap's standard error and interval."""
+LEVEL = 0.95
+RULE = (f"one standard error: the fewest columns whose validation Spearman trails the best by at most {N_SE:g} "
+        f"paired-bootstrap standard error of the gap ({N_BOOT} draws of the validation rows)")
 
 
 def validate_recipe(X: ArrayLike, lengths: ArrayLike, *, max_tokens: int, target: str = "sqrt",
@@ -36,6 +47,12 @@ def validate_recipe(X: ArrayLike, lengths: ArrayLike, *, max_tokens: int, target
 
     Rows never held out (a `newest_split` keeps the older ones for fitting only) are not scored.
     """
+    return _validate(X, lengths, max_tokens=max_tokens, target=target, cv=cv, groups=groups, alphas=alphas)[0]
+
+
+def _validate(X: ArrayLike, lengths: ArrayLike, *, max_tokens: int, target: str, cv: Any = None,
+              groups: ArrayLike | None = None, alphas: ArrayLike = ALPHAS) -> tuple[dict[str, Any], np.ndarray]:
+    """validate_recipe's row and the held-out predictions it scored at its penalty (NaN on rows never held out)."""
     X = np.asarray(X)
     lengths = np.asarray(lengths, dtype=np.float64).reshape(-1)
     alphas = np.asarray(alphas, dtype=np.float64).reshape(-1)
@@ -51,28 +68,51 @@ def validate_recipe(X: ArrayLike, lengths: ArrayLike, *, max_tokens: int, target
         raise ValueError(f"validation scored {int(scored.sum())} rows; it needs at least 3")
     errors = np.abs(held[scored] - lengths[scored, None]).mean(axis=0)
     best = int(np.argmin(errors))
-    return {"alpha": float(alphas[best]), "mae": float(errors[best]), "n": int(scored.sum()), "dim": int(X.shape[1]),
-            "spearman": censored_spearman(lengths[scored], held[scored, best], int(max_tokens))}
+    row = {"alpha": float(alphas[best]), "mae": float(errors[best]), "n": int(scored.sum()), "dim": int(X.shape[1]),
+           "spearman": censored_spearman(lengths[scored], held[scored, best], int(max_tokens))}
+    return row, held[:, best]
 
 
-def validate_recipes(matrices: Mapping[str, ArrayLike], lengths: ArrayLike, *, targets: Sequence[str] | None = None,
-                     target: str = "sqrt", **options: Any) -> list[dict[str, Any]]:
+def validate_recipes(matrices: Mapping[str, ArrayLike], lengths: ArrayLike, *, max_tokens: int,
+                     targets: Sequence[str] | None = None, target: str = "sqrt", n_boot: int = N_BOOT,
+                     seed: int = 0, **options: Any) -> list[dict[str, Any]]:
     """One `validate_recipe` row per recipe and target, {"recipe": name, "target": t, ...}, best validation
     Spearman first. `targets`: the candidate regression targets (default: `target` alone); each pair gets
-    its own penalty, and every pair is scored on the same held-out rows in tokens, so the rows compare."""
+    its own penalty, and every pair is scored on the same held-out rows in tokens, so the rows compare.
+    Each row also carries its gap to the best row's Spearman (`gap`, with `gap_ci_low`/`gap_ci_high` and
+    `gap_se` from `n_boot` paired bootstrap draws of the validation rows, the same draws for every row)."""
     candidates = [targets_module.check_target(t) for t in dict.fromkeys(targets or (target,))]
-    table = [{"recipe": name, "target": t, **validate_recipe(X, lengths, target=t, **options)}
-             for name, X in matrices.items() for t in candidates]
+    scored = [({"recipe": name, "target": t, **row}, held)
+              for name, X in matrices.items() for t in candidates
+              for row, held in [_validate(X, lengths, max_tokens=max_tokens, target=t, **options)]]
+    best_row, best_held = max(scored, key=lambda pair: pair[0]["spearman"])
+    rows = ~np.isnan(best_held)
+    truth, _ = censor(np.asarray(lengths, dtype=np.float64).reshape(-1)[rows], int(max_tokens))
+    table = []
+    for row, held in scored:
+        if row is best_row:
+            gap, replicates = 0.0, np.zeros(1)
+        else:
+            _, replicates = bootstrap_replicates(spearman_difference, truth, best_held[rows], held[rows],
+                                                 n_boot=n_boot, seed=seed, vectorized=True)
+            gap = best_row["spearman"] - row["spearman"]
+        interval = percentile_interval(gap, replicates, LEVEL)
+        finite = replicates[np.isfinite(replicates)]
+        table.append({**row, "gap": gap, "gap_ci_low": interval["ci_low"], "gap_ci_high": interval["ci_high"],
+                      "gap_se": float(finite.std(ddof=1)) if finite.size > 1 else 0.0})
     return sorted(table, key=lambda row: (-row["spearman"], row["dim"], _target_rank(row), row["recipe"]))
 
 
-def choose_recipe(table: list[dict[str, Any]], tolerance: float = TOLERANCE) -> dict[str, Any]:
-    """The row to serve: the best validation Spearman, or the smallest recipe within `tolerance` of it (on
-    a tie, the target listed first in `leap_core.targets.TARGETS`)."""
+def choose_recipe(table: list[dict[str, Any]], n_se: float = N_SE) -> dict[str, Any]:
+    """The row to serve: the one with the fewest columns among those whose validation Spearman trails the best
+    by at most `n_se` standard errors of the gap (`gap_se`; a row without one must equal the best); among
+    those, the higher score, then the target listed first in `leap_core.targets.TARGETS`."""
     if not table:
         raise ValueError("no recipe was validated")
+    if not n_se >= 0:
+        raise ValueError(f"n_se must be >= 0, got {n_se}")
     best = max(row["spearman"] for row in table)
-    close = [row for row in table if row["spearman"] >= best - tolerance]
+    close = [row for row in table if best - row["spearman"] <= n_se * row.get("gap_se", 0.0)]
     return min(close, key=lambda row: (row["dim"], -row["spearman"], _target_rank(row), row["recipe"]))
 
 

@@ -80,9 +80,15 @@ def test_the_study_chooses_on_training_rows_and_scores_every_recipe_per_set():
         assert set(per["log"]["spearman"]) == {"sharegpt"} and per["log"]["n"]["sharegpt"] == 60
         assert per["sqrt"]["spearman_vs_sqrt"]["sharegpt"]["value"] == 0
         assert per["sqrt"]["spearman"]["sharegpt"] == pytest.approx(result["recipes"][name]["spearman"]["sharegpt"])
-    best = max((row["spearman"], row["recipe"], row["target"]) for row in result["validation"])
+    # the served pair: the smallest recipe within one standard error of the best validated pair
+    best = max(row["spearman"] for row in result["validation"])
     chosen = result["targets"][result["chosen"]][result["chosen_target"]]
-    assert chosen["validation_spearman"] == best[0]
+    choice = result["choice"]
+    assert choice["rule"].startswith("one standard error") and choice["best_spearman"] == best
+    assert best - chosen["validation_spearman"] == pytest.approx(choice["gap"]) and choice["gap"] <= choice["gap_se"]
+    assert choice["gap_ci_low"] <= choice["gap"] <= choice["gap_ci_high"]
+    smaller = [row for row in result["validation"] if row["dim"] < Recipe.parse(result["chosen"]).dim(H)]
+    assert all(best - row["spearman"] > row["gap_se"] for row in smaller)
 
 
 def test_domain_intercepts_correct_two_domains_shifted_apart_where_one_intercept_cannot():

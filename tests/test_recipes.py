@@ -138,10 +138,42 @@ def test_the_choice_prefers_the_recipe_whose_columns_carry_the_signal():
                              max_tokens=512)
     assert table[0]["spearman"] >= table[1]["spearman"] >= table[2]["spearman"]
     assert table[-1]["recipe"] == "noise" and table[-1]["spearman"] < 0.2
-    assert choose_recipe(table)["recipe"] in ("signal", "both")
-    # a tolerance lets the smaller of two near-equal recipes win
-    assert choose_recipe(table, tolerance=1.0)["recipe"] in ("noise", "signal")
-    assert choose_recipe(table, tolerance=1.0)["dim"] == 3
+    # signal and both differ by noise: one standard error of their gap lets the smaller one win
+    assert choose_recipe(table)["recipe"] == "signal"
+    assert choose_recipe(table, n_se=0.0) is table[0]  # no allowance: the best score wins
+    assert choose_recipe(table, n_se=1e6)["dim"] == 3  # any allowance: the smallest recipe
+    with pytest.raises(ValueError, match="n_se"):
+        choose_recipe(table, n_se=-1.0)
+    best, noise = table[0], table[-1]
+    assert (best["gap"], best["gap_se"]) == (0.0, 0.0)
+    assert noise["gap"] == pytest.approx(best["spearman"] - noise["spearman"])
+    assert 0 < noise["gap_ci_low"] <= noise["gap"] <= noise["gap_ci_high"] and noise["gap_se"] > 0
+
+
+def test_each_gap_s_standard_error_matches_scipy_s_paired_bootstrap():
+    from scipy import stats
+
+    from leap_core.metrics import spearman_difference
+
+    rng = np.random.default_rng(5)
+    n = 300
+    X = rng.normal(size=(n, 4))
+    lengths = np.clip((10 + 3 * X[:, 0] + 2 * X[:, 1] + rng.normal(scale=2.0, size=n)) ** 2, 1, 1024)
+    table = validate_recipes({"two": X[:, :2], "one": X[:, :1]}, lengths, max_tokens=1024, n_boot=2000)
+    best, other = table
+    assert best["recipe"] == "two" and other["gap_ci_low"] > 0  # the second signal column is real
+    # the same gap from scipy: the held-out predictions again, resampled as pairs
+    from leap_core.recipe_choice import _validate
+
+    _, held_best = _validate(X[:, :2], lengths, max_tokens=1024, target="sqrt")
+    _, held_other = _validate(X[:, :1], lengths, max_tokens=1024, target="sqrt")
+    def difference(true, a, b):
+        return stats.spearmanr(true, a)[0] - stats.spearmanr(true, b)[0]
+
+    reference = stats.bootstrap((lengths, held_best, held_other), difference, paired=True, vectorized=False,
+                                n_resamples=2000, random_state=1)
+    assert other["gap_se"] == pytest.approx(reference.standard_error, rel=0.15)
+    assert other["gap"] == pytest.approx(float(spearman_difference(lengths, held_best, held_other)), abs=1e-9)
 
 
 def test_each_recipe_and_target_is_one_validation_row_and_a_tie_goes_to_the_first_target():
