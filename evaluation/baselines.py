@@ -121,6 +121,11 @@ def validation_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np
     return np.sort(order[n_val:]), np.sort(order[:n_val])
 
 
+MIN_SEARCH_ROWS = 10
+"""Validation rows a grid search needs (`HiddenStateMLP`): a Spearman over fewer cannot rank dozens of settings
+(over 3 rows it takes four values), so the first setting of the grid is fitted instead, unsearched."""
+
+
 def _score(true: np.ndarray, pred: np.ndarray) -> float:
     """Validation Spearman, with a constant prediction (NaN) scored as no signal at all."""
     value = spearman(true, pred)
@@ -475,7 +480,8 @@ class HiddenStateMLP(BaseEstimator):
     256-wide layer to two, alpha 1 to 1e4 and learning rate 1e-3 down to 1e-4 (on the chat training
     window a 3x2 grid chose its corner, alpha 100 and 3e-4, and a 3x4x2 grid the opposite corner, 256x256
     with alpha 10 and 3e-4); `best_params_["on_grid_edge"]` names every chosen value that still sits on
-    the grid's edge (the search may not have turned there).
+    the grid's edge (the search may not have turned there). With fewer than `MIN_SEARCH_ROWS` validation
+    rows nothing is searched: the grid's first setting is fitted (`best_params_["searched"]` False).
     """
 
     name = "trail_mlp"
@@ -531,7 +537,8 @@ class HiddenStateMLP(BaseEstimator):
         self.trials_: list[dict[str, Any]] = []
         with _blas_threads(self.num_threads), warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
-            if len(grid) > 1 and len(val_rows):
+            searched = len(grid) > 1 and len(val_rows) >= MIN_SEARCH_ROWS
+            if searched:
                 for hidden, alpha, lr in grid:
                     network = self._network(hidden, alpha, lr, len(fit_rows)).fit(features[fit_rows],
                                                                                  target[fit_rows])
@@ -547,10 +554,11 @@ class HiddenStateMLP(BaseEstimator):
             self.model_ = self._network(hidden, alpha, lr, len(data)).fit(features, target)
         mlp = self.model_[-1]
         edges = {"alpha": alphas, "learning_rate": rates}
+        chosen = {"alpha": alpha, "learning_rate": lr}
         self.best_params_ = {"hidden": list(hidden), "alpha": alpha, "learning_rate": lr, "n_iter": int(mlp.n_iter_),
-                             "on_grid_edge": [name for name, values in edges.items() if len(values) > 1
-                                              and {"alpha": alpha, "learning_rate": lr}[name] in (min(values),
-                                                                                                 max(values))]}
+                             "searched": searched,
+                             "on_grid_edge": [name for name, values in edges.items() if searched and len(values) > 1
+                                              and chosen[name] in (min(values), max(values))]}
         self.max_tokens_ = int(data.max_tokens)
         self.n_params_ = int(sum(w.size for w in mlp.coefs_) + sum(b.size for b in mlp.intercepts_))
         return self

@@ -211,3 +211,19 @@ def test_head_and_tail_truncation_and_the_encoder_choice(tmp_path):
         encoder_path("intfloat/multilingual-e5-small")
     with pytest.raises(ValueError, match="unknown encoder"):
         EncoderRidgePredictor(encoder=str(tmp_path)).fit(synthetic(n=8, max_words=5))
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_too_few_validation_rows_to_rank_settings_fit_the_grid_s_first_setting_unsearched():
+    from evaluation.baselines import MIN_SEARCH_ROWS
+
+    small = monotone_hidden(30, seed=6)  # 4 validation rows: a Spearman over them cannot rank 4 settings
+    assert 0 < len(validation_split(30, 0.15, 0)[1]) < MIN_SEARCH_ROWS
+    predictor = HiddenStateMLP(hidden=(8,), alphas=(0.1, 10.0), learning_rates=(1e-3, 1e-2), max_iter=30,
+                               num_threads=1).fit(small)
+    assert predictor.trials_ == [] and np.isnan(predictor.val_spearman_)
+    assert predictor.best_params_["searched"] is False and predictor.best_params_["on_grid_edge"] == []
+    assert (predictor.best_params_["alpha"], predictor.best_params_["learning_rate"]) == (0.1, 1e-3)
+    searched = HiddenStateMLP(hidden=(8,), alphas=(0.1, 10.0), learning_rates=(1e-3, 1e-2), max_iter=30,
+                              num_threads=1).fit(monotone_hidden(100, seed=6))  # 15 validation rows: searched
+    assert searched.best_params_["searched"] is True and len(searched.trials_) == 4

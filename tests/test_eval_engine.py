@@ -288,7 +288,7 @@ def test_fidelity_study_replays_on_the_wall_clock_and_simulates_the_same_runs(al
     prompts = load_prompts(prompt_file)
     settings = FidelitySettings(n_requests=4, repeats=2, loads=(0.7, 0.9), baseline="prompt_length",
                                 capacity_runs=2, capacity_requests=4, max_tokens=M, max_resident=16,
-                                decode_slots=2)
+                                decode_slots=2, length_divisor=4)  # as --quick does: outputs of at most M / 4
     result = run_fidelity(prompts[:12], prompts[12:], settings)
     assert result["clock"] == "wall"
     cap = result["capacity_rps"]
