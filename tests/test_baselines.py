@@ -77,7 +77,8 @@ def test_registry_and_factory():
         make_predictor("nope")
 
 
-@pytest.mark.parametrize("predictor", [PromptLengthPredictor(), HiddenStateMLP(num_threads=1),
+@pytest.mark.parametrize("predictor", [PromptLengthPredictor(),  # the MLP's search: test_baselines_tuning.py
+                                       HiddenStateMLP(hidden=((64,), (64, 64)), alphas=(1.0, 100.0), num_threads=1),
                                        LeapReadoutPredictor(alpha=10.0)],
                          ids=lambda p: p.name)
 def test_fast_predictors_rank_held_out_rows(data, predictor):
