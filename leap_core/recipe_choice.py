@@ -11,7 +11,7 @@ fewest columns whose score trails the best by at most one standard error of that
 costs less to capture, store and correct, and a smaller gap is noise). The standard error is the paired
 bootstrap's: the validation rows are resampled, and the best row's Spearman and this row's are computed
 on the same draws. Rows are drawn one by one, so where a prompt holds two rows (the recipe study's greedy and
-sampled labels of 120 prompts among 1,696 rows) the error is a little too small. Each table row carries its gap to the best with a 95% interval (`gap`, `gap_ci_low`,
+sampled labels of one prompt) the error is a little too small. Each table row carries its gap to the best with a 95% interval (`gap`, `gap_ci_low`,
 `gap_ci_high`) and the standard error (`gap_se`), so the choice is shown with the noise it was made in.
 
 Candidate regression targets (`leap_core.targets`) are chosen the same way: a (recipe, target) pair is
