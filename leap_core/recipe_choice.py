@@ -10,9 +10,10 @@ The choice follows the one-standard-error rule: the best score marks the bar, an
 fewest columns whose score trails the best by at most one standard error of that difference wins (it
 costs less to capture, store and correct, and a smaller gap is noise). The standard error is the paired
 bootstrap's: the validation rows are resampled, and the best row's Spearman and this row's are computed
-on the same draws. Rows are drawn one by one, so where a prompt holds two rows (the recipe study's greedy and
-sampled labels of one prompt) the error is a little too small. Each table row carries its gap to the best with a 95% interval (`gap`, `gap_ci_low`,
-`gap_ci_high`) and the standard error (`gap_se`), so the choice is shown with the noise it was made in.
+on the same draws. Rows are drawn one by one, so where a prompt holds two rows (the recipe study's greedy
+and sampled labels of one prompt) the error is a little too small. Each table row carries its gap to the
+best with a 95% interval (`gap`, `gap_ci_low`, `gap_ci_high`) and the standard error (`gap_se`), so the
+choice is shown with the noise it was made in.
 
 Candidate regression targets (`leap_core.targets`) are chosen the same way: a (recipe, target) pair is
 one row of the table, scored in tokens like every other.
