@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from evaluation.offline import readout_predictions, choose_alpha
+from evaluation.offline import choose_alpha, readout_predictions
 from leap_core.metrics import percentile_interval, spearman_batch
 
 SIZES = (250, 500, 1000, 1500, 2000, 3000, 4000, 6000, 8000)  # those below the pool's size, then the pool

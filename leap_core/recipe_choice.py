@@ -84,9 +84,11 @@ def validate_recipes(matrices: Mapping[str, ArrayLike], lengths: ArrayLike, *, m
     Each row also carries its gap to the best row's Spearman (`gap`, with `gap_ci_low`/`gap_ci_high` and
     `gap_se` from `n_boot` paired bootstrap draws of the validation rows, the same draws for every row)."""
     candidates = [targets_module.check_target(t) for t in dict.fromkeys(targets or (target,))]
-    scored = [({"recipe": name, "target": t, **row}, held)
-              for name, X in matrices.items() for t in candidates
-              for row, held in [_validate(X, lengths, max_tokens=max_tokens, target=t, **options)]]
+    scored = []  # (row, its held-out predictions)
+    for name, X in matrices.items():
+        for t in candidates:
+            row, held = _validate(X, lengths, max_tokens=max_tokens, target=t, **options)
+            scored.append(({"recipe": name, "target": t, **row}, held))
     best_row, best_held = max(scored, key=lambda pair: pair[0]["spearman"])
     rows = ~np.isnan(best_held)
     truth, _ = censor(np.asarray(lengths, dtype=np.float64).reshape(-1)[rows], int(max_tokens))
