@@ -354,17 +354,38 @@ def stop_process(pid: int, grace_s: float = 15.0, sig: int = signal.SIGTERM) -> 
     return "killed"
 
 
+def stop_waves(names: Sequence[str], specs: dict[str, Service]) -> list[list[str]]:
+    """`names` (in start order) in the waves `down` stops them in: each wave holds the services that no
+    service still running in a later wave waits for (`after`), so a database outlives what writes to it."""
+    left, waves = list(names), []
+    while left:
+        needed = {dep for name in left for dep in specs[name].after}
+        wave = [name for name in reversed(left) if name not in needed] or [left[-1]]
+        waves.append(wave)
+        left = [name for name in left if name not in wave]
+    return waves
+
+
 def down(settings: PipelineSettings, names: Iterable[str] | None = None, grace_s: float = 15.0) -> dict[str, Any]:
-    """Stop the services the stack started (in reverse order) and remove their pid files; once none of a
-    fleet's services runs, its recorded layout and env file go too (its data folders stay)."""
+    """Stop the services the stack started and remove their pid files: those that wait for others first,
+    each wave at once (`stop_waves`). Once none of a fleet's services runs, its recorded layout and env file
+    go too (its data folders stay)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from ops import stack_fleet as fleet
 
     specs = service_specs(settings)
-    stopped = {}
-    for name in reversed(_names(names, specs)):
+
+    def stop(name: str) -> str:
         pid = service_pid(settings.stack_dir, name)
-        stopped[name] = "not running" if pid is None else stop_process(pid, grace_s, specs[name].stop_signal)
+        outcome = "not running" if pid is None else stop_process(pid, grace_s, specs[name].stop_signal)
         pid_file(settings.stack_dir, name).unlink(missing_ok=True)
+        return outcome
+
+    stopped = {}
+    with ThreadPoolExecutor(max_workers=len(specs)) as pool:
+        for wave in stop_waves(_names(names, specs), specs):
+            stopped.update(zip(wave, pool.map(stop, wave)))
     result = {"stopped": stopped, **status(settings, names)}
     if fleet.read_layout(settings) is not None and all(service_pid(settings.stack_dir, name) is None
                                                        for name in specs):

@@ -1,8 +1,10 @@
 """`ops.stack.up` when a service dies while it starts: a signal from outside gets one more start, an exit
-of its own stops `up` with the exit status and the log. Real processes (small HTTP servers), no stubs."""
+of its own stops `up` with the exit status and the log; `down` stops in waves by what waits for what.
+Real processes (small HTTP servers), no stubs."""
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -90,3 +92,62 @@ def test_a_pid_file_names_one_process_and_never_a_later_one_that_reuses_its_numb
         sleeper.kill()
         sleeper.wait(10)
     assert service_pid(tmp_path, "flaky") is None
+
+
+SLOW_TO_STOP = """
+import http.server, json, signal, sys, threading, time
+name, port, log = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+
+def note(event):
+    with open(log, "a") as out:
+        out.write(json.dumps({"name": name, "event": event, "t": time.time()}) + "\\n")
+
+def stop(signum, frame):
+    note("term")
+    time.sleep(1.5)  # a server finishing its requests
+    note("exit")
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, stop)
+server = http.server.ThreadingHTTPServer(("127.0.0.1", port), http.server.SimpleHTTPRequestHandler)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_down_stops_what_waits_first_and_each_wave_at_once(monkeypatch, tmp_path):
+    script, log = tmp_path / "slow.py", tmp_path / "events.jsonl"
+    script.write_text(textwrap.dedent(SLOW_TO_STOP))
+    specs = {}
+    for name, after in (("store", ()), ("api", ("store",)), ("jobs", ("store",))):
+        port = _free_port()
+        specs[name] = Service(name, [sys.executable, str(script), name, str(port), str(log)],
+                              url=f"http://127.0.0.1:{port}", health_url=f"http://127.0.0.1:{port}/",
+                              ports=(port,), start_timeout_s=30.0, after=after, cwd=tmp_path)
+    monkeypatch.setattr(stack, "service_specs", lambda settings: specs)
+    monkeypatch.setattr(stack, "_single_specs", lambda settings: specs)
+    settings = PipelineSettings(home=tmp_path / "home")
+    assert stack.stop_waves(list(specs), specs) == [["jobs", "api"], ["store"]]
+    stack.up(settings)
+    result = stack.down(settings, grace_s=10.0)
+    assert result["stopped"] == {"jobs": "terminated", "api": "terminated", "store": "terminated"}
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    at = {(e["name"], e["event"]): e["t"] for e in events}
+    assert len(at) == 6
+    # the two that wait for the store were stopping at once, and the store was asked only once both had gone
+    assert max(at["api", "term"], at["jobs", "term"]) < min(at["api", "exit"], at["jobs", "exit"])
+    assert at["store", "term"] > max(at["api", "exit"], at["jobs", "exit"])
+
+
+def test_the_fleet_stops_replicas_and_workers_then_the_servers_then_their_stores(tmp_path):
+    from ops.stack_fleet import fleet_specs, plan_layout
+
+    settings = PipelineSettings(home=tmp_path / "home")
+    specs = fleet_specs(settings, plan_layout(settings, 2))
+    waves = stack.stop_waves(list(specs), specs)
+    assert [sorted(wave) for wave in waves] == [
+        sorted(name for name in specs if name.startswith(("serving", "worker"))), ["mlflow", "prefect"],
+        ["postgres", "s3"]]
+    single = stack._single_specs(settings)  # nothing waits for another: one wave, last started first
+    assert stack.stop_waves(list(single), single) == [list(reversed(single))]
