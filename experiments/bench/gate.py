@@ -127,8 +127,10 @@ def bench_gate(trials: int = 20, quick: bool = False, slice_size: int | None = N
                blocks: int | None = None,
                load: float = 1.2, margin: float | None = None, p95_bound: float | None = None, seed: int = 0,
                model_path: str | None = None, max_tokens: int = 1024, better_bar: str = "fcfs",
+               calibration_requests: int = 64,
                on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run `trials` gate trials of each case (module docstring); the error rates and timings."""
+    """Run `trials` gate trials of each case (module docstring); the error rates and timings. The step
+    clock is calibrated on `calibration_requests` pool requests at their recorded lengths."""
     from harness.engine import EngineSettings, build_engine
     from harness.experiment import resolve_model
     from harness.gate_replay import (BLOCKS, DECODE_SLOTS, block_count, calibrate_step_clock, gate_config,
@@ -163,12 +165,13 @@ def bench_gate(trials: int = 20, quick: bool = False, slice_size: int | None = N
                              f"{slice_size}")
         rng = np.random.default_rng(seed)
         warm_up(engine, pool)
-        say(f"calibrating the step clock on {min(len(pool), 64)} pool requests")
+        calibration_size = min(len(pool), calibration_requests)
+        say(f"calibrating the step clock on {calibration_size} pool requests")
         # at their recorded lengths (the calibration caps them): divided ones end within a few steps, too few
         # decode shapes to fit the model's per-decode cost (one quick run fitted 33 steps and 0 s a decode)
         recorded = {p["id"]: p["length"] for p in prompts}
         calibrating = [replace(pool[i], fixed_length=recorded[pool[i].id], max_tokens=recorded[pool[i].id])
-                       for i in rng.choice(len(pool), min(len(pool), 64), replace=False)]
+                       for i in rng.choice(len(pool), calibration_size, replace=False)]
         clock, calibration = calibrate_step_clock(engine, gate_runtime(engine), calibrating)
         setup_s = time.perf_counter() - begun  # what a gate run pays before its arms: engine, warm-up, clock
         cases: dict[str, dict[str, Any]] = {case: {"trials": 0, "promoted": 0, "no_difference": 0, "runs": []}
