@@ -90,8 +90,10 @@ def test_one_layer_corpus_reuses_the_all_layers_rows_and_generates_the_rest(all_
         row = one.features[copied[rid]]
         np.testing.assert_array_equal(row, every.features[k, layer * info.hidden_size:(layer + 1) * info.hidden_size])
     # the same prompt through a one-layer engine and an all-layers engine: the same state, up to the model
-    # dtype's rounding (bf16 kernels round differently with the batch's shape), and almost always the same
-    # greedy length (a bf16 tie can flip one token and so one length)
+    # dtype's rounding (bf16 kernels round differently with the batch's shape), and mostly the same greedy
+    # length: a bf16 tie can flip one token and so the length (greedy reruns of 494 ShareGPT prompts kept
+    # the exact length for 82%; here 6 of 8 on this machine, 23 against 27 and 48 against 47 tokens). At
+    # least half: if each kept it with p 0.82, fewer than half would keep it with probability 0.007.
     fresh = [p for p in prompts if p["id"] not in set(every.ids.tolist())]
     same_text = {p["prompt"]: p["id"] for p in prompts[:16]}
     same_length = 0
@@ -101,7 +103,7 @@ def test_one_layer_corpus_reuses_the_all_layers_rows_and_generates_the_rest(all_
         x, y = one.features[a].astype(np.float64), one.features[b].astype(np.float64)
         assert x @ y / (np.linalg.norm(x) * np.linalg.norm(y)) >= 0.999
         same_length += int(one.output_tokens[a] == one.output_tokens[b])
-    assert fresh and same_length >= len(fresh) - 1
+    assert fresh and same_length >= len(fresh) / 2
 
 
 def test_offline_and_transfer_studies_on_the_small_corpus(all_layers, prompt_file):
