@@ -129,8 +129,11 @@ def test_down_stops_what_waits_first_and_each_wave_at_once(monkeypatch, tmp_path
     monkeypatch.setattr(stack, "_single_specs", lambda settings: specs)
     settings = PipelineSettings(home=tmp_path / "home")
     assert stack.stop_waves(list(specs), specs) == [["jobs", "api"], ["store"]]
-    stack.up(settings)
-    result = stack.down(settings, grace_s=10.0)
+    try:
+        stack.up(settings)
+        result = stack.down(settings, grace_s=10.0)
+    finally:
+        stack.down(settings, grace_s=2.0)  # stops nothing after a pass; what did start, after a failure
     assert result["stopped"] == {"jobs": "terminated", "api": "terminated", "store": "terminated"}
     events = [json.loads(line) for line in log.read_text().splitlines()]
     at = {(e["name"], e["event"]): e["t"] for e in events}
