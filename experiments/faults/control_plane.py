@@ -49,8 +49,11 @@ skew = float(sys.argv[3])
 if skew:  # this host's clock runs behind: every time.time() it reads is `skew` seconds early
     real_time = time.time
     time.time = lambda: real_time() - skew
+from prefect.client.orchestration import get_client
 from flows.pipeline import push_flow
 
+with get_client(sync_client=True) as client:  # this host's Prefect API (a temporary server without a URL) is up
+    client.api_healthcheck()
 print("ready", flush=True)
 sys.stdin.readline()
 try:  # the host's settings (its LEAP_HOME, store, registry, replicas, champion location) come from its environment
@@ -73,14 +76,20 @@ def _host_environment(home: Path, **leap: str) -> dict[str, str]:
 
 def _promoters(jobs: list[tuple[str, str, dict[str, str], float]]) -> list[dict[str, Any]]:
     """Run the push flow with `promote` in one process per (name, version, environment, clock skew), all
-    released at the same moment; their outcomes, in order."""
+    released at the same moment; their outcomes, in order.
+
+    Each host starts once the one before answers "ready" (its Prefect API up): hosts without a Prefect URL
+    each start a temporary server on a random free port, and two that start at the same instant can pick
+    the same port, one host's flows then landing on the other's server (a clash of one machine standing in
+    for two, never of two hosts)."""
     base = {key: value for key, value in os.environ.items() if not key.startswith(("LEAP_", "PREFECT_"))}
-    children = [subprocess.Popen([sys.executable, "-c", _PROMOTER, name, version, str(skew)], cwd=REPO,
-                                 env={**base, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                for name, version, env, skew in jobs]
+    children: list[subprocess.Popen] = []
     try:
-        for child in children:
-            if child.stdout.readline().strip() != "ready":
+        for name, version, env, skew in jobs:
+            children.append(subprocess.Popen([sys.executable, "-c", _PROMOTER, name, version, str(skew)], cwd=REPO,
+                                             env={**base, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                             text=True))
+            if children[-1].stdout.readline().strip() != "ready":
                 raise RuntimeError("a promoter did not start")
         for child in children:
             child.stdin.write("go\n")
