@@ -383,8 +383,9 @@ def down(settings: PipelineSettings, names: Iterable[str] | None = None, grace_s
         return outcome
 
     stopped = {}
-    with ThreadPoolExecutor(max_workers=len(specs)) as pool:
-        for wave in stop_waves(_names(names, specs), specs):
+    waves = stop_waves(_names(names, specs), specs)
+    with ThreadPoolExecutor(max_workers=max([len(wave) for wave in waves], default=1)) as pool:
+        for wave in waves:
             stopped.update(zip(wave, pool.map(stop, wave)))
     result = {"stopped": stopped, **status(settings, names)}
     if fleet.read_layout(settings) is not None and all(service_pid(settings.stack_dir, name) is None
