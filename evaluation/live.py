@@ -44,6 +44,8 @@ FULL_POLICIES = ("fcfs", *TEXT_BASELINES, *HIDDEN_BASELINES, "leap", "leap-rls",
 QUICK_POLICIES = ("fcfs", "prompt_length", "trail_mlp", "leap", "leap-gittins", "oracle")
 REFRESH_POLICIES = ("leap", "leap-refresh")
 """`leap eval live --refresh`: countdown and refresh, on one engine that captures decode states for both."""
+GITTINS_POLICIES = ("leap", "leap-gittins")
+"""`leap eval live --gittins`: countdown and the Gittins order on the same readout, nothing else replayed."""
 REFERENCE = ("fcfs", "leap", "leap-rls", "leap-gittins", "leap-refresh", "oracle")
 LEAP_ARMS = ("leap", "leap-rls", "leap-gittins", "leap-refresh")
 """LEAP's readout served by the runtime: countdown, countdown corrected online by RLS, the Gittins order on
@@ -360,18 +362,17 @@ def _aggregate(runs: dict[str, list[dict]], costs: dict, settings: LiveSettings,
     baselines = [k for k in ptl if k not in REFERENCE]
     best = min(baselines, key=lambda k: ptl[k].mean()) if baselines else None
     ratios = paired_ratios(ptl, best)
-    if "leap-gittins" in ptl and "leap" in ptl:
-        ratios["gittins_over_countdown"] = paired_ratio(ptl["leap-gittins"], ptl["leap"])
-    refreshed = {}
-    if "leap-refresh" in runs and "leap" in runs:  # repeats share arrivals: resample them, then requests
-        by_repeat = {name: np.stack([s["ptl_per_request"] for s in runs[name]]) for name in ("leap-refresh", "leap")}
-        ratios["refresh_over_countdown"] = paired_ratio(by_repeat["leap-refresh"], by_repeat["leap"])
-        sim = {name: np.stack([s["simulated_latency"] / s["tokens_per_request"] for s in runs[name]])
-               for name in ("leap-refresh", "leap")}
-        refreshed = {"refresh_over_countdown_per_repeat": [float(a.mean() / b.mean()) for a, b in
-                                                           zip(by_repeat["leap-refresh"], by_repeat["leap"])],
-                     "simulated_refresh_over_countdown": paired_ratio(sim["leap-refresh"], sim["leap"]),
-                     "refreshed_per_run": [s.get("refreshed") for s in runs["leap-refresh"]]}
+    against = {}
+    if "leap-gittins" in runs and "leap" in runs:
+        gittins = against_countdown(runs, "leap-gittins")
+        ratios["gittins_over_countdown"] = gittins.pop("ratio")
+        against["gittins"] = gittins
+    if "leap-refresh" in runs and "leap" in runs:
+        refresh = against_countdown(runs, "leap-refresh")
+        ratios["refresh_over_countdown"] = refresh["ratio"]
+        against["refresh"] = {"refresh_over_countdown_per_repeat": refresh["per_repeat"],
+                              "simulated_refresh_over_countdown": refresh["simulated"],
+                              "refreshed_per_run": [s.get("refreshed") for s in runs["leap-refresh"]]}
     all_errors = np.concatenate(list(errors.values()))
     drift = [s["modeled_over_wall"] for summaries in runs.values() for s in summaries if "modeled_over_wall" in s]
     return {"n_requests": n, "n_train": n_train, "repeats": settings.repeats, "load": settings.load,
@@ -387,7 +388,26 @@ def _aggregate(runs: dict[str, list[dict]], costs: dict, settings: LiveSettings,
                                    "met": bool(np.median(all_errors) <= 0.10)},
             "mean_ptl": {name: entry["mean_ptl"] for name, entry in policies.items()},
             "ratios": ratios, "best_baseline": best, "goals": ratio_goals(ratios), "policies": policies,
-            **({"refresh": refreshed} if refreshed else {})}
+            **against}
+
+
+def against_countdown(runs: dict[str, list[dict]], arm: str) -> dict:
+    """One LEAP arm over countdown (`leap`) on the same requests and arrivals: mean PTL paired by request,
+    the repeats resampled first, then the requests within each (every repeat has its own arrivals); the
+    ratio per repeat; the simulator's ratio on the same workloads; and the long requests' (the top decile of
+    recorded lengths) mean latency over countdown's, which is what ranking by length makes them pay."""
+    def stacked(name: str, per_run: Callable[[dict], np.ndarray]) -> np.ndarray:
+        return np.stack([per_run(s) for s in runs[name]])
+
+    pair = (arm, "leap")
+    ptl = [stacked(name, lambda s: s["ptl_per_request"]) for name in pair]
+    simulated = [stacked(name, lambda s: s["simulated_latency"] / s["tokens_per_request"]) for name in pair]
+    tokens = runs["leap"][0]["tokens_per_request"]
+    long = tokens >= np.quantile(tokens, 0.9)
+    latency = [stacked(name, lambda s: s["latency_per_request"][long]) for name in pair]
+    return {"ratio": paired_ratio(*ptl), "per_repeat": [float(a.mean() / b.mean()) for a, b in zip(*ptl)],
+            "simulated": paired_ratio(*simulated), "long_latency_ratio": paired_ratio(*latency),
+            "long_requests": int(long.sum()), "long_min_tokens": int(tokens[long].min())}
 
 
 def _ci_pair(interval: dict) -> list[float]:
@@ -512,6 +532,47 @@ def section_live_refresh(result: dict, image: str) -> str:
         + ("Its interval lies below 1." if wins else "Its interval does not lie below 1: refresh stays off by default."),
         "",
         f"![refresh on the engine]({image})",
+        "",
+        f"Regenerate: `{result['command']}`" if "command" in result else "",
+    ])
+
+
+def section_live_gittins(result: dict, image: str) -> str:
+    """docs/results.md section: the Gittins order against countdown on the engine, paired by repeat, then
+    request, with what it costs long requests."""
+    gittins = result["gittins"]
+    ratio = result["ratios"]["gittins_over_countdown"]
+    per_repeat = ", ".join(f"{value:.3f}" for value in gittins["per_repeat"])
+    fit = result["step_model_fit"]
+    rows = ["| arm | mean PTL [95% CI over requests] | P95 PTL | mean TTFT (s) | simulated mean PTL |",
+            "|---|---:|---:|---:|---:|"]
+    for name, p in result["policies"].items():
+        low, high = p["mean_ptl_ci"]
+        rows.append(f"| {name} | {p['mean_ptl']:.4f} [{low:.4f}, {high:.4f}] | {p['p95_ptl']:.4f} | "
+                    f"{p['mean_ttft']:.2f} | {p['simulated_mean_ptl']:.4f} |")
+    verdict = ("Its interval lies below 1: the order wins on the engine's mean PTL."
+               if ratio["ci_high"] < 1.0 else "Its interval does not lie below 1.")
+    return "\n".join([
+        "## The Gittins order on the engine",
+        "",
+        f"Countdown (`leap`) against the Gittins order (`leap-gittins`: the same readout, ranked by the Gittins "
+        f"index of the remaining length under the length distribution its fit carries) on one engine. "
+        f"{result['n_requests']} held-out ShareGPT requests at their recorded lengths, Poisson arrivals at "
+        f"{result['load']} x the engine's sustained FCFS capacity, {result['repeats']} repeats with new arrivals "
+        f"each, the arms visited forward then backward; R = {result['max_resident']}, K = "
+        f"{result['decode_slots']}, waiting cap {result['waiting_cap']}; the step clock (fit over {fit['steps']} "
+        f"steps). The readout and its distribution were fitted on {result['n_train']} training prompts (none "
+        "replayed).",
+        "",
+        *rows,
+        "",
+        f"Gittins over countdown, mean PTL paired by request (95% interval resampling repeats, then requests): "
+        f"**{_interval(ratio)}**; per repeat {per_repeat}; the simulator on the same workloads: "
+        f"{_interval(gittins['simulated'])}. {verdict} Long requests (the {gittins['long_requests']} of "
+        f"{result['n_requests']} with at least {gittins['long_min_tokens']} tokens, the top decile): mean latency "
+        f"{_interval(gittins['long_latency_ratio'])} of countdown's.",
+        "",
+        f"![the Gittins order on the engine]({image})",
         "",
         f"Regenerate: `{result['command']}`" if "command" in result else "",
     ])

@@ -23,12 +23,14 @@ SINGLE: dict[str, Renderer] = {
     "curve": (learning_curve_report.plot_learning_curve, learning_curve_report.section_learning_curve),
     "live": (live.plot_live, live.section_live),
     "live-refresh": (live.plot_live, live.section_live_refresh),
+    "live-gittins": (live.plot_live, live.section_live_gittins),
     "fidelity": (fidelity.plot_fidelity, fidelity.section_fidelity),
     "refresh": (simulated.plot_refresh, simulated.section_refresh),
     "tail": (simulated.plot_tail, simulated.section_tail),
 }
 ORDER = ("corpus", "curve", "targets", "layers", "recipes", "ceiling", "transfer", "live", "live-quick", "fidelity",
-         "fidelity-quick", "load", "refresh", "live-refresh", "tail")
+         "fidelity-quick", "load", "live-gittins", "refresh", "live-refresh",
+         "tail")
 
 HEADER = """# Results
 
@@ -68,6 +70,7 @@ RERUN: tuple[tuple[str, ...], ...] = (
     # the same final table with the readout and the baselines fitted on every ShareGPT row of the snapshot
     # before the last 1,200 (which feed RLS and choose the baseline), not the chat window's 1,500
     ("eval", "load", "--untouched", "--train", WIDE_TRAIN, "--name", "load-untouched-wide", *BASELINES),
+    ("eval", "live", "--gittins"),
     ("eval", "refresh"),
     ("eval", "live", "--refresh"),
     ("eval", "tail"),

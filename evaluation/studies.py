@@ -464,17 +464,22 @@ def tail_study(step_model: StepTimeModel, max_tokens: int = 1024, model: str | N
 
 def live_study(quick: bool, n_requests: int | None = None, repeats: int | None = None, load: float = 1.2,
                decode_slots: int | None = None, max_tokens: int = 1024, model: str | None = None,
-               say: Say = _quiet, refresh: bool = False) -> dict:
+               say: Say = _quiet, refresh: bool = False, gittins: bool = False) -> dict:
     """The live replay: `quick` is a smaller run (fewer requests, one repeat, the baselines that train in
     seconds) that finishes in minutes; the full run is the Table 3 study. `refresh`: countdown against
-    refresh on one engine that captures decode states (`evaluation.live.REFRESH_POLICIES`), 64 requests x 4
+    refresh on one engine that captures decode states (`evaluation.live.REFRESH_POLICIES`); `gittins`:
+    countdown against the Gittins order (`evaluation.live.GITTINS_POLICIES`); either 64 requests x 4
     repeats unless told otherwise."""
-    from evaluation.live import FULL_POLICIES, QUICK_POLICIES, REFRESH_POLICIES, LiveSettings, run_live
+    from evaluation.live import (FULL_POLICIES, GITTINS_POLICIES, QUICK_POLICIES, REFRESH_POLICIES, LiveSettings,
+                                 run_live)
 
+    if refresh and gittins:
+        raise ValueError("--refresh and --gittins are separate studies: run one at a time")
     train = select(CHAT_TRAIN)
-    default_n, default_repeats = (64, 4) if refresh else (32, 1) if quick else (60, 2)
+    default_n, default_repeats = (64, 4) if refresh or gittins else (32, 1) if quick else (60, 2)
     replayed = select(f"sharegpt:{n_requests or default_n}", exclude={p["id"] for p in train})
-    policies = REFRESH_POLICIES if refresh else QUICK_POLICIES if quick else FULL_POLICIES
+    policies = (REFRESH_POLICIES if refresh else GITTINS_POLICIES if gittins else QUICK_POLICIES if quick
+                else FULL_POLICIES)
     settings = LiveSettings(n_requests=len(replayed), n_train=len(train), repeats=repeats or default_repeats,
                             load=load, max_tokens=max_tokens, policies=policies,
                             calibration_requests=len(replayed), decode_slots=decode_slots or 8)

@@ -85,17 +85,23 @@ def live(
                                                           "that captures decode states for both: 64 requests x 4 "
                                                           "repeats by default, `refresh_over_countdown` paired by "
                                                           "repeat, then request"),
+    gittins: bool = typer.Option(False, "--gittins", help="countdown against the Gittins order (leap-gittins) on "
+                                                          "one engine: 64 requests x 4 repeats by default, "
+                                                          "`gittins_over_countdown` paired by repeat, then "
+                                                          "request, and long requests' latency"),
     max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
 ) -> None:
     """Replay held-out requests through the real engine (step clock) under FCFS, baselines, LEAP, LEAP + RLS
-    and the oracle (--refresh: LEAP with and without refresh); paired ratios with intervals and the
-    simulator's fidelity on the same workloads."""
+    and the oracle (--refresh: LEAP with and without refresh; --gittins: countdown against the Gittins
+    order); paired ratios with intervals and the simulator's fidelity on the same workloads."""
     from evaluation.studies import live_study
 
+    if refresh and gittins:
+        raise typer.BadParameter("--refresh and --gittins are separate studies: run one at a time")
     result = live_study(quick, requests, repeats, load, decode_slots, max_tokens, model, _say(as_json),
-                        refresh=refresh)
-    study = "live-refresh" if refresh else "live"
-    _finish(result, study, study if refresh else "live-quick" if quick else "live", as_json, save)
+                        refresh=refresh, gittins=gittins)
+    study = "live-refresh" if refresh else "live-gittins" if gittins else "live"
+    _finish(result, study, study if refresh or gittins else "live-quick" if quick else "live", as_json, save)
 
 
 @eval_app.command("fidelity")

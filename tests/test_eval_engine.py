@@ -152,6 +152,9 @@ def test_live_replay_study_conserves_requests_and_work(all_layers, prompt_file):
                                      "gittins_over_countdown"}
     gittins = result["policies"]["leap-gittins"]["runs"][0]["decode_order"]
     assert (gittins["serving"], gittins["fallback"]) == ("gittins", None)  # ranked by the readout's distribution
+    against = result["gittins"]
+    assert len(against["per_repeat"]) == 2 and against["long_requests"] >= 1
+    assert against["simulated"]["ci_low"] <= against["simulated"]["value"] <= against["simulated"]["ci_high"]
     for r in result["ratios"].values():
         assert r["ci_low"] <= r["value"] <= r["ci_high"]
     # the step clock: the same requests on the same arrivals give the oracle no worse PTL than FCFS

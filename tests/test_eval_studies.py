@@ -127,3 +127,38 @@ def test_the_report_fails_on_a_result_from_another_corpus_or_a_dirty_commit(tmp_
     assert code == 1 and rendered["dirty"] == ["corpus"] and rendered["stale"] == []
     code, rendered = report(corpus_hash="0123456789abcdef")
     assert code == 1 and rendered["stale"] == ["corpus"] and rendered["dirty"] == []
+
+
+def test_an_arm_against_countdown_pairs_requests_within_repeats_and_prices_long_requests(tmp_path):
+    """`against_countdown` on runs with known answers: the arm halves every short request's PTL and doubles
+    the long requests' latency, in each of three repeats whose levels differ."""
+    from evaluation.live import against_countdown, section_live_gittins
+
+    tokens = np.arange(1, 21, dtype=np.int64) * 10  # the top decile: 190 and 200 tokens
+    long = tokens >= 190
+    runs: dict[str, list[dict]] = {"leap": [], "leap-gittins": []}
+    for level in (1.0, 2.0, 3.0):
+        latency = level * tokens.astype(np.float64)
+        runs["leap"].append({"ptl_per_request": latency / tokens, "latency_per_request": latency,
+                             "simulated_latency": latency, "tokens_per_request": tokens})
+        arm = np.where(long, 2 * latency, latency / 2)
+        runs["leap-gittins"].append({"ptl_per_request": arm / tokens, "latency_per_request": arm,
+                                     "simulated_latency": latency, "tokens_per_request": tokens})
+    out = against_countdown(runs, "leap-gittins")
+    expected = (18 * 0.5 + 2 * 2.0) / 20  # every request's PTL is level: the mean of the per-request factors
+    assert out["ratio"]["value"] == pytest.approx(expected)
+    assert out["ratio"]["ci_low"] < expected < out["ratio"]["ci_high"]  # which requests are drawn matters
+    assert out["per_repeat"] == pytest.approx([expected] * 3)
+    assert out["simulated"]["value"] == pytest.approx(1.0)
+    assert (out["long_requests"], out["long_min_tokens"]) == (2, 190)
+    assert out["long_latency_ratio"]["value"] == pytest.approx(2.0)
+    result = {"gittins": {k: v for k, v in out.items() if k != "ratio"},
+              "ratios": {"gittins_over_countdown": out["ratio"]}, "n_requests": 20, "n_train": 100, "load": 1.2,
+              "repeats": 3, "max_resident": 512, "decode_slots": 8, "waiting_cap": 128,
+              "step_model_fit": {"steps": 1000},
+              "policies": {name: {"mean_ptl": 1.0, "mean_ptl_ci": [0.9, 1.1], "p95_ptl": 2.0, "mean_ttft": 0.5,
+                                  "simulated_mean_ptl": 1.0} for name in runs},
+              "command": "leap eval live --gittins --save --json"}
+    text = section_live_gittins(result, "live-gittins.png")
+    assert f"**{expected:.3f} [" in text and "Its interval lies below 1" in text
+    assert "the 2 of 20 with at least 190 tokens" in text and "2.000 [2.000, 2.000] of countdown's" in text
