@@ -497,6 +497,17 @@ def section_live(result: dict, image: str) -> str:
     ])
 
 
+def _arm_rows(result: dict) -> list[str]:
+    """The table of a two-arm engine study (refresh or Gittins against countdown), one row an arm."""
+    rows = ["| arm | mean PTL [95% CI over requests] | P95 PTL | mean TTFT (s) | simulated mean PTL |",
+            "|---|---:|---:|---:|---:|"]
+    for name, p in result["policies"].items():
+        low, high = p["mean_ptl_ci"]
+        rows.append(f"| {name} | {p['mean_ptl']:.4f} [{low:.4f}, {high:.4f}] | {p['p95_ptl']:.4f} | "
+                    f"{p['mean_ttft']:.2f} | {p['simulated_mean_ptl']:.4f} |")
+    return rows
+
+
 def section_live_refresh(result: dict, image: str) -> str:
     """docs/results.md section: refresh against countdown on the engine, paired by repeat, then request."""
     refresh = result["refresh"]
@@ -504,12 +515,7 @@ def section_live_refresh(result: dict, image: str) -> str:
     per_repeat = ", ".join(f"{value:.3f}" for value in refresh["refresh_over_countdown_per_repeat"])
     fit = result["step_model_fit"]
     arm = result.get("refresh_arm", {})
-    rows = ["| arm | mean PTL [95% CI over requests] | P95 PTL | mean TTFT (s) | simulated mean PTL |",
-            "|---|---:|---:|---:|---:|"]
-    for name, p in result["policies"].items():
-        low, high = p["mean_ptl_ci"]
-        rows.append(f"| {name} | {p['mean_ptl']:.4f} [{low:.4f}, {high:.4f}] | {p['p95_ptl']:.4f} | "
-                    f"{p['mean_ttft']:.2f} | {p['simulated_mean_ptl']:.4f} |")
+    rows = _arm_rows(result)
     wins = ratio["ci_high"] < 1.0
     return "\n".join([
         "## Refresh on the engine",
@@ -544,12 +550,7 @@ def section_live_gittins(result: dict, image: str) -> str:
     ratio = result["ratios"]["gittins_over_countdown"]
     per_repeat = ", ".join(f"{value:.3f}" for value in gittins["per_repeat"])
     fit = result["step_model_fit"]
-    rows = ["| arm | mean PTL [95% CI over requests] | P95 PTL | mean TTFT (s) | simulated mean PTL |",
-            "|---|---:|---:|---:|---:|"]
-    for name, p in result["policies"].items():
-        low, high = p["mean_ptl_ci"]
-        rows.append(f"| {name} | {p['mean_ptl']:.4f} [{low:.4f}, {high:.4f}] | {p['p95_ptl']:.4f} | "
-                    f"{p['mean_ttft']:.2f} | {p['simulated_mean_ptl']:.4f} |")
+    rows = _arm_rows(result)
     verdict = ("Its interval lies below 1: the order wins on the engine's mean PTL."
                if ratio["ci_high"] < 1.0 else "Its interval does not lie below 1.")
     return "\n".join([
