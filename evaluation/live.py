@@ -562,8 +562,8 @@ def section_live_gittins(result: dict, image: str) -> str:
         f"{result['load']} x the engine's sustained FCFS capacity, {result['repeats']} repeats with new arrivals "
         f"each, the arms visited forward then backward; R = {result['max_resident']}, K = "
         f"{result['decode_slots']}, waiting cap {result['waiting_cap']}; the step clock (fit over {fit['steps']} "
-        f"steps, median step error {100 * fit.get('median_abs_rel_error', float('nan')):.1f}%, modeled over "
-        f"measured time {fit.get('total_modeled_over_measured', float('nan')):.3f} in total). The readout and its "
+        f"steps, median step error {100 * fit['median_abs_rel_error']:.1f}%, modeled over measured time "
+        f"{fit['total_modeled_over_measured']:.3f} in total). The readout and its "
         f"distribution were fitted on {result['n_train']} training prompts (none replayed).",
         "",
         *rows,

@@ -29,8 +29,7 @@ SINGLE: dict[str, Renderer] = {
     "tail": (simulated.plot_tail, simulated.section_tail),
 }
 ORDER = ("corpus", "curve", "targets", "layers", "recipes", "ceiling", "transfer", "live", "live-quick", "fidelity",
-         "fidelity-quick", "load", "live-gittins", "refresh", "live-refresh",
-         "tail")
+         "fidelity-quick", "load", "live-gittins", "refresh", "live-refresh", "tail")
 
 HEADER = """# Results
 

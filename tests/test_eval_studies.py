@@ -129,7 +129,7 @@ def test_the_report_fails_on_a_result_from_another_corpus_or_a_dirty_commit(tmp_
     assert code == 1 and rendered["stale"] == ["corpus"] and rendered["dirty"] == []
 
 
-def test_an_arm_against_countdown_pairs_requests_within_repeats_and_prices_long_requests(tmp_path):
+def test_an_arm_against_countdown_pairs_requests_within_repeats_and_prices_long_requests():
     """`against_countdown` on runs with known answers: the arm halves every short request's PTL and doubles
     the long requests' latency, in each of three repeats whose levels differ."""
     from evaluation.live import against_countdown, section_live_gittins
@@ -155,7 +155,7 @@ def test_an_arm_against_countdown_pairs_requests_within_repeats_and_prices_long_
     result = {"gittins": {k: v for k, v in out.items() if k != "ratio"},
               "ratios": {"gittins_over_countdown": out["ratio"]}, "n_requests": 20, "n_train": 100, "load": 1.2,
               "repeats": 3, "max_resident": 512, "decode_slots": 8, "waiting_cap": 128,
-              "step_model_fit": {"steps": 1000},
+              "step_model_fit": {"steps": 1000, "median_abs_rel_error": 0.05, "total_modeled_over_measured": 1.0},
               "policies": {name: {"mean_ptl": 1.0, "mean_ptl_ci": [0.9, 1.1], "p95_ptl": 2.0, "mean_ttft": 0.5,
                                   "simulated_mean_ptl": 1.0} for name in runs},
               "command": "leap eval live --gittins --save --json"}
