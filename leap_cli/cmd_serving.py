@@ -59,7 +59,10 @@ def serve(
     readout: Optional[Path] = typer.Option(None, help="readout file to serve at start"),
     rls_state: Optional[Path] = typer.Option(None, help="RLS anchor (npz) of that readout"),
     layer: Optional[int] = typer.Option(None, help="decoder layer to capture (default: the readout's)"),
-    max_resident: int = typer.Option(512), decode_slots: int = typer.Option(64),
+    max_resident: int = typer.Option(512), decode_slots: int = typer.Option(64, help="K, the most decoded per step"),
+    adaptive_slots: bool = typer.Option(False, "--adaptive-slots/--fixed-slots",
+                                        help="choose K each step from the engine's measured step time and the "
+                                             "demand (all on a flat curve), or always decode K"),
     waiting_cap: int = typer.Option(128),
     admin_port: int = typer.Option(8011, help="LEAP admin API port"),
     feedback_dir: Optional[Path] = typer.Option(None, help="feedback segments (default $LEAP_HOME/feedback)"),
@@ -86,6 +89,7 @@ def serve(
 
         write_text_durably(token_file, secrets.token_urlsafe(24), mode=0o600)
     leap = {"policy": policy, "max_resident": max_resident, "decode_slots": decode_slots,
+            "adaptive_slots": adaptive_slots,
             "waiting_cap": waiting_cap, "admin_port": admin_port, "admin_token_file": str(token_file),
             "feedback_dir": str(feedback_dir or sub_dir("feedback")),
             # every accepted push is kept here and served again after a restart

@@ -73,7 +73,14 @@ class LeapConfig(BaseSettings):
                         "engine captures all of them, so its feedback rows serve every candidate")
     capture_all_layers: bool = Field(False, description="capture every decoder layer (layer study, not serving)")
     max_resident: int = Field(512, ge=1, description="R: requests kept resident (vLLM max_num_seqs)")
-    decode_slots: int = Field(64, ge=1, description="K: requests decoded per step")
+    decode_slots: int = Field(64, ge=1, description="K: requests decoded per step (the most, when adaptive)")
+    adaptive_slots: bool = Field(
+        False, description="choose K each step (LEAP_ADAPTIVE_SLOTS, `leap serve --adaptive-slots`): the fewest decode "
+                           "slots that keep the engine's measured step time ahead of the demand by slot_margin, all "
+                           "of them on a flat step-time curve (leap_core/decode_slots.py); off by default: in the simulator it "
+                           "never beat fixed K on this CPU's step-time curve")
+    slot_margin: float = Field(1.0, ge=0.0, le=10.0, description="how far the service rate of the chosen K stays "
+                                                                "ahead of the demand (1.0: twice the demand)")
     waiting_cap: int = Field(128, ge=1, description="C: steps a resident request may be held out")
     aging: float = Field(0.0, ge=0.0, description="exponential aging strength (0: plain countdown)")
     wait_aging: float = Field(

@@ -12,6 +12,11 @@ is rebuilt whenever another readout serves (a push, a restore); a readout withou
 ordered by countdown instead, which `describe_order` reports with the number of times it happened (on
 `/leap/health`), and `leap_order_fallback` while it lasts.
 
+With `adaptive_slots`, K is chosen each step (`leap_core.decode_slots`): the engine's own steps fit its
+step time against the batch, arriving requests' predicted lengths give the demand, and K is the fewest slots
+that keep up with it by `slot_margin` (every candidate, up to `decode_slots`, where holding some out would not
+make a step faster). Until enough steps are measured, K is `decode_slots`.
+
 After the step, what the engine actually scheduled is counted (hold-outs, the step's shape), and the
 per-request state is pruned once a second.
 """
@@ -25,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from leap_core.decode_slots import DecodeSlotRule, DemandRate, StepTimeEstimator
 from leap_core.policy import DecodePolicy, make_policy
 from serving import vllm_compat
 from serving.config import LeapConfig
@@ -36,6 +42,7 @@ from serving.tracking import RequestTracker, Tracked
 logger = logging.getLogger(__name__)
 
 EXPIRE_EVERY_S = 1.0
+LONGEST_STEP_S = 1.0  # a longer gap between two steps is an idle engine, not a step
 
 
 @dataclass
@@ -49,6 +56,8 @@ class Counters:
     steps: int = 0
     schedule_s: float = 0.0
     refreshed: int = 0
+    held_steps: int = 0  # steps that held at least one decode candidate out
+    held: int = 0  # hold-outs over all steps
 
 
 class DecodeSteps:
@@ -69,6 +78,11 @@ class DecodeSteps:
         # to, attending pairs of the prefill chunks): what the step-time model prices
         self.last_step_shape: tuple[int, int, int, int] = (0, 0, 0, 0)
         self._next_expiry = 0.0
+        self.step_times = StepTimeEstimator()
+        self.demand = DemandRate()
+        self.slot_rule = self._make_slot_rule()
+        self.slots = config.decode_slots
+        self._last_step_start: float | None = None
 
     def _make_policy(self) -> DecodePolicy:
         c = self.config
@@ -86,6 +100,10 @@ class DecodeSteps:
         self._telemetry.order_fallback.set(0 if fallback is None else 1)
         return make_policy(order, k=c.decode_slots, waiting_cap=c.waiting_cap, aging=c.aging,
                            distribution=self._distribution, wait_aging=c.wait_aging)
+
+    def _make_slot_rule(self) -> DecodeSlotRule:
+        c = self.config
+        return DecodeSlotRule(max_slots=c.decode_slots, min_slots=min(4, c.decode_slots), margin=c.slot_margin)
 
     def _order_fallback(self) -> str | None:
         """Why the configured order cannot rank the serving readout's requests (None when it can); the
@@ -110,6 +128,8 @@ class DecodeSteps:
         self.policy = self._make_policy()
         self.counters = Counters()
         self._telemetry.max_held.set(0)
+        self.slot_rule = self._make_slot_rule()
+        self.slots = self.config.decode_slots
 
     # -- before the step -------------------------------------------------------------------------
     def _predicted_total(self, request: Any, entry: Tracked, source: str) -> float:
@@ -127,9 +147,10 @@ class DecodeSteps:
     def choose(self, running: list, current_step: int) -> None:
         """Hold out all but the chosen decode candidates for the coming `schedule()` call."""
         start = time.perf_counter()
+        self._time_last_step(start)
         now = time.time()
         track, predictions = self._tracker.track, self._tracker.predictions
-        candidates, entries, missing = [], [], []
+        candidates, entries, missing, new = [], [], [], []
         source = self.config.length_source
         readouts = self._readouts
         if self._gittins and (readouts.generation != self._generation
@@ -145,6 +166,7 @@ class DecodeSteps:
             if not entry.decode_seen:
                 entry.decode_seen = True
                 entry.first_token_time = now
+                new.append((request, entry))
                 if needs_prediction:
                     if request.request_id in predictions:
                         self.counters.ready += 1
@@ -154,14 +176,24 @@ class DecodeSteps:
             entries.append(entry)
         if missing:
             self._wait_for_predictions(missing)
+        adaptive = self.config.adaptive_slots and not fcfs and self.config.decode_order != "fcfs"
+        if adaptive:
+            for request, entry in new:
+                self.demand.add(now, self._predicted_total(request, entry, source))
         n = len(candidates)
         self._telemetry.resident.set(len(running))
         self._telemetry.decoding.set(n)
         self.last_held = set()
-        if n > self.config.decode_slots:
+        k = self.config.decode_slots
+        if n > (self.slot_rule.min_slots if adaptive else k):
             predicted = np.fromiter((self._predicted_total(r, e, source) for r, e in zip(candidates, entries)),
                                     dtype=np.float64, count=n)
             generated = np.fromiter((r.num_output_tokens for r in candidates), dtype=np.float64, count=n)
+            if adaptive:
+                k = self._adaptive_slots(candidates, predicted, generated, now)
+        self.slots = policy.k = k
+        self._telemetry.slots.set(k)
+        if n > k:
             held_out = np.fromiter((e.held_out for e in entries), dtype=np.int64, count=n)
             arrival = np.fromiter((e.arrival for e in entries), dtype=np.float64, count=n)
             waited = np.fromiter((e.waited for e in entries), dtype=np.int64, count=n)
@@ -172,7 +204,36 @@ class DecodeSteps:
                     vllm_compat.hold_out_next_step(request, current_step)
                     self.last_held.add(request.request_id)
         self._telemetry.held.set(len(self.last_held))
+        if self.last_held:
+            self.counters.held_steps += 1
+            self.counters.held += len(self.last_held)
         self.counters.schedule_s += time.perf_counter() - start
+
+    def describe_slots(self) -> dict:
+        """K now, whether it is chosen each step, and the step time it is chosen from."""
+        fixed, per_decode, per_prefill, per_context = (float(v) for v in self.step_times.coefficients())
+        return {"adaptive": self.config.adaptive_slots, "slots": self.slots, "max_slots": self.config.decode_slots,
+                "step_model": {"fixed_s": fixed, "per_decode_s": per_decode, "per_prefill_token_s": per_prefill,
+                               "per_context_token_s": per_context, "steps": self.step_times.steps_},
+                "demand_tok_s": self.demand.rate(time.time())}
+
+    def _time_last_step(self, start: float) -> None:
+        """The seconds since the last step began, as the duration of that step (whose shape `count` kept),
+        unless the engine sat idle in between."""
+        last, self._last_step_start = self._last_step_start, start
+        if last is not None and start - last < LONGEST_STEP_S:
+            decodes, prefill, context, _ = self.last_step_shape
+            self.step_times.observe(decodes, prefill, context, start - last)
+
+    def _adaptive_slots(self, candidates: list, predicted: np.ndarray, generated: np.ndarray, now: float) -> int:
+        """K for this step from the measured step time, the arriving demand and the resident backlog."""
+        if not self.step_times.fitted:
+            return self.config.decode_slots
+        context = sum(vllm_compat.context_tokens(r) for r in candidates) / len(candidates)
+        fixed, per_request = self.step_times.decode_step(context)
+        backlog = float(np.maximum(predicted - generated, 0.0).sum())
+        demand = self.slot_rule.demand(self.demand.rate(now), backlog)
+        return self.slot_rule.slots(fixed, per_request, demand, len(candidates))
 
     def _wait_for_predictions(self, missing: list[str]) -> None:
         """One bounded wait for all of this step's new decode candidates that have no prediction yet."""

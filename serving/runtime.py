@@ -375,6 +375,7 @@ class LeapRuntime:
                 "finished": self.recorder.finished, "feedback_rows": self.recorder.rows, "steps": c.steps,
                 "schedule_overhead_s": c.schedule_s, "predicted": self.predictor.predicted,
                 "refreshed": c.refreshed, "resident": len(self.tracker.tracked), "recipe": str(self.recipe),
+                "held_steps": c.held_steps, "held": c.held, "decode_slots": self.steps.describe_slots(),
                 "readout_recipe": self.readouts.recipe}
 
     def close(self) -> None:

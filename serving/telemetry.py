@@ -43,6 +43,8 @@ class Telemetry:
         self.resident = Gauge("leap_resident_requests", "Resident (running) requests", registry=r)
         self.decoding = Gauge("leap_decode_candidates", "Resident requests past prefill", registry=r)
         self.held = Gauge("leap_held_out_requests", "Requests held out this step", registry=r)
+        self.slots = Gauge("leap_decode_slots", "Decode slots of this step (K; chosen each step when adaptive)",
+                           registry=r)
         self.max_held = Gauge("leap_max_steps_held_out", "Longest hold-out seen", registry=r)
         self.fcfs_fallback = Gauge("leap_fcfs_fallback", "1 while decodes are ordered FCFS by the kill switch "
                                    "or the live-ranking fallback (serving/fcfs_fallback.py)", registry=r)
