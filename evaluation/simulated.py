@@ -5,7 +5,9 @@ predictor's predicted totals) through `leap_core.simulator` under Poisson arriva
 of the sustained FCFS capacity (`fcfs_capacity`, steady state). Within one repeat (seed) every policy sees
 the same requests and the same arrival times (the arrival gaps are one exponential draw scaled by the
 rate), so differences between policies are paired, not sampling noise of the workload. "fcfs" and "oracle" (countdown on the true
-lengths) are always added.
+lengths) are always added; the load study adds stock vLLM ("stock", `SimConfig.stock`: FCFS, every running
+request decoded up to its CPU default of 128, its chunked-prefill token budget) and, beside LEAP's countdown,
+the same countdown with adaptive decode slots ("leap-adaptive", `leap_core.decode_slots.DecodeSlotRule`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
+from leap_core.decode_slots import DecodeSlotRule
 from leap_core.metrics import (bootstrap_ci, difference_of_means, hierarchical_bootstrap_ci, mean_last_axis,
                                ratio_of_means, spearman)
 from leap_core.simulator import SimConfig, SimResult, StepTimeModel, fcfs_capacity, poisson_arrivals, simulate
@@ -27,7 +30,15 @@ __all__ = ["run_load", "run_load_over_splits", "Split", "choose_baseline", "plot
            "plot_refresh", "section_refresh", "run_tail", "plot_tail", "section_tail", "life_error"]
 
 _REFERENCES = ("fcfs", "oracle")
-_NOT_CONFIGURABLE = {"policy", "step_model", "refresh_at", "refresh_cost_s", "distribution"}
+STOCK = "stock"  # stock vLLM at its CPU defaults (`SimConfig.stock`), on the study's step model
+ADAPTIVE = "leap-adaptive"  # LEAP's countdown with adaptive decode slots, at most the study's K
+# The adaptive arm's rule (its max_slots becomes the study's K). Chosen on the training rows with cross-fitted
+# LEAP predictions (K 64, R 512, 0.5 / 0.8 / 0.95 of stock's capacity, the fitted and an 18 + 7.5 ms/request
+# step curve): no margin x drain (0.25-4 x 5-240 s) beat fixed K; this one held requests out and stayed within
+# 0.2% of fixed K's mean PTL, where the module's defaults (0.25, 60 s) cost 2-18%.
+ADAPTIVE_SLOT_RULE = DecodeSlotRule(margin=1.0, drain_s=15.0)
+_NOT_CONFIGURABLE = {"policy", "step_model", "refresh_at", "refresh_cost_s", "distribution", "chunked_prefill",
+                     "slot_rule"}
 
 
 # ----------------------------------------------------------------------------------------------- inputs
@@ -131,15 +142,27 @@ class EngineCapacity:
                 "scale": self.scale, "source": self.source}
 
 
+def adaptive_config(config: SimConfig, rule: DecodeSlotRule = ADAPTIVE_SLOT_RULE) -> SimConfig:
+    """`config`'s countdown with decode slots chosen each step by `rule`, at most `config.decode_slots`."""
+    most = config.decode_slots
+    return replace(config, policy="countdown",
+                   slot_rule=replace(rule, max_slots=most, min_slots=min(rule.min_slots, most)))
+
+
 def _run_policy(name: str, arrival: np.ndarray, prompt: np.ndarray, out: np.ndarray,
                 predicted: dict[str, np.ndarray], config: SimConfig,
-                orders: dict[str, Order] | None = None) -> SimResult:
-    """fcfs, oracle (countdown on the truth), one of `orders`, or countdown on the named predictor, for
-    drawn requests."""
+                orders: dict[str, Order] | None = None,
+                slot_rule: DecodeSlotRule = ADAPTIVE_SLOT_RULE) -> SimResult:
+    """fcfs, oracle (countdown on the truth), stock vLLM, LEAP with adaptive slots (`slot_rule`), one of
+    `orders`, or countdown on the named predictor, for drawn requests."""
     if name == "fcfs":
         return simulate(arrival, prompt, out, out, replace(config, policy="fcfs"))
     if name == "oracle":
         return simulate(arrival, prompt, out, out, replace(config, policy="countdown"))
+    if name == STOCK:
+        return simulate(arrival, prompt, out, out, SimConfig.stock(config.step_model))
+    if name == ADAPTIVE:
+        return simulate(arrival, prompt, out, predicted["leap"], adaptive_config(config, slot_rule))
     if orders and name in orders:
         order = orders[name]
         return simulate(arrival, prompt, out, predicted[order.predictor],
@@ -173,18 +196,21 @@ def _figures(result: SimResult, long: np.ndarray | None = None) -> dict[str, flo
 
 def _replays(policies, arrival: np.ndarray, idx: np.ndarray, prompt: np.ndarray, out: np.ndarray,
              preds: dict[str, np.ndarray], config: SimConfig, orders: dict[str, Order] | None = None,
-             long: np.ndarray | None = None) -> dict[str, dict[str, float]]:
+             long: np.ndarray | None = None,
+             slot_rule: DecodeSlotRule = ADAPTIVE_SLOT_RULE) -> dict[str, dict[str, float]]:
     """Each policy's `_figures` for the pool requests `idx` arriving at `arrival` (one paired workload)."""
     drawn = {name: values[idx] for name, values in preds.items()}
-    return {policy: _figures(_run_policy(policy, arrival, prompt[idx], out[idx], drawn, config, orders), long)
+    return {policy: _figures(_run_policy(policy, arrival, prompt[idx], out[idx], drawn, config, orders, slot_rule),
+                             long)
             for policy in policies}
 
 
 # ------------------------------------------------------------------------------------------ load sweep
 
-LOADS = (0.7, 0.8, 0.9, 0.95)  # fractions of the sustained FCFS capacity
+LOADS = (0.5, 0.7, 0.8, 0.9, 0.95)  # fractions of the sustained FCFS capacity
 HEADLINE_LOAD = 0.9
-QUICK_LOADS = (0.7, HEADLINE_LOAD, 0.95)  # `leap eval load --quick`: the loads the acceptance figures quote
+# `leap eval load --quick`: the wall-clock study's loads (`leap eval versus-stock`) and the headline
+QUICK_LOADS = (0.5, 0.8, HEADLINE_LOAD, 0.95)
 LONG_QUANTILE = 0.9  # long requests: the pool's top decile of true length
 OVERLOADS = (1.2,)  # above capacity queues grow without bound: figures depend on the horizon, stated with it
 RATIO_GOALS = {"leap_over_fcfs": 0.55, "leap_over_best_baseline": 0.85, "leap_over_oracle": 1.10}
@@ -214,7 +240,7 @@ def run_load_over_splits(splits: Sequence[Split], step_model: StepTimeModel, loa
                          headline: float = HEADLINE_LOAD, overloads=OVERLOADS, n_requests: int = N_REQUESTS,
                          seeds: int = 30, seed: int = 0, orders: dict[str, Order] | None = None,
                          engine: EngineCapacity = EngineCapacity(), gaps: np.ndarray | None = None,
-                         **config) -> dict:
+                         slot_rule: DecodeSlotRule = ADAPTIVE_SLOT_RULE, **config) -> dict:
     """Latency and PTL of every policy at Poisson loads quoted as fractions of the sustained capacity, on
     every train/test split.
 
@@ -230,6 +256,13 @@ def run_load_over_splits(splits: Sequence[Split], step_model: StepTimeModel, loa
     the step model was calibrated at. Overloads are run over the same horizon (`n_requests` arrivals) and
     reported with it: their figures grow with the horizon. `orders` (policy name -> `Order`) runs other
     decode orders on the same draws, each with its paired ratio to its predictor's countdown.
+
+    Stock vLLM ("stock") replays every draw too, at its own engine shape (`SimConfig.stock`: R = K = 128,
+    2,048 batched tokens, chunked prefill) on the same step model, and with a "leap" predictor LEAP's countdown
+    with adaptive decode slots ("leap-adaptive", `slot_rule` at most the study's K): every load's ratios
+    start with LEAP's and the adaptive arm's mean PTL and mean latency over stock's (`leap_over_stock`,
+    `leap_adaptive_over_stock`, `..._latency`). The loads stay fractions of the study's FCFS capacity;
+    `stock_capacity_rps` is stock's own sustained capacity on the pools (their mean), to read them by.
 
     `best_baseline` is the baseline chosen on most splits (the first split's on a tie), `best_baseline_by_split`
     each split's, and `best_baseline_chosen_on` "validation" when every split was given its choice ("test"
@@ -247,15 +280,21 @@ def run_load_over_splits(splits: Sequence[Split], step_model: StepTimeModel, loa
     base = _base_config(engine.rescale(step_model), config)
     capacities = [fcfs_capacity(prompt, out, base) for prompt, out, _ in pools]
     capacity_rps = engine.of(float(np.mean(capacities)))
+    stock_capacity = float(np.mean([fcfs_capacity(prompt, out, SimConfig.stock(base.step_model))
+                                    for prompt, out, _ in pools]))
     orders = dict(orders or {})
+    added = [*_REFERENCES, STOCK, ADAPTIVE]
+    for name in names:
+        if name in added:
+            raise ValueError(f"{name!r} is added by the study; choose another predictor name")
     for name, order in orders.items():
-        if name in names or name in _REFERENCES or order.predictor not in names:
+        if name in names or name in added or order.predictor not in names:
             raise ValueError(f"order {name!r}: a new policy name on one of the predictors {sorted(names)}")
     baselines = [p for p in names if not p.startswith("leap")]
     for split in splits:
         if split.best_baseline is not None and split.best_baseline not in baselines:
             raise ValueError(f"best_baseline {split.best_baseline!r} is not one of the baselines {baselines}")
-    policies = [*names, *orders, *_REFERENCES]
+    policies = [*names, *([ADAPTIVE] if "leap" in names else []), *orders, *_REFERENCES, STOCK]
     every_load = sorted({float(m) for m in (*loads, headline, *overloads)})
     # runs[load][policy][split]: the figures of each of the split's seeds
     runs: dict[float, dict[str, list[list]]] = {m: {p: [[] for _ in pools] for p in policies} for m in every_load}
@@ -265,20 +304,28 @@ def run_load_over_splits(splits: Sequence[Split], step_model: StepTimeModel, loa
             for m in every_load:
                 arrival = _arrivals(n_requests, m * capacity, arrival_seed, gaps)
                 for policy, figures in _replays(policies, arrival, idx, prompt, out, preds, base, orders,
-                                                out[idx] >= long_thresholds[k]).items():
+                                                out[idx] >= long_thresholds[k], slot_rule).items():
                     runs[m][policy][k].append(figures)
     table = {str(m): {p: _over_seeds(runs[m][p]) for p in policies} for m in every_load}
     ptl = {m: {p: _per_seed(runs[m][p], "mean_ptl") for p in policies} for m in every_load}
+    latency = {m: {p: _per_seed(runs[m][p], "mean_latency_s") for p in policies} for m in every_load}
     head = float(headline)
     best_by_split = [split.best_baseline if split.best_baseline is not None
                      else min(baselines, key=lambda p: ptl[head][p][k].mean()) if baselines else None
                      for k, split in enumerate(splits)]
     best = Counter(best_by_split).most_common(1)[0][0]
-    ratios_by_load = {str(m): _load_ratios(ptl[m], best_by_split, orders) for m in every_load}
+    ratios_by_load = {str(m): _load_ratios(ptl[m], best_by_split, orders, latency[m]) for m in every_load}
     ratios = ratios_by_load[str(head)]
     long_p95 = {p: _per_seed(runs[head][p], "long_p95_latency_s") for p in policies}
     return {
         "capacity_rps": capacity_rps,
+        "stock_capacity_rps": stock_capacity,
+        "stock": {"max_num_seqs": SimConfig.stock().max_resident,
+                  "max_num_batched_tokens": SimConfig.stock().max_prefill_tokens_per_step,
+                  "how": "FCFS, every running request decoded each step, decode tokens first from the batched "
+                         "tokens and prompts chunked into the rest (vLLM's CPU defaults for its OpenAI server)"},
+        **({"adaptive_slots": {**asdict(adaptive_config(base, slot_rule).slot_rule), "demand_tau_s": base.demand_tau_s}}
+           if ADAPTIVE in policies else {}),
         "arrivals": "poisson" if gaps is None else "bursty: windows of a real trace's gaps at the load's mean rate",
         "long_requests": {"quantile": LONG_QUANTILE, "min_tokens": float(np.mean(long_thresholds))},
         "capacity_measure": "FCFS steady state: completions between the 25th and 75th percentile of a "
@@ -342,13 +389,21 @@ _OPPONENT = "best baseline of each split"  # the paired-ratio key of the baselin
 
 
 def _load_ratios(ptl: dict[str, np.ndarray], best_by_split: list[str | None],
-                 orders: dict[str, Order]) -> dict[str, dict]:
-    """At one load, from (splits, seeds) mean PTLs: LEAP's paired ratios (`paired_ratios`, against each
-    split's own best baseline), and each order's mean PTL over its predictor's countdown's and over the
-    oracle's."""
+                 orders: dict[str, Order], latency: dict[str, np.ndarray] | None = None) -> dict[str, dict]:
+    """At one load, from (splits, seeds) mean PTLs: LEAP's paired ratios (`paired_ratios`, against stock vLLM
+    first, then each split's own best baseline), with `latency` (the same seeds' mean latencies) LEAP's and
+    the adaptive arm's mean latency over stock's, the adaptive arm's mean PTL over fixed-K LEAP's, and each
+    order's mean PTL over its predictor's countdown's and over the oracle's."""
     opponent = None if best_by_split[0] is None else np.stack([ptl[name][k] for k, name in enumerate(best_by_split)])
     ratios = paired_ratios(ptl if opponent is None else {**ptl, _OPPONENT: opponent},
                            None if opponent is None else _OPPONENT)
+    stock = {key: ratios.pop(key) for key in ("leap_over_stock", "leap_adaptive_over_stock") if key in ratios}
+    if latency is not None and STOCK in latency:
+        stock.update({f"{name.replace('-', '_')}_over_stock_latency": paired_ratio(latency[name], latency[STOCK])
+                      for name in ("leap", ADAPTIVE) if name in latency})
+    ratios = {**stock, **ratios}  # stock vLLM's first: what LEAP replaces
+    if ADAPTIVE in ptl and "leap" in ptl:
+        ratios["leap_adaptive_over_leap"] = paired_ratio(ptl[ADAPTIVE], ptl["leap"])
     for name, order in orders.items():
         ratios[order.ratio] = paired_ratio(ptl[name], ptl[order.predictor])
         ratios[f"{name.replace('-', '_')}_over_oracle"] = paired_ratio(ptl[name], ptl["oracle"])
@@ -468,12 +523,16 @@ def paired_ratio(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
 
 def paired_ratios(ptl: dict[str, np.ndarray], best: str | None, leap: str = "leap") -> dict[str, dict]:
     """LEAP's mean PTL over each reference's, paired by workload: ratio of means with a 95% bootstrap
-    interval that resamples the workloads jointly for both policies (`paired_ratio`)."""
-    pairs = {"leap_over_fcfs": "fcfs", "leap_over_best_baseline": best, "leap_over_oracle": "oracle"}
+    interval that resamples the workloads jointly for both policies (`paired_ratio`). Stock vLLM first, and
+    the adaptive-slot arm over it, when they ran."""
+    pairs = {"leap_over_stock": STOCK, "leap_over_fcfs": "fcfs", "leap_over_best_baseline": best,
+             "leap_over_oracle": "oracle"}
     ratios = {}
     for key, other in pairs.items():
         if other is not None and other in ptl and leap in ptl:
             ratios[key] = paired_ratio(ptl[leap], ptl[other])
+        if key == "leap_over_stock" and ADAPTIVE in ptl and STOCK in ptl:
+            ratios["leap_adaptive_over_stock"] = paired_ratio(ptl[ADAPTIVE], ptl[STOCK])
     if "leap-rls" in ptl and "fcfs" in ptl:
         ratios["leap_rls_over_fcfs"] = paired_ratio(ptl["leap-rls"], ptl["fcfs"])
     return ratios
@@ -507,7 +566,7 @@ def plot_load(result: dict, path: pathlib.Path) -> None:
         error = np.vstack((values - np.asarray(sweep["mean_ptl_ci_low"][policy]),
                            np.asarray(sweep["mean_ptl_ci_high"][policy]) - values))
         ax.errorbar(sweep["multipliers"], values, yerr=error, marker="o", capsize=3,
-                    label=policy, linestyle="--" if policy in _REFERENCES else "-")
+                    label=policy, linestyle="--" if policy in (*_REFERENCES, STOCK) else "-")
     ax.set_xlabel("load (fraction of sustained FCFS capacity)")
     ax.set_ylabel("mean per-token latency (s/token)")
     ax.set_title(f"Simulated mean PTL vs load ({_workloads_in_words(result)})")
@@ -580,7 +639,8 @@ def section_load(result: dict, image: str) -> str:
         "",
         _table(["ratio", "value [95% CI]"], ratio_rows),
     ]
-    text += _best_baseline_lines(result) + _ratios_by_load_lines(result) + _tail_lines(result)
+    text += (_stock_lines(result) + _best_baseline_lines(result) + _ratios_by_load_lines(result)
+             + _tail_lines(result))
     if result.get("bursty"):
         bursty = {**result["bursty"], "headline_load": result["headline_load"], "splits": result.get("splits", 1)}
         text += ["", "With bursty arrivals (the Azure conversation trace's gaps, windows rescaled to the load), "
@@ -598,6 +658,28 @@ def section_load(result: dict, image: str) -> str:
                          *(("mean PTL / FCFS [95% CI]", "meets the tail goal") if goals else ())], rows)]
     text += _guard_lines(result)
     return _finish(text, result, "Mean PTL vs load", image)
+
+
+def _stock_lines(result: dict) -> list[str]:
+    """What the stock vLLM and adaptive-slot arms are (results saved before them have neither)."""
+    if "stock_capacity_rps" not in result:
+        return []
+    stock, capacity = result.get("stock", {}), result["capacity_rps"]
+    capacity = capacity["value"] if isinstance(capacity, dict) else capacity
+    lines = ["", f"`stock` is stock vLLM at its CPU defaults on the same step model: {stock.get('how', '')} "
+                 f"(max_num_seqs {stock.get('max_num_seqs')}, max_num_batched_tokens "
+                 f"{stock.get('max_num_batched_tokens')}); its own sustained capacity on the pool is "
+                 f"{_g(result['stock_capacity_rps'])} requests/s against the {_g(capacity)} the loads are fractions "
+                 f"of. `*_over_stock_latency` rows divide mean latency, the others mean PTL."]
+    rule = result.get("adaptive_slots")
+    if rule:
+        lines[-1] += (f" `leap-adaptive` is LEAP's countdown decoding, each step, the fewest of at most "
+                      f"{rule['max_slots']} (at least {rule['min_slots']}) requests whose service rate stays "
+                      f"{_percent(rule['margin'])} ahead of the demand (arriving predicted tokens a second, "
+                      f"{_g(rule['demand_tau_s'])} s kernel, plus the resident backlog over {_g(rule['drain_s'])} s) "
+                      f"on the step model's curve, or all of them where no such number keeps up or holding out "
+                      f"saves under {_percent(rule['flat_tolerance'])} of a step (`leap_core.decode_slots`).")
+    return lines
 
 
 def _guard_lines(result: dict) -> list[str]:

@@ -9,6 +9,12 @@ Within a step everything is vectorised, and a stretch of steps in which the sele
 request finishes, joins or is forced in by the waiting cap) is taken in one move, so a 20,000-request
 trace takes seconds.
 
+Stock vLLM (`SimConfig.stock`) is the same loop with vLLM's own budget: every running request decodes each
+step up to `max_num_seqs`, their decode tokens come out of `max_num_batched_tokens` first, and waiting
+prompts take what is left in arrival order, the last one chunked across steps when it does not fit
+(`chunked_prefill`). Decode slots can also follow the load (`slot_rule`, `leap_core.decode_slots`): each
+step decodes as few requests as keep the engine ahead of its demand.
+
 Optionally the predictions can be refreshed during decoding (the alternative to LEAP's one-shot
 countdown): when a resident request's generated count reaches one of `refresh_at`, its estimate of the
 remaining length is replaced by a given one (measured: a readout applied to the decode state the engine
@@ -23,12 +29,18 @@ from typing import Any
 import numpy as np
 from scipy.optimize import nnls
 
+from leap_core.decode_slots import DecodeSlotRule, DemandRate
 from leap_core.policy import UNBOUNDED_STEPS, DecodePolicy, advance_held_out, make_policy
 
-__all__ = ["StepTimeModel", "SimConfig", "SimResult", "simulate", "fcfs_capacity", "poisson_arrivals"]
+__all__ = ["StepTimeModel", "SimConfig", "SimResult", "simulate", "fcfs_capacity", "poisson_arrivals",
+           "VLLM_CPU_MAX_NUM_SEQS", "VLLM_CPU_MAX_NUM_BATCHED_TOKENS"]
 
 
 MIN_STEPS_PER_DECODE_COUNT = 20  # measured steps a decode count needs before it gets its own fixed cost
+# vLLM's defaults for its OpenAI server on the CPU platform at world size 1 (EngineArgs.get_batch_defaults in
+# vllm/engine/arg_utils.py: 128 x world size sequences, 2,048 x world size batched tokens; chunked prefill on)
+VLLM_CPU_MAX_NUM_SEQS = 128
+VLLM_CPU_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -137,6 +149,24 @@ class SimConfig:
     `refresh_at[c]`, its predicted total becomes generated + `refreshed[request, c]` (the remaining length
     estimated at that point; NaN keeps the countdown), and the step takes `refresh_cost_s` longer per
     refreshed request. The prefill prediction is never refreshed at admission.
+
+    Token budget: by default a step admits waiting prompts whole while they fit `max_prefill_tokens_per_step`
+    (a longer first prompt goes alone), beside its decodes. With `chunked_prefill` the budget is vLLM's
+    `max_num_batched_tokens`: the step's decodes take a token each first, the waiting prompts in arrival
+    order take what is left, and the one that does not fit takes the rest of the budget, continuing first in
+    the next steps (vLLM's scheduler, `schedule()` in vllm/v1/core/sched/scheduler.py, with its default
+    `long_prefill_token_threshold` 0; a prompt in progress holds one of the `max_resident` seats).
+
+    Adaptive decode slots (off when `slot_rule` is None): at each decision point, K =
+    `slot_rule.slots(fixed, per_request, demand, resident)`, at most `decode_slots`: a decode-only step of k
+    requests costs `fixed + per_request * k` with fixed = `step_model.base_s` and per_request =
+    `per_decode_s + per_context_token_s x` the residents' mean context (the model's linear fields, which price
+    every count past a `decode_base_s` table and are fitted on the same steps as it), and demand is what a
+    `DemandRate(demand_tau_s)` fed each arrival's predicted length at its arrival time says, plus the
+    residents' predicted remaining tokens over `slot_rule.drain_s`. K is recomputed where the simulator
+    decides (an admission, a finish, an arrival while a seat is free, a policy change), not inside a stretch
+    of identical steps taken in one move: between those the demand only decays (time constant
+    `demand_tau_s`) and the backlog shrinks, so K is held a stretch longer than a step-by-step engine would.
     """
 
     max_resident: int = 512
@@ -151,6 +181,19 @@ class SimConfig:
     refresh_cost_s: float = 0.0
     # policy "gittins": the predictor's length distribution (leap_core.gittins.LengthGivenPrediction)
     distribution: Any = field(default=None, compare=False)
+    chunked_prefill: bool = False
+    slot_rule: DecodeSlotRule | None = None
+    demand_tau_s: float = 30.0
+
+    @classmethod
+    def stock(cls, step_model: StepTimeModel | None = None, max_num_seqs: int = VLLM_CPU_MAX_NUM_SEQS,
+              max_num_batched_tokens: int = VLLM_CPU_MAX_NUM_BATCHED_TOKENS) -> "SimConfig":
+        """Stock vLLM at its CPU defaults: FCFS admission, every running request decoded each step (up to
+        `max_num_seqs`, which is also the most resident), vLLM's chunked-prefill token budget. KV-cache
+        preemption is not modelled (the engine's cache holds `max_num_seqs` requests of the pool's lengths)."""
+        return cls(max_resident=max_num_seqs, decode_slots=max_num_seqs, policy="fcfs",
+                   max_prefill_tokens_per_step=max_num_batched_tokens, chunked_prefill=True,
+                   step_model=step_model if step_model is not None else StepTimeModel())
 
 
 @dataclass
@@ -202,8 +245,8 @@ def simulate(arrival, prompt_tokens, output_tokens, predicted, config: SimConfig
              refreshed=None) -> SimResult:
     """Replay requests through the step loop and return when each got its first and last token.
 
-    `predicted` is each request's predicted total output length; only countdown reads it (pass
-    `output_tokens` for the oracle). Every request needs at least one output token. With
+    `predicted` is each request's predicted total output length; only countdown and adaptive slots read
+    it (pass `output_tokens` for the oracle). Every request needs at least one output token. With
     `config.refresh_at`, `refreshed` (n, len(refresh_at)) holds each request's remaining-length estimate
     at each of those generated counts.
     """
@@ -219,6 +262,7 @@ def simulate(arrival, prompt_tokens, output_tokens, predicted, config: SimConfig
     max_held = np.zeros(n, dtype=np.int64)
     policy = make_policy(config.policy, k=config.decode_slots, waiting_cap=config.waiting_cap, aging=config.aging,
                          distribution=config.distribution, wait_aging=config.wait_aging)
+    slots = _AdaptiveSlots(config, queue) if config.slot_rule is not None else None
     model = config.step_model
     resident = _Resident.empty()
 
@@ -227,13 +271,16 @@ def simulate(arrival, prompt_tokens, output_tokens, predicted, config: SimConfig
     while finished < n:
         if len(resident) == 0 and queue.waiting and queue.next_arrival > now:
             now = queue.next_arrival  # idle engine: jump to the next arrival
-        admitted, prefill_tokens = queue.admissible(now, config.max_resident - len(resident),
-                                                    config.max_prefill_tokens_per_step)
-        decoding, stable_steps, num_decodes = resident.decoding(policy, config.decode_slots)
+        if slots is not None:
+            policy.k = slots(now, resident)
+        decoding, stable_steps, num_decodes = resident.decoding(policy, policy.k)
         context = resident.context(decoding)
-        if admitted:
+        room = config.max_resident - len(resident)
+        prefill = (queue.chunked(now, room, config.max_prefill_tokens_per_step - num_decodes)
+                   if config.chunked_prefill else queue.admissible(now, room, config.max_prefill_tokens_per_step))
+        if prefill:
             jump = 1
-            now = now + model.step_seconds(num_decodes, prefill_tokens, context, queue.prefill_pairs(admitted))
+            now = now + model.step_seconds(num_decodes, prefill.tokens, context, prefill.pairs)
         else:
             # the same step repeats while nothing changes the selection: until a decoding request finishes
             # or is due a refresh, or (when a slot is free) the first step at or after the next arrival;
@@ -245,14 +292,14 @@ def simulate(arrival, prompt_tokens, output_tokens, predicted, config: SimConfig
                 jump = max(min(jump, steps_to_cover(queue.next_arrival - now, dt, growth)), 1)
             now = now + repeated_seconds(jump, dt, growth)
         steps += jump
-        tokens += jump * num_decodes + admitted
+        tokens += jump * num_decodes + prefill.requests
         resident.advance(decoding, jump)
         if refresh_at.size:
             refreshed_now = resident.refresh(decoding, refresh_at, queue.refreshed)
             if refreshed_now:
                 now = now + refreshed_now * config.refresh_cost_s  # the step's outputs arrive after the refresh
-        if admitted:
-            new = queue.admit(admitted)
+        if prefill:
+            new = queue.admit(prefill.requests, prefill.progress)
             first_token[new] = now
             resident.admit(new, queue)
         done_ids, done_max_held = resident.remove_finished()
@@ -302,6 +349,13 @@ def _checked_requests(arrival, prompt_tokens, output_tokens, predicted, config: 
         raise ValueError("every request needs output_tokens >= 1")
     if config.max_resident < 1 or config.decode_slots < 1:
         raise ValueError("max_resident and decode_slots must be positive")
+    if config.chunked_prefill and config.max_prefill_tokens_per_step <= min(config.decode_slots,
+                                                                            config.max_resident - 1):
+        # vLLM requires max_num_batched_tokens >= max_num_seqs: a prompt in progress always gets a token
+        raise ValueError("chunked_prefill needs max_prefill_tokens_per_step > the decodes beside a prompt in "
+                         "progress, min(decode_slots, max_resident - 1)")
+    if config.demand_tau_s <= 0:
+        raise ValueError("demand_tau_s must be > 0")
     return arrival, prompt_tokens, output_tokens, predicted
 
 
@@ -320,14 +374,31 @@ def _checked_refresh(config: SimConfig, refreshed, n: int) -> tuple[np.ndarray, 
     return refresh_at, refreshed
 
 
+@dataclass(frozen=True)
+class _Prefill:
+    """What a step prefills: `requests` whose prompts complete in it (they join with their first token),
+    `tokens` prompt tokens computed, their attending `pairs`, and `progress`, the tokens of the next waiting
+    prompt computed so far when a chunk of it ran (0 otherwise). False when the step prefills nothing."""
+
+    requests: int = 0
+    tokens: int = 0
+    pairs: int = 0
+    progress: int = 0
+
+    def __bool__(self) -> bool:
+        return self.requests > 0 or self.tokens > 0
+
+
 class _Queue:
-    """The requests in arrival order, and how far admission has come: requests [admitted, n) wait."""
+    """The requests in arrival order, and how far admission has come: requests [admitted, n) wait, the first
+    of them with `progress` of its prompt tokens already computed (chunked prefill)."""
 
     def __init__(self, arrival: np.ndarray, prompt: np.ndarray, output: np.ndarray, predicted: np.ndarray,
                  refreshed: np.ndarray | None) -> None:
         self.arrival, self.prompt, self.output, self.predicted = arrival, prompt, output, predicted
         self.refreshed = refreshed
         self.admitted = 0
+        self.progress = 0
 
     @property
     def waiting(self) -> bool:
@@ -337,26 +408,52 @@ class _Queue:
     def next_arrival(self) -> float:
         return self.arrival[self.admitted]
 
-    def admissible(self, now: float, room: int, prefill_budget: int) -> tuple[int, int]:
-        """(requests, their prompt tokens) this step admits: those arrived by `now`, in order, at most
-        `room` of them, while their prompts fit `prefill_budget` (a longer first prompt goes alone)."""
-        start = self.admitted
-        if room <= 0 or not self.waiting or self.arrival[start] > now:
-            return 0, 0
-        end = min(int(np.searchsorted(self.arrival, now, side="right")), start + room)
-        cumulative = np.cumsum(self.prompt[start:end])
+    def _arrived(self, now: float, room: int) -> int:
+        """How many waiting requests, in order, have arrived by `now`, at most `room`."""
+        if room <= 0 or not self.waiting or self.arrival[self.admitted] > now:
+            return 0
+        return min(int(np.searchsorted(self.arrival, now, side="right")), self.admitted + room) - self.admitted
+
+    def admissible(self, now: float, room: int, prefill_budget: int) -> _Prefill:
+        """The requests this step admits whole: those arrived by `now`, in order, at most `room` of them,
+        while their prompts fit `prefill_budget` (a longer first prompt goes alone)."""
+        arrived = self._arrived(now, room)
+        if not arrived:
+            return _Prefill()
+        prompts = self.prompt[self.admitted:self.admitted + arrived]
+        cumulative = np.cumsum(prompts)
         fits = max(int(np.searchsorted(cumulative, prefill_budget, side="right")), 1)
-        return fits, int(cumulative[fits - 1])
+        return _Prefill(fits, int(cumulative[fits - 1]), int((prompts[:fits] * (prompts[:fits] + 1) // 2).sum()))
 
-    def prefill_pairs(self, count: int) -> int:
-        """Attending token pairs of the next `count` waiting prompts' prefill, P (P + 1) / 2 each."""
-        prompts = self.prompt[self.admitted:self.admitted + count]
-        return int((prompts * (prompts + 1) // 2).sum())
+    def chunked(self, now: float, room: int, budget: int) -> _Prefill:
+        """vLLM's chunked prefill: the prompt in progress, then those arrived by `now`, in order, at most
+        `room` requests counting the one in progress, each computing what is left of its prompt while
+        `budget` tokens remain; the first that does not fit computes a chunk of the rest and stops the step.
+        A chunk of n tokens from token c attends n (c + (n + 1) / 2) pairs."""
+        arrived = self._arrived(now, room)
+        if not arrived or budget <= 0:
+            return _Prefill()
+        start = np.zeros(arrived, dtype=np.int64)
+        start[0] = self.progress
+        left = self.prompt[self.admitted:self.admitted + arrived] - start
+        cumulative = np.cumsum(left)
+        complete = int(np.searchsorted(cumulative, budget, side="right"))
+        tokens = int(cumulative[complete - 1]) if complete else 0
+        chunk = min(budget - tokens, int(left[complete])) if complete < arrived else 0
+        touched = min(complete + 1, arrived)
+        computed = left[:touched].copy()
+        if complete < arrived:
+            computed[complete] = chunk
+        pairs = int((computed * start[:touched] + computed * (computed + 1) // 2).sum())
+        progress = (int(start[complete]) + chunk) if chunk else 0
+        return _Prefill(complete, tokens + chunk, pairs, progress)
 
-    def admit(self, count: int) -> slice:
-        """Take the next `count` waiting requests; their positions in arrival order."""
+    def admit(self, count: int, progress: int = 0) -> slice:
+        """Take the next `count` waiting requests, the one after them computed `progress` tokens into its
+        prompt; their positions in arrival order."""
         taken = slice(self.admitted, self.admitted + count)
         self.admitted += count
+        self.progress = progress
         return taken
 
 
@@ -452,6 +549,31 @@ class _Resident:
         return finished
 
 
+class _AdaptiveSlots:
+    """The decode slots of `SimConfig.slot_rule` at a decision point: the arrivals up to now feed the demand
+    estimate with their predicted lengths (what the serving process knows), the residents give the backlog
+    (countdown's predicted remaining, at least 1 each) and the mean context a decode attends to."""
+
+    def __init__(self, config: SimConfig, queue: _Queue) -> None:
+        self.rule, self.model, self.most = config.slot_rule, config.step_model, config.decode_slots
+        self.queue = queue
+        self.demand = DemandRate(config.demand_tau_s)
+        self.fed = 0  # arrivals the demand estimate has seen, in arrival order
+
+    def __call__(self, now: float, resident: _Resident) -> int:
+        arrival, predicted = self.queue.arrival, self.queue.predicted
+        while self.fed < arrival.shape[0] and arrival[self.fed] <= now:
+            self.demand.add(float(arrival[self.fed]), float(predicted[self.fed]))
+            self.fed += 1
+        if len(resident) == 0:
+            return self.most
+        backlog = float(np.maximum(resident.predicted - resident.generated, 1.0).sum())
+        context = float((resident.prompt + resident.generated).mean())
+        per_request = self.model.per_decode_s + self.model.per_context_token_s * context
+        demand = self.rule.demand(self.demand.rate(now), backlog)
+        return min(self.rule.slots(self.model.base_s, per_request, demand, len(resident)), self.most)
+
+
 def fcfs_capacity(prompt_tokens, output_tokens, config: SimConfig = SimConfig(), n: int = 4000,
                   seed: int = 0) -> float:
     """Requests per second the engine sustains under FCFS in steady state.
@@ -461,7 +583,8 @@ def fcfs_capacity(prompt_tokens, output_tokens, config: SimConfig = SimConfig(),
     the rate by several percent). The rate is counted between the 25th and the 75th percentile of
     completions, so neither the ramp-up (slots filling) nor the drain tail (fewer requests than slots
     at the end) enters it. Loads are quoted as fractions of this figure; releasing one pool at once and
-    dividing by its makespan would include the tail and understate what the engine sustains.
+    dividing by its makespan would include the tail and understate what the engine sustains. The engine
+    keeps `config`'s shape and token budget (`SimConfig.stock()` gives stock vLLM's) at a fixed K.
     """
     prompt_tokens = np.asarray(prompt_tokens)
     output_tokens = np.asarray(output_tokens)
@@ -471,9 +594,8 @@ def fcfs_capacity(prompt_tokens, output_tokens, config: SimConfig = SimConfig(),
     copies = -(-n // prompt_tokens.size)
     idx = np.concatenate([rng.permutation(prompt_tokens.size) for _ in range(copies)])
     n = idx.size
-    fcfs = SimConfig(max_resident=config.max_resident, decode_slots=config.decode_slots,
-                     waiting_cap=config.waiting_cap, policy="fcfs",
-                     max_prefill_tokens_per_step=config.max_prefill_tokens_per_step, step_model=config.step_model)
+    fcfs = replace(config, policy="fcfs", aging=0.0, wait_aging=0.0, refresh_at=(), refresh_cost_s=0.0,
+                   distribution=None, slot_rule=None)  # the engine shape and its token budget, FCFS at K
     finish = np.sort(simulate(np.zeros(n), prompt_tokens[idx], output_tokens[idx], output_tokens[idx], fcfs).finish)
     low, high = n // 4, (3 * n) // 4
     span = float(finish[high] - finish[low])

@@ -207,11 +207,13 @@ def test_simulated_studies_on_the_small_real_corpus(all_layers, prompt_file):
     predicted = {"leap": fit_leap(train).predict(pool.features)}
     steps = StepTimeModel(base_s=0.04, per_decode_s=0.003, per_prefill_token_s=0.002)
     load = run_load(pool.prompt_tokens, pool.lengths, predicted, steps, n_requests=60, seeds=3, decode_slots=2)
-    assert set(load["table"]) == {"0.7", "0.8", "0.9", "0.95", "1.2"}
-    assert set(load["table"]["0.9"]) == {"leap", "fcfs", "oracle"}
+    assert set(load["table"]) == {"0.5", "0.7", "0.8", "0.9", "0.95", "1.2"}
+    assert set(load["table"]["0.9"]) == {"leap", "leap-adaptive", "fcfs", "oracle", "stock"}
     oracle, fcfs = load["table"]["1.2"]["oracle"]["mean_ptl"], load["table"]["1.2"]["fcfs"]["mean_ptl"]
     assert oracle <= fcfs
-    assert set(load["ratios"]) == {"leap_over_fcfs", "leap_over_oracle"}  # no baseline given
+    assert set(load["ratios"]) == {"leap_over_stock", "leap_adaptive_over_stock", "leap_over_stock_latency",
+                                   "leap_adaptive_over_stock_latency", "leap_over_fcfs", "leap_over_oracle",
+                                   "leap_adaptive_over_leap"}  # no baseline given
     tail = run_tail(pool.prompt_tokens, pool.lengths, predicted["leap"], steps, n_requests=60, seeds=2,
                     decode_slots=2)
     assert [r["waiting_cap"] for r in tail["cap"]] == [8, 16, 32, 64, 128, 256, 1024]

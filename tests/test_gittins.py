@@ -138,7 +138,8 @@ def test_the_load_study_reports_the_gittins_arm_beside_countdown():
                       n_requests=200, seeds=4, orders={"leap-gittins": gittins, "leap-guard": guard},
                       decode_slots=8, max_resident=128)
     json.dumps(result, allow_nan=False)
-    assert set(result["table"]["0.9"]) == {"leap", "leap-gittins", "leap-guard", "fcfs", "oracle"}
+    assert set(result["table"]["0.9"]) == {"leap", "leap-adaptive", "leap-gittins", "leap-guard", "fcfs", "oracle",
+                                           "stock"}
     # the tail goal beside each policy: long-request P95 and mean PTL over FCFS's, paired by seed
     for name, goal in result["tail_goal"].items():
         assert goal["long_p95_over_fcfs"] == result["long_p95_over_fcfs"][name]
@@ -151,7 +152,8 @@ def test_the_load_study_reports_the_gittins_arm_beside_countdown():
     assert ratio["ci_low"] <= ratio["value"] <= ratio["ci_high"]
     head = result["table"]["0.9"]
     assert ratio["value"] == pytest.approx(head["leap-gittins"]["mean_ptl"] / head["leap"]["mean_ptl"])
-    assert set(result["long_p95_over_fcfs"]) == {"leap", "leap-gittins", "leap-guard", "oracle"}
+    assert set(result["long_p95_over_fcfs"]) == {"leap", "leap-adaptive", "leap-gittins", "leap-guard", "oracle",
+                                                 "stock"}
     assert result["ratios"]["leap_gittins_over_oracle"]["value"] == pytest.approx(
         head["leap-gittins"]["mean_ptl"] / head["oracle"]["mean_ptl"])
     with pytest.raises(ValueError, match="order 'fcfs'"):

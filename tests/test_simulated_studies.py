@@ -102,7 +102,7 @@ def test_run_load_returns_the_documented_shape_and_oracle_beats_fcfs(load_result
     assert result["overloads"] == [{"load": 1.5, "horizon_requests": 400,
                                     "horizon_s": pytest.approx(400 / (1.5 * capacity["value"]))}]
     for row in result["table"].values():
-        assert set(row) == {"noisy", "leap", "fcfs", "oracle"}
+        assert set(row) == {"noisy", "leap", "leap-adaptive", "fcfs", "oracle", "stock"}
         for figures in row.values():
             assert set(figures) == {"mean_latency_s", "p95_latency_s", "mean_ptl", "p95_ptl", "mean_ptl_ci_low",
                                     "mean_ptl_ci_high", "long_p95_latency_s"}
@@ -137,12 +137,22 @@ def test_run_load_reports_the_ratios_at_every_load(load_result):
     assert list(by_load) == ["0.7", "0.9", "1.5"]
     assert by_load["0.9"] == result["ratios"]  # the headline ratios are the 0.9 entry
     for load, ratios in by_load.items():
-        assert set(ratios) == {"leap_over_fcfs", "leap_over_best_baseline", "leap_over_oracle"}
+        assert list(ratios)[:2] == ["leap_over_stock", "leap_adaptive_over_stock"]  # stock vLLM's first
+        assert set(ratios) == {"leap_over_stock", "leap_adaptive_over_stock", "leap_over_stock_latency",
+                               "leap_adaptive_over_stock_latency", "leap_over_fcfs", "leap_over_best_baseline",
+                               "leap_over_oracle", "leap_adaptive_over_leap"}
         row = result["table"][load]
-        for key, other in (("leap_over_fcfs", "fcfs"), ("leap_over_best_baseline", "noisy"),
-                           ("leap_over_oracle", "oracle")):
+        for key, arm, other, figure in (("leap_over_fcfs", "leap", "fcfs", "mean_ptl"),
+                                        ("leap_over_best_baseline", "leap", "noisy", "mean_ptl"),
+                                        ("leap_over_oracle", "leap", "oracle", "mean_ptl"),
+                                        ("leap_over_stock", "leap", "stock", "mean_ptl"),
+                                        ("leap_adaptive_over_stock", "leap-adaptive", "stock", "mean_ptl"),
+                                        ("leap_over_stock_latency", "leap", "stock", "mean_latency_s"),
+                                        ("leap_adaptive_over_stock_latency", "leap-adaptive", "stock",
+                                         "mean_latency_s"),
+                                        ("leap_adaptive_over_leap", "leap-adaptive", "leap", "mean_ptl")):
             r = ratios[key]
-            assert r["value"] == pytest.approx(row["leap"]["mean_ptl"] / row[other]["mean_ptl"])
+            assert r["value"] == pytest.approx(row[arm][figure] / row[other][figure]), key
             assert r["ci_low"] <= r["value"] <= r["ci_high"]
     assert by_load["0.7"]["leap_over_fcfs"]["value"] != by_load["1.5"]["leap_over_fcfs"]["value"]
 
@@ -150,7 +160,7 @@ def test_run_load_reports_the_ratios_at_every_load(load_result):
 def test_run_load_reports_each_policys_tail_at_every_load(load_result):
     result = load_result
     tail = result["tail"]
-    assert set(tail) == {"noisy", "leap", "fcfs", "oracle"}
+    assert set(tail) == {"noisy", "leap", "leap-adaptive", "fcfs", "oracle", "stock"}
     figures = set(TAIL_FIGURES)
     for by_load in tail.values():
         assert list(by_load) == ["0.7", "0.9", "1.5"]
@@ -457,7 +467,8 @@ def test_run_load_with_trace_gaps_says_so_and_keeps_every_request():
     result = run_load(prompt, out, {"noisy": predicted}, STEP_MODEL, loads=(0.9,), overloads=(), n_requests=150,
                       seeds=2, gaps=gaps)
     assert result["arrivals"].startswith("bursty")
-    assert set(result["tail"]) == {"noisy", "fcfs", "oracle"} and "leap_over_fcfs" not in result["ratios"]
+    assert set(result["tail"]) == {"noisy", "fcfs", "oracle", "stock"} and "leap_over_fcfs" not in result["ratios"]
+    assert "leap_over_stock" not in result["ratios"]  # no LEAP, no adaptive arm
 
 
 def test_the_committed_trace_gaps_are_validated(tmp_path):
