@@ -184,7 +184,7 @@ def layers(prompts: int = typer.Option(400, help="ShareGPT prompts with every la
 
 @eval_app.command("load")
 def load(
-    quick: bool = typer.Option(False, "--quick", help="loads 0.7, 0.9 and 0.95 only, no overload, baselines that "
+    quick: bool = typer.Option(False, "--quick", help="loads 0.5, 0.8, 0.9 and 0.95 only, no overload, baselines that "
                                                        "train in seconds, 1,000 requests a run, 20 paired workloads "
                                                        "a load over the splits"),
     train: str = typer.Option(CHAT_TRAIN),
@@ -308,3 +308,53 @@ def recipes(
     result = recipe_study(quick, _names(candidates) if candidates else None, max_tokens, model, _say(as_json), build,
                           None if baselines is None else _names(baselines))
     _finish(result, "recipes", "recipes-quick" if quick else "recipes", as_json, save)
+
+
+@eval_app.command("versus-stock")
+def versus_stock(
+    quick: bool = typer.Option(False, "--quick", help="16 requests a segment, 2 repeats, outputs cut at M/4, no "
+                                                      "oracle arm: under 30 minutes here"),
+    repeats: Optional[int] = typer.Option(None, help="runs of each arm (default 6; --quick 2)"),
+    requests: Optional[int] = typer.Option(None, help="requests per segment, one pattern at one load (default 48; "
+                                                      "--quick 16)"),
+    loads: str = typer.Option("0.5,0.8,0.95", help="fractions of stock's sustained capacity"),
+    patterns: str = typer.Option("poisson,bursty", help="poisson and/or bursty (the Azure conversation trace's gaps)"),
+    oracle: Optional[bool] = typer.Option(None, "--oracle/--no-oracle", help="the oracle arm (default: on; "
+                                                                              "--quick: off)"),
+    temperature: float = typer.Option(0.7, help="sampling temperature (a seed per request, the same in every arm)"),
+    max_tokens: Optional[int] = typer.Option(None, help="output budget (default M = 1024; --quick 256)"),
+    name: Optional[str] = typer.Option(None, help="result name under docs/results/ (default versus-stock[-quick])"),
+    model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
+) -> None:
+    """Stock vLLM's OpenAI server against `leap serve`, each at its defaults, on the wall clock: fresh servers,
+    one streaming client, sampled held-out ShareGPT requests at 0.5 / 0.8 / 0.95 of stock's capacity, Poisson
+    and bursty; every figure LEAP over stock with its interval over runs, and `goals_met`."""
+    from dataclasses import replace
+
+    from evaluation.versus_stock import VersusStockSettings, prepare_workload, run_study
+    from harness.engine import engine_environment
+
+    settings = VersusStockSettings.quick() if quick else VersusStockSettings()
+    chosen_patterns = tuple(_names(patterns))
+    if not chosen_patterns or any(p not in ("poisson", "bursty") for p in chosen_patterns):
+        raise typer.BadParameter("expected poisson and/or bursty", param_hint="--patterns")
+    try:
+        chosen_loads = tuple(float(v) for v in _names(loads))
+    except ValueError:
+        raise typer.BadParameter("expected fractions such as 0.5,0.8", param_hint="--loads") from None
+    if not chosen_loads or any(not 0.0 < v <= 3.0 for v in chosen_loads):
+        raise typer.BadParameter("each load must be in (0, 3]", param_hint="--loads")
+    if not 0.0 <= temperature <= 2.0:
+        raise typer.BadParameter("expected a temperature in [0, 2]", param_hint="--temperature")
+    changes = {"loads": chosen_loads, "patterns": chosen_patterns, "temperature": temperature}
+    for key, value in (("repeats", repeats), ("requests", requests), ("oracle", oracle), ("max_tokens", max_tokens)):
+        if value is not None:
+            changes[key] = value
+    settings = replace(settings, **changes)
+    if settings.repeats < 1 or settings.requests < 4:
+        raise typer.BadParameter("need at least 1 repeat and 4 requests a segment")
+    engine_environment()  # the same KV-cache size, caches and logging for both servers
+    say = _say(as_json)
+    work = prepare_workload(settings, model, say)
+    result = run_study(work, settings, say)
+    _finish(result, "versus-stock", name or ("versus-stock-quick" if quick else "versus-stock"), as_json, save)

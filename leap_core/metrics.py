@@ -208,6 +208,31 @@ def ratio_over_requests(num: ArrayLike, den: ArrayLike, repeats: int, n_boot: in
                         seed=seed, level=level, vectorized=True)
 
 
+def ratio_over_runs(num: ArrayLike, den: ArrayLike, level: float = 0.95) -> dict[str, float]:
+    """Ratio of two arms' figures where the unit that varies is the run: each run's ratio num[i] / den[i]
+    (paired: one run of each arm on the same workload), their geometric mean, and a Student-t interval on the
+    log ratios over runs ({"value", "ci_low", "ci_high", "runs"}). With one run, or a run whose figure is not
+    positive and finite, the interval is NaN: a single run says nothing of how runs vary."""
+    from scipy import stats
+
+    num, den = np.asarray(num, dtype=np.float64).reshape(-1), np.asarray(den, dtype=np.float64).reshape(-1)
+    if num.shape != den.shape:
+        raise ValueError(f"one figure per run for each arm: {num.size} and {den.size}")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    ok = np.isfinite(num) & np.isfinite(den) & (num > 0) & (den > 0)
+    logs = np.log(num[ok] / den[ok])
+    nan = float("nan")
+    if logs.size == 0:
+        return {"value": nan, "ci_low": nan, "ci_high": nan, "runs": 0}
+    value = float(np.exp(logs.mean()))
+    if logs.size < 2 or not ok.all():
+        return {"value": value, "ci_low": nan, "ci_high": nan, "runs": int(logs.size)}
+    half = stats.t.ppf((1.0 + level) / 2.0, logs.size - 1) * logs.std(ddof=1) / np.sqrt(logs.size)
+    return {"value": value, "ci_low": float(np.exp(logs.mean() - half)), "ci_high": float(np.exp(logs.mean() + half)),
+            "runs": int(logs.size)}
+
+
 def difference_of_means(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Paired rows: mean of a minus mean of b."""
     return np.mean(a, axis=-1) - np.mean(b, axis=-1)

@@ -241,14 +241,6 @@ def shadow_cost(runs: dict[str, list[dict]]) -> dict:
 
 
 # -- through the OpenAI API: the servers a user starts, driven by an HTTP client ------------------------------
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def server_command(kind: str, spec: dict, port: int, admin_port: int) -> list[str]:
     """`python -m vllm.entrypoints.openai.api_server` as a user starts it, or `leap serve` on the same model."""
     name = ["--served-model-name", "bench"]
@@ -262,56 +254,36 @@ def server_command(kind: str, spec: dict, port: int, admin_port: int) -> list[st
 
 def run_http(kind: str, spec: dict, timeout_s: float = 600.0) -> dict:
     """Start the server in its own process group, replay the trace through /v1/completions, stop it."""
-    import asyncio
     import os
     import secrets
-    import signal
 
     import httpx
 
-    port, admin_port = _free_port(), _free_port()
+    from harness.openai_traffic import OpenAIServer, TrafficRequest, free_port, send_traffic
+
+    port, admin_port = free_port(), free_port()
     # a user's server: engine core in its own process, and a LEAP home of its own (no earlier push restored)
     token = secrets.token_urlsafe(24)
     env = dict(os.environ, LEAP_HOME=tempfile.mkdtemp(prefix=f"leap-bench-{kind}-"), VLLM_ENABLE_V1_MULTIPROCESSING="1",
                LEAP_ADMIN_TOKEN=token)
-    log = open(Path(env["LEAP_HOME"]) / "server.log", "w")
-    server = subprocess.Popen(server_command(kind, spec, port, admin_port), stdout=log, stderr=subprocess.STDOUT,
-                              env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"the {kind} server exited ({server.returncode}); see {log.name}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the {kind} server did not answer /health within {timeout_s:.0f} s")
-            time.sleep(1)
+    fixed = {"temperature": 0.0, "ignore_eos": True}  # with max_tokens the recorded length: exactly that many
 
-        async def one(client, request: dict, at: float, start: float) -> tuple[float, int]:
-            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            body = {"model": "bench", "prompt": request["prompt_token_ids"], "max_tokens": request["fixed_length"],
-                    "min_tokens": request["fixed_length"], "temperature": 0.0, "ignore_eos": True}
-            response = await client.post(f"{base}/v1/completions", json=body)
-            response.raise_for_status()
-            return time.perf_counter() - (start + at), int(response.json()["usage"]["completion_tokens"])
+    def traffic(requests: list[dict], arrivals: list[float]) -> list[TrafficRequest]:
+        return [TrafficRequest(id=r["id"], prompt_token_ids=r["prompt_token_ids"], at=float(a),
+                               max_tokens=r["fixed_length"]) for r, a in zip(requests, arrivals)]
 
-        async def replay_trace(requests: list[dict], arrivals: list[float]) -> tuple[list, float]:
-            limits = httpx.Limits(max_connections=len(requests) + 1)
-            async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
-                start = time.perf_counter()
-                done = await asyncio.gather(*(one(client, r, a, start) for r, a in zip(requests, arrivals)))
-                return done, time.perf_counter() - start
-
+    with OpenAIServer(server_command(kind, spec, port, admin_port), port, Path(env["LEAP_HOME"]) / "server.log", env,
+                      start_timeout_s=timeout_s) as server:
         warm = spec["requests"][:8]
-        asyncio.run(replay_trace(warm, [0.0] * len(warm)))
-        done, makespan = asyncio.run(replay_trace(spec["requests"], spec["arrivals"]))
-        latency = np.array([d[0] for d in done])
-        tokens = int(sum(d[1] for d in done))
+        send_traffic(server.base_url, "bench", traffic(warm, [0.0] * len(warm)), fixed)
+        start = time.perf_counter()
+        done = send_traffic(server.base_url, "bench", traffic(spec["requests"], spec["arrivals"]), fixed)
+        makespan = time.perf_counter() - start
+        failed = [o for o in done if o.error is not None]
+        if failed:
+            raise RuntimeError(f"{len(failed)} requests failed through the {kind} server: {failed[0].error}")
+        latency = np.array([o.finish - o.at for o in done])
+        tokens = int(sum(o.tokens for o in done))
         result = {"kind": kind, "via": "http", "tok_s": tokens / makespan, "makespan_s": makespan,
                   "mean_latency_s": float(latency.mean()), "output_tokens": tokens, "latency_s": latency.tolist(),
                   "ready_before_decode": None}
@@ -320,14 +292,6 @@ def run_http(kind: str, spec: dict, timeout_s: float = 600.0) -> dict:
                               timeout=10).json().get("stats", {})
             result["ready_before_decode"] = stats.get("ready_before_decode")
         return result
-    finally:
-        try:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        log.close()
 
 
 class _ShadowSwitch:

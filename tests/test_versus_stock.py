@@ -1,0 +1,91 @@
+"""The wall-clock comparison with stock vLLM: its figures, capacity, ratios over runs and goals, on outcomes
+built by hand (the servers themselves run in `leap eval versus-stock`, minutes per run)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from evaluation.versus_stock import (GOALS, LEAP, STOCK, VersusStockSettings, arm_order, figures, goals,
+                                     segment_name, summarize, sustained_capacity)
+from harness.openai_traffic import Outcome
+from leap_core.metrics import ratio_over_runs
+
+
+def _outcome(rid: str, at: float, first: float, finish: float, tokens: int, chunks=()) -> Outcome:
+    return Outcome(id=rid, at=at, sent=at, first_token=first, finish=finish, tokens=tokens, finish_reason="stop",
+                   chunks=list(chunks))
+
+
+def test_figures_measure_latency_from_the_planned_arrival_and_the_longest_quartile_by_stocks_lengths():
+    outs = [_outcome("a", 0.0, 0.5, 2.0, 10), _outcome("b", 1.0, 1.2, 5.0, 40),
+            Outcome(id="c", at=2.0, sent=2.0, error="HTTP 500")]
+    f = figures(outs, long_ids={"b"})
+    assert f["n"] == 2 and f["failed"] == 1
+    assert f["mean_latency"] == pytest.approx((2.0 + 4.0) / 2)
+    assert f["mean_ptl"] == pytest.approx((2.0 / 10 + 4.0 / 40) / 2)
+    assert f["mean_ttft"] == pytest.approx((0.5 + 0.2) / 2)
+    assert f["throughput"] == pytest.approx(50 / 5.0)  # tokens over first arrival to last finish
+    assert f["long_p95_latency"] == pytest.approx(4.0)
+
+
+def test_sustained_capacity_counts_tokens_while_half_the_burst_still_runs():
+    # four requests released at once: one token a chunk, every 0.1 s; they finish at 1, 2, 3, 4 s
+    outs = [_outcome(str(i), 0.0, 0.1, 1.0 * (i + 1), 10 * (i + 1),
+                     chunks=np.arange(1, 10 * (i + 1) + 1) * 0.1) for i in range(4)]
+    cap = sustained_capacity(outs)
+    # the window ends when the second request finishes (2 s): 4 requests x ... tokens between 0.1 and 2.0
+    tokens = sum(int(np.sum((np.arange(1, 10 * (i + 1) + 1) * 0.1 >= 0.1 - 1e-9)
+                            & (np.arange(1, 10 * (i + 1) + 1) * 0.1 <= 2.0 + 1e-9))) for i in range(4))
+    assert cap["generated_tok_s"] == pytest.approx(tokens / 1.9, rel=0.02)
+    assert cap["mean_output_tokens"] == pytest.approx(25.0)
+    assert cap["rps"] == pytest.approx(cap["generated_tok_s"] / 25.0)
+
+
+def test_the_interval_is_over_runs_and_undefined_for_one_run():
+    one = ratio_over_runs([0.9], [1.0])
+    assert one["value"] == pytest.approx(0.9) and math.isnan(one["ci_high"])
+    r = ratio_over_runs([0.9, 1.0, 0.8], [1.0, 1.0, 1.0])
+    assert r["value"] == pytest.approx((0.9 * 1.0 * 0.8) ** (1 / 3))
+    assert r["ci_low"] < r["value"] < r["ci_high"] and r["runs"] == 3
+    tight = ratio_over_runs([0.9, 0.9001, 0.8999], [1.0, 1.0, 1.0])
+    assert tight["ci_high"] - tight["ci_low"] < r["ci_high"] - r["ci_low"]
+
+
+def test_arms_alternate_and_the_oracle_comes_after_stock():
+    assert arm_order(0, True) == (STOCK, LEAP, "oracle")
+    assert arm_order(1, True) == (LEAP, STOCK, "oracle")
+    assert arm_order(2, False) == (STOCK, LEAP)
+
+
+def _run(scale: float, name: str) -> dict:
+    """One run of one arm on one segment: latencies scaled by `scale`."""
+    outs = [_outcome(f"q{i}", float(i), float(i) + 0.2 * scale, float(i) + scale * (1 + i % 4), 20 + 10 * (i % 4))
+            for i in range(8)]
+    return {"segments": {name: [o.to_dict() for o in outs]}}
+
+
+def test_summary_ratios_and_goals_read_the_runs():
+    settings = VersusStockSettings(loads=(0.8,), patterns=("poisson",), repeats=3)
+    name = segment_name("poisson", 0.8)
+    runs = [{STOCK: _run(1.0, name), LEAP: _run(s, name)} for s in (0.85, 0.9, 0.88)]
+    result = summarize(runs, settings, {"rps": 1.0})
+    ratio = result["segments"][name]["leap_over_stock"]["mean_latency"]
+    assert ratio["value"] == pytest.approx((0.85 * 0.9 * 0.88) ** (1 / 3), rel=1e-6)
+    assert result["segments"][name]["lengths_matched"] == 24
+    goal = result["goals"][f"{name}:mean_latency"]
+    assert goal["at_most"] == GOALS[0.8][0][1] and goal["met"] is True
+    slower = [{STOCK: _run(1.0, name), LEAP: _run(s, name)} for s in (0.95, 1.05, 1.0)]
+    assert summarize(slower, settings, {"rps": 1.0})["goals_met"] is False
+
+
+def test_goals_at_half_load_need_every_latency_figure_within_two_percent():
+    entry = {"load": 0.5, "leap_over_stock": {f: {"value": 1.0, "ci_low": 0.99, "ci_high": 1.01}
+                                              for f in ("mean_latency", "p50_latency", "p90_latency", "p99_latency",
+                                                        "mean_ptl", "mean_ttft", "p99_ttft", "long_p95_latency",
+                                                        "throughput")}}
+    assert all(g["met"] for g in goals({"poisson@0.5": entry}).values())
+    entry["leap_over_stock"]["p99_ttft"] = {"value": 1.05, "ci_low": 1.0, "ci_high": 1.1}
+    assert goals({"poisson@0.5": entry})["poisson@0.5:p99_ttft"]["met"] is False
