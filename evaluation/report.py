@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from evaluation import (ceiling_report, corpus_report, fidelity, learning_curve_report, live, offline, recipes_report,
-                        simulated, transfer)
+                        simulated, transfer, versus_stock_report)
 
 Renderer = tuple[Callable[[dict, Path], None], Callable[[dict, str], str]]
 SINGLE: dict[str, Renderer] = {
@@ -27,9 +27,11 @@ SINGLE: dict[str, Renderer] = {
     "fidelity": (fidelity.plot_fidelity, fidelity.section_fidelity),
     "refresh": (simulated.plot_refresh, simulated.section_refresh),
     "tail": (simulated.plot_tail, simulated.section_tail),
+    "versus-stock": (versus_stock_report.plot_versus_stock, versus_stock_report.section_versus_stock),
 }
 ORDER = ("corpus", "curve", "targets", "layers", "recipes", "ceiling", "transfer", "live", "live-quick", "fidelity",
-         "fidelity-quick", "load", "live-gittins", "refresh", "live-refresh", "tail")
+         "fidelity-quick", "versus-stock", "versus-stock-quick", "load", "live-gittins", "refresh", "live-refresh",
+         "tail")
 
 HEADER = """# Results
 
@@ -63,6 +65,8 @@ RERUN: tuple[tuple[str, ...], ...] = (
     ("eval", "live", "--quick"),
     ("eval", "fidelity"),
     ("eval", "fidelity", "--quick"),
+    ("eval", "versus-stock"),
+    ("eval", "versus-stock", "--quick"),
     ("eval", "load", *BASELINES),
     ("eval", "load", "--quick"),
     ("eval", "load", "--untouched", *BASELINES),
@@ -98,7 +102,7 @@ def _load(folder: Path) -> dict[str, list[dict]]:
         if "study" not in result:  # not a study's result
             continue
         key = result["study"]
-        if key in ("live", "fidelity") and result.get("quick"):
+        if key in ("live", "fidelity", "versus-stock") and result.get("quick"):
             key = f"{key}-quick"
         elif key == "recipes" and result.get("quick"):
             key = "recipes-quick"  # the page shows the full study; the quick one is its smoke check

@@ -41,7 +41,7 @@ import numpy as np
 from harness.openai_traffic import OpenAIServer, Outcome, TrafficRequest, free_port, send_traffic
 from leap_core.metrics import ratio_over_runs
 
-STOCK, LEAP, ORACLE = "stock", "leap", "oracle"
+STOCK, LEAP, ORACLE, STOCK_R512 = "stock", "leap", "oracle", "stock-r512"
 PATTERNS = ("poisson", "bursty")
 LOADS = (0.5, 0.8, 0.95)
 FIGURES = ("mean_latency", "p50_latency", "p90_latency", "p99_latency", "mean_ptl", "mean_ttft", "p99_ttft",
@@ -58,6 +58,7 @@ class VersusStockSettings:
     loads: tuple[float, ...] = LOADS
     patterns: tuple[str, ...] = PATTERNS
     oracle: bool = True
+    stock_r512: bool = False  # a third arm: stock vLLM with LEAP's resident size (--max-num-seqs 512)
     temperature: float = 0.7
     frequency_penalty: float = 0.5  # the corpus's decoding (harness.replay.DEFAULT_DECODING)
     max_tokens: int = 1024  # M, the corpus budget
@@ -85,15 +86,16 @@ class Workload:
     trace_gaps: np.ndarray | None
     folder: Path
     readout_rows: int = 0
+    predicted: dict[str, float] = field(default_factory=dict)  # the readout on each test prompt's corpus row
 
 
 # -- the servers ---------------------------------------------------------------------------------------------
 def server_command(arm: str, work: Workload, port: int, admin_port: int, settings: VersusStockSettings) -> list[str]:
     """What a user runs: stock vLLM's OpenAI server with its defaults, or `leap serve` with its defaults."""
-    if arm == STOCK:
+    if arm in (STOCK, STOCK_R512):
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", work.model, "--host",
                 "127.0.0.1", "--port", str(port), "--max-model-len", str(settings.max_model_len),
-                "--served-model-name", work.served_name]
+                "--served-model-name", work.served_name, *(["--max-num-seqs", "512"] if arm == STOCK_R512 else [])]
     command = [sys.executable, "-m", "leap_cli.main", "serve", "--model", work.model, "--port", str(port),
                "--admin-port", str(admin_port), "--readout", work.readout_path, "--rls-state", work.rls_state_path,
                "--max-model-len", str(settings.max_model_len)]
@@ -218,21 +220,25 @@ def run_arm(arm: str, work: Workload, settings: VersusStockSettings, segments: d
                     "leap_oracle_length": float(oracle_lengths.get(r.id, settings.max_tokens))}}) for r in requests]
             t0 = time.perf_counter()
             outcomes = send_traffic(server.base_url, work.served_name, requests, sampling)
-            result["segments"][name] = [o.to_dict() for o in outcomes]
+            result["segments"][name] = [o.to_dict() | {"prompt_tokens": len(r.prompt_token_ids)}
+                                        for o, r in zip(outcomes, requests)]
             failed = sum(o.error is not None for o in outcomes)
             say(f"{label}: {arm} {name}: {len(outcomes)} requests in {time.perf_counter() - t0:.0f} s"
                 + (f", {failed} failed" if failed else ""))
-        if arm != STOCK:
+        if arm in (LEAP, ORACLE):
             result["leap_stats"] = _leap_stats(admin)
     result["wall_s"] = time.perf_counter() - started
     return result
 
 
 # -- the study -----------------------------------------------------------------------------------------------
-def arm_order(repeat: int, oracle: bool) -> tuple[str, ...]:
-    """Stock and LEAP alternate (stock first in even repeats); the oracle follows, as it needs stock's lengths."""
-    pair = (STOCK, LEAP) if repeat % 2 == 0 else (LEAP, STOCK)
-    return pair + ((ORACLE,) if oracle else ())
+def arm_order(repeat: int, oracle: bool, stock_r512: bool = False) -> tuple[str, ...]:
+    """Stock and LEAP alternate (stock first in even repeats; with the stock-r512 arm the three rotate); the
+    oracle follows, as it needs stock's lengths."""
+    arms = (STOCK, LEAP, STOCK_R512) if stock_r512 else (STOCK, LEAP)
+    shift = repeat % len(arms)
+    order = arms[shift:] + arms[:shift] if stock_r512 else (arms if repeat % 2 == 0 else arms[::-1])
+    return order + ((ORACLE,) if oracle else ())
 
 
 def run_study(work: Workload, settings: VersusStockSettings, say: Callable[[str], None] = lambda m: None) -> dict:
@@ -251,13 +257,18 @@ def run_study(work: Workload, settings: VersusStockSettings, say: Callable[[str]
     for repeat in range(settings.repeats):
         segments = segment_requests(work, settings, capacity["rps"], repeat)
         by_arm: dict[str, dict] = {}
-        for arm in arm_order(repeat, settings.oracle):
+        for arm in arm_order(repeat, settings.oracle, settings.stock_r512):
             lengths = None
             if arm == ORACLE:
                 lengths = {o["id"]: int(o["tokens"]) for outs in by_arm[STOCK]["segments"].values() for o in outs}
             by_arm[arm] = run_arm(arm, work, settings, segments, lengths, say, f"repeat {repeat + 1}/{settings.repeats}")
         runs.append(by_arm)
-    return summarize(runs, settings, capacity) | {
+    summary = summarize(runs, settings, capacity)
+    step_model, step_source = saved_step_model()
+    summary["simulated"] = {"step_model": asdict(step_model), "step_model_source": step_source,
+                            "segments": simulated_check(runs, summary["segments"], work.predicted, step_model,
+                                                        settings.max_tokens)}
+    return summary | {
         "settings": {**asdict(settings), "loads": list(settings.loads), "patterns": list(settings.patterns)},
         "decoding": sampling_note, "readout_rows": work.readout_rows, "model": Path(work.model).name,
         "test_prompts": len(work.test_prompts), "study_s": time.perf_counter() - started,
@@ -273,8 +284,11 @@ def _cost(runs: list[dict[str, dict]]) -> dict:
     return out
 
 
+OUTCOME_KEYS = frozenset(Outcome.__dataclass_fields__) - {"chunks"}
+
+
 def _outcomes(run: dict, name: str) -> list[Outcome]:
-    return [Outcome(**o) for o in run["segments"][name]]
+    return [Outcome(**{k: v for k, v in o.items() if k in OUTCOME_KEYS}) for o in run["segments"][name]]
 
 
 def summarize(runs: list[dict[str, dict]], settings: VersusStockSettings, capacity: dict) -> dict:
@@ -348,6 +362,52 @@ def goals(by_segment: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
+# -- the simulator against the wall clock -------------------------------------------------------------------
+def simulated_check(runs: list[dict[str, dict]], by_segment: dict[str, dict], predicted: dict[str, float],
+                    step_model, max_tokens: int) -> dict:
+    """Each segment of each run simulated as it was played: the same arrivals and prompt lengths, the lengths
+    stock generated, LEAP ordering by the readout's prediction for the prompt (its corpus row), stock as
+    `SimConfig.stock` and LEAP as `leap serve` runs (R 512, K 64, the same prefill budget). Per segment, the
+    simulated LEAP-over-stock mean latency and PTL (geometric mean over runs) and whether each lies inside the
+    wall clock's interval."""
+    from leap_core.simulator import SimConfig, simulate
+
+    stock_config = SimConfig.stock(step_model)
+    leap_config = SimConfig(max_resident=512, decode_slots=64, waiting_cap=128, policy="countdown",
+                            max_prefill_tokens_per_step=stock_config.max_prefill_tokens_per_step,
+                            chunked_prefill=True, step_model=step_model)
+    out: dict[str, dict] = {}
+    for name, entry in by_segment.items():
+        ratios: dict[str, list[float]] = {"mean_latency": [], "mean_ptl": []}
+        covered = total = 0
+        for run in runs:
+            rows = [o for o in run[STOCK]["segments"][name] if o.get("error") is None and o.get("tokens", 0) > 0]
+            if not rows:
+                continue
+            ids = [o["id"] for o in rows]
+            prompt_ids = [i.split("-", 4)[-1] for i in ids]  # r{repeat}-{pattern}-{load}-{i}-{prompt id}
+            guess = np.array([predicted.get(p, np.nan) for p in prompt_ids], dtype=np.float64)
+            covered += int(np.isfinite(guess).sum())
+            total += len(rows)
+            guess = np.where(np.isfinite(guess), guess, float(max_tokens))
+            args = (np.array([o["at"] for o in rows]), np.array([o.get("prompt_tokens", 1) for o in rows]),
+                    np.array([o["tokens"] for o in rows]), guess)
+            stock, leap = simulate(*args, stock_config), simulate(*args, leap_config)
+            ratios["mean_latency"].append(float(leap.latency.mean() / stock.latency.mean()))
+            ratios["mean_ptl"].append(float(leap.ptl.mean() / stock.ptl.mean()))
+        live = entry.get(f"{LEAP}_over_stock", {})
+        figures_out = {}
+        for figure, values in ratios.items():
+            value = float(np.exp(np.mean(np.log(values)))) if values else float("nan")
+            interval = live.get(figure, {})
+            low, high = interval.get("ci_low"), interval.get("ci_high")
+            inside = None if low is None or high is None or not np.isfinite([low, high]).all() else bool(low <= value <= high)
+            figures_out[figure] = {"simulated": value, "live": interval.get("value"), "live_ci": [low, high],
+                                   "inside": inside}
+        out[name] = {**figures_out, "predicted_share": covered / total if total else 0.0}
+    return out
+
+
 # -- the shared inputs ---------------------------------------------------------------------------------------
 def prepare_workload(settings: VersusStockSettings, model: str | None, say: Callable[[str], None]) -> Workload:
     """The chat training window's readout (fitted on the committed snapshot's rows, as the fit flow fits, with
@@ -379,6 +439,8 @@ def prepare_workload(settings: VersusStockSettings, model: str | None, say: Call
                         "layer": layer, "version": "versus-stock", "n_train": len(rows.lengths)}
     (folder / "readout.bin").write_bytes(to_bytes(readout))
     np.savez(folder / "rls.npz", **rls_state)
+    held = length_data(corpus, test)
+    predicted = dict(zip((str(i) for i in held.ids), readout.predict(held.features).astype(float)))
     tokenizer = AutoTokenizer.from_pretrained(info.path)
     budget = min(settings.max_prompt_tokens, settings.max_model_len - settings.max_tokens - 1)
     test_encoded, _ = encode_prompts(tokenizer, test, budget)
@@ -386,7 +448,20 @@ def prepare_workload(settings: VersusStockSettings, model: str | None, say: Call
     train_encoded = train_encoded[-max(settings.capacity_requests, 4):]
     return Workload(model=info.path, served_name=Path(info.path).name, readout_path=str(folder / "readout.bin"),
                     rls_state_path=str(folder / "rls.npz"), train_prompts=train_encoded, test_prompts=test_encoded,
-                    trace_gaps=_trace_gaps(), folder=folder, readout_rows=len(rows.lengths))
+                    trace_gaps=_trace_gaps(), folder=folder, readout_rows=len(rows.lengths), predicted=predicted)
+
+
+def saved_step_model():
+    """The step-time model the full fidelity study fitted on this engine (docs/results/fidelity.json), else the
+    simulator's defaults, and where it came from."""
+    from evaluation.studies import FIDELITY_RESULT
+    from leap_core.simulator import StepTimeModel
+
+    saved = json.loads(FIDELITY_RESULT.read_text()) if FIDELITY_RESULT.exists() else {}
+    if "step_model" in saved:
+        return StepTimeModel(**saved["step_model"]), (f"{FIDELITY_RESULT.name} (commit {str(saved.get('commit'))[:12]}), "
+                                                      f"fitted at K {saved.get('settings', {}).get('decode_slots')}")
+    return StepTimeModel(), "the simulator's defaults (no saved fidelity study)"
 
 
 def _trace_gaps() -> np.ndarray | None:

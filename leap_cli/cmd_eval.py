@@ -321,6 +321,8 @@ def versus_stock(
     patterns: str = typer.Option("poisson,bursty", help="poisson and/or bursty (the Azure conversation trace's gaps)"),
     oracle: Optional[bool] = typer.Option(None, "--oracle/--no-oracle", help="the oracle arm (default: on; "
                                                                               "--quick: off)"),
+    stock_r512: bool = typer.Option(False, "--stock-r512", help="a third arm: stock vLLM with LEAP's resident size "
+                                                               "(--max-num-seqs 512), reported as stock-r512_over_stock"),
     temperature: float = typer.Option(0.7, help="sampling temperature (a seed per request, the same in every arm)"),
     max_tokens: Optional[int] = typer.Option(None, help="output budget (default M = 1024; --quick 256)"),
     name: Optional[str] = typer.Option(None, help="result name under docs/results/ (default versus-stock[-quick])"),
@@ -346,7 +348,8 @@ def versus_stock(
         raise typer.BadParameter("each load must be in (0, 3]", param_hint="--loads")
     if not 0.0 <= temperature <= 2.0:
         raise typer.BadParameter("expected a temperature in [0, 2]", param_hint="--temperature")
-    changes = {"loads": chosen_loads, "patterns": chosen_patterns, "temperature": temperature}
+    changes = {"loads": chosen_loads, "patterns": chosen_patterns, "temperature": temperature,
+               "stock_r512": stock_r512}
     for key, value in (("repeats", repeats), ("requests", requests), ("oracle", oracle), ("max_tokens", max_tokens)):
         if value is not None:
             changes[key] = value
@@ -356,5 +359,5 @@ def versus_stock(
     engine_environment()  # the same KV-cache size, caches and logging for both servers
     say = _say(as_json)
     work = prepare_workload(settings, model, say)
-    result = run_study(work, settings, say)
+    result = {"quick": quick, **run_study(work, settings, say)}
     _finish(result, "versus-stock", name or ("versus-stock-quick" if quick else "versus-stock"), as_json, save)

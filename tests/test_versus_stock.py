@@ -89,3 +89,25 @@ def test_goals_at_half_load_need_every_latency_figure_within_two_percent():
     assert all(g["met"] for g in goals({"poisson@0.5": entry}).values())
     entry["leap_over_stock"]["p99_ttft"] = {"value": 1.05, "ci_low": 1.0, "ci_high": 1.1}
     assert goals({"poisson@0.5": entry})["poisson@0.5:p99_ttft"]["met"] is False
+
+
+def test_the_simulated_check_replays_each_segment_and_reads_the_live_interval():
+    from evaluation.versus_stock import simulated_check
+    from leap_core.simulator import StepTimeModel
+
+    name = segment_name("poisson", 0.8)
+
+    def run(scale: float) -> dict:
+        rows = [dict(_outcome(f"r0-poisson-0.8-{i}-p{i}", 0.5 * i, 0.5 * i + 0.1, 0.5 * i + scale, 20 + 30 * i).to_dict(),
+                     prompt_tokens=50) for i in range(6)]
+        return {"segments": {name: rows}}
+
+    runs = [{STOCK: run(1.0), LEAP: run(0.9)} for _ in range(2)]
+    by_segment = {name: {"leap_over_stock": {"mean_latency": {"value": 0.9, "ci_low": 0.5, "ci_high": 1.5},
+                                             "mean_ptl": {"value": 0.9, "ci_low": 0.95, "ci_high": 0.97}}}}
+    predicted = {f"p{i}": 20.0 + 30 * i for i in range(3)}  # half the prompts have a prediction
+    check = simulated_check(runs, by_segment, predicted, StepTimeModel(base_s=0.02, per_decode_s=0.005), 1024)[name]
+    # 6 requests never fill K = 64 or R = 128: LEAP and stock simulate alike
+    assert check["mean_latency"]["simulated"] == pytest.approx(1.0)
+    assert check["mean_latency"]["inside"] is True and check["mean_ptl"]["inside"] is False
+    assert check["predicted_share"] == pytest.approx(0.5)
