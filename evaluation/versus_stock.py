@@ -69,8 +69,8 @@ class VersusStockSettings:
 
     @classmethod
     def quick(cls) -> "VersusStockSettings":
-        """Minutes, not hours: 16 requests a segment, 2 repeats, no oracle arm, outputs cut at M/4."""
-        return cls(requests=16, repeats=2, oracle=False, max_tokens=256, capacity_requests=32)
+        """Minutes, not hours: 24 requests a segment, 3 repeats, no oracle arm, outputs cut at M/4."""
+        return cls(requests=24, repeats=3, oracle=False, max_tokens=256, capacity_requests=32)
 
 
 @dataclass

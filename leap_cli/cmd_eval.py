@@ -312,11 +312,11 @@ def recipes(
 
 @eval_app.command("versus-stock")
 def versus_stock(
-    quick: bool = typer.Option(False, "--quick", help="16 requests a segment, 2 repeats, outputs cut at M/4, no "
+    quick: bool = typer.Option(False, "--quick", help="24 requests a segment, 3 repeats, outputs cut at M/4, no "
                                                       "oracle arm: under 30 minutes here"),
-    repeats: Optional[int] = typer.Option(None, help="runs of each arm (default 6; --quick 2)"),
+    repeats: Optional[int] = typer.Option(None, help="runs of each arm (default 6; --quick 3)"),
     requests: Optional[int] = typer.Option(None, help="requests per segment, one pattern at one load (default 48; "
-                                                      "--quick 16)"),
+                                                      "--quick 24)"),
     loads: str = typer.Option("0.5,0.8,0.95", help="fractions of stock's sustained capacity"),
     patterns: str = typer.Option("poisson,bursty", help="poisson and/or bursty (the Azure conversation trace's gaps)"),
     oracle: Optional[bool] = typer.Option(None, "--oracle/--no-oracle", help="the oracle arm (default: on; "

@@ -111,3 +111,20 @@ def test_the_simulated_check_replays_each_segment_and_reads_the_live_interval():
     assert check["mean_latency"]["simulated"] == pytest.approx(1.0)
     assert check["mean_latency"]["inside"] is True and check["mean_ptl"]["inside"] is False
     assert check["predicted_share"] == pytest.approx(0.5)
+
+
+def test_the_results_section_shows_every_figure_and_the_missed_goals(tmp_path):
+    from evaluation.versus_stock_report import plot_versus_stock, section_versus_stock
+
+    settings = VersusStockSettings(loads=(0.8,), patterns=("poisson",), repeats=3)
+    name = segment_name("poisson", 0.8)
+    runs = [{STOCK: _run(1.0, name), LEAP: _run(s, name)} for s in (0.95, 1.05, 1.0)]
+    result = summarize(runs, settings, {"rps": 1.0, "generated_tok_s": 100.0, "mean_output_tokens": 100.0,
+                                        "requests": 32})
+    result.update(settings={"requests": 8, "repeats": 3, "max_tokens": 256, "max_prompt_tokens": 512},
+                  decoding={"temperature": 0.7}, cost={STOCK: {"start_s": 50.0, "run_s": 100.0}}, study_s=600.0)
+    text = section_versus_stock(result, "versus-stock.png")
+    assert "| mean latency | 0.999 [0.882, 1.131] |" in text and "lengths matched stock's | 24/24" in text
+    assert "Goals met: 0 of 1; missed: poisson@0.8:mean_latency 0.999 [0.882, 1.131]." in text
+    plot_versus_stock(result, tmp_path / "v.png")
+    assert (tmp_path / "v.png").stat().st_size > 0
