@@ -93,6 +93,11 @@ def section_versus_stock(result: dict, image: str) -> str:
     rows.append(["lengths matched stock's", *(f"{segments[n]['lengths_matched']}/{segments[n]['lengths_compared']}"
                                               for n in names)])
     text.append(_table(["LEAP / stock", *names], rows))
+    stats = [run[arm].get("leap_stats") or {} for run in result.get("runs", []) for arm in ("leap",) if arm in run]
+    held, steps = sum(st.get("held_steps") or 0 for st in stats), sum(st.get("steps") or 0 for st in stats)
+    text += ["", f"LEAP held decode candidates out in {held:,} of its {steps:,} steps over {len(stats)} runs"
+             + (": the decode order never acted, so no difference in this table is an ordering gain."
+                if stats and held == 0 else ".")]
     goals = result.get("goals", {})
     missed = [f"{k} {g['value']:.3f}" + (f" [{g['ci'][0]:.3f}, {g['ci'][1]:.3f}]" if None not in g["ci"] else "")
               for k, g in goals.items() if not g["met"]]

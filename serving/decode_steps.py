@@ -147,7 +147,8 @@ class DecodeSteps:
     def choose(self, running: list, current_step: int) -> None:
         """Hold out all but the chosen decode candidates for the coming `schedule()` call."""
         start = time.perf_counter()
-        self._time_last_step(start)
+        if self.config.adaptive_slots:
+            self._time_last_step(start)
         now = time.time()
         track, predictions = self._tracker.track, self._tracker.predictions
         candidates, entries, missing, new = [], [], [], []
