@@ -41,7 +41,12 @@ import numpy as np
 from harness.openai_traffic import OpenAIServer, Outcome, TrafficRequest, free_port, send_traffic
 from leap_core.metrics import ratio_over_runs
 
-STOCK, LEAP, ORACLE, STOCK_R512 = "stock", "leap", "oracle", "stock-r512"
+STOCK, LEAP, ORACLE = "stock", "leap", "oracle"
+EXTRA_ARMS = {  # arms that tell apart what of leap serve's difference from stock comes from where
+    "stock-r512": "stock vLLM with LEAP's resident size (--max-num-seqs 512)",
+    "stock-scheduler": "stock vLLM with LEAP's scheduler class in FCFS order (no capture worker, no middleware)",
+    "leap-fcfs": "leap serve in FCFS order (capture, predictor and RLS running, no ordering)",
+}
 PATTERNS = ("poisson", "bursty")
 LOADS = (0.5, 0.8, 0.95)
 FIGURES = ("mean_latency", "p50_latency", "p90_latency", "p99_latency", "mean_ptl", "mean_ttft", "p99_ttft",
@@ -58,7 +63,7 @@ class VersusStockSettings:
     loads: tuple[float, ...] = LOADS
     patterns: tuple[str, ...] = PATTERNS
     oracle: bool = True
-    stock_r512: bool = False  # a third arm: stock vLLM with LEAP's resident size (--max-num-seqs 512)
+    extra_arms: tuple[str, ...] = ()  # names of EXTRA_ARMS
     temperature: float = 0.7
     frequency_penalty: float = 0.5  # the corpus's decoding (harness.replay.DEFAULT_DECODING)
     max_tokens: int = 1024  # M, the corpus budget
@@ -92,14 +97,17 @@ class Workload:
 # -- the servers ---------------------------------------------------------------------------------------------
 def server_command(arm: str, work: Workload, port: int, admin_port: int, settings: VersusStockSettings) -> list[str]:
     """What a user runs: stock vLLM's OpenAI server with its defaults, or `leap serve` with its defaults."""
-    if arm in (STOCK, STOCK_R512):
+    if arm in (STOCK, "stock-r512", "stock-scheduler"):
+        extra = {"stock-r512": ["--max-num-seqs", "512"],
+                 "stock-scheduler": ["--scheduler-cls", "serving.scheduler.LeapScheduler", "--additional-config",
+                                     json.dumps({"leap": {"policy": "fcfs", "rls": False}})]}.get(arm, [])
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", work.model, "--host",
                 "127.0.0.1", "--port", str(port), "--max-model-len", str(settings.max_model_len),
-                "--served-model-name", work.served_name, *(["--max-num-seqs", "512"] if arm == STOCK_R512 else [])]
+                "--served-model-name", work.served_name, *extra]
     command = [sys.executable, "-m", "leap_cli.main", "serve", "--model", work.model, "--port", str(port),
                "--admin-port", str(admin_port), "--readout", work.readout_path, "--rls-state", work.rls_state_path,
                "--max-model-len", str(settings.max_model_len)]
-    return command + (["--policy", "oracle"] if arm == ORACLE else [])
+    return command + (["--policy", "oracle"] if arm == ORACLE else ["--policy", "fcfs"] if arm == "leap-fcfs" else [])
 
 
 def _server(arm: str, work: Workload, settings: VersusStockSettings, label: str) -> tuple[OpenAIServer, dict]:
@@ -225,19 +233,19 @@ def run_arm(arm: str, work: Workload, settings: VersusStockSettings, segments: d
             failed = sum(o.error is not None for o in outcomes)
             say(f"{label}: {arm} {name}: {len(outcomes)} requests in {time.perf_counter() - t0:.0f} s"
                 + (f", {failed} failed" if failed else ""))
-        if arm in (LEAP, ORACLE):
+        if arm in (LEAP, ORACLE, "leap-fcfs"):
             result["leap_stats"] = _leap_stats(admin)
     result["wall_s"] = time.perf_counter() - started
     return result
 
 
 # -- the study -----------------------------------------------------------------------------------------------
-def arm_order(repeat: int, oracle: bool, stock_r512: bool = False) -> tuple[str, ...]:
-    """Stock and LEAP alternate (stock first in even repeats; with the stock-r512 arm the three rotate); the
-    oracle follows, as it needs stock's lengths."""
-    arms = (STOCK, LEAP, STOCK_R512) if stock_r512 else (STOCK, LEAP)
+def arm_order(repeat: int, oracle: bool, extra_arms: Sequence[str] = ()) -> tuple[str, ...]:
+    """Stock and LEAP alternate (stock first in even repeats; with extra arms they all rotate); the oracle
+    follows, as it needs stock's lengths."""
+    arms = (STOCK, LEAP, *extra_arms)
     shift = repeat % len(arms)
-    order = arms[shift:] + arms[:shift] if stock_r512 else (arms if repeat % 2 == 0 else arms[::-1])
+    order = arms[shift:] + arms[:shift] if extra_arms else (arms if repeat % 2 == 0 else arms[::-1])
     return order + ((ORACLE,) if oracle else ())
 
 
@@ -257,7 +265,7 @@ def run_study(work: Workload, settings: VersusStockSettings, say: Callable[[str]
     for repeat in range(settings.repeats):
         segments = segment_requests(work, settings, capacity["rps"], repeat)
         by_arm: dict[str, dict] = {}
-        for arm in arm_order(repeat, settings.oracle, settings.stock_r512):
+        for arm in arm_order(repeat, settings.oracle, settings.extra_arms):
             lengths = None
             if arm == ORACLE:
                 lengths = {o["id"]: int(o["tokens"]) for outs in by_arm[STOCK]["segments"].values() for o in outs}

@@ -7,6 +7,7 @@ import math
 import pathlib
 
 from evaluation.simulated import _table
+from evaluation.versus_stock import EXTRA_ARMS
 
 ROWS = (("mean latency", "mean_latency"), ("P50 latency", "p50_latency"), ("P90 latency", "p90_latency"),
         ("P99 latency", "p99_latency"), ("mean per-token latency", "mean_ptl"), ("mean TTFT", "mean_ttft"),
@@ -58,7 +59,7 @@ def section_versus_stock(result: dict, image: str) -> str:
     cost = result.get("cost", {})
     segments = result["segments"]
     names = list(segments)
-    arms = [a for a in ("leap", "oracle") if any(f"{a}_over_stock" in segments[n] for n in names)]
+    arms = [a for a in ("leap", "oracle", *EXTRA_ARMS) if any(f"{a}_over_stock" in segments[n] for n in names)]
     title = "LEAP against stock vLLM on the wall clock" + (" (quick)" if result.get("quick") else "")
     text = [
         f"## {title}", "",

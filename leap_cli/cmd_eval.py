@@ -321,8 +321,9 @@ def versus_stock(
     patterns: str = typer.Option("poisson,bursty", help="poisson and/or bursty (the Azure conversation trace's gaps)"),
     oracle: Optional[bool] = typer.Option(None, "--oracle/--no-oracle", help="the oracle arm (default: on; "
                                                                               "--quick: off)"),
-    stock_r512: bool = typer.Option(False, "--stock-r512", help="a third arm: stock vLLM with LEAP's resident size "
-                                                               "(--max-num-seqs 512), reported as stock-r512_over_stock"),
+    arm: Optional[list[str]] = typer.Option(None, "--arm", help="an extra arm, reported as <arm>_over_stock; repeat: "
+                                                                "stock-r512 (--max-num-seqs 512), stock-scheduler "
+                                                                "(LEAP's scheduler class, FCFS), leap-fcfs"),
     temperature: float = typer.Option(0.7, help="sampling temperature (a seed per request, the same in every arm)"),
     max_tokens: Optional[int] = typer.Option(None, help="output budget (default M = 1024; --quick 256)"),
     name: Optional[str] = typer.Option(None, help="result name under docs/results/ (default versus-stock[-quick])"),
@@ -348,8 +349,13 @@ def versus_stock(
         raise typer.BadParameter("each load must be in (0, 3]", param_hint="--loads")
     if not 0.0 <= temperature <= 2.0:
         raise typer.BadParameter("expected a temperature in [0, 2]", param_hint="--temperature")
+    from evaluation.versus_stock import EXTRA_ARMS
+
+    extra_arms = tuple(dict.fromkeys(arm or ()))
+    if any(a not in EXTRA_ARMS for a in extra_arms):
+        raise typer.BadParameter(f"expected one of {', '.join(EXTRA_ARMS)}", param_hint="--arm")
     changes = {"loads": chosen_loads, "patterns": chosen_patterns, "temperature": temperature,
-               "stock_r512": stock_r512}
+               "extra_arms": extra_arms}
     for key, value in (("repeats", repeats), ("requests", requests), ("oracle", oracle), ("max_tokens", max_tokens)):
         if value is not None:
             changes[key] = value

@@ -58,6 +58,7 @@ def test_arms_alternate_and_the_oracle_comes_after_stock():
     assert arm_order(0, True) == (STOCK, LEAP, "oracle")
     assert arm_order(1, True) == (LEAP, STOCK, "oracle")
     assert arm_order(2, False) == (STOCK, LEAP)
+    assert arm_order(1, False, ("stock-r512",)) == (LEAP, "stock-r512", STOCK)  # with extra arms all rotate
 
 
 def _run(scale: float, name: str) -> dict:
