@@ -63,24 +63,18 @@ def test_a_rising_step_time_holds_out_all_but_the_slots_that_keep_up_with_the_de
     assert runtime.metrics_registry.get_sample_value("leap_decode_slots") == slots
 
 
-def test_a_flat_step_time_decodes_every_request(build):
-    runtime = build(policy="leap", decode_slots=64, adaptive_slots=True)
+@pytest.mark.parametrize("adaptive, per_decode_s, slots", [
+    (True, 0.0, N),  # a flat step time: holding requests out would not shorten a step, so all decode
+    (False, 0.0075, 64),  # fixed slots ignore the step time
+])
+def test_every_request_decodes_on_a_flat_curve_or_with_fixed_slots(build, adaptive, per_decode_s, slots):
+    runtime = build(policy="leap", decode_slots=64, adaptive_slots=adaptive)
     runtime.reset_readout(first_value_readout("v1"), None)
     requests = _decoding_requests(runtime)
-    _measured(runtime, 0.018, 0.0)
+    _measured(runtime, 0.018, per_decode_s)
     runtime.before_schedule(requests, 1)
     assert runtime.last_held == set()
-    assert runtime.steps.slots == N
-
-
-def test_fixed_slots_ignore_the_step_time(build):
-    runtime = build(policy="leap", decode_slots=64, adaptive_slots=False)
-    runtime.reset_readout(first_value_readout("v1"), None)
-    requests = _decoding_requests(runtime)
-    _measured(runtime, 0.018, 0.0075)
-    runtime.before_schedule(requests, 1)
-    assert runtime.last_held == set()
-    assert runtime.steps.slots == 64
+    assert runtime.steps.slots == slots
 
 
 def test_until_enough_steps_are_measured_the_configured_slots_hold(build):
