@@ -426,6 +426,7 @@ def prepare_workload(settings: VersusStockSettings, model: str | None, say: Call
     from evaluation.live import fit_leap_with_anchor
     from evaluation.selections import CHAT_TEST, CHAT_TRAIN, select
     from harness.corpus import corpus_dir, corpus_key, load_corpus
+    from harness.datasets import trace_gaps
     from harness.experiment import resolve_model
     from harness.replay import DEFAULT_DECODING, encode_prompts
     from leap_core.layers import default_layer
@@ -456,7 +457,7 @@ def prepare_workload(settings: VersusStockSettings, model: str | None, say: Call
     train_encoded = train_encoded[-max(settings.capacity_requests, 4):]
     return Workload(model=info.path, served_name=Path(info.path).name, readout_path=str(folder / "readout.bin"),
                     rls_state_path=str(folder / "rls.npz"), train_prompts=train_encoded, test_prompts=test_encoded,
-                    trace_gaps=_trace_gaps(), folder=folder, readout_rows=len(rows.lengths), predicted=predicted)
+                    trace_gaps=trace_gaps(), folder=folder, readout_rows=len(rows.lengths), predicted=predicted)
 
 
 def saved_step_model():
@@ -470,10 +471,3 @@ def saved_step_model():
         return StepTimeModel(**saved["step_model"]), (f"{FIDELITY_RESULT.name} (commit {str(saved.get('commit'))[:12]}), "
                                                       f"fitted at K {saved.get('settings', {}).get('decode_slots')}")
     return StepTimeModel(), "the simulator's defaults (no saved fidelity study)"
-
-
-def _trace_gaps() -> np.ndarray | None:
-    """The Azure conversation trace's inter-arrival gaps (the shared folder's, else the committed copy)."""
-    from harness.datasets import trace_gaps
-
-    return trace_gaps()
