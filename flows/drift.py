@@ -3,7 +3,7 @@
 Every serving replica exports, per domain ("all": every request), the rolling Spearman and MAE of its
 serving (online-corrected) readout against the true length, the MAE its anchor (the readout as pushed,
 before RLS corrected it) has on the same requests, and how many requests that is
-(`serving.recorder.DomainQuality`, on `/metrics`). The watch scrapes them, keeps each observation in a
+(`serving.feedback.recorder.DomainQuality`, on `/metrics`). The watch scrapes them, keeps each observation in a
 small state file that outlives the run (bounded per replica and domain), and decides:
 
 - retrain, when the live MAE of one replica and domain exceeds the champion's validation MAE by
@@ -28,7 +28,7 @@ small state file that outlives the run (bounded per replica and domain), and dec
   replay holds the rollback back: it fails closed.
 
 The figures weigh tenants: no `leap_tenant` carries more than its cap of a replica's MAEs
-(`serving.recorder.DomainQuality`), so one tenant's traffic alone cannot trigger an action for everyone.
+(`serving.feedback.recorder.DomainQuality`), so one tenant's traffic alone cannot trigger an action for everyone.
 
 A rollback takes precedence over resets (it re-anchors every replica) and a reset over a retrain for
 that replica and domain. Resets and rollbacks have their own cooldowns of the same length. A replica

@@ -57,7 +57,7 @@ from leap_io.model_identity import serves
 from registry.aliases import CHAMPION
 from registry.client import ReadoutRegistry
 from registry.lookups import MERGE_ROWS_UNTIL_TAG
-from serving.admin import RLS_INFO_HEADER, RLS_PATH
+from serving.admin.api import RLS_INFO_HEADER, RLS_PATH
 
 
 # ---------------------------------------------------------------------------- reading replicas
@@ -66,8 +66,8 @@ def fetch_replica_state(endpoint: str, token: str, timeout: float = 30.0) -> dic
     """One replica's RLS state: {"endpoint", "status", ...}. status "ok" adds `readout` (the anchor),
     `state` (arrays), `base_version`, `rows`, `buffered`; "no-rls" (409/404), "unreachable" and
     "refused" (a body that does not validate as a push bundle of its own readout) add `error`."""
-    from serving.admin import PushRefused
-    from serving.push import validate_push
+    from serving.readout.push import PushRefused
+    from serving.readout.push import validate_push
 
     url = endpoint.rstrip("/") + RLS_PATH
     try:

@@ -1,7 +1,7 @@
 """Shadow scoring: a challenger held on every replica beside the champion, and the figures its rows give.
 
 `hold_fleet` sends a registered version's readout (without RLS state: a shadow never learns) to each
-replica's `POST /leap/shadow` (`serving.shadow`), or an empty body to let it go; a replica that does not
+replica's `POST /leap/shadow` (`serving.readout.shadow`), or an empty body to let it go; a replica that does not
 answer is reported and the others hold it all the same. The hold is recorded in the registry's history
 (`registry.operations`).
 

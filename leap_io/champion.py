@@ -3,7 +3,7 @@ that starts or restarts serves it without talking to MLflow.
 
 Every promotion and rollback (`flows.promotion`) publishes the new champion's bundle here once the
 replicas serve it and the aliases name it; a replica reads it at start and serves it when it is newer
-than its own saved state (`serving.readout_sources`), validated exactly as a push is.
+than its own saved state (`serving.readout.sources`), validated exactly as a push is.
 
 A publication of registered model `name` is two objects under the location (a local folder, or
 `s3://bucket/prefix` through `leap_io.object_store`):

@@ -8,7 +8,7 @@ recipes have none and hold `last@<layer>`), the serving layer and the model fing
 (`segment_table`, version 2) the feature column is fixed-size binary, each row its floats' little-endian
 bytes; `read_segment_file` and ingest give it back as lists, and read version 1 files too.
 
-Identity. A row's `request_id` is made by the serving process (`serving.recorder.RowIds`: a random
+Identity. A row's `request_id` is made by the serving process (`serving.feedback.recorder.RowIds`: a random
 token drawn when the process starts and a counter), never by a client, so no client can make another
 request's row look like a duplicate. The id the client gave (`leap_request_id`, `X-Request-Id`, or the
 one vLLM made) is kept as data in `client_request_id`; segments written before that column existed
@@ -54,7 +54,7 @@ def feedback_schema(dim: int) -> pa.Schema:
             pa.field("predicted_at_admission", pa.float32()),
             pa.field("predicted_latest", pa.float32()),
             pa.field("readout_version", pa.string()),
-            pa.field("shadow_predicted", pa.float32()),  # a readout held in shadow, same vector (serving.shadow)
+            pa.field("shadow_predicted", pa.float32()),  # a readout held in shadow, same vector (serving.readout.shadow)
             pa.field("shadow_version", pa.string()),
             pa.field("feature", pa.list_(pa.float32(), dim)),
         ]

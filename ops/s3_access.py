@@ -3,7 +3,7 @@
 Who holds what (the S3 calls are those of `leap_io.object_store.ObjectStore`, listed by caller):
 
 - **A replica** (`replica-<replica id>`) ships its closed feedback segments to
-  `<feedback prefix>/<replica id>/` (`serving.shipper`: PUT, then a HEAD that verifies the upload, which S3
+  `<feedback prefix>/<replica id>/` (`serving.feedback.shipper`: PUT, then a HEAD that verifies the upload, which S3
   and MinIO authorize as `s3:GetObject`) and reads the champion publication under `<champion prefix>/`
   at start (`leap_io.champion`: GET of `<name>.json` and `<name>.bundle`). That is all it may do:
   `s3:PutObject` and `s3:GetObject` on its own folder, `s3:GetObject` on the publication. It cannot write

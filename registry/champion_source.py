@@ -3,7 +3,7 @@
 `MlflowChampionSource` is the `leap.readout_sources` entry point `mlflow` (pyproject.toml): a replica
 whose settings name a `registry_uri` and that has nothing newer to serve opens it through that entry
 point, in whatever process vLLM builds the scheduler in, without the plugin importing MLflow itself
-(`serving.readout_sources.RegistrySource`).
+(`serving.readout.sources.RegistrySource`).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from leap_core.policy import DecodePolicy, make_policy
 from serving import vllm_compat
 from serving.config import LeapConfig
 from serving.fcfs_fallback import FcfsFallback
-from serving.readout_service import ReadoutService
+from serving.readout.service import ReadoutService
 from serving.telemetry import Telemetry
 from serving.tracking import RequestTracker, Tracked
 

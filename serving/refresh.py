@@ -3,7 +3,7 @@
 Countdown orders decodes by the prefill prediction minus what a request has generated. With refresh on
 (`LeapConfig.refresh_at` and `refresh_readout_path` both set), the capture also sends the layer-L state
 of a request's decode step after g generated tokens, for each g in `refresh_at`, and a second readout,
-fitted on such decode states to the length that remained (`harness/decode_states.py` records them), turns
+fitted on such decode states to the length that remained (`studies/study_harness/decode_states.py` records them), turns
 it into a new predicted total, g + remaining. That total replaces the countdown's prediction for the
 request's ordering from then on; the prefill prediction and feature stay what feedback and RLS see.
 
@@ -23,9 +23,9 @@ import numpy as np
 from leap_core.readout import LinearReadout
 from leap_core.recipes import RecipeError
 from leap_io.push_bundle import make_bundle
-from serving.admin import PushRefused
+from serving.readout.push import PushRefused
 from serving.config import LeapConfig
-from serving.push import CaptureSpace, validate_push
+from serving.readout.push import CaptureSpace, validate_push
 
 logger = logging.getLogger(__name__)
 

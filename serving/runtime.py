@@ -1,14 +1,14 @@
 """Everything LEAP runs beside one engine's scheduler, composed from parts that each own one thing.
 
 - `RequestTracker` (serving/tracking.py): per-request state (entries, features, predictions), pruned;
-- `ReadoutService` (serving/readout_service.py): the serving readout, the predictor and RLS threads,
+- `ReadoutService` (serving/readout/service.py): the serving readout, the predictor and RLS threads,
   pushes and their persistence;
-- `ReadoutSources` (serving/readout_sources.py): what serves at start (the published champion, the
+- `ReadoutSources` (serving/readout/sources.py): what serves at start (the published champion, the
   saved push, the settings' file, the registry's champion);
-- `CaptureReceiver` (serving/receiver.py): captured features from the workers, validated;
-- a `CaptureSpace` (serving/push.py): what a captured vector holds (the engine's capture recipe), which
+- `CaptureReceiver` (serving/capture/receiver.py): captured features from the workers, validated;
+- a `CaptureSpace` (serving/readout/push.py): what a captured vector holds (the engine's capture recipe), which
   every readout is checked against and reads its own recipe's columns of;
-- `FeedbackRecorder` (serving/recorder.py): one row per finished request for the writer and listeners;
+- `FeedbackRecorder` (serving/feedback/recorder.py): one row per finished request for the writer and listeners;
 - `DecodeSteps` (serving/decode_steps.py): which decode candidates run each step, and the step counts;
 - `Telemetry` (serving/telemetry.py): the Prometheus registry and the drop / error counts;
 - a `Refresher` (serving/refresh.py), only when refresh is configured and its readout fits: decode
@@ -43,16 +43,16 @@ from serving.config import (
 )
 from serving.decode_steps import DecodeSteps
 from serving.fcfs_fallback import FcfsFallback
-from serving.finished import FinishedRequests
-from serving.online import OnlineLearner
-from serving.predictor import PredictorService
-from serving.push import CaptureSpace
-from serving.readout_service import ReadoutService
-from serving.readout_sources import ReadoutSources, RegistrySourceFactory
-from serving.receiver import CaptureReceiver
-from serving.recorder import FeedbackRecorder
+from serving.feedback.finished import FinishedRequests
+from serving.readout.online_rls import OnlineLearner
+from serving.readout.predictor import PredictorService
+from serving.readout.push import CaptureSpace
+from serving.readout.service import ReadoutService
+from serving.readout.sources import ReadoutSources, RegistrySourceFactory
+from serving.capture.receiver import CaptureReceiver
+from serving.feedback.recorder import FeedbackRecorder
 from serving.refresh import configured_refresher
-from serving.shadow import ShadowReadout
+from serving.readout.shadow import ShadowReadout
 from serving.supervise import RateLimitedLog
 from serving.telemetry import Telemetry
 from serving.tracking import RequestTracker, Tracked
@@ -83,7 +83,7 @@ class LeapRuntime:
     """LEAP's state for one engine, created by the scheduler subclass.
 
     `registry_source` opens the registry whose champion serves at start when nothing else does
-    (`serving.readout_sources`); None: the installed `leap.readout_sources` entry point.
+    (`serving.readout.sources`); None: the installed `leap.readout_sources` entry point.
     """
 
     def __init__(self, vllm_config: Any, config: LeapConfig | None = None,
@@ -124,7 +124,7 @@ class LeapRuntime:
                                         deliver_refresh=self._on_refresh).start()
         self.admin = None
         if self.config.admin_port is not None:
-            from serving.admin import AdminRefusalCollector, AdminServer
+            from serving.admin.api import AdminRefusalCollector, AdminServer
 
             self.admin = AdminServer(self, self.config.admin_host, self.config.admin_port, self.config.token())
             self.metrics_registry.register(AdminRefusalCollector(self.admin))
@@ -142,7 +142,7 @@ class LeapRuntime:
         return self.capture.dim
 
     def _feedback_writer(self) -> Any:
-        self.shipper = None  # serving.shipper.FeedbackShipper when feedback_url is set
+        self.shipper = None  # serving.feedback.shipper.FeedbackShipper when feedback_url is set
         if not self.config.feedback_dir:
             # segments are written locally first (the crash-safe spool), then shipped: no folder, no feedback.
             # Not an error: engines that write none (the gate's, a replay's) read the fleet's LEAP_FEEDBACK_URL too
@@ -151,8 +151,8 @@ class LeapRuntime:
                                "(LEAP_FEEDBACK_DIR) is not, and segments are spooled there before shipping",
                                redact_url(self.config.feedback_url))
             return None
-        from serving.feedback import FeedbackCollector, FeedbackWriter
-        from serving.feedback_segments import default_replica_id
+        from serving.feedback.writer import FeedbackCollector, FeedbackWriter
+        from serving.feedback.segments import default_replica_id
 
         # rows keep the whole captured vector, so the fit flow may choose any recipe the capture covers
         writer = FeedbackWriter(self.config.feedback_dir, self.feature_dim, self.layer, self.model_id,
@@ -162,7 +162,7 @@ class LeapRuntime:
                                 replica_id=default_replica_id(self.config.admin_port or None))
         self.metrics_registry.register(FeedbackCollector(writer))
         self.telemetry.watch_thread("feedback", lambda: bool(self.recorder.writer_health().get("alive")))
-        from serving.shipper import start_shipper
+        from serving.feedback.shipper import start_shipper
 
         self.shipper = start_shipper(self.config, writer, self.telemetry)
         return writer
@@ -186,7 +186,7 @@ class LeapRuntime:
 
     @property
     def feedback(self) -> Any:
-        """The `serving.feedback.FeedbackWriter`, or None when no feedback folder is configured."""
+        """The `serving.feedback.writer.FeedbackWriter`, or None when no feedback folder is configured."""
         return self.recorder.writer
 
     @property

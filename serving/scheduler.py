@@ -6,13 +6,13 @@ Everything else is stock vLLM, and every vLLM internal goes through `serving.vll
 check runs when the scheduler starts. Use `LeapScheduler` where async scheduling is off (the CPU
 platform) and `LeapAsyncScheduler` where it is on (GPU builds); `scheduler_class()` picks the right one,
 and for an in-process engine binds the registry its runtime loads the champion from at start
-(`serving.readout_sources`; a scheduler named by its class path uses the installed entry point).
+(`serving.readout.sources`; a scheduler named by its class path uses the installed entry point).
 """
 
 from __future__ import annotations
 
 from serving import vllm_compat
-from serving.readout_sources import RegistrySourceFactory
+from serving.readout.sources import RegistrySourceFactory
 from serving.runtime import LeapRuntime
 
 _Scheduler, _AsyncScheduler = vllm_compat.scheduler_base_classes()

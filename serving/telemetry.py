@@ -52,7 +52,7 @@ class Telemetry:
                                     "count down: the serving readout carries no length distribution "
                                     "(serving/decode_steps.py)", registry=r)
         self.shadow_rows = Gauge("leap_shadow_rows", "Finished requests paired in the shadow's live figures "
-                                 "(serving/shadow.py)", registry=r)
+                                 "(serving/readout/shadow.py)", registry=r)
         self.shadow_figure = Gauge("leap_shadow_figure", "Rolling figure of the served and the shadow readout on "
                                    "the same finished requests", ["readout", "figure"], registry=r)
         self.pending = Gauge("leap_predictor_queue", "Features waiting for a prediction", registry=r)

@@ -15,7 +15,7 @@ from vllm.platforms import current_platform
 from leap_core.layers import default_layer
 from leap_core.recipes import Recipe, readout_recipe, union
 from serving import vllm_compat
-from serving.capture import AuxStateCapture, FeatureSender, PrefillCapture, decoder_layers
+from serving.capture.hidden_states import AuxStateCapture, FeatureSender, PrefillCapture, decoder_layers
 from serving.config import LeapConfig, channel_address, leap_config_from_vllm
 from serving.refresh import RefreshReadoutError, load_refresh_readout
 
@@ -76,7 +76,7 @@ def refresh_checkpoints(worker, config: LeapConfig, recipe: Recipe, num_layers: 
     A refresh row holds every captured layer's state; the runtime takes the readout's layer."""
     if not config.refresh_configured:
         return ()
-    from serving.push import CaptureSpace
+    from serving.readout.push import CaptureSpace
 
     hidden = vllm_compat.served_model_shape(worker.vllm_config)[0]
     try:
@@ -131,7 +131,7 @@ class EagerKernelsWorker(_PlatformWorker):
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         if current_platform.is_cpu():
-            from serving.cpu_kernels import prefer_cpu_kernels
+            from serving.capture.cpu_kernels import prefer_cpu_kernels
 
             prefer_cpu_kernels(vllm_config)
         super().__init__(vllm_config, *args, **kwargs)

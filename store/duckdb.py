@@ -31,7 +31,7 @@ files (`features.file`, `features.file_row`), keyset page by keyset page, and dr
 checked once more, then skipped by its stamp); version 7 adds `requests.client_request_id` (the
 client's id as data; `request_id` is the serving process's key) and copies each older row's
 `request_id`, then the client's, into it; version 8 adds `requests.shadow_predicted` and
-`requests.shadow_version` (a readout held in shadow, `serving.shadow`; NULL before). The `gates` table is
+`requests.shadow_version` (a readout held in shadow, `serving.readout.shadow`; NULL before). The `gates` table is
 created on first use, outside these versions.
 """
 

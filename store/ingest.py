@@ -45,7 +45,7 @@ writer's segment name (`feedback-<time>-<replica>-<sequence>-<id>.parquet`), els
 names, the writer's open streams (`*.arrows.partial`), temporary names, deeper folders and
 `quarantine/` are never read. A feedback location `s3://bucket/prefix` is read the same way from the
 objects `<prefix>/*.parquet` and `<prefix>/<replica id>/*.parquet` (the replicas' shippers upload there,
-serving/shipper.py); each segment's ledger identity is then its `s3://bucket/key`.
+serving/feedback/shipper.py); each segment's ledger identity is then its `s3://bucket/key`.
 
 While one segment is written, a helper thread already reads, checksums, parses and judges the next
 (all of which release the GIL), so reading and writing overlap. The checks that depend on the store
@@ -105,7 +105,7 @@ REASON_SEGMENT_ERROR = "segment_error"
 REASON_CHECKSUM_CHANGED = "checksum_changed"
 
 _WRITER_NAME = re.compile(r"^feedback-\d{8}T\d{6}-(?P<replica>.+)-\d{6}-[0-9a-f]+\.parquet$")
-"""A segment name as serving.feedback.FeedbackWriter makes it; the replica id sits between fixed fields."""
+"""A segment name as serving.feedback.writer.FeedbackWriter makes it; the replica id sits between fixed fields."""
 
 QUARANTINE_DIR = "quarantine"
 """A sub-folder of the feedback folder that ingest never reads (the writer sets bad files aside there)."""

@@ -86,7 +86,7 @@ UPGRADES = {3: ("ALTER TABLE requests ADD COLUMN IF NOT EXISTS client_request_id
                 "ALTER TABLE requests ADD COLUMN IF NOT EXISTS shadow_version TEXT")}
 """What brings the tables from the version before each key to it (a new store's tables are created at
 the latest): version 3 keeps the client's id as data beside the serving process's key, and older rows'
-key was the client's id; version 4 keeps a shadow readout's prediction (`serving.shadow`)."""
+key was the client's id; version 4 keeps a shadow readout's prediction (`serving.readout.shadow`)."""
 
 _FRAME_TYPES = {"request_id": pa.string(), "dim": pa.int32(), "output_tokens": pa.int32(),
                 "finish_reason": pa.string(), "domain": pa.string(), "arrival_time": pa.float64(),

@@ -1,6 +1,6 @@
 """Feedback segments in a bucket, as sources `store.ingest` reads like local files.
 
-The replicas' shippers (serving/shipper.py) upload each complete segment to
+The replicas' shippers (serving/feedback/shipper.py) upload each complete segment to
 `<prefix>/<replica id>/<segment name>`; `object_segments` lists them with the same rules
 `store.ingest.complete_segments` applies to a local folder: `*.parquet` objects at the prefix's top level
 and one folder down, never hidden names, deeper keys or `quarantine/`; top-level objects first by name,

@@ -307,7 +307,7 @@ class SqlStore(ABC):
         return {rid: (int(tokens), float(arrival)) for rid, tokens, arrival in rows}
 
     def shadow_rows(self, shadow_version: str, since: float | None = None) -> dict[str, np.ndarray]:
-        """The stored rows a readout held in shadow predicted (`serving.shadow`), oldest first, as arrays:
+        """The stored rows a readout held in shadow predicted (`serving.readout.shadow`), oldest first, as arrays:
         `output_tokens`, `served` (the serving readout's prediction at admission), `shadow`,
         `finish_reason`, `max_tokens`, `policy`, `decoding`, `readout_version`; only rows finished after
         `since` (unix seconds) when given. Which lengths are labels is the caller's rule

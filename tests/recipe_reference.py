@@ -1,5 +1,5 @@
 """Reference definitions of the pooled recipe blocks, in plain numpy, that the serving pool
-(`serving.pooling`, torch, accumulated across prefill chunks) is tested against."""
+(`serving.capture.pooling`, torch, accumulated across prefill chunks) is tested against."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from leap_core.decode_slots import DecodeSlotRule  # noqa: E402
-from serving.capture import FeatureSender  # noqa: E402
+from serving.capture.hidden_states import FeatureSender  # noqa: E402
 from tests.runtime_fixtures import DIM, build, eventually, first_value_readout  # noqa: E402,F401
 
 N = 12

@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry
 
 from leap_core.readout import LinearReadout
 from leap_core.readout_format import to_bytes
-from serving.admin import DEFAULT_MAX_BODY, AdminServer, body_limit
-from serving.feedback import FeedbackFlushError
-from serving.push import validate_push
+from serving.admin.api import DEFAULT_MAX_BODY, AdminServer, body_limit
+from serving.feedback.writer import FeedbackFlushError
+from serving.readout.push import validate_push
 
 TOKEN = "admin-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -271,7 +271,7 @@ def test_trickling_clients_are_cut_off_at_the_head_deadline_and_health_is_answer
     assert refusals["head_deadline"] == 4 and refusals["per_address"] >= 8
     from prometheus_client import generate_latest
 
-    from serving.admin import AdminRefusalCollector
+    from serving.admin.api import AdminRefusalCollector
 
     registry = CollectorRegistry()
     registry.register(AdminRefusalCollector(server))

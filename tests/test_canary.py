@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-from serving.capture import FeatureSender  # noqa: E402
+from serving.capture.hidden_states import FeatureSender  # noqa: E402
 from tests.runtime_fixtures import DIM, build, eventually, scaled_readout  # noqa: E402,F401
 
 TOKEN = "canary-token"

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from serving import vllm_compat
-from serving.capture import RowSink, prompt_end_rows, select_rows
+from serving.capture.hidden_states import RowSink, prompt_end_rows, select_rows
 
 
 class RecordingSender:
@@ -187,8 +187,8 @@ def test_in_eager_mode_the_same_model_gets_the_forward_hook_capture(tmp_path):
 
 
 def test_in_process_features_skip_the_socket_and_bad_rows_are_dropped_and_counted(tmp_path):
-    from serving.capture import FeatureSender
-    from serving.receiver import CaptureReceiver
+    from serving.capture.hidden_states import FeatureSender
+    from serving.capture.receiver import CaptureReceiver
     from serving.telemetry import Telemetry
 
     address = f"ipc://{tmp_path}/in-process.sock"

@@ -260,8 +260,8 @@ def test_publications_count_up_and_the_count_is_signed(tmp_path):
 
 def test_the_sequence_decides_between_a_saved_push_and_a_publication_whatever_the_clocks_say():
     from leap_io.champion import Publication
-    from serving.readout_sources import published_is_newer
-    from serving.readout_state import Saved
+    from serving.readout.sources import published_is_newer
+    from serving.readout.saved_state import Saved
 
     now = time.time()
     ahead = Saved("v5", now + 3600, 5)  # this host's clock runs an hour ahead of the publisher's

@@ -201,7 +201,7 @@ def test_the_replica_keeps_figures_per_domain_since_its_anchor_and_caps_the_doma
     from prometheus_client.parser import text_string_to_metric_families
     from prometheus_client import generate_latest
 
-    from serving.recorder import DomainQuality
+    from serving.feedback.recorder import DomainQuality
     from serving.telemetry import Telemetry
 
     telemetry = Telemetry()
@@ -228,7 +228,7 @@ def test_the_replica_keeps_figures_per_domain_since_its_anchor_and_caps_the_doma
 
 
 def test_no_tenant_carries_more_than_its_cap_of_the_quality_weight():
-    from serving.tenant_share import capped_weights
+    from serving.feedback.tenant_share import capped_weights
 
     def tenant_weight(tenants, cap):
         weights = capped_weights(tenants, cap)
@@ -247,7 +247,7 @@ def test_no_tenant_carries_more_than_its_cap_of_the_quality_weight():
 
 
 def test_a_flooding_tenant_moves_the_replica_figures_by_at_most_its_cap():
-    from serving.recorder import DomainQuality
+    from serving.feedback.recorder import DomainQuality
     from serving.telemetry import Telemetry
 
     honest, flood = (100, 100, 110), (100, 100, 400)  # (predicted, anchor-predicted, true length)

@@ -35,10 +35,10 @@ ALLOWED: dict[tuple[str, str], str] = {
         "not one file that leap_io.durable writes",
     ("flows/drift.py", "os.replace(path, aside)"):
         "sets an unreadable drift state file aside for inspection, under another name; a move, no write",
-    ("serving/feedback_segments.py", "os.fsync(handle.fileno())"):
+    ("serving/feedback/segments.py", "os.fsync(handle.fileno())"):
         "flushes what was appended to a stream that stays open (the new feedback segment's header, a "
         "quarantine log line); an append, not a whole file written aside and renamed",
-    ("serving/feedback_segments.py", "os.fsync(self._handle.fileno())"):
+    ("serving/feedback/segments.py", "os.fsync(self._handle.fileno())"):
         "flushes each record batch appended to the open feedback segment, so a crash leaves a readable "
         "prefix; an append, not a whole file written aside and renamed",
 }

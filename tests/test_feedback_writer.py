@@ -21,8 +21,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from leap_io.feedback_schema import read_segment_file
-from serving.feedback import FeedbackCollector, FeedbackFlushError, FeedbackWriter
-from serving.feedback_segments import LOCK_NAME, PARTIAL_SUFFIX, default_replica_id
+from serving.feedback.writer import FeedbackCollector, FeedbackFlushError, FeedbackWriter
+from serving.feedback.segments import LOCK_NAME, PARTIAL_SUFFIX, default_replica_id
 
 DIM = 8
 REPO = Path(__file__).resolve().parents[1]
@@ -294,7 +294,7 @@ def test_the_default_replica_id_comes_from_the_environment_or_the_host(monkeypat
 _CRASH = textwrap.dedent("""
     import os, sys, time
     import numpy as np
-    from serving.feedback import FeedbackWriter
+    from serving.feedback.writer import FeedbackWriter
     root, replica, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     w = FeedbackWriter(root, 8, 3, "m", "fp", flush_rows=1, flush_seconds=0.02, max_seconds=3600,
                        replica_id=replica)

@@ -208,7 +208,7 @@ class _StateTarget(faults.ReplicaTarget):
 ])
 def test_a_state_that_does_not_validate_is_refused_not_merged(body, expected):
     from flows.fleet import fetch_replica_state
-    from serving.admin import AdminServer
+    from serving.admin.api import AdminServer
 
     if body == "readout only":
         readout, _, _, _ = champion_readout(V1, np.random.default_rng(1))

@@ -23,7 +23,7 @@ from flows.pipeline import fit_flow, gate_flow, ingest_flow, push_flow, retrain_
 from store.duckdb import LogStore  # noqa: E402
 from flows.tasks import gate_slice, promote_if_passed, record_gate, recorded_gate  # noqa: E402
 from registry.client import CHALLENGER, CHAMPION, PREVIOUS_CHAMPION, ReadoutRegistry  # noqa: E402
-from serving.feedback import FeedbackWriter  # noqa: E402
+from serving.feedback.writer import FeedbackWriter  # noqa: E402
 from tests.flow_fixtures import ingest_and_fit, pipeline_home  # noqa: E402
 
 pytestmark = [pytest.mark.pipeline,

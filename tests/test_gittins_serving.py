@@ -18,7 +18,7 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from leap_core.gittins import LengthGivenPrediction  # noqa: E402
-from serving.capture import FeatureSender  # noqa: E402
+from serving.capture.hidden_states import FeatureSender  # noqa: E402
 from tests.runtime_fixtures import DIM, build, eventually, first_value_readout  # noqa: E402,F401
 
 # Requests predicted near 100 tokens end after 10 or after 1,000, half and half; those predicted near 500
@@ -107,7 +107,7 @@ def test_a_push_with_a_corrupt_distribution_is_refused_and_the_serving_order_goe
 
     from leap_core.readout_format import to_bytes
     from leap_io.push_bundle import make_bundle
-    from serving.push import PushRefused
+    from serving.readout.push import PushRefused
 
     runtime = build(policy="leap", order="gittins", decode_slots=1)
     runtime.reset_readout(_readout("v1", _distribution()), None)

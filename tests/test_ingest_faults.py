@@ -271,7 +271,7 @@ def test_segments_of_the_real_feedback_writer_are_ingested_with_their_replica(
 ) -> None:
     """Two replicas' writers share one feedback folder; their open streams, locks and quarantine
     folders sit beside the segments and are never read."""
-    from serving.feedback import FeedbackWriter
+    from serving.feedback.writer import FeedbackWriter
 
     writers = {name: FeedbackWriter(feedback, 4, 3, "m", "fp-w", replica_id=name, flush_rows=1)
                for name in ("replica-a", "host-b-8001")}

@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-from serving.capture import FeatureSender  # noqa: E402
+from serving.capture.hidden_states import FeatureSender  # noqa: E402
 from tests.runtime_fixtures import DIM, build, eventually, first_value_readout  # noqa: E402,F401
 
 TOKEN = "kill-switch-token"

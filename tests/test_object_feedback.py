@@ -3,7 +3,7 @@ validated, segments are uploaded, verified and only then deleted, an unreachable
 until it answers, a replica SIGKILLed mid-stream loses no durable row when it restarts, and ingest reads
 each replica's prefix with its replica id.
 
-The writer is driven directly (serving.feedback.FeedbackWriter, as in test_feedback_writer.py); the
+The writer is driven directly (serving.feedback.writer.FeedbackWriter, as in test_feedback_writer.py); the
 runtime test builds a LeapRuntime without an engine (tests/runtime_fixtures.py).
 """
 
@@ -26,9 +26,9 @@ from ops.servers import free_port, running_s3
 from store.duckdb import LogStore
 from leap_io.object_store import ObjectStore, ObjectURLError, check_endpoint, parse_s3_url
 from serving.config import LeapConfig
-from serving.feedback import FeedbackWriter
-from serving.feedback_segments import PARTIAL_SUFFIX
-from serving.shipper import FeedbackShipper, ShipperCollector
+from serving.feedback.writer import FeedbackWriter
+from serving.feedback.segments import PARTIAL_SUFFIX
+from serving.feedback.shipper import FeedbackShipper, ShipperCollector
 from tests.object_feedback_fixtures import (  # noqa: F401  (fixtures)
     DIM,
     LAYER,
@@ -201,8 +201,8 @@ def _registry(shipper: FeedbackShipper) -> CollectorRegistry:
 
 _REPLICA = """
 import sys, time
-from serving.feedback import FeedbackWriter
-from serving.shipper import FeedbackShipper
+from serving.feedback.writer import FeedbackWriter
+from serving.feedback.shipper import FeedbackShipper
 from tests.object_feedback_fixtures import DIM, LAYER, feedback_row
 
 folder, url, endpoint = sys.argv[1:4]

@@ -9,7 +9,7 @@ import numpy as np
 
 from leap_core.readout import LinearReadout
 from leap_core.rls import RLS
-from serving.online import OnlineLearner
+from serving.readout.online_rls import OnlineLearner
 
 
 def _rls(seed: int = 0) -> tuple[RLS, np.ndarray, np.ndarray]:

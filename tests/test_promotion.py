@@ -1,7 +1,7 @@
 """Promotion and rollback as one operation over a real MLflow registry and real replica admin servers.
 
 The registry is a sqlite MLflow store (a real `mlflow server` subprocess where MLflow must go down);
-replicas are `serving.admin.AdminServer`s whose target validates pushes as a serving replica does,
+replicas are `serving.admin.api.AdminServer`s whose target validates pushes as a serving replica does,
 including its refusal to go back to an older readout version unless the push is forced. Versions
 follow the fit flow's time scheme, so putting the previous champion back needs that force.
 """

@@ -19,8 +19,8 @@ from leap_core.readout import LinearReadout
 from leap_core.readout_format import to_bytes
 from leap_core.rls import RLS
 from leap_io.push_bundle import make_bundle
-from serving.admin import AdminServer, PushRefused
-from serving.push import is_older, validate_push, version_key
+from serving.admin.api import AdminServer
+from serving.readout.push import PushRefused, is_older, validate_push, version_key
 
 MODEL_ID = "smol-test"
 FINGERPRINT = "sha256:feedface"
@@ -42,7 +42,7 @@ def _readout(dim: int, version: str, seed: int) -> tuple[LinearReadout, RLS]:
 class Replica:
     """The admin target of a serving process: validates a push against its features, then swaps.
 
-    It validates with `serving.push.validate_push`, exactly as `LeapRuntime.push_readout` does, so
+    It validates with `serving.readout.push.validate_push`, exactly as `LeapRuntime.push_readout` does, so
     any refusal leaves the old readout; only the engine is left out.
     """
 

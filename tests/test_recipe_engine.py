@@ -15,7 +15,7 @@ from leap_core.readout import LinearReadout
 from leap_core.readout_format import to_bytes
 from leap_core.recipes import Recipe, decoding_columns, prompt_column
 from tests.recipe_reference import entropy_weights, pooled
-from serving.admin import PushRefused
+from serving.readout.push import PushRefused
 from tests.engine_fixtures import chat_ids
 
 pytestmark = pytest.mark.engine

@@ -36,7 +36,7 @@ from flows.tasks import latest_feature_space  # noqa: E402
 from leap_io.feedback_schema import META_RECIPE, read_segment_file  # noqa: E402
 from registry.client import CHALLENGER, ReadoutRegistry  # noqa: E402
 from registry.runs import READOUT_EXPERIMENT, RECIPE_VALIDATION_FILE  # noqa: E402
-from serving.feedback import FeedbackWriter  # noqa: E402
+from serving.feedback.writer import FeedbackWriter  # noqa: E402
 from tests.segment_fuzz import write_segment  # noqa: E402
 from tests.flow_fixtures import ingest_and_fit, pipeline_home  # noqa: E402
 from training.spec import FeatureSpace, covered_recipes  # noqa: E402

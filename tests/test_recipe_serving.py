@@ -19,10 +19,10 @@ from leap_core.recipes import DOMAIN_VALUE, Recipe, request_columns
 from leap_core.rls import fit_readout_with_anchor
 from leap_io.feedback_schema import read_segment_file
 from leap_io.push_bundle import make_bundle
-from serving.admin import PushRefused
+from serving.readout.push import PushRefused
 from serving.config import LeapConfig
-from serving.push import CaptureSpace
-from serving.readout_service import ReadoutService
+from serving.readout.push import CaptureSpace
+from serving.readout.service import ReadoutService
 from serving.telemetry import Telemetry
 from serving.tracking import RequestTracker
 from tests.runtime_fixtures import DIM, LAYER, MODEL, build, eventually, first_value_readout  # noqa: F401
@@ -32,7 +32,7 @@ pytest.importorskip("vllm")
 from vllm import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
-from serving.capture import FeatureSender
+from serving.capture.hidden_states import FeatureSender
 
 CAPTURE = "last@1+last@2+mean@2+prompt+decoding+domain=a/b"
 WIDTH = Recipe.parse(CAPTURE).dim(DIM)

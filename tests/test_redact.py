@@ -32,8 +32,8 @@ def test_passwords_and_secret_parameters_are_masked_and_the_rest_kept(location, 
 
 def test_a_replica_shows_and_logs_its_registry_without_the_password(caplog):
     from serving.config import LeapConfig
-    from serving.readout_service import ReadoutService
-    from serving.readout_sources import ReadoutSources
+    from serving.readout.service import ReadoutService
+    from serving.readout.sources import ReadoutSources
     from serving.telemetry import Telemetry
     from serving.tracking import RequestTracker
 

@@ -19,7 +19,7 @@ import zmq
 
 from leap_core.readout import LinearReadout
 from leap_core.readout_format import to_bytes
-from serving.capture import (
+from serving.capture.hidden_states import (
     FeatureSender,
     RowSink,
     decode_checkpoint_rows,
@@ -27,7 +27,7 @@ from serving.capture import (
     unregister_local_receiver,
 )
 from serving.config import LeapConfig, leap_config_from_vllm
-from serving.receiver import (
+from serving.capture.receiver import (
     BadMessage,
     CaptureReceiver,
     decode_message,

@@ -2,7 +2,7 @@
 
 No engine runs: the runtime is built from the few `VllmConfig` fields it reads, requests are real
 `vllm.v1.request.Request` objects moved through prefill, decode and finish by hand, and features reach it
-through the real capture channel (`serving.capture.FeatureSender` -> ZeroMQ -> the runtime's receiver).
+through the real capture channel (`serving.capture.hidden_states.FeatureSender` -> ZeroMQ -> the runtime's receiver).
 Each test is one way a client, a push or a fault used to take a replica down or lose work.
 """
 
@@ -29,7 +29,7 @@ pytest.importorskip("vllm")
 from vllm import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
-from serving.capture import FeatureSender
+from serving.capture.hidden_states import FeatureSender
 from tests.runtime_fixtures import DIM, build, eventually, first_value_readout  # noqa: F401 (build is a fixture)
 
 
@@ -210,9 +210,9 @@ def test_a_feature_that_lands_after_its_request_finished_still_makes_the_row(bui
 
 
 def test_a_feature_that_never_arrives_costs_one_counted_row_after_a_bounded_wait(build, monkeypatch):
-    import serving.finished
+    import serving.feedback.finished
 
-    monkeypatch.setattr(serving.finished, "LATE_FEATURE_S", 0.05)
+    monkeypatch.setattr(serving.feedback.finished, "LATE_FEATURE_S", 0.05)
     runtime = build(policy="leap")
     rows = []
     runtime.listeners.append(rows.append)

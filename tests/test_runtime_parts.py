@@ -16,10 +16,10 @@ from leap_core.readout_format import to_bytes
 from leap_core.rls import RLS
 from leap_io.push_bundle import make_bundle
 from serving.config import LeapConfig, known_policies, register_predictor_policy
-from serving.predictor import PredictorService
-from serving.readout_service import ReadoutService
-from serving.readout_state import ReadoutState
-from serving.receiver import BadMessage, decode_message
+from serving.readout.predictor import PredictorService
+from serving.readout.service import ReadoutService
+from serving.readout.saved_state import ReadoutState
+from serving.capture.receiver import BadMessage, decode_message
 from serving.supervise import RateLimitedLog, SupervisedThread
 from serving.telemetry import Telemetry
 from serving.tracking import RequestTracker
@@ -315,7 +315,7 @@ def test_the_order_is_countdown_or_gittins_for_predictor_policies_and_never_ages
 
 
 def test_two_pushes_at_once_are_taken_one_after_the_other_and_the_newer_serves(service, monkeypatch):
-    import serving.readout_service as readout_service
+    import serving.readout.service as readout_service
 
     service.push(_bundle(first_feature_readout("v1")))
     real = readout_service.validate_push

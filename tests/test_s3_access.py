@@ -6,7 +6,7 @@ test creates an administrator while moto still accepts anything, then `POST /mot
 principal then gets an IAM user, an access key and the generated policy (through moto's IAM API, which
 validates the document), and runs the project's own code under that key, read by boto3 from an INI
 credentials file as in compose (`AWS_SHARED_CREDENTIALS_FILE`): the replicas' shipper
-(serving.shipper), the champion publication (leap_io.champion), ingest and retention (store.ingest,
+(serving.feedback.shipper), the champion publication (leap_io.champion), ingest and retention (store.ingest,
 store.retention) and `leap_io.object_store.ObjectStore` itself.
 
 moto authorizes HEAD bucket as `s3:HeadBucket`, where AWS and MinIO authorize it as `s3:ListBucket`
@@ -41,8 +41,8 @@ from leap_io.object_store import ObjectAccessDenied, ObjectStore, ObjectStoreErr
 from leap_io.signing import generate_key_pair
 from ops.s3_access import WORKER, fleet_policies, replica_policy, render, worker_policy
 from ops.servers import running_s3
-from serving.feedback import FeedbackWriter
-from serving.shipper import FeedbackShipper
+from serving.feedback.writer import FeedbackWriter
+from serving.feedback.shipper import FeedbackShipper
 from store import segment_sources
 from store.duckdb import LogStore
 from store.ingest import complete_segments, ingest_folder, totals
@@ -299,7 +299,7 @@ def fleet(tmp_path) -> Iterator[Fleet]:
 
 
 def _segments(folder: Path, replica: str, rows: int = 12) -> list[Path]:
-    """Real closed feedback segments of `replica` in `folder` (serving.feedback.FeedbackWriter)."""
+    """Real closed feedback segments of `replica` in `folder` (serving.feedback.writer.FeedbackWriter)."""
     writer = FeedbackWriter(folder, DIM, LAYER, "m", "fp", replica_id=replica, flush_seconds=0.01, max_rows=8)
     for i in range(rows):
         writer.write(feedback_row(i, prefix=replica))

@@ -101,7 +101,7 @@ def test_without_an_installed_source_the_registry_fails_with_the_reason(build, m
 def test_the_installed_entry_point_is_the_mlflow_registry():
     pytest.importorskip("mlflow")
     from registry.champion_source import MlflowChampionSource
-    from serving.readout_sources import installed_registry_source
+    from serving.readout.sources import installed_registry_source
 
     assert installed_registry_source() is MlflowChampionSource
 

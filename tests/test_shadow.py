@@ -28,7 +28,7 @@ pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-from serving.capture import FeatureSender  # noqa: E402
+from serving.capture.hidden_states import FeatureSender  # noqa: E402
 from tests.runtime_fixtures import DIM, build, eventually, first_value_readout, scaled_readout  # noqa: E402,F401
 
 TOKEN = "shadow-token"
@@ -145,7 +145,7 @@ def test_a_challenger_worse_in_shadow_passes_on_no_rule_even_when_the_replay_fin
 
 def test_shadow_rows_survive_the_segment_and_the_store_and_give_the_flows_their_evidence(tmp_path: Path):
     from flows.shadow import shadow_evidence
-    from serving.feedback import FeedbackWriter
+    from serving.feedback.writer import FeedbackWriter
     from store.duckdb import LogStore
     from store.ingest import ingest_folder
 
@@ -234,7 +234,7 @@ def test_the_gate_report_carries_the_shadow_figures_as_metrics_and_in_its_senten
 
 
 def test_the_live_figures_are_recomputed_every_period_once_the_window_is_full_too(monkeypatch):
-    import serving.shadow as shadow_module
+    import serving.readout.shadow as shadow_module
     from serving.telemetry import Telemetry
 
     calls = []

@@ -212,7 +212,7 @@ class _Replica:
 def _admin_pair(targets: list) -> list:
     """Two admin servers on consecutive ports (the stack gives replica i the admin port base + i)."""
     from ops.servers import free_port
-    from serving.admin import AdminServer
+    from serving.admin.api import AdminServer
 
     for _ in range(20):
         base = free_port()

@@ -4,7 +4,7 @@ One row per finished request that was resident and had its feature captured (the
 training input: the whole captured vector, the engine's capture recipe, whichever part the serving
 readout reads, so the fit flow can choose among every recipe the capture covers). The row carries what the engine measured (tokens, times, finish reason), what LEAP
 predicted (at admission and latest, with the readout version; and a shadow readout's prediction of the
-same vector while one is held, `serving.shadow`) and the client's validated extras; an
+same vector while one is held, `serving.readout.shadow`) and the client's validated extras; an
 extra that failed validation is simply absent (None), never a reason to lose the row. Its key,
 `request_id`, is the process's own (`RowIds`); the client's id is kept as `client_request_id`.
 
@@ -15,7 +15,7 @@ figures cover the requests finished since the current anchor, so a push or a res
 and a drift watch never blames a new readout for its predecessor's errors; the domains are capped,
 and rows of domains beyond the cap count in "all" only (dropped from their own, and counted). The MAEs
 weigh tenants (`leap_tenant`) so that none carries more than `tenant_max_share` of a figure
-(`serving.tenant_share.capped_weights`): a tenant that floods a replica cannot by itself push the
+(`serving.feedback.tenant_share.capped_weights`): a tenant that floods a replica cannot by itself push the
 figures the drift watch acts on. The Spearman is over the rows as they came.
 
 Listeners are in-process consumers (the harness collects its corpus through one); a listener that raises
@@ -41,9 +41,9 @@ from leap_io.feedback_schema import CLIENT_ID_MAX_CHARS
 from serving import vllm_compat
 from serving.supervise import RateLimitedLog
 from serving.fcfs_fallback import FcfsFallback
-from serving.shadow import ShadowReadout
+from serving.readout.shadow import ShadowReadout
 from serving.telemetry import Telemetry
-from serving.tenant_share import capped_weights
+from serving.feedback.tenant_share import capped_weights
 from serving.tracking import Tracked
 
 logger = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ class RowIds:
 class FeedbackRecorder:
     """Builds each finished request's row and hands it to the feedback writer and the listeners.
 
-    `writer` is a `serving.feedback.FeedbackWriter` or None (no feedback written, listeners only).
+    `writer` is a `serving.feedback.writer.FeedbackWriter` or None (no feedback written, listeners only).
     `anchor` gives the anchor readout's prediction of a feature (`ReadoutService.anchor_prediction`);
     without it, or while no anchor serves, the served prediction stands for the anchor's.
     """

@@ -1,7 +1,7 @@
 """The engine-core end of the capture channel: (request id, float32 vector) messages from the workers.
 
 Workers push one two-frame ZeroMQ message per request whose prompt ended in a step
-(`serving.capture.FeatureSender`). Anything can arrive on that socket (a stale worker of another
+(`serving.capture.hidden_states.FeatureSender`). Anything can arrive on that socket (a stale worker of another
 version, a stray process on a reused address), and one bad message must not end the thread every
 request's prediction depends on. `decode_message` checks each message and names what is wrong with it;
 the receive loop drops a bad one with that reason (`leap_dropped_total{what="capture"}`) and goes on,
@@ -141,7 +141,7 @@ class CaptureReceiver:
 
         Workers in this process (one device) skip the socket: `deliver_local` takes their batches.
         """
-        from serving.capture import register_local_receiver
+        from serving.capture.hidden_states import register_local_receiver
 
         register_local_receiver(self.address, self)
         self._thread.start()
@@ -150,7 +150,7 @@ class CaptureReceiver:
         return self
 
     def close(self, timeout: float = 5.0) -> None:
-        from serving.capture import unregister_local_receiver
+        from serving.capture.hidden_states import unregister_local_receiver
 
         unregister_local_receiver(self.address, self)
         self._thread.stop(timeout)

@@ -5,7 +5,7 @@
    by the clocks only for a push that carries none) and is another version: a replica that
    was down or not yet started during a promotion, a rollback or a fleet merge takes the champion
    without talking to the registry (validated like a push, then saved as its state);
-1. "state": the last push this replica accepted, from `state_dir` (`serving.readout_state`; a torn
+1. "state": the last push this replica accepted, from `state_dir` (`serving.readout.saved_state`; a torn
    write is detected, logged and skipped, never served);
 2. "config": the readout file named by `readout_path`;
 3. "registry": the champion of this model and layer in the registry at `registry_uri`, loaded lazily
@@ -32,8 +32,8 @@ from leap_io.champion import ChampionPublication, Publication, registry_key
 from leap_io.model_identity import registered_model_name
 from leap_io.push_bundle import make_bundle
 from leap_io.redact import redact_text, redact_url
-from serving.readout_service import ReadoutService
-from serving.readout_state import Saved, StateDamaged
+from serving.readout.service import ReadoutService
+from serving.readout.saved_state import Saved, StateDamaged
 from serving.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ feature arrives (settled every step) or without it once the wait is over (counte
 `feature_never_arrived`). Only lengths that say how long the answer really was teach RLS
 (`leap_io.labels`: not aborted, not capped below the readout's budget or otherwise steered by the
 client); the others are counted as dropped `rls_row`s by reason, and so are the rows of a tenant past its
-share of what RLS learns (`serving.tenant_share`).
+share of what RLS learns (`serving.feedback.tenant_share`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import numpy as np
 from leap_io.labels import FORCED_LENGTH_PROBLEMS, LABEL_PROBLEMS, label_problem
 from serving import vllm_compat
 from serving.config import LeapConfig
-from serving.readout_service import ReadoutService
-from serving.recorder import FeedbackRecorder
+from serving.readout.service import ReadoutService
+from serving.feedback.recorder import FeedbackRecorder
 from serving.telemetry import Telemetry
-from serving.tenant_share import TenantShare
+from serving.feedback.tenant_share import TenantShare
 from serving.tracking import RequestTracker
 
 LATE_FEATURE_S = 5.0  # how long a finished request's row waits for a feature still on its way

@@ -13,7 +13,7 @@ every refusal is a JSON error and leaves the old readout serving.
   POST /leap/fcfs              (token) the kill switch: body {"on": true|false, "reason": "..."} orders
                                decodes FCFS from the next step, or by the policy again (serving/fcfs_fallback.py)
   POST /leap/shadow            (token) body: a push bundle held in shadow (predicts each finished request
-                               from the same vector, never schedules; serving/shadow.py); empty: let it go
+                               from the same vector, never schedules; serving/readout/shadow.py); empty: let it go
   GET  /leap/rls               (token) the RLS state learned since the last push (rows waiting for a batch
                                learned first), as a push bundle; the header X-Leap-Rls holds its base
                                version and rows folded (JSON); 409
@@ -23,7 +23,7 @@ every refusal is a JSON error and leaves the old readout serving.
 No client can take the process down or lock it: a push body needs a Content-Length (411 without one,
 400 when it is not a number) within the cap (413 beyond), every socket read has a timeout, the request
 head and the body must each arrive within a deadline (408), and at most `max_handlers` requests are served
-at once, `max_per_address` of them from one address (503 beyond; `serving.admin_server`). Health and
+at once, `max_per_address` of them from one address (503 beyond; `serving.admin.connections`). Health and
 metrics are answered even then.
 """
 
@@ -42,7 +42,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from serving.admin_server import AdminConnections, DeadlinePassed, DeadlineReader
+from serving.admin.connections import AdminConnections, DeadlinePassed, DeadlineReader
+from serving.readout.push import PushRefused
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +61,6 @@ FCFS_PATH = "/leap/fcfs"
 SHADOW_PATH = "/leap/shadow"
 MAX_SWITCH_BODY = 4096
 RLS_INFO_HEADER = "X-Leap-Rls"
-
-
-class PushRefused(ValueError):
-    """A pushed readout that must not serve; the message says why."""
-
-    def __init__(self, message: str, status: int = 422) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class AdminTarget(Protocol):

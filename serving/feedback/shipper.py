@@ -15,7 +15,7 @@ the local disk, in the bucket, or both:
   the shipper's first pass uploads it with every leftover from before.
 
 Only this replica's segments are shipped: names `feedback-<time>-<replica id>-<sequence>-<id>.parquet`
-at the top of the folder, as `serving.feedback.FeedbackWriter` renames them, with exactly this
+at the top of the folder, as `serving.feedback.writer.FeedbackWriter` renames them, with exactly this
 replica's id. Another replica's files in a shared folder are never touched (that replica ships them).
 
 Work is bounded: a pass uploads at most `max_segments_per_pass` segments and a pass that meets an S3
@@ -45,7 +45,7 @@ THREAD_NAME = "feedback_shipper"
 
 
 def segment_name_pattern(replica_id: str) -> re.Pattern[str]:
-    """The complete segments `serving.feedback.FeedbackWriter` names for `replica_id`, and no other replica's.
+    """The complete segments `serving.feedback.writer.FeedbackWriter` names for `replica_id`, and no other replica's.
 
     The fixed fields after the id (a six-digit sequence and a hex id) anchor it, so replica `r0` does not
     match `r0-1234`'s segments.

@@ -37,8 +37,8 @@ import zmq
 
 from leap_core.recipes import Recipe, RecipeError, request_columns, union
 from serving import vllm_compat
-from serving.pooling import PromptPool
-from serving.receiver import refresh_message
+from serving.capture.pooling import PromptPool
+from serving.capture.receiver import refresh_message
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def decode_checkpoint_rows(num_computed: np.ndarray, num_prompt: np.ndarray, que
 
     `num_computed` counts every computed token of a request, prompt and output, before this step. A
     decode step schedules one token, at position num_computed = P + g - 1: its input is the g-th
-    generated token, so its state is the one `harness/decode_states.py` records for g, and
+    generated token, so its state is the one `studies/study_harness/decode_states.py` records for g, and
     g = num_computed - P + 1. Only one-token steps past the prompt qualify: a prefill chunk (even one
     token long, which ends at g = 0) and a multi-token step (speculative drafts, a recomputation after
     preemption) are never selected.
@@ -321,7 +321,7 @@ class AuxStateCapture(_LayerCapture):
     Aux index L + 1 is the stream after decoder layer L (vLLM adds `hidden + residual` after each listed
     index), i.e. transformers' `hidden_states[L + 1]`; the model returns them in index order. One vector
     per request holds the recipe's blocks in order (`leap_core.recipes`): last-token rows, prompt
-    pools accumulated across prefill chunks (`serving.pooling`), and the request's own columns (prompt
+    pools accumulated across prefill chunks (`serving.capture.pooling`), and the request's own columns (prompt
     length, decoding settings, domain) read from its sampling parameters when it was scheduled.
 
     `refresh_at` (generated counts, empty for none) also sends, as refresh rows, the decode states of

@@ -1,10 +1,10 @@
 """Append-only feedback segments: one Parquet row per finished request, written exactly once.
 
 Rows go to a writer thread so the scheduler never waits on the disk; the files it writes (segments,
-their crash recovery, the quarantine, write failures) are `serving.feedback_segments`'.
+their crash recovery, the quarantine, write failures) are `serving.feedback.segments`'.
 
 Nothing a caller passes can stop the writer: each row is converted on its own before it joins a batch
-(`serving.feedback_rows`), and a row that does not fit the schema is quarantined with its reason and
+(`serving.feedback.rows`), and a row that does not fit the schema is quarantined with its reason and
 counted. The backlog (rows accepted, not yet on disk) is bounded; rows beyond it are dropped and counted
 by reason. Rows that cannot be written (a full disk) stay in the backlog and are retried; a segment
 whose conversion fails stays on disk as a partial and is retried too. Rotation (by rows or age) and
@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from leap_io.feedback_schema import feedback_schema, segment_metadata
-from serving.feedback_rows import BadRow, BatchBreaker, Converted, RowConverter, quarantine_line
-from serving.feedback_segments import QuarantineFull, SegmentError, SegmentFiles, default_replica_id, is_disk_full
+from serving.feedback.rows import BadRow, BatchBreaker, Converted, RowConverter, quarantine_line
+from serving.feedback.segments import QuarantineFull, SegmentError, SegmentFiles, default_replica_id, is_disk_full
 
 logger = logging.getLogger(__name__)
 

@@ -26,10 +26,19 @@ from leap_core.readout_format import (
 from leap_core.recipes import Recipe, RecipeError, readout_recipe
 from leap_core.rls import RLS
 from leap_io.push_bundle import BundleError, open_bundle
-from serving.admin import PushRefused
 
 _F32_MAX = float(np.finfo(np.float32).max)
 _F32_TINY = float(np.finfo(np.float32).tiny)
+
+
+class PushRefused(ValueError):
+    """A pushed readout that must not serve; the message says why."""
+
+    def __init__(self, message: str, status: int = 422) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 _RLS_SUFFIX = re.compile(r"\+rls\d+$")
 # Version schemes that have an order; a version is compared only with one of the same scheme.
 _SCHEMES = (

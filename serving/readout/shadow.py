@@ -2,7 +2,7 @@
 schedules.
 
 `POST /leap/shadow` (admin token) with a push bundle holds that readout beside the serving one; an empty
-body lets it go. The bundle is validated exactly as a push (`serving.push.validate_push`: the model
+body lets it go. The bundle is validated exactly as a push (`serving.readout.push.validate_push`: the model
 fingerprint, the capture recipe, finite weights), but no version order applies: a shadow may be older or
 newer than what serves. From then on, each finished request whose vector was captured is predicted by the
 shadow from that same vector (one dot product where the row is written, in the engine step that frees
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from leap_core.metrics import mae, spearman
-from serving.push import CaptureSpace, validate_push
+from serving.readout.push import CaptureSpace, validate_push
 from serving.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)

@@ -1,11 +1,11 @@
 """The readout that serves: its version, the threads that apply and correct it.
 
 `ReadoutService` owns the predictor thread (features -> predicted lengths), the RLS learner (finished
-requests -> corrected readouts) and pushes (validated, served, persisted in `serving.readout_state`).
+requests -> corrected readouts) and pushes (validated, served, persisted in `serving.readout.saved_state`).
 Every change of readout goes through `_publish` under one lock, which swaps the predictor's readout
 and rescores every live request from its cached feature, so requests admitted under the old readout
 are ordered by the new one from the next step. What serves at start is chosen by
-`serving.readout_sources`, which serves it here.
+`serving.readout.sources`, which serves it here.
 
 Columns. A captured vector holds the engine's capture recipe (`leap_core.recipes`); a readout reads the
 columns of its own recipe from it (`CaptureSpace.columns`), which may be all of them or a part. Every
@@ -36,10 +36,10 @@ from leap_core.readout_format import to_bytes
 from leap_core.rls import RLS
 from leap_io.push_bundle import make_bundle, open_bundle
 from serving.config import LeapConfig
-from serving.online import OnlineLearner
-from serving.predictor import PredictorService, Readout
-from serving.push import CaptureSpace, validate_push
-from serving.readout_state import ReadoutState
+from serving.readout.online_rls import OnlineLearner
+from serving.readout.predictor import PredictorService, Readout
+from serving.readout.push import CaptureSpace, validate_push
+from serving.readout.saved_state import ReadoutState
 from serving.telemetry import Telemetry
 from serving.tracking import RequestTracker
 
@@ -141,7 +141,7 @@ class ReadoutService:
         return self._generation
 
     def start(self) -> ReadoutService:
-        """Start the predictor thread (what serves first is `serving.readout_sources`' choice)."""
+        """Start the predictor thread (what serves first is `serving.readout.sources`' choice)."""
         self.predictor.start()
         return self
 
