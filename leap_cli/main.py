@@ -1,7 +1,9 @@
-"""Entry point of the `leap` console command; importing a module registers its commands."""
+"""Entry point of the `leap` console command; importing a module registers its commands, and each installed
+`leap.commands` entry point (the studies: `leap eval`, `leap bench`, ...) adds its own."""
 
 import importlib
 import os
+from importlib.metadata import entry_points
 
 # Machine-facing commands print JSON on stdout: engine and server logs go to stderr.
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -16,11 +18,8 @@ from ops.fleet_env import apply_environment
 apply_environment()
 
 _COMMAND_MODULES = (
-    "leap_cli.cmd_core",
     "leap_cli.cmd_serving",
     "leap_cli.cmd_pipeline",
-    "leap_cli.cmd_eval",
-    "leap_cli.cmd_faults",
     "leap_cli.cmd_watch",
     "leap_cli.cmd_keys",
     "leap_cli.cmd_s3",
@@ -29,11 +28,10 @@ _COMMAND_MODULES = (
 )
 
 for _name in _COMMAND_MODULES:
-    try:
-        importlib.import_module(_name)
-    except ModuleNotFoundError as exc:  # a command module not present in this checkout
-        if exc.name != _name:
-            raise
+    importlib.import_module(_name)
+
+for _entry in entry_points(group="leap.commands"):
+    _entry.load()(app)
 
 if __name__ == "__main__":
     app()

@@ -38,7 +38,7 @@ def snapshot_domains(*names: str) -> dict[str, Domain]:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from harness.snapshot import read_manifest, snapshot_file
+    from study_harness.snapshot import read_manifest, snapshot_file
 
     manifest = read_manifest()
     key = next(key for key, corpus in manifest["corpora"].items()
@@ -70,7 +70,7 @@ class Traffic:
     """Sends a domain's rows through a runtime as finished requests, each with its true output length."""
 
     def __init__(self, runtime) -> None:
-        from serving.capture import FeatureSender
+        from serving.capture.hidden_states import FeatureSender
 
         self.runtime = runtime
         self.sender = FeatureSender(runtime.config.channel)

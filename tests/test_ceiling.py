@@ -69,7 +69,7 @@ def test_the_rerun_queues_the_pool_in_another_fixed_order():
 
 @pytest.mark.parametrize("command, module, function", [
     (["eval", "ceiling", "--save", "--json"], "evaluation.ceiling", "ceiling_study"),
-    (["bench", "recipes", "--save", "--json"], "harness.recipe_bench", "bench_recipes"),
+    (["bench", "recipes", "--save", "--json"], "study_harness.recipe_bench", "bench_recipes"),
     (["eval", "curve", "--save", "--json"], "evaluation.learning_curve", "learning_curve_study"),
 ])
 def test_saving_a_result_from_a_dirty_checkout_is_refused_before_the_work_runs(monkeypatch, command, module,
@@ -78,7 +78,7 @@ def test_saving_a_result_from_a_dirty_checkout_is_refused_before_the_work_runs(m
 
     from typer.testing import CliRunner
 
-    from harness import snapshot
+    from study_harness import snapshot
     from leap_cli.main import app
 
     def must_not_run(*args, **kwargs):
@@ -100,7 +100,7 @@ def test_a_result_names_the_commit_its_study_started_from(monkeypatch):
     from typer.testing import CliRunner
 
     from evaluation import ceiling
-    from harness import snapshot
+    from study_harness import snapshot
     from leap_cli.main import app
 
     heads = iter(["a" * 40, "b" * 40, "b" * 40])

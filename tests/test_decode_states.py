@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from harness.corpus import Corpus
-from harness.decode_states import checkpoint_matrix, decode_states_key, row_id, split_ids
+from study_harness.corpus import Corpus
+from study_harness.decode_states import checkpoint_matrix, decode_states_key, row_id, split_ids
 
 
 def _rows(ids):

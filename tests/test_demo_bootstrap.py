@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import snapshot
+from study_harness import snapshot
 
 
 def test_the_first_champion_is_the_validated_recipe_registered_under_the_replicas_layer(tmp_path):

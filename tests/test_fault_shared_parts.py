@@ -1,4 +1,4 @@
-"""The fault scenarios where a shared part goes away (experiments/faults/shared_parts.py), against real
+"""The fault scenarios where a shared part goes away (studies/experiments/faults/shared_parts.py), against real
 parts: moto's S3 server behind a proxy that is cut, and a PostgreSQL server whose sessions are ended."""
 
 from __future__ import annotations

@@ -235,8 +235,7 @@ def test_singular_anchor_is_refused():
 
 
 def test_bench_rls_prints_its_figures():
-    import leap_cli.cmd_core_rls  # noqa: F401  (registers the command)
-    from leap_cli.apps import app
+    from leap_cli.main import app  # the console command's app, study commands included
 
     result = CliRunner().invoke(app, ["bench", "rls", "--dim", "64", "--batch", "4", "--repeats", "5",
                                       "--json"])

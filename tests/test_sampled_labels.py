@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from harness import corpus as corpus_module
-from harness import sampled_labels as sl
-from harness import snapshot
+from study_harness import corpus as corpus_module
+from study_harness import sampled_labels as sl
+from study_harness import snapshot
 
 
 def _row(pid: str, lengths, max_tokens: int = 100, prompt_tokens: int = 9, set_name: str = "a") -> dict:
@@ -128,7 +128,7 @@ class _FakeEngine:
 
 
 def test_a_build_writes_one_row_per_prompt_and_resumes_at_the_missing_ones(root, tmp_path, monkeypatch):
-    import harness.sampled_labels as module
+    import study_harness.sampled_labels as module
 
     monkeypatch.setattr(module, "sampling_params", lambda request, decoding: None)
     cache = tmp_path / "cache" / "S-M50-build"
@@ -196,7 +196,7 @@ def test_the_committed_sampled_labels_match_their_manifest(tmp_path, monkeypatch
 @pytest.mark.engine
 def test_the_real_engine_records_every_sample_of_every_prompt(tmp_path, monkeypatch):
     from serving.config import LeapConfig
-    from harness.experiment import open_live
+    from study_harness.experiment import open_live
     from tests.engine_fixtures import PROMPTS
 
     monkeypatch.setattr(snapshot, "ROOT", tmp_path / "snapshot")

@@ -176,8 +176,7 @@ def test_rejects_empty_outputs_and_mismatched_arrays():
 def test_simulate_command_on_the_real_trace(tmp_path):
     from typer.testing import CliRunner
 
-    import leap_cli.cmd_core_sim  # noqa: F401  (registers the command)
-    from leap_cli.apps import app
+    from leap_cli.main import app  # the console command's app, study commands included
     from harness.datasets import shared_dir
 
     if shared_dir() is None or not (shared_dir() / "data" / "traces" / "AzureLLMInferenceTrace_conv.csv").is_file():

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from harness import corpus as corpus_module
-from harness import snapshot
-from harness.corpus import Corpus, write_shard, load_corpus
+from study_harness import corpus as corpus_module
+from study_harness import snapshot
+from study_harness.corpus import Corpus, write_shard, load_corpus
 
 
 def _corpus(n: int = 6, dim: int = 4, seed: int = 0, prefix: str = "p") -> Corpus:

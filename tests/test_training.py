@@ -166,8 +166,7 @@ def test_given_alpha_and_budget_defaults(frame: TrainingFrame) -> None:
 
 
 def test_bench_pipeline_command_reports_ingest_and_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import leap_cli.cmd_pipeline_bench  # noqa: F401  (registers `leap bench pipeline`)
-    from leap_cli.apps import app
+    from leap_cli.main import app  # the console command's app, study commands included
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     result = CliRunner().invoke(app, ["bench", "pipeline", "--rows", "2000", "--json"])

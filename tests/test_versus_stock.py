@@ -10,7 +10,7 @@ import pytest
 
 from evaluation.versus_stock import (GOALS, LEAP, STOCK, VersusStockSettings, arm_order, figures, goals,
                                      segment_name, summarize, sustained_capacity)
-from harness.openai_traffic import Outcome
+from study_harness.openai_traffic import Outcome
 from leap_core.metrics import ratio_over_runs
 
 
