@@ -18,8 +18,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,37 +27,13 @@ import httpx
 from flows.settings import PipelineSettings
 from leap_io.pidfiles import alive, pid_file, pid_line, service_pid
 from ops.servers import MLFLOW_ENVIRONMENT, mlflow_command, program
+from ops.service import Service
 
 SERVICES = ("mlflow", "prefect", "serving")
 
 
 class StackError(RuntimeError):
     """A service could not be started (port taken, process exited); the message says which and why."""
-
-
-@dataclass(frozen=True)
-class Service:
-    """How to start one service and how to tell that it answers."""
-
-    name: str
-    argv: Sequence[str]
-    url: str
-    health_url: str
-    ports: tuple[int, ...]
-    start_timeout_s: float
-    env: dict[str, str] = field(default_factory=dict)
-    check: Callable[[], bool] | None = None
-    """Whether it answers, when that is not an HTTP 200 from `health_url` (a database, a Prefect worker)."""
-    after: tuple[str, ...] = ()
-    """Services that must answer before this one starts."""
-    prepare: Callable[[], None] | None = None
-    """Work before the start (a schema, a database, a bucket); must be safe to repeat."""
-    user: str | None = None
-    """System user to run as (PostgreSQL refuses root); None: ours."""
-    stop_signal: int = signal.SIGTERM
-    cwd: Path | None = None
-    admin_url: str | None = None
-    """A serving replica's LEAP admin API (`status` reads its readout version and live figures there)."""
 
 
 def service_specs(settings: PipelineSettings) -> dict[str, Service]:

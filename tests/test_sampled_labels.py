@@ -9,7 +9,7 @@ import pytest
 
 from study_harness import corpus as corpus_module
 from study_harness import sampled_labels as sl
-from study_harness import snapshot
+from study_harness import snapshot, snapshot_files
 
 
 def _row(pid: str, lengths, max_tokens: int = 100, prompt_tokens: int = 9, set_name: str = "a") -> dict:
@@ -30,7 +30,7 @@ def _labels(rows: list[dict], max_tokens: int = 100) -> sl.SampledLabels:
 
 @pytest.fixture
 def root(tmp_path, monkeypatch):
-    monkeypatch.setattr(snapshot, "ROOT", tmp_path / "snapshot")
+    monkeypatch.setattr(snapshot_files, "ROOT", tmp_path / "snapshot")
     monkeypatch.setattr(corpus_module, "READ", {})
     return tmp_path / "snapshot"
 
@@ -199,7 +199,7 @@ def test_the_real_engine_records_every_sample_of_every_prompt(tmp_path, monkeypa
     from study_harness.experiment import open_live
     from tests.engine_fixtures import PROMPTS
 
-    monkeypatch.setattr(snapshot, "ROOT", tmp_path / "snapshot")
+    monkeypatch.setattr(snapshot_files, "ROOT", tmp_path / "snapshot")
     prompts = [{"id": f"t{i}", "set": "test", "domain": "chat", "prompt": text} for i, text in enumerate(PROMPTS[:3])]
     folder = tmp_path / "S-M16-engine"
     folder.mkdir()

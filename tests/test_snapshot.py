@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from study_harness import corpus as corpus_module
-from study_harness import snapshot
+from study_harness import snapshot, snapshot_files
 from study_harness.corpus import Corpus, write_shard, load_corpus
 
 
@@ -30,7 +30,7 @@ def _joined(a: Corpus, b: Corpus) -> Corpus:
 
 @pytest.fixture
 def root(tmp_path, monkeypatch):
-    monkeypatch.setattr(snapshot, "ROOT", tmp_path / "snapshot")
+    monkeypatch.setattr(snapshot_files, "ROOT", tmp_path / "snapshot")
     monkeypatch.setattr(corpus_module, "READ", {})
     return tmp_path / "snapshot"
 

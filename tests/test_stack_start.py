@@ -17,7 +17,8 @@ import pytest
 
 from flows.settings import PipelineSettings
 from ops import stack
-from ops.stack import Service, StackError
+from ops.service import Service
+from ops.stack import StackError
 
 SERVICE = """
 import http.server, os, signal, sys

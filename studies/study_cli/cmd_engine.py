@@ -64,7 +64,7 @@ def corpus_build(
         manifest = build_snapshot(select or snap.SELECTION, "" if select else snap.ALL_LAYERS_SELECTION,
                                   max_tokens, model, say=lambda m: console.print(f"[bold]corpus[/]: {m}"),
                                   build=build, decode_states=not select)
-        emit({"corpus_hash": manifest["corpus_hash"], "folder": str(snap.ROOT),
+        emit({"corpus_hash": manifest["corpus_hash"], "folder": str(snap.snapshot_files.ROOT),
               "corpora": {k: {n: v for n, v in e.items() if n != "ids"} for k, e in manifest["corpora"].items()}},
              as_json, "corpus")
         return

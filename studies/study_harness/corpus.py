@@ -87,7 +87,7 @@ def stacked_rows(folder: Path, read: Callable[[Path], pa.Table]) -> tuple[pa.Tab
     """(the committed snapshot's rows for this key, then every shard of `folder`, each prompt id once with
     its first row; which rows came from the cache), or None when there are none. Shared by every table
     kind kept this way (length corpora, sampled labels)."""
-    from study_harness.snapshot import snapshot_file
+    from study_harness.snapshot_files import snapshot_file
 
     snapshot = snapshot_file(folder.name)
     sources = ([snapshot] if snapshot is not None else []) + sorted(folder.glob("shard-*.parquet"))
@@ -171,7 +171,7 @@ def note_skipped(folder: Path, ids: Sequence[str]) -> None:
 def missing_ids(folder: Path, layer: int, max_tokens: int, ids: Sequence[str]) -> list[str]:
     """Prompt ids neither recorded in the corpus nor known to be too long for the engine (noted in the
     cache or in the snapshot's manifest)."""
-    from study_harness.snapshot import skipped_ids
+    from study_harness.snapshot_files import skipped_ids
 
     done = set(load_corpus(folder, layer, max_tokens).ids.tolist()) | skipped_ids(folder.name)
     done |= noted_skipped(folder)

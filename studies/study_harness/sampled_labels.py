@@ -229,9 +229,9 @@ def content_hash(rows: SampledLabels) -> str:
 
 def write_sampled_rows(rows: SampledLabels, key: str, root: Path | None = None) -> Path:
     """Write one key's rows into the snapshot (sorted by id) atomically; return the file."""
-    from study_harness import snapshot
+    from study_harness import snapshot, snapshot_files
 
-    folder = (root or snapshot.ROOT) / key
+    folder = (root or snapshot_files.ROOT) / key
     folder.mkdir(parents=True, exist_ok=True)
     ordered = rows.subset(np.argsort(rows.ids.astype(str), kind="stable"))
     table = _table([{"id": ordered.ids[i], "set": ordered.sets[i], "domain": ordered.domains[i],

@@ -28,11 +28,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from study_harness.corpus import ALL_LAYERS, ENGINE_NUMERICS, Corpus
+from study_harness import snapshot_files
+from study_harness.snapshot_files import (  # noqa: F401  (the snapshot's public names, read as snapshot.X)
+    MANIFEST, ROWS, read_manifest, skipped_ids, snapshot_file)
 from leap_io.durable import write_durably, write_text_durably
 
-ROOT = Path(__file__).resolve().parents[2] / "corpus"
-MANIFEST = "manifest.json"
-ROWS = "rows.parquet"
 PROMPTS = "prompts.parquet"
 FORMAT = 1
 
@@ -46,17 +46,6 @@ SELECTION = ("sharegpt:3050,sharegpt_untouched:600,arena_hard:500,alpaca:300,alp
 ALL_LAYERS_SELECTION = "sharegpt:400"
 
 
-def snapshot_file(key: str, root: Path | None = None) -> Path | None:
-    """The snapshot's rows for a corpus key, or None when the snapshot has none."""
-    path = (root or ROOT) / key / ROWS
-    return path if path.is_file() else None
-
-
-def read_manifest(root: Path | None = None) -> dict | None:
-    path = (root or ROOT) / MANIFEST
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-
-
 def write_prompts(ordered: dict[str, list[dict]], root: Path | None = None) -> dict:
     """Store the snapshot's prompts (texts included) so a checkout without the shared folder selects the same
     prompts and replays the same texts: `ordered[set]` is that set's prompts in the selections' seeded
@@ -65,7 +54,7 @@ def write_prompts(ordered: dict[str, list[dict]], root: Path | None = None) -> d
             for name in sorted(ordered) for rank, p in enumerate(ordered[name])]
     table = pa.table({name: [r[name] for r in rows] for name in ("id", "set", "domain", "lang", "prompt")}
                      | {"rank": pa.array([r["rank"] for r in rows], pa.int32())})
-    folder = root or ROOT
+    folder = root or snapshot_files.ROOT
     folder.mkdir(parents=True, exist_ok=True)
     old = (read_manifest(folder) or {}).get("prompts") or {}
     write_durably(folder / PROMPTS, lambda partial: pq.write_table(table, partial, compression="zstd"))
@@ -94,7 +83,7 @@ def _extended_prompts(old: dict, record: dict, rows: Sequence[dict]) -> list[str
 
 def read_prompts(name: str, root: Path | None = None) -> list[dict] | None:
     """One set's stored prompts in the selections' seeded order, or None when the snapshot has none."""
-    path = (root or ROOT) / PROMPTS
+    path = (root or snapshot_files.ROOT) / PROMPTS
     if not path.is_file():
         return None
     table = pq.read_table(path, filters=[("set", "=", name)])
@@ -106,17 +95,11 @@ def read_prompts(name: str, root: Path | None = None) -> list[dict] | None:
 
 def stored_texts(root: Path | None = None) -> dict[str, str]:
     """Every stored prompt's text by id (empty without stored prompts)."""
-    path = (root or ROOT) / PROMPTS
+    path = (root or snapshot_files.ROOT) / PROMPTS
     if not path.is_file():
         return {}
     table = pq.read_table(path, columns=["id", "prompt"])
     return dict(zip(table.column("id").to_pylist(), table.column("prompt").to_pylist()))
-
-
-def skipped_ids(key: str, root: Path | None = None) -> set[str]:
-    """Prompt ids of a key the engine could not take (longer than its prompt limit), as the manifest records."""
-    manifest = read_manifest(root) or {"corpora": {}}
-    return set(manifest["corpora"].get(key, {}).get("skipped", []))
 
 
 def content_hash(corpus: Corpus) -> str:
@@ -142,7 +125,7 @@ def _float16(features: np.ndarray) -> np.ndarray:
 
 def write_rows(corpus: Corpus, key: str, root: Path | None = None) -> Path:
     """Write one key's rows (sorted by id, features float16) atomically; return the file."""
-    folder = (root or ROOT) / key
+    folder = (root or snapshot_files.ROOT) / key
     folder.mkdir(parents=True, exist_ok=True)
     order = np.argsort(corpus.ids.astype(str), kind="stable")
     rows = corpus.subset(order)
@@ -176,7 +159,7 @@ def write_manifest(entries: dict[str, dict], model: Any, decoding: dict, max_tok
     `prompts` is `write_prompts`' record of the stored prompt texts (kept from the old manifest if None)."""
     import vllm
 
-    root = root or ROOT
+    root = root or snapshot_files.ROOT
     old = read_manifest(root) or {}
     corpora = {**old.get("corpora", {}), **entries}
     kept_prompts = prompts if prompts is not None else old.get("prompts")
