@@ -54,6 +54,11 @@ class SupervisedThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def join(self, timeout: float | None = None) -> None:
+        """Wait up to `timeout` for a target that returns by itself (its own close), without asking it to."""
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
     def stop(self, timeout: float = 5.0) -> None:
         """Ask the target to return and wait up to `timeout` for it."""
         self.stopping.set()

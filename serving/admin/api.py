@@ -34,7 +34,6 @@ import io
 import json
 import logging
 import re
-import threading
 import time
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Protocol
@@ -44,6 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from serving.admin.connections import AdminConnections, DeadlinePassed, DeadlineReader
 from serving.readout.push import PushRefused
+from serving.supervise import SupervisedThread
 
 logger = logging.getLogger(__name__)
 
@@ -350,8 +350,7 @@ class AdminServer:
                                         lambda path: quick_answer(target, path))
         self.host = host
         self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="leap-admin", daemon=True)
-        self._thread.start()
+        self._thread = SupervisedThread("leap-admin", self._server.serve_forever).start()
 
     @property
     def refused_busy(self) -> int:
@@ -366,6 +365,7 @@ class AdminServer:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        self._thread.stop()
 
 
 class AdminRefusalCollector:

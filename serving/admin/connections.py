@@ -28,6 +28,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+from serving.supervise import SupervisedThread
+
 REFUSAL_HEAD_S = 2.0
 """How long the refuser waits for a refused connection's request head before it answers 503 anyway."""
 REFUSAL_QUEUE = 256
@@ -101,8 +103,7 @@ class AdminConnections(ThreadingHTTPServer):
         self._refusals: queue.Queue[socket.socket | None] = queue.Queue(maxsize=REFUSAL_QUEUE)
         self._busy = _busy_answer(max_handlers)
         super().__init__(address, handler)
-        self._refuser = threading.Thread(target=self._refuse_loop, name="leap-admin-refuser", daemon=True)
-        self._refuser.start()
+        self._refuser = SupervisedThread("leap-admin-refuser", self._refuse_loop).start()
 
     # -- counting ------------------------------------------------------------------------------------
     def count(self, reason: str) -> None:

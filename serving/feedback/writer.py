@@ -25,6 +25,7 @@ from typing import Any
 
 from leap_io.feedback_schema import feedback_schema, segment_metadata
 from serving.feedback.rows import BadRow, BatchBreaker, Converted, RowConverter, quarantine_line
+from serving.supervise import SupervisedThread
 from serving.feedback.segments import QuarantineFull, SegmentError, SegmentFiles, default_replica_id, is_disk_full
 
 logger = logging.getLogger(__name__)
@@ -98,8 +99,7 @@ class FeedbackWriter:
         self._closing = False
         self._pending: list[Converted] = []  # converted, waiting for the disk
         self._last_flush = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="leap-feedback", daemon=True)
-        self._thread.start()
+        self._thread = SupervisedThread("leap-feedback", self._run).start()
 
     # -- counts of the files -----------------------------------------------------------------------
     @property
@@ -132,7 +132,7 @@ class FeedbackWriter:
             if self._closing:
                 self._drops[DROP_CLOSED] += 1
                 return False
-            if self._backlog >= self.capacity or not self._thread.is_alive():
+            if self._backlog >= self.capacity or not self._thread.alive:
                 self._drops[self._overflow_reason()] += 1
                 return False
             self._rows.append(row)
@@ -165,7 +165,7 @@ class FeedbackWriter:
             if control.error:
                 logger.error("feedback: close left work undone: %s", control.error)
         self._thread.join(timeout if control is None else 1.0)
-        if self._thread.is_alive():
+        if self._thread.alive:
             logger.error("feedback: writer thread did not stop within %.1fs (%d rows unwritten)", timeout,
                          self._backlog)
         else:
@@ -180,18 +180,18 @@ class FeedbackWriter:
         disk_errno = self.files.disk_errno
         return {"rows_written": self.rows_written, "rows_dropped": sum(drops.values()), "drop_reasons": drops,
                 "rows_quarantined": self.rows_quarantined, "queue_depth": depth,
-                "alive": self._thread.is_alive(), "errors": self.errors,
+                "alive": self._thread.alive, "errors": self.errors,
                 "disk_full": disk_errno == errno.ENOSPC, "writing_fails": disk_errno is not None,
                 "last_error": self.files.last_error}
 
     def healthy(self) -> bool:
         """The writer thread runs and takes rows (a full disk is visible in stats(), not here)."""
-        return self._thread.is_alive() and not self._closing
+        return self._thread.alive and not self._closing
 
     # -- the thread ------------------------------------------------------------------------------
     def _submit(self, kind: str) -> _Control | None:
         with self._lock:
-            if self._closing or not self._thread.is_alive():
+            if self._closing or not self._thread.alive:
                 return None
             control = _Control(kind)
             self._controls.append(control)
@@ -201,7 +201,7 @@ class FeedbackWriter:
             return control
 
     def _overflow_reason(self) -> str:
-        if not self._thread.is_alive():
+        if not self._thread.alive:
             return DROP_WRITER_DEAD
         if self.files.disk_errno == errno.ENOSPC:
             return DROP_DISK_FULL

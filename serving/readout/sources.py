@@ -21,7 +21,6 @@ runtime, in its own process from a class name; an entry point is what reaches it
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -33,6 +32,7 @@ from leap_io.model_identity import registered_model_name
 from leap_io.push_bundle import make_bundle
 from leap_io.redact import redact_text, redact_url
 from serving.readout.service import ReadoutService
+from serving.supervise import SupervisedThread
 from serving.readout.saved_state import Saved, StateDamaged
 from serving.telemetry import Telemetry
 
@@ -213,4 +213,4 @@ class ReadoutSources:
             self.registry_status = {"state": "loaded", "model": name}
             logger.info("LEAP serves registry champion %s of %s", self.service.version, name)
 
-        threading.Thread(target=load, name="leap-registry-load", daemon=True).start()
+        SupervisedThread("leap-registry-load", load).start()
