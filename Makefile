@@ -9,6 +9,7 @@ demo: install
 
 test: install
 	.venv/bin/lint-imports
+	.venv/bin/ruff check .
 	.venv/bin/python -m pytest -q --durations=25 tests
 
 bench: install
