@@ -3,7 +3,7 @@
 Before a step, every resident request past its prefill is a decode candidate; when there are more
 than `decode_slots` of them, the `leap_core.policy.DecodePolicy` picks which decode and the others are
 held out of this one step (they keep their KV blocks). A request is ordered by its predicted total
-length (the latest refresh, where LEAP's own prediction is used), else by its max_tokens. The engine
+length, else by its max_tokens. The engine
 thread waits on the predictor in one bounded place only: a step whose new decode candidates have no
 prediction yet waits for them once, up to `ready_wait_ms` for all of them together.
 
@@ -55,7 +55,6 @@ class Counters:
     max_held_out: int = 0
     steps: int = 0
     schedule_s: float = 0.0
-    refreshed: int = 0
     held_steps: int = 0  # steps that held at least one decode candidate out
     held: int = 0  # hold-outs over all steps
 
@@ -133,13 +132,11 @@ class DecodeSteps:
 
     # -- before the step -------------------------------------------------------------------------
     def _predicted_total(self, request: Any, entry: Tracked, source: str) -> float:
-        """The total length a request is ordered by: the latest refresh, where LEAP's own prediction is used."""
+        """The total length a request is ordered by: the oracle's, the client's or LEAP's prediction."""
         if source == "oracle":
             value = entry.oracle
         elif source == "client" and entry.client_prediction is not None:
             value = entry.client_prediction
-        elif entry.refreshed_total is not None:
-            value = entry.refreshed_total
         else:
             value = self._tracker.predictions.get(request.request_id)
         return value if value is not None else float(request.max_tokens)

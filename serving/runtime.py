@@ -10,9 +10,7 @@
   every readout is checked against and reads its own recipe's columns of;
 - `FeedbackRecorder` (serving/feedback/recorder.py): one row per finished request for the writer and listeners;
 - `DecodeSteps` (serving/decode_steps.py): which decode candidates run each step, and the step counts;
-- `Telemetry` (serving/telemetry.py): the Prometheus registry and the drop / error counts;
-- a `Refresher` (serving/refresh.py), only when refresh is configured and its readout fits: decode
-  states at the `refresh_at` checkpoints -> refreshed predicted totals.
+- `Telemetry` (serving/telemetry.py): the Prometheus registry and the drop / error counts.
 
 `LeapRuntime` wires them and holds the three scheduler hooks: `before_schedule` chooses which resident
 requests decode this step, `after_schedule` counts who actually ran, `on_finished` writes feedback and
@@ -51,7 +49,6 @@ from serving.readout.service import ReadoutService
 from serving.readout.sources import ReadoutSources, RegistrySourceFactory
 from serving.capture.receiver import CaptureReceiver
 from serving.feedback.recorder import FeedbackRecorder
-from serving.refresh import configured_refresher
 from serving.readout.shadow import ShadowReadout
 from serving.supervise import RateLimitedLog
 from serving.telemetry import Telemetry
@@ -112,16 +109,12 @@ class LeapRuntime:
                                          shadow=self.shadow)
         self.finished = FinishedRequests(self.config, self.tracker, self.readouts, self.recorder, self.telemetry)
         self.steps = DecodeSteps(self.config, self.tracker, self.telemetry, self.readouts, self.fallback)
-        self.refresher, self.refresh_error = configured_refresher(self.config, self._expect(), self.capture)
-        self.refresh_paused = False  # `configure(refresh=False)`: rows still arrive, totals are not refreshed
         self.readouts.start()
         self.sources = ReadoutSources(self.readouts, self.telemetry, self.model_id, self.layer,
                                       registry_source).start()
-        # prefill vectors hold the recipe; refresh rows the last-token state of each captured layer
-        sizes = (self.recipe.dim(self.dim), len(self.recipe.layers) * self.dim)
-        self.receiver = CaptureReceiver(channel_address(vllm_config, self.config), sizes, self._on_feature,
-                                        self.telemetry, deliver_batch=self._on_features_in_step,
-                                        deliver_refresh=self._on_refresh).start()
+        self.receiver = CaptureReceiver(channel_address(vllm_config, self.config), (self.recipe.dim(self.dim),),
+                                        self._on_feature, self.telemetry,
+                                        deliver_batch=self._on_features_in_step).start()
         self.admin = None
         if self.config.admin_port is not None:
             from serving.admin.api import AdminRefusalCollector, AdminServer
@@ -227,20 +220,6 @@ class LeapRuntime:
         if kept:
             self.readouts.predict_in_step([rid for rid, _ in kept], [f for _, f in kept])
 
-    def _on_refresh(self, request_ids: list[str], generated: np.ndarray, states: list[np.ndarray]) -> None:
-        """Decode states at a checkpoint (in the step, or from the receiver thread): refresh their totals."""
-        refresher = self.refresher
-        if refresher is None:  # the worker captured them, but this runtime refused the refresh readout
-            self.telemetry.drop("refresh", "refresh_off", len(request_ids))
-            return
-        if self.refresh_paused:  # an arm that counts down from the prefill prediction alone
-            self.telemetry.drop("refresh", "refresh_paused", len(request_ids))
-            return
-        totals = refresher.predicted_totals(generated, np.stack(states))
-        applied = self.tracker.refresh(request_ids, generated, totals)
-        self.steps.counters.refreshed += applied
-        self.telemetry.refreshes.inc(applied)
-
     # -- scheduler hooks -----------------------------------------------------------------------
     @_engine_hook
     def before_schedule(self, running: list, current_step: int) -> None:
@@ -262,12 +241,9 @@ class LeapRuntime:
 
     # -- control, between replays and from the admin API ----------------------------------------
     def configure(self, policy: str | None = None, rls: bool | None = None, decode_slots: int | None = None,
-                  waiting_cap: int | None = None, order: str | None = None, refresh: bool | None = None) -> None:
-        """Switch policy, decode order, online learning, refresh or the decode shape between replays (no request
-        in flight). `refresh=False` pauses a configured refresh (its rows are dropped, counted as
-        `refresh_paused`); True resumes it, and raises when refresh does not serve here."""
-        if refresh and self.refresher is None:
-            raise ValueError(f"refresh does not serve here: {self.refresh_error or 'it is not configured'}")
+                  waiting_cap: int | None = None, order: str | None = None) -> None:
+        """Switch policy, decode order, online learning or the decode shape between replays (no request
+        in flight)."""
         if policy is not None:
             self.config.policy = policy  # validated: an unknown name raises and changes nothing
         if order is not None:
@@ -278,8 +254,6 @@ class LeapRuntime:
             self.config.waiting_cap = waiting_cap
         if rls is not None:
             self.config.rls = rls
-        if refresh is not None:
-            self.refresh_paused = not refresh
         self.fallback.release()  # a replay's policy is the one it asks for
         self.steps.reset()
 
@@ -335,18 +309,10 @@ class LeapRuntime:
             "model_id": self.model_id, "model_fingerprint": self.fingerprint,
             "target": getattr(readout, "target", None), "max_tokens": getattr(readout, "max_tokens", None),
             "readout": {k: v for k, v in meta.items() if isinstance(v, (str, int, float, bool))},
-            **self.readouts.describe(), **self.sources.describe(), "rls": self.learner.stats(), "refresh": self.describe_refresh(),
+            **self.readouts.describe(), **self.sources.describe(), "rls": self.learner.stats(),
             "shadow": self.shadow.describe(), "stats": self.stats(), "healthy": self.health()["healthy"],
             "decode_order": self.steps.describe_order(),
         }
-
-    def describe_refresh(self) -> dict:
-        """Whether refresh serves, at which generated counts, with which readout, or why it does not."""
-        refresher = self.refresher
-        return {"active": refresher is not None and not self.refresh_paused, "paused": self.refresh_paused,
-                "at": list(self.config.refresh_at),
-                "version": refresher.version if refresher is not None else None, "error": self.refresh_error,
-                "refreshed": self.steps.counters.refreshed}
 
     def health(self) -> dict:
         """Liveness of every LEAP thread, and what LEAP dropped; `healthy` is False if a thread is down.
@@ -374,7 +340,7 @@ class LeapRuntime:
                 "missed": c.missed, "waited_s": c.waited_s, "max_steps_held_out": c.max_held_out,
                 "finished": self.recorder.finished, "feedback_rows": self.recorder.rows, "steps": c.steps,
                 "schedule_overhead_s": c.schedule_s, "predicted": self.predictor.predicted,
-                "refreshed": c.refreshed, "resident": len(self.tracker.tracked), "recipe": str(self.recipe),
+                "resident": len(self.tracker.tracked), "recipe": str(self.recipe),
                 "held_steps": c.held_steps, "held": c.held, "decode_slots": self.steps.describe_slots(),
                 "readout_recipe": self.readouts.recipe}
 

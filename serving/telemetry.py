@@ -35,8 +35,6 @@ class Telemetry:
         self.wait_seconds = Counter("leap_prediction_wait_seconds",
                                     "Engine-thread time spent waiting for missing predictions", registry=r)
         self.finished = Counter("leap_finished_requests", "Finished requests seen", registry=r)
-        self.refreshes = Counter("leap_refreshes", "Remaining-length re-estimates applied during decode",
-                                 registry=r)
         self.rls_updates = Gauge("leap_rls_updates", "RLS batch updates since the last anchor", registry=r)
         self.spearman = Gauge("leap_rolling_spearman", "Spearman of prediction vs length, last 256", registry=r)
         self.mae = Gauge("leap_rolling_mae", "MAE in tokens, last 256 finished requests", registry=r)

@@ -15,11 +15,6 @@ Nothing here may grow with the number of requests served, only with the number r
 - a feature or prediction for an id that never becomes resident is dropped after `orphan_ttl_s`
   (`reason="expired"`), by `expire`, which the runtime calls about once a second.
 
-A refresh (serving/refresh.py) is kept on the request's own entry (`refreshed_total`, `refreshed_at`),
-beside and not instead of its prefill prediction: a publish that rescores live requests from their
-prefill features leaves it alone, feedback rows keep the prefill prediction, and it goes when the entry
-does.
-
 Client-supplied `leap_*` extras are validated once, when a request becomes resident, by
 `serving.request_extras.parse_leap_extras`; a bad key is ignored (the engine falls back to what it
 knows), counted by key and warned about at a limited rate.
@@ -57,8 +52,6 @@ class Tracked:
     first_token_time: float | None = None
     decode_seen: bool = False
     predicted_at_admission: float | None = None
-    refreshed_total: float | None = None  # g + predicted remaining, from the latest refresh
-    refreshed_at: int = 0  # g of that refresh; 0: none yet
 
     @property
     def oracle(self) -> float | None:
@@ -264,31 +257,6 @@ class RequestTracker:
             self._warn.warning("non_finite", "LEAP: %d non-finite predictions (readout %s) treated as missing",
                                non_finite, version)
         return stored
-
-    def refresh(self, request_ids: Sequence[str], generated: np.ndarray, totals: np.ndarray) -> int:
-        """Set the refreshed predicted totals of resident requests; how many were set.
-
-        A row of a request that is no longer resident (finished while its row was on its way) or whose
-        total is not finite is dropped and counted; so is one no newer than the refresh already held (a
-        duplicate, or a row from the socket that another overtook).
-        """
-        applied = not_resident = non_finite = stale = 0
-        tracked = self.tracked
-        for rid, g, total in zip(request_ids, generated, totals):
-            entry = tracked.get(rid)
-            if entry is None:
-                not_resident += 1
-            elif not math.isfinite(float(total)):
-                non_finite += 1
-            elif int(g) <= entry.refreshed_at:
-                stale += 1
-            else:
-                entry.refreshed_total, entry.refreshed_at = float(total), int(g)
-                applied += 1
-        self.telemetry.drop("refresh", "not_resident", not_resident)
-        self.telemetry.drop("refresh", "non_finite", non_finite)
-        self.telemetry.drop("refresh", "stale", stale)
-        return applied
 
     def live_features(self) -> tuple[list[str], list[np.ndarray]]:
         """A consistent snapshot of (ids, features) of every request not yet finished."""

@@ -272,23 +272,6 @@ def step_prompt_layout(runner: Any):
             runner.query_start_loc.np[: n + 1])
 
 
-def step_decode_layout(runner: Any):
-    """(request ids, computed tokens, prompt tokens, query start offsets) of this step's batch.
-
-    The computed count includes generated tokens (a one-token decode step runs at that position) and
-    the prompt count is the user's prompt. V1 keeps both in the persistent `input_batch`, as
-    `step_prompt_layout` reads them; V2's prompt layout counts prefill tokens only, so here the computed
-    count comes from the step's `InputBatch` and the prompt length from the per-request state
-    (`req_states.prompt_len`; its `prefill_len` would also count output tokens recomputed after preemption).
-    """
-    if is_v2_model_runner(runner):
-        batch = runner.execute_model_state.input_batch
-        n = batch.num_reqs
-        prompt = runner.req_states.prompt_len.np[batch.idx_mapping_np[:n]]
-        return batch.req_ids[:n], batch.num_computed_tokens_np[:n], prompt, batch.query_start_loc_np[: n + 1]
-    return step_prompt_layout(runner)
-
-
 def in_process_worker(engine: Any) -> Any:
     """The worker object of an in-process `LLMEngine` (single worker; holds `.leap_capture`)."""
     return engine.engine_core.engine_core.model_executor.driver_worker.worker

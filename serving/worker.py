@@ -17,7 +17,6 @@ from leap_core.recipes import Recipe, readout_recipe, union
 from serving import vllm_compat
 from serving.capture.hidden_states import AuxStateCapture, FeatureSender, PrefillCapture, decoder_layers
 from serving.config import LeapConfig, channel_address, leap_config_from_vllm
-from serving.refresh import RefreshReadoutError, load_refresh_readout
 
 logger = logging.getLogger(__name__)
 
@@ -65,26 +64,9 @@ def serving_recipe(vllm_config, num_layers: int) -> Recipe:
 
 
 def capture_layer(vllm_config, num_layers: int) -> int:
-    """The serving layer (feedback rows and refresh are keyed by it): the first layer the recipe reads."""
+    """The serving layer (feedback rows are keyed by it): the first layer the recipe reads."""
     config = leap_config_from_vllm(vllm_config)
     return next(b.layer for b in readout_side_recipe(config, num_layers).blocks if b.layer is not None)
-
-
-def refresh_checkpoints(worker, config: LeapConfig, recipe: Recipe, num_layers: int) -> tuple[int, ...]:
-    """The generated counts whose decode states the capture sends: `refresh_at` when refresh is
-    configured and its readout reads one of the captured layers (`last@L`), else none (logged why).
-    A refresh row holds every captured layer's state; the runtime takes the readout's layer."""
-    if not config.refresh_configured:
-        return ()
-    from serving.readout.push import CaptureSpace
-
-    hidden = vllm_compat.served_model_shape(worker.vllm_config)[0]
-    try:
-        load_refresh_readout(config.refresh_readout_path, {}, CaptureSpace(recipe, hidden, num_layers))
-    except RefreshReadoutError as exc:
-        logger.error("LEAP capture sends no decode states for refresh: %s", exc)
-        return ()
-    return config.refresh_at
 
 
 def install_capture(worker) -> AuxStateCapture | PrefillCapture:
@@ -102,8 +84,7 @@ def install_capture(worker) -> AuxStateCapture | PrefillCapture:
     recipe = serving_recipe(worker.vllm_config, num_layers)
     sender = FeatureSender(channel_address(worker.vllm_config, config))
     try:
-        capture: AuxStateCapture | PrefillCapture = AuxStateCapture(
-            runner, recipe, sender, refresh_at=refresh_checkpoints(worker, config, recipe, num_layers))
+        capture: AuxStateCapture | PrefillCapture = AuxStateCapture(runner, recipe, sender)
     except vllm_compat.AuxHiddenStatesUnsupported as exc:
         model = worker.vllm_config.model_config.model
         if not worker.vllm_config.model_config.enforce_eager:
@@ -112,14 +93,12 @@ def install_capture(worker) -> AuxStateCapture | PrefillCapture:
                 f"The fallback is a forward hook, which needs eager mode: restart with --enforce-eager "
                 f"(its cost: {EAGER_COST}).") from exc
         logger.warning("LEAP: %s; using the forward-hook capture in eager mode (%s)", exc, EAGER_COST)
-        if config.refresh_configured:
-            logger.warning("LEAP refresh is off: the forward-hook capture sends no decode states")
         capture = PrefillCapture(runner, recipe, sender)
     where = f"all {num_layers} decoder layers (layer study)" if config.capture_all_layers else \
         f"recipe {capture.recipe} of {num_layers} decoder layers"
-    refresh = f"; decode states at {list(capture.refresh_at)} generated tokens for refresh" \
-        if capture.refresh_at else ""
-    logger.info("LEAP capture (%s) installed on %s%s", capture.method, where, refresh)
+    logger.info("LEAP capture (%s) installed on %s", capture.method, where)
+    if getattr(config, "refresh_configured", False):  # settings that may outlive the feature
+        logger.warning("LEAP ignores refresh_at / refresh_readout_path: serving no longer refreshes predictions")
     return capture
 
 
@@ -152,7 +131,5 @@ class LeapWorker(EagerKernelsWorker):
             return {}
         return {"layer": capture.layer, "recipe": str(capture.recipe), "method": capture.method, "captured": capture.captured,
                 "sent": capture.sender.sent, "dropped": capture.sender.dropped,
-                "refresh_captured": capture.sink.refreshes, "refresh_sent": capture.sender.refresh_sent,
-                "refresh_dropped": capture.sender.refresh_dropped,
                 "capture_seconds": getattr(capture, "seconds", None),
                 "block_seconds": capture.block_seconds() if hasattr(capture, "block_seconds") else {}}

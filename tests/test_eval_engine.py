@@ -249,43 +249,6 @@ def test_decode_states_hold_the_remaining_length_at_each_checkpoint(home, prompt
     assert sorted(again.ids.tolist()) == sorted(rows.ids.tolist())
 
 
-def test_the_live_refresh_arm_refreshes_on_the_engine_and_countdown_does_not(all_layers, prompt_file, tmp_path):
-    """Countdown and refresh on one engine that captures decode states: only the refresh arm applies them."""
-    from evaluation.corpora import load_or_build_decode_states
-    from evaluation.live import REFRESH_POLICIES, LiveSettings, RefreshArm, run_live
-    from evaluation.studies import serving_refresh_readout
-    from harness.datasets import load_prompts
-    from study_harness.decode_states import CHECKPOINTS, checkpoint_matrix
-    from leap_core.readout_format import to_bytes
-
-    prompts = load_prompts(prompt_file)
-    states = prompts[:6]  # training prompts: the replayed ones never train the refresh readout
-    rows = load_or_build_decode_states(states, M)
-    index, has_prefill = checkpoint_matrix(rows, [p["id"] for p in states])
-    readout = serving_refresh_readout(rows, index[has_prefill], None)
-    path = tmp_path / "refresh.npz"
-    path.write_bytes(to_bytes(readout))
-    replayed = prompts[16:24]
-    arm = RefreshArm(readout_path=str(path), checkpoints=CHECKPOINTS,
-                     estimates={p["id"]: np.full(len(CHECKPOINTS), 20.0) for p in replayed}, n_train=readout.n_train_,
-                     n_pool=int(has_prefill.sum()))
-    settings = LiveSettings(n_requests=8, n_train=16, repeats=2, load=2.0, max_tokens=M, policies=REFRESH_POLICIES,
-                            calibration_requests=8, max_resident=16, decode_slots=4)
-    with pytest.raises(ValueError, match="leap-refresh"):
-        run_live(prompts[:16], replayed, settings)  # the arm without its readout
-    result = run_live(prompts[:16], replayed, settings, refresh=arm)
-    work = {name: (p["runs"][0]["n"], p["runs"][0]["output_tokens"]) for name, p in result["policies"].items()}
-    assert len(set(work.values())) == 1 and work["leap"][0] == 8
-    ratio = result["ratios"]["refresh_over_countdown"]
-    assert ratio["ci_low"] <= ratio["value"] <= ratio["ci_high"]
-    refresh = result["refresh"]
-    assert len(refresh["refresh_over_countdown_per_repeat"]) == 2
-    assert all(count >= 1 for count in refresh["refreshed_per_run"])  # outputs reach 16 tokens: refreshed
-    assert [run["refreshed"] for run in result["policies"]["leap"]["runs"]] == [0, 0]  # countdown's arm never does
-    simulated = refresh["simulated_refresh_over_countdown"]
-    assert simulated["ci_low"] <= simulated["value"] <= simulated["ci_high"]
-
-
 def test_fidelity_study_replays_on_the_wall_clock_and_simulates_the_same_runs(all_layers, prompt_file):
     from evaluation.fidelity import FidelitySettings, run_fidelity
     from harness.datasets import load_prompts

@@ -1,7 +1,7 @@
 """Serving readouts by recipe, without an engine: each readout reads its own recipe's columns of the captured
 vector (in-step, on the predictor thread, when a publish rescores and in RLS), a readout whose recipe the
 capture does not hold is refused at start and on push, files from before recipes still serve (`last@<layer>`),
-refresh rows are sliced by layer, and feedback keeps the whole captured vector."""
+and feedback keeps the whole captured vector."""
 
 from __future__ import annotations
 
@@ -176,42 +176,6 @@ def test_a_saved_readout_the_new_capture_does_not_cover_is_not_restored(build, t
     assert second.describe()["source"] == "none" and second.version == ""
     assert second.telemetry.dropped("state", "unusable") == 1
     assert any("mean@2" in r.getMessage() and f"last@{LAYER}" in r.getMessage() for r in caplog.records)
-
-
-# -- refresh -------------------------------------------------------------------------------------------------
-def refresh_runtime(build, tmp_path, readout: LinearReadout):
-    path = tmp_path / "refresh.bin"
-    path.write_bytes(to_bytes(readout))
-    return build(policy="leap", recipe="last@1+mean@3+prompt", refresh_at=(4, 8), refresh_readout_path=str(path))
-
-
-@pytest.mark.parametrize("layer", [1, 3])
-def test_a_refresh_readout_reads_its_layers_slice_of_a_refresh_row(build, tmp_path, layer):
-    runtime = refresh_runtime(build, tmp_path, first_value_readout("refresh", layer=layer))
-    assert runtime.describe()["refresh"]["active"]
-    runtime.reset_readout(first_value_readout("v1", layer=1), None)
-    live = request("a-00000001")
-    runtime.before_schedule([live], 0)
-    sender = FeatureSender(runtime.config.channel)
-    sender.send([live.request_id], distinct(Recipe.parse("last@1+mean@3+prompt").dim(DIM))[None])
-    live.num_computed_tokens = live.num_prompt_tokens + 3
-    live.append_output_token_ids([7] * 4)
-    runtime.before_schedule([live], 1)
-    row = distinct(2 * DIM)  # layers 1 and 3, in layer order
-    sender.send_refresh([live.request_id], np.array([4]), row[None])
-    position = (1, 3).index(layer)
-    assert runtime.tracked[live.request_id].refreshed_total == pytest.approx(4 + row[position * DIM])
-
-
-@pytest.mark.parametrize(("readout", "named"), [
-    (lambda: first_value_readout("refresh", layer=2), "layer 2"),
-    (lambda: one_hot_readout("mean@3", 0, "refresh"), "last@L"),
-])
-def test_a_refresh_readout_of_a_layer_or_block_not_captured_is_refused_with_its_reason(build, tmp_path, readout,
-                                                                                          named):
-    runtime = refresh_runtime(build, tmp_path, readout())
-    refresh = runtime.describe()["refresh"]
-    assert not refresh["active"] and named in refresh["error"]
 
 
 # -- feedback -------------------------------------------------------------------------------------------------

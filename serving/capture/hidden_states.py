@@ -15,10 +15,6 @@ has computed) finds with a few numpy operations the requests whose prompt ends i
 prefill is covered because a chunk that does not reach the prompt's end is skipped. On an accelerator
 the rows are copied into pinned host memory without blocking, and a helper thread waits for the copy,
 so the step never synchronizes with the device for LEAP.
-
-With refresh on (`LeapConfig.refresh_at`, aux-state route only), the same step also yields the decode
-rows of requests that have generated a checkpoint's number of tokens (`decode_checkpoint_rows`); they
-travel as refresh messages, a kind of their own, and re-estimate the request's remaining length.
 """
 
 from __future__ import annotations
@@ -26,7 +22,6 @@ from __future__ import annotations
 import functools
 import logging
 import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -38,7 +33,7 @@ import zmq
 from leap_core.recipes import Recipe, RecipeError, request_columns, union
 from serving import vllm_compat
 from serving.capture.pooling import PromptPool
-from serving.capture.receiver import refresh_message
+from serving.supervise import SupervisedThread
 
 logger = logging.getLogger(__name__)
 
@@ -79,30 +74,10 @@ def prompt_end_rows(num_computed: np.ndarray, num_prompt: np.ndarray, query_star
     return index, rows
 
 
-def decode_checkpoint_rows(num_computed: np.ndarray, num_prompt: np.ndarray, query_start: np.ndarray,
-                           checkpoints: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(request indices, flattened row indices, generated counts g) of this batch's decode rows at a checkpoint.
-
-    `num_computed` counts every computed token of a request, prompt and output, before this step. A
-    decode step schedules one token, at position num_computed = P + g - 1: its input is the g-th
-    generated token, so its state is the one `studies/study_harness/decode_states.py` records for g, and
-    g = num_computed - P + 1. Only one-token steps past the prompt qualify: a prefill chunk (even one
-    token long, which ends at g = 0) and a multi-token step (speculative drafts, a recomputation after
-    preemption) are never selected.
-    """
-    scheduled = np.diff(query_start)
-    generated = num_computed - num_prompt + 1
-    hits = (scheduled == 1) & (num_computed >= num_prompt) & np.isin(generated, np.asarray(checkpoints))
-    index = np.flatnonzero(hits)
-    return index, query_start[index], generated[index]
-
-
 class LocalReceiver(Protocol):
-    """What a receiver bound in this process takes: a step's prefill features and its refresh rows."""
+    """What a receiver bound in this process takes: a step's prefill features."""
 
     def deliver_local(self, request_ids: list[str], features: np.ndarray) -> None: ...
-
-    def deliver_refresh_local(self, request_ids: list[str], generated: np.ndarray, features: np.ndarray) -> None: ...
 
 
 # Receivers bound in this process, by channel address. With one device the worker runs inside the
@@ -125,9 +100,7 @@ class FeatureSender:
     """Sends (request id, float32 vector) pairs to the scheduler's receiver; never blocks the forward pass.
 
     In-process receivers get the whole batch by a call; others a ZeroMQ message per request, whose
-    send queue is bounded (`SNDHWM`): what does not fit is dropped and counted. Prefill features and
-    refresh rows (`send_refresh`) are counted apart, so `sent`, `local` and `dropped` stay the prefill
-    counts they always were.
+    send queue is bounded (`SNDHWM`): what does not fit is dropped and counted.
     """
 
     def __init__(self, address: str) -> None:
@@ -140,8 +113,6 @@ class FeatureSender:
         self.sent = 0
         self.dropped = 0
         self.local = 0
-        self.refresh_sent = 0
-        self.refresh_dropped = 0
 
     def send(self, request_ids: list[str], features: np.ndarray) -> None:
         features = np.ascontiguousarray(features, dtype=np.float32)
@@ -163,26 +134,6 @@ class FeatureSender:
             except zmq.Again:
                 self.dropped += 1
 
-    def send_refresh(self, request_ids: list[str], generated: np.ndarray, features: np.ndarray) -> None:
-        """Send decode-state rows, each with the generated count g it was captured at, as refresh messages."""
-        features = np.ascontiguousarray(features, dtype=np.float32)
-        generated = np.asarray(generated, dtype=np.int64)
-        local = _local_receivers.get(self.address)
-        if local is not None:
-            try:
-                local.deliver_refresh_local(list(request_ids), generated, features)
-                self.refresh_sent += len(request_ids)
-            except Exception:  # the receiver counts what it rejects; this is only a last guard
-                logger.exception("LEAP capture: in-process refresh delivery failed; %d rows lost", len(request_ids))
-                self.refresh_dropped += len(request_ids)
-            return
-        for request_id, g, row in zip(request_ids, generated, features):
-            try:
-                self._socket.send_multipart(refresh_message(request_id, int(g), row), flags=zmq.NOBLOCK)
-                self.refresh_sent += 1
-            except zmq.Again:
-                self.refresh_dropped += 1
-
 
 def select_rows(states: Sequence[torch.Tensor], rows: np.ndarray) -> torch.Tensor:
     """`states[k][rows]` concatenated along features, on the states' device."""
@@ -195,13 +146,12 @@ COPY_QUEUE_MAX = 1024  # steps whose device-to-host copies may wait for the copy
 
 
 class RowSink:
-    """Selects the prompt-end (and checkpoint decode) rows of one step from a [tokens, hidden] state and
-    sends them, never blocking."""
+    """Selects the prompt-end rows of one step from a [tokens, hidden] state and sends them, never blocking."""
 
     def __init__(self, sender: FeatureSender) -> None:
         self.sender = sender
         self.captured = 0
-        self.refreshes = 0
+        self.copier: SupervisedThread | None = None  # the device-to-host copy loop, started at the first copy
         self._copies: queue.Queue | None = None
 
     def prompt_end(self, runner: Any) -> tuple[list[str], np.ndarray] | None:
@@ -214,30 +164,10 @@ class RowSink:
             return None
         return [req_ids[i] for i in index], rows
 
-    def decode_checkpoints(self, runner: Any, checkpoints: Sequence[int]
-                           ) -> tuple[list[str], np.ndarray, np.ndarray] | None:
-        """(request ids, generated counts, flattened rows) of the decodes at a checkpoint this step, or None."""
-        req_ids, num_computed, num_prompt, query_start = vllm_compat.step_decode_layout(runner)
-        if len(req_ids) == 0:
-            return None
-        index, rows, generated = decode_checkpoint_rows(np.asarray(num_computed), np.asarray(num_prompt),
-                                                        np.asarray(query_start), checkpoints)
-        if index.size == 0:
-            return None
-        return [req_ids[i] for i in index], generated, rows
-
     def send(self, ids: list[str], vectors: torch.Tensor) -> None:
         """Send one recipe vector per request (rows of `vectors`, on the host or the device)."""
         self.captured += len(ids)
         self._ship(vectors, functools.partial(self.sender.send, ids), self._count_lost_features)
-
-    def send_refresh(self, ids: list[str], generated: np.ndarray, states: list[torch.Tensor],
-                     rows: np.ndarray) -> None:
-        """The decode rows of `states` (concatenated along features), each with the generated count it was
-        captured at."""
-        self.refreshes += len(ids)
-        self._ship(select_rows(states, rows), functools.partial(self.sender.send_refresh, ids, generated),
-                   self._count_lost_refreshes)
 
     def _ship(self, selected: torch.Tensor, deliver: Callable[[np.ndarray], None],
               lost: Callable[[int], None]) -> None:
@@ -252,7 +182,7 @@ class RowSink:
         done.record()
         if self._copies is None:
             self._copies = queue.Queue(maxsize=COPY_QUEUE_MAX)
-            threading.Thread(target=self._send_copies, name="leap-capture-copy", daemon=True).start()
+            self.copier = SupervisedThread("leap-capture-copy", self._send_copies).start()
         try:
             self._copies.put_nowait((done, host, deliver, lost))
         except queue.Full:
@@ -261,8 +191,6 @@ class RowSink:
     def _count_lost_features(self, count: int) -> None:
         self.sender.dropped += count
 
-    def _count_lost_refreshes(self, count: int) -> None:
-        self.sender.refresh_dropped += count
 
     def _send_copies(self) -> None:
         assert self._copies is not None
@@ -296,7 +224,6 @@ class _LayerCapture:
     """What both routes share: the recipe, the layers it reads (sorted, in range) and the sink its rows go to."""
 
     method = ""
-    refresh_at: tuple[int, ...] = ()  # generated counts whose decode states are sent (the aux route only)
 
     def __init__(self, runner: Any, what: int | list[int] | Recipe | str, sender: FeatureSender) -> None:
         self.runner = runner
@@ -323,17 +250,12 @@ class AuxStateCapture(_LayerCapture):
     per request holds the recipe's blocks in order (`leap_core.recipes`): last-token rows, prompt
     pools accumulated across prefill chunks (`serving.capture.pooling`), and the request's own columns (prompt
     length, decoding settings, domain) read from its sampling parameters when it was scheduled.
-
-    `refresh_at` (generated counts, empty for none) also sends, as refresh rows, the decode states of
-    requests that reach one of those counts in a step: the captured layers' states concatenated.
     """
 
     method = "aux_hidden_states"
 
-    def __init__(self, runner: Any, what: int | list[int] | Recipe | str, sender: FeatureSender,
-                 refresh_at: Sequence[int] = ()) -> None:
+    def __init__(self, runner: Any, what: int | list[int] | Recipe | str, sender: FeatureSender) -> None:
         super().__init__(runner, what, sender)
-        self.refresh_at = tuple(int(g) for g in refresh_at)
         self.pool = PromptPool(self.recipe, self.layers, functools.partial(vllm_compat.compute_logits, runner)) \
             if self.recipe.pools else None
         self.needs_requests = any(b.kind in REQUEST_KINDS for b in self.recipe.blocks)
@@ -374,22 +296,17 @@ class AuxStateCapture(_LayerCapture):
                 final = vllm_compat.step_final_states(runner) if self.pool.entropy else None
                 self.pool.add(req_ids, num_computed, num_prompt, query_start, states, final)
         index, rows = prompt_end_rows(num_computed, num_prompt, query_start) if len(req_ids) else ((), ())
-        refresh = self.sink.decode_checkpoints(runner, self.refresh_at) if self.refresh_at else None
-        if len(index) == 0 and refresh is None:
+        if len(index) == 0:
             return
         states = states or vllm_compat.step_aux_states(runner)
         if not states:
             return
-        if len(index):
-            ids = [req_ids[i] for i in index]
-            vectors = self._vectors(ids, rows, num_prompt[index], list(states))
-            if vectors is None:
-                self.sink.sender.dropped += len(ids)
-            else:
-                self.sink.send(ids, vectors)
-        if refresh is not None:
-            ids, generated, refresh_rows = refresh
-            self.sink.send_refresh(ids, generated, list(states), refresh_rows)
+        ids = [req_ids[i] for i in index]
+        vectors = self._vectors(ids, rows, num_prompt[index], list(states))
+        if vectors is None:
+            self.sink.sender.dropped += len(ids)
+        else:
+            self.sink.send(ids, vectors)
 
     def _remember_requests(self, runner: Any) -> None:
         for request_id, params in vllm_compat.step_new_requests(runner):

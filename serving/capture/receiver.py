@@ -6,12 +6,6 @@ version, a stray process on a reused address), and one bad message must not end 
 request's prediction depends on. `decode_message` checks each message and names what is wrong with it;
 the receive loop drops a bad one with that reason (`leap_dropped_total{what="capture"}`) and goes on,
 and the loop itself runs under `SupervisedThread`, which restarts it should anything else escape.
-
-Refresh rows (a decode state after g generated tokens, `LeapConfig.refresh_at`) are a message kind of
-their own: four frames, `REFRESH_KIND`, id, g, vector (`refresh_message`). A prefill message has two, so
-neither is ever taken for the other; a refresh row goes only to `deliver_refresh`, never to the feature
-store that feedback rows are written from. Bad refresh messages are dropped and counted as
-`leap_dropped_total{what="refresh"}`, and so is every refresh row when no `deliver_refresh` is given.
 """
 
 from __future__ import annotations
@@ -19,7 +13,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Collection
-from typing import Any
 
 import numpy as np
 import zmq
@@ -31,11 +24,6 @@ logger = logging.getLogger(__name__)
 
 MAX_ID_BYTES = 1024  # vLLM request ids are a client id plus a suffix; anything longer is not one
 _FLOAT32 = np.dtype(np.float32).itemsize
-REFRESH_KIND = b"leap-refresh"
-_GENERATED = np.dtype("<u4")  # g travels as one little-endian uint32
-
-RefreshHandler = Callable[[list[str], np.ndarray, list[np.ndarray]], None]
-"""deliver_refresh(request ids, generated counts, decode-state vectors)."""
 
 
 class BadMessage(ValueError):
@@ -73,66 +61,26 @@ def decode_message(frames: list[bytes], sizes: Collection[int]) -> tuple[str, np
     return request_id, feature
 
 
-def refresh_message(request_id: str, generated: int, feature: np.ndarray) -> list[bytes]:
-    """The frames of one refresh row: kind, id, g and the float32 vector."""
-    return [REFRESH_KIND, request_id.encode("utf-8"), np.asarray(generated, dtype=_GENERATED).tobytes(),
-            np.ascontiguousarray(feature, dtype=np.float32).tobytes()]
-
-
-def is_refresh_message(frames: list[bytes]) -> bool:
-    return len(frames) == 4 and bytes(frames[0]) == REFRESH_KIND
-
-
-def decode_refresh_message(frames: list[bytes], sizes: Collection[int]) -> tuple[str, int, np.ndarray]:
-    """(request id, generated count g >= 1, vector) of a refresh message, or BadMessage saying why not.
-
-    The id and vector are checked exactly like a prefill message's (`decode_message`).
-    """
-    if not is_refresh_message(frames):
-        raise BadMessage("bad_frame", f"expected 4 frames ({REFRESH_KIND.decode()}, id, g, vector), "
-                                      f"got {len(frames)}")
-    _, raw_id, raw_generated, payload = frames
-    if len(raw_generated) != _GENERATED.itemsize:
-        raise BadMessage("bad_generated", f"generated count of {len(raw_generated)} bytes, expected "
-                                          f"{_GENERATED.itemsize}")
-    return checked_refresh(raw_id, int(np.frombuffer(raw_generated, dtype=_GENERATED)[0]), payload, sizes)
-
-
-def checked_refresh(raw_id: bytes, generated: int, payload: bytes,
-                    sizes: Collection[int]) -> tuple[str, int, np.ndarray]:
-    """(request id, g, vector) of one refresh row's parts, or BadMessage: g must be at least 1."""
-    if generated < 1:
-        raise BadMessage("bad_generated", f"a refresh row needs at least one generated token, got {generated}")
-    request_id, feature = decode_message([raw_id, payload], sizes)
-    return request_id, generated, feature
-
-
 class CaptureReceiver:
     """Binds the capture channel and hands every valid (request id, vector) to `deliver`.
 
     `deliver` runs on the receiver thread; an exception from it is counted as a dropped message
-    (reason `deliver_error`), like a malformed one, so it cannot end the loop either. Refresh rows go
-    to `deliver_refresh` (in batches from a worker in this process, one by one from the socket), under
-    the same guard.
+    (reason `deliver_error`), like a malformed one, so it cannot end the loop either.
     """
 
     def __init__(self, address: str, sizes: Collection[int], deliver: Callable[[str, np.ndarray], None],
                  telemetry: Telemetry, name: str = "leap-capture-receiver", high_water_mark: int = 100_000,
-                 deliver_batch: Callable[[list[str], list[np.ndarray]], None] | None = None,
-                 deliver_refresh: RefreshHandler | None = None) -> None:
+                 deliver_batch: Callable[[list[str], list[np.ndarray]], None] | None = None) -> None:
         self.address = address
         self._sizes = frozenset(int(s) for s in sizes)
         self._deliver = deliver
         self._deliver_batch = deliver_batch
-        self._deliver_refresh = deliver_refresh
         self._telemetry = telemetry
         self._high_water_mark = high_water_mark
         self._warn = RateLimitedLog(logger)
         self._bound = threading.Event()
         self.received = 0
         self.delivered = 0
-        self.refresh_received = 0
-        self.refresh_delivered = 0
         self._thread = SupervisedThread(name, self._run, on_error=lambda exc: telemetry.thread_error("receiver"))
         telemetry.watch_thread("receiver", lambda: self._thread.alive)
 
@@ -189,47 +137,9 @@ class CaptureReceiver:
             return
         self.delivered += len(ids)
 
-    def deliver_refresh_local(self, request_ids: list[str], generated: np.ndarray, features: np.ndarray) -> None:
-        """A step's refresh rows from a worker in this process, checked like messages, handed over in one call."""
-        checked = []
-        for request_id, g, row in zip(request_ids, generated, features):
-            decoded = self._refresh_row(checked_refresh, request_id.encode("utf-8", "replace"), int(g), row.tobytes())
-            if decoded is not None:
-                checked.append(decoded)
-        if checked:
-            ids, counts, rows = zip(*checked)
-            self._hand_over_refresh(list(ids), np.asarray(counts, dtype=np.int64), list(rows))
-
     def stats(self) -> dict:
         return {**self._thread.stats(), "received": self.received, "delivered": self.delivered,
-                "refresh_received": self.refresh_received, "refresh_delivered": self.refresh_delivered,
                 "address": self.address}
-
-    def _refresh_row(self, decode: Callable[..., tuple[str, int, np.ndarray]], *parts: Any
-                     ) -> tuple[str, int, np.ndarray] | None:
-        """`decode(*parts, sizes)`, or None when it names a reason to drop the row (counted)."""
-        self.refresh_received += 1
-        try:
-            return decode(*parts, self._sizes)
-        except BadMessage as exc:
-            self._telemetry.drop("refresh", exc.reason)
-            self._warn.warning(f"refresh-{exc.reason}", "LEAP capture: dropped a refresh row (%s): %s",
-                               exc.reason, exc)
-            return None
-
-    def _hand_over_refresh(self, ids: list[str], generated: np.ndarray, rows: list[np.ndarray]) -> None:
-        if self._deliver_refresh is None:
-            self._telemetry.drop("refresh", "refresh_off", len(ids))
-            return
-        try:
-            self._deliver_refresh(ids, generated, rows)
-        except Exception:  # noqa: BLE001 - a failed hand-off must not fail the engine's step or the loop
-            self._telemetry.drop("refresh", "deliver_error", len(ids))
-            self._telemetry.thread_error("receiver")
-            self._warn.warning("deliver-refresh", "LEAP capture: handing over %d refresh rows failed", len(ids),
-                               exc_info=True)
-            return
-        self.refresh_delivered += len(ids)
 
     def _run(self) -> None:
         socket = zmq.Context.instance().socket(zmq.PULL)
@@ -253,12 +163,6 @@ class CaptureReceiver:
             socket.close(linger=0)
 
     def _handle(self, frames: list[bytes]) -> None:
-        if is_refresh_message(frames):
-            decoded = self._refresh_row(decode_refresh_message, frames)
-            if decoded is not None:
-                request_id, generated, feature = decoded
-                self._hand_over_refresh([request_id], np.array([generated], dtype=np.int64), [feature])
-            return
         self.received += 1
         try:
             request_id, feature = decode_message(frames, self._sizes)

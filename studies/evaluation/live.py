@@ -50,7 +50,7 @@ REFERENCE = ("fcfs", "leap", "leap-rls", "leap-gittins", "leap-refresh", "oracle
 LEAP_ARMS = ("leap", "leap-rls", "leap-gittins", "leap-refresh")
 """LEAP's readout served by the runtime: countdown, countdown corrected online by RLS, the Gittins order on
 the readout's length distribution (`LeapConfig.order`), which `gittins_over_countdown` compares with countdown,
-and countdown refreshed from decode states (`serving/refresh.py`), which `refresh_over_countdown` compares."""
+and countdown refreshed from decode states (retired: serving no longer refreshes), `refresh_over_countdown`."""
 
 
 @dataclass
@@ -178,6 +178,8 @@ def run_live(train_prompts: Sequence[dict], replay_prompts: Sequence[dict], sett
         raise ValueError("the leap-refresh arm and a RefreshArm go together")
     live = open_replay_engine(settings, model, refresh)
     try:
+    if refresh is not None:  # the study awaits retirement: serving dropped refresh (docs/serving.md)
+        raise ValueError("the leap-refresh arm cannot run: serving no longer refreshes predictions")
         say(f"lengths and features of {len(train_prompts)} training and {len(replay_prompts)} replayed prompts")
         train, replay_corpus, requests = training_and_requests(live, train_prompts, replay_prompts)
         replayed = length_data(replay_corpus, replay_prompts)
@@ -196,8 +198,6 @@ def run_live(train_prompts: Sequence[dict], replay_prompts: Sequence[dict], sett
                                max_prefill_tokens_per_step=prefill_budget(live),
                                distribution=readout.length_distribution_)
         if refresh is not None:
-            if live.runtime.refresher is None:
-                raise RuntimeError(f"the engine refused the refresh readout: {live.runtime.refresh_error}")
             sim_config = replace(sim_config, refresh_at=tuple(refresh.checkpoints))
             nan = np.full(len(refresh.checkpoints), np.nan)
             refreshed = np.stack([refresh.estimates.get(r.id, nan) for r in requests])
@@ -219,17 +219,13 @@ def run_live(train_prompts: Sequence[dict], replay_prompts: Sequence[dict], sett
 
 
 def open_replay_engine(settings: Any, model: str | None = None, refresh: RefreshArm | None = None) -> Any:
-    """The in-process engine a replay study runs on: FCFS to start, `settings`' R, K, waiting cap and M; with
-    `refresh`, capturing decode states at its checkpoints and loading its refresh readout (paused until the
-    leap-refresh arm)."""
-    extra = {} if refresh is None else {"refresh_at": tuple(refresh.checkpoints),
-                                        "refresh_readout_path": refresh.readout_path}
-    live = open_live(model, LeapConfig(policy="fcfs", rls=False, max_resident=settings.max_resident,
-                                       decode_slots=settings.decode_slots, waiting_cap=settings.waiting_cap,
-                                       **extra), max_tokens=settings.max_tokens)
-    if refresh is not None and live.runtime.refresher is not None:
-        live.runtime.configure(refresh=False)
-    return live
+    """The in-process engine a replay study runs on: FCFS to start, `settings`' R, K, waiting cap and M. A
+    `refresh` arm is refused: serving no longer refreshes predictions."""
+    if refresh is not None:
+        raise ValueError("serving no longer refreshes predictions: there is no refresh arm to open")
+    return open_live(model, LeapConfig(policy="fcfs", rls=False, max_resident=settings.max_resident,
+                                       decode_slots=settings.decode_slots, waiting_cap=settings.waiting_cap),
+                     max_tokens=settings.max_tokens)
 
 
 def training_and_requests(live: Any, train_prompts: Sequence[dict],
@@ -300,8 +296,6 @@ def replay_policy(live: Any, name: str, requests: list[ReplayRequest], arrivals:
     predict_at_arrival = None
     runtime.reset_readout(None, None)
     order = "gittins" if name == "leap-gittins" else "countdown"
-    if runtime.refresher is not None:  # an engine capturing decode states refreshes in its refresh arm only
-        runtime.configure(refresh=name == "leap-refresh")
     if name in LEAP_ARMS:  # configured first: the reset anchors RLS only if it is on
         runtime.configure(policy="leap", rls=name == "leap-rls", order=order)
         runtime.reset_readout(readout, anchor)
@@ -330,8 +324,6 @@ def replay_policy(live: Any, name: str, requests: list[ReplayRequest], arrivals:
         summary["ready_before_decode"] = None
     if name == "leap-gittins":
         summary["decode_order"] = runtime.steps.describe_order()
-    if runtime.refresher is not None:  # requests refreshed in this run (0 unless it is the refresh arm)
-        summary["refreshed"] = runtime.describe_refresh()["refreshed"]
     return summary
 
 
