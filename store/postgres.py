@@ -4,17 +4,15 @@ Why PostgreSQL. A DuckDB file takes one writing process at a time, which is righ
 stays the default (`store.duckdb.LogStore`). A fleet's ingest workers on several machines need a store
 they can all write at once. DuckLake (a catalog in PostgreSQL, Parquet data files in the bucket)
 would keep DuckDB's engine, but no DuckLake extension is built for the DuckDB release the project
-pins (2.0.1), so the shared store is PostgreSQL itself: the engine platform teams already run
+pins, so the shared store is PostgreSQL itself: the engine platform teams already run
 managed, reached through SQLAlchemy (the engine from a `postgresql+psycopg://` URL) and psycopg 3,
 whose COPY carries the bulk rows (`store.postgres_copy`). The reads both stores run alike are
 `store.sql`'s; how ingest writes here, with other writers at once, is `store.postgres_writer`'s.
 
 Features as `bytea`. Each row's vector is one `bytea` of `dim` little-endian float32 values, the DuckDB
-store's encoding. Measured here (100k rows x 576 floats, through a temporary table): `bytea` 13.5k
-rows/s against 5.2k for `real[]`, whose binary form spends 8 bytes per float and read back 3-5x
-slower; COPYing the features straight into `features` instead of through a temporary table and a
-join then gained 1.2x (50k rows, three alternating runs). The column is `STORAGE EXTERNAL`: hidden
-states do not compress, and trying costs time on every row.
+store's encoding: faster to COPY in and read back than `real[]`, whose binary form spends 8 bytes per
+float (`leap bench pipeline --store-url` measures it). The column is `STORAGE EXTERNAL`: hidden states do
+not compress, and trying costs time on every row.
 Training frames come back by COPY too: the scalars as CSV parsed by Arrow, the features as binary
 COPY viewed as one (n, dim) array, both read in one repeatable-read transaction.
 
