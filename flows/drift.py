@@ -56,8 +56,8 @@ import httpx
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.push import admin_headers
 from flows.settings import PipelineSettings
+from leap_io.admin_client import READOUT_PATH, AdminClient
 from leap_io.durable import write_text_durably
 from leap_io.jsonable import dumps, to_jsonable
 
@@ -352,14 +352,14 @@ def scrape_replica(endpoint: str, token: str, timeout: float, now: float) -> dic
     """One replica's readout (version, model, layer) and per-domain observations, stamped `now` (the
     watch's pass, so its decisions judge exactly what this pass saw); `error` when it fails."""
     try:
-        with httpx.Client(timeout=timeout) as client:
-            described = client.get(f"{endpoint}/leap/readout", headers=admin_headers(token))
+        with AdminClient(endpoint, token, timeout) as admin:
+            described = admin.readout()
             described.raise_for_status()
             info = described.json()
             if not isinstance(info, dict):
-                raise MetricsError(f"{endpoint} /leap/readout is not a JSON object")
+                raise MetricsError(f"{endpoint} {READOUT_PATH} is not a JSON object")
             version = str(info.get("version") or "")
-            metrics = client.get(f"{endpoint}/metrics")
+            metrics = admin.metrics()
             metrics.raise_for_status()
             observations = parse_quality(metrics.text, endpoint, version, now)
     except (httpx.HTTPError, ValueError) as exc:

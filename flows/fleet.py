@@ -49,16 +49,15 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from flows.promotion import PushOptions, promote
-from flows.push import PushFailed, push_readout
+from flows.push import PushFailed, push_readout, serving_version
 from flows.settings import PipelineSettings
 from flows.tasks import plain, registry_at, registry_of, registry_uri
 from leap_core.fleet_rls import check_mergeable, merge_anchored, refit_max_abs_diff
+from leap_io.admin_client import RLS_INFO_HEADER, AdminClient
 from leap_io.model_identity import serves
 from registry.aliases import CHAMPION
 from registry.client import ReadoutRegistry
 from registry.lookups import MERGE_ROWS_UNTIL_TAG
-from serving.admin.api import RLS_INFO_HEADER, RLS_PATH
-
 
 # ---------------------------------------------------------------------------- reading replicas
 
@@ -66,12 +65,10 @@ def fetch_replica_state(endpoint: str, token: str, timeout: float = 30.0) -> dic
     """One replica's RLS state: {"endpoint", "status", ...}. status "ok" adds `readout` (the anchor),
     `state` (arrays), `base_version`, `rows`, `buffered`; "no-rls" (409/404), "unreachable" and
     "refused" (a body that does not validate as a push bundle of its own readout) add `error`."""
-    from serving.readout.push import PushRefused
-    from serving.readout.push import validate_push
+    from serving.readout.push import PushRefused, validate_push
 
-    url = endpoint.rstrip("/") + RLS_PATH
     try:
-        response = httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout)
+        response = AdminClient(endpoint, token, timeout).rls()
     except httpx.HTTPError as exc:
         return {"endpoint": endpoint, "status": "unreachable", "error": f"{type(exc).__name__}: {exc}"}
     if response.status_code in (404, 409):
@@ -222,7 +219,6 @@ def reconcile_replicas(tracking_uri: str, name: str, endpoints: Sequence[str], t
     """Push the champion to every replica that does not report it (or an RLS correction of it); each
     push verified. Under the alias lock, so no promotion moves the champion meanwhile. Replicas that do
     not answer are reported, not failed: they take the published champion when they start."""
-    from flows.push import serving_version
 
     registry = registry_at(tracking_uri, lock_path)
     with registry.alias_lock.held():
@@ -254,7 +250,6 @@ def reconcile_replicas(tracking_uri: str, name: str, endpoints: Sequence[str], t
 
 def replica_versions(endpoints: Sequence[str], token: str, timeout: float = 10.0) -> dict[str, str | None]:
     """The version each replica reports now (None: it does not answer)."""
-    from flows.push import serving_version
 
     versions: dict[str, str | None] = {}
     for endpoint in endpoints:

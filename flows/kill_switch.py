@@ -1,8 +1,8 @@
 """The fleet's kill switch: every replica to FCFS at once (`leap fcfs on`), and back (`leap fcfs off`).
 
-Each replica gets `POST /leap/fcfs` (serving/fcfs_fallback.py) in turn; one that does not answer is
-reported and the others are switched all the same: in an incident, FCFS on most replicas beats FCFS on
-none. The switch and what every replica answered are recorded in the registry's history
+Each replica gets `POST /leap/fcfs` (serving/fcfs_fallback.py, through `leap_io.admin_client`) in turn;
+one that does not answer is reported and the others are switched all the same: in an incident, FCFS on
+most replicas beats FCFS on none. The switch and what every replica answered are recorded in the registry's history
 (`registry.operations`); a registry that cannot be reached is reported, never a reason not to switch.
 """
 
@@ -12,15 +12,14 @@ from typing import Any
 
 import httpx
 
-from flows.push import admin_headers
 from flows.settings import PipelineSettings
+from leap_io.admin_client import AdminClient
 
 
 def switch_replica(endpoint: str, token: str, on: bool, reason: str, timeout: float) -> dict[str, Any]:
     """One replica's answer to the switch, or `error`."""
     try:
-        answer = httpx.post(f"{endpoint}/leap/fcfs", json={"on": on, "reason": reason},
-                            headers=admin_headers(token), timeout=timeout)
+        answer = AdminClient(endpoint, token, timeout).switch_fcfs(on, reason)
         answer.raise_for_status()
         state = answer.json()
         if not isinstance(state, dict) or state.get("on") is not on:

@@ -1,8 +1,8 @@
 """Shadow scoring: a challenger held on every replica beside the champion, and the figures its rows give.
 
 `hold_fleet` sends a registered version's readout (without RLS state: a shadow never learns) to each
-replica's `POST /leap/shadow` (`serving.readout.shadow`), or an empty body to let it go; a replica that does not
-answer is reported and the others hold it all the same. The hold is recorded in the registry's history
+replica's `POST /leap/shadow` (`serving.readout.shadow`, through `leap_io.admin_client`), or an empty body
+to let it go; a replica that does not answer is reported and the others hold it all the same. The hold is recorded in the registry's history
 (`registry.operations`).
 
 `shadow_evidence` reads the stored rows that replicas wrote while the readout was in shadow, keeps those
@@ -17,20 +17,16 @@ from typing import Any
 
 import httpx
 
-from flows.push import admin_headers
 from flows.settings import PipelineSettings
 from leap_core.shadow_figures import shadow_figures
+from leap_io.admin_client import AdminClient
 from leap_io.labels import label_mask
-
-SHADOW_PATH = "/leap/shadow"
 
 
 def hold_replica(endpoint: str, token: str, body: bytes, timeout: float) -> dict[str, Any]:
     """One replica's answer (`{"shadow": version, "previous": ...}`), or `error`."""
     try:
-        answer = httpx.post(f"{endpoint.rstrip('/')}{SHADOW_PATH}", content=body,
-                            headers={**admin_headers(token), "Content-Type": "application/octet-stream"},
-                            timeout=timeout)
+        answer = AdminClient(endpoint, token, timeout).hold_shadow(body)
         if answer.status_code != 200:
             return {"error": f"HTTP {answer.status_code}: {answer.text[:300]}"}
         state = answer.json()

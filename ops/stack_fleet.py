@@ -394,12 +394,13 @@ def _finite(value: float) -> float | None:
 def replica_report(url: str, token: str, name: str = "", timeout: float = 3.0) -> dict[str, Any]:
     """What one replica's admin API says: its readout version and live figures; errors are reported, not
     raised, so one replica that does not answer leaves the others' report intact."""
-    from flows.push import admin_headers
+    from leap_io.admin_client import READOUT_PATH, AdminClient
 
     report: dict[str, Any] = {"admin_url": url, "admin_up": False, "version": None, "spearman": None, "mae": None}
+    admin = AdminClient(url, token, timeout)
     try:
-        readout = httpx.get(f"{url}/leap/readout", headers=admin_headers(token), timeout=timeout)
-        metrics = httpx.get(f"{url}/metrics", timeout=timeout)
+        readout = admin.readout()
+        metrics = admin.metrics()
     except httpx.HTTPError as error:
         report["error"] = f"{type(error).__name__}: {error}"
         return report
@@ -412,7 +413,7 @@ def replica_report(url: str, token: str, name: str = "", timeout: float = 3.0) -
         report["version"] = described.get("version")
         report["source"] = described.get("source")
     else:
-        report["error"] = f"/leap/readout answered {readout.status_code} without a JSON object"
+        report["error"] = f"{READOUT_PATH} answered {readout.status_code} without a JSON object"
     if metrics.status_code == 200:
         report.update(parse_gauges(metrics.text, name, str(report["version"] or "")))
     else:
