@@ -1,4 +1,4 @@
-"""Finished requests: each one's feedback row, written once, and its true length handed to RLS.
+"""When a request finishes: when its feedback row can be written, and whether its true length may teach RLS.
 
 A prefilled request's feature was captured, but a worker in another process sends it over ZeroMQ and it
 can land after the finish: then the row waits for it, up to `LATE_FEATURE_S`, and is written when the

@@ -1,10 +1,11 @@
-"""Finished requests: their feedback row, for the writer and the in-process listeners, and the quality gauges.
+"""The feedback row of a finished request, built for the writer and in-process listeners, and the quality
+figures computed from those rows.
 
 One row per finished request that was resident and had its feature captured (the feature is the row's
 training input: the whole captured vector, the engine's capture recipe, whichever part the serving
-readout reads, so the fit flow can choose among every recipe the capture covers). The row carries what the engine measured (tokens, times, finish reason), what LEAP
-predicted (at admission and latest, with the readout version; and a shadow readout's prediction of the
-same vector while one is held, `serving.readout.shadow`) and the client's validated extras; an
+readout reads, so the fit flow can choose among every recipe the capture covers). The row carries
+what the engine measured (tokens, times, finish reason), what LEAP predicted (at admission and latest,
+with the readout version; and a shadow readout's prediction of the same vector while one is held, `serving.readout.shadow`) and the client's validated extras; an
 extra that failed validation is simply absent (None), never a reason to lose the row. Its key,
 `request_id`, is the process's own (`RowIds`); the client's id is kept as `client_request_id`.
 
