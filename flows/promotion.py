@@ -239,9 +239,10 @@ def publish_champion(champion_url: str | Path | None, name: str, bundle: bytes, 
     if not champion_url:
         return None
     from leap_io.champion import ChampionPublication
-    from leap_io.signing import SIGNING_KEY_ENV
+    from leap_io.settings import read_settings
 
-    signing_key = os.environ.get(SIGNING_KEY_ENV, "").strip() or None  # replicas with its public key check it
+    # replicas with its public key check it
+    signing_key = (read_settings().champion_signing_key or "").strip() or None
     try:
         return ChampionPublication(champion_url).publish(name, bundle, readout_version, version, registry_uri,
                                                          signing_key=signing_key, sequence=sequence)

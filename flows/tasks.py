@@ -28,7 +28,7 @@ from flows.promotion import UNCHECKED
 from flows.promotion import promote as promote_everywhere
 from flows.promotion import rollback as rollback_everywhere
 from flows.push import PushFailed, push_readout
-from flows.settings import PipelineSettings
+from flows.settings import PipelineSettings, resolved_model_path
 from flows.shadow import shadow_evidence
 from leap_core.readout import LinearReadout
 from leap_core.rls import RLS
@@ -350,7 +350,7 @@ def run_gate(settings: PipelineSettings, name: str, challenger: str, champion: s
         prompts = available_prompts()
     chosen, lengths = gate_slice(open_store(settings), prompts, settings.replay_slice * settings.gate_blocks,
                                  settings.replay_seed, fingerprint, held_out_fraction=settings.test_fraction)
-    engine = EngineSettings(model=str(settings.resolved_model_path()), max_model_len=settings.max_model_len,
+    engine = EngineSettings(model=str(resolved_model_path(settings)), max_model_len=settings.max_model_len,
                             seed=settings.replay_seed)
     replayed = replay_gate(engine, chosen, lengths, readouts, settings.replay_rate, settings.replay_seed,
                            repeats=settings.gate_repeats, load=settings.gate_load,

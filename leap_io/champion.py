@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,10 +80,13 @@ def registry_key(uri: str) -> str:
 
 def default_location(home: str | Path | None = None) -> str | None:
     """`$LEAP_CHAMPION_URL`, else `<home>/champion` (home: the argument, else `$LEAP_HOME`), else None."""
-    explicit = os.environ.get(CHAMPION_URL_ENV, "").strip()
+    from leap_io.settings import read_settings
+
+    settings = read_settings()
+    explicit = (settings.given_value("champion_url") or "").strip()
     if explicit:
         return explicit
-    home = home if home is not None else os.environ.get("LEAP_HOME", "").strip() or None
+    home = home if home is not None else settings.given_value("home")
     return str(Path(home).resolve() / "champion") if home else None
 
 

@@ -175,7 +175,11 @@ class ObjectStore:
         except ImportError as error:  # the fleet extra is not installed
             raise ObjectStoreError(f"object storage needs boto3 (pip install '.[fleet]'): {error}") from None
 
-        self.endpoint_url = check_endpoint(endpoint_url if endpoint_url is not None else os.environ.get(ENDPOINT_ENV))
+        if endpoint_url is None:
+            from leap_io.settings import read_settings
+
+            endpoint_url = read_settings().s3_endpoint_url
+        self.endpoint_url = check_endpoint(endpoint_url)
         self.region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
         config = Config(connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
                         retries={"max_attempts": max_attempts, "mode": "standard"},

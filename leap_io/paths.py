@@ -1,10 +1,9 @@
 """Where LEAP keeps its state: the model cache, feedback segments, the DuckDB file, MLflow, logs.
 
-One folder, `$LEAP_HOME` (default `.leap` under the current directory), so a checkout is
-self-contained and `rm -rf .leap` resets everything.
+One folder, `$LEAP_HOME` (default `.leap` under the current directory; `leap_io.settings.LeapSettings.home`),
+so a checkout is self-contained and `rm -rf .leap` resets everything.
 """
 
-import os
 from pathlib import Path
 
 STACK_FOLDER = "stack"
@@ -12,7 +11,9 @@ STACK_FOLDER = "stack"
 
 
 def state_dir() -> Path:
-    path = Path(os.environ.get("LEAP_HOME", ".leap")).resolve()
+    from leap_io.settings import read_settings
+
+    path = read_settings().home
     path.mkdir(parents=True, exist_ok=True)
     return path
 

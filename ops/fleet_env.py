@@ -2,8 +2,8 @@
 
 `leap stack up --fleet` records the fleet's layout and writes the variables its flows need
 (`ops.stack_fleet`); the `leap` command applies them at every start, before it knows which command
-runs. So this module reads two files and one pid file and imports nothing else: not the settings, not
-an HTTP client.
+runs. So this module reads the state folder from the settings (`leap_io.settings`), two files and one pid
+file, and imports nothing else: not the flows, not an HTTP client.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from leap_io.paths import STACK_FOLDER
 from leap_io.pidfiles import service_pid
+from leap_io.settings import LeapSettings
 
 LAYOUT_FILE = "fleet.json"
 ENV_FILE = "fleet.env"
@@ -32,7 +33,7 @@ def apply_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
     """While the fleet of `$LEAP_HOME` runs, set its variables where `environ` (default os.environ) has
     none; returns what was set. A stopped or absent fleet changes nothing."""
     environ = os.environ if environ is None else environ
-    stack_dir = Path(environ.get("LEAP_HOME", ".leap")).resolve() / STACK_FOLDER
+    stack_dir = LeapSettings.from_environ(environ).home / STACK_FOLDER
     if not (stack_dir / LAYOUT_FILE).exists() or service_pid(stack_dir, "postgres") is None:
         return {}
     applied = {key: value for key, value in read_environment(stack_dir / ENV_FILE).items() if key not in environ}

@@ -30,8 +30,6 @@ from leap_io.model_identity import registered_model_name
 from leap_io.redact import redact_url
 from registry.aliases import ALIASES, CHALLENGER, CHAMPION, PREVIOUS_CHAMPION, AliasMixin
 from registry.calls import (
-    DEFAULT_BACKOFF_S,
-    DEFAULT_RETRIES,
     RegistryError,
     RegistryUnavailable,
     RetryingClient,
@@ -59,10 +57,13 @@ def apply_credentials() -> str | None:
     username, or None (and changes nothing) when no password file is set. The file is read anew each time,
     so a registry made after a rotation uses the new password. The password itself is never in a message.
     Raises RegistryError (UNAUTHENTICATED) when the file cannot be read or is empty, or no username is set."""
-    path = os.environ.get(PASSWORD_FILE_VARIABLE)
+    from leap_io.settings import read_settings
+
+    settings = read_settings()
+    path = settings.mlflow_password_file
     if not path:
         return None
-    username = os.environ.get(USERNAME_VARIABLE, "").strip()
+    username = (settings.mlflow_username or "").strip()
     if not username:
         raise RegistryError(f"{PASSWORD_FILE_VARIABLE} is set but {USERNAME_VARIABLE} is not: "
                             "name the MLflow account whose password the file holds", "UNAUTHENTICATED")
@@ -101,9 +102,14 @@ class ReadoutRegistry(RunsMixin, LoadingMixin, LookupMixin, AliasMixin, Retentio
         if isinstance(artifact_location, Path):
             artifact_location = artifact_location.resolve().as_uri()
         self.artifact_location = artifact_location
-        self.retries = int(os.environ.get("LEAP_MLFLOW_RETRIES", DEFAULT_RETRIES)) if retries is None else retries
-        self.backoff_s = (float(os.environ.get("LEAP_MLFLOW_BACKOFF_S", DEFAULT_BACKOFF_S))
-                          if backoff_s is None else backoff_s)
+        if retries is None or backoff_s is None:
+            from leap_io.settings import read_settings
+
+            settings = read_settings()
+            retries = settings.mlflow_retries if retries is None else retries
+            backoff_s = settings.mlflow_backoff_s if backoff_s is None else backoff_s
+        self.retries = retries
+        self.backoff_s = backoff_s
         if tracking_uri.startswith(("http://", "https://")):
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # ours are bounded; see above
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")

@@ -8,11 +8,12 @@ Without the variable it does nothing, so installing LEAP never changes an engine
 
 from __future__ import annotations
 
-import os
 
 
 def register() -> None:
-    if os.environ.get("LEAP_CAPTURE") != "1":
+    from leap_io.settings import read_settings
+
+    if not read_settings().capture:
         return
     from serving import vllm_compat
 

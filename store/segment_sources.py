@@ -12,11 +12,10 @@ memory. An object deleted between the listing and the read counts as vanished, l
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import dataclass
 
-from leap_io.object_store import ENDPOINT_ENV, ObjectNotFound, ObjectStore, check_endpoint, parse_s3_url
+from leap_io.object_store import ObjectNotFound, ObjectStore, check_endpoint, parse_s3_url
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +29,11 @@ _STORES_LOCK = threading.Lock()
 def store_at(endpoint_url: str | None) -> ObjectStore:
     """One client per endpoint for the process (boto3 clients are thread-safe; making one costs ~50 ms).
     None means `LEAP_S3_ENDPOINT_URL` as it is now (else AWS)."""
-    endpoint_url = check_endpoint(endpoint_url if endpoint_url is not None else os.environ.get(ENDPOINT_ENV))
+    if endpoint_url is None:
+        from leap_io.settings import read_settings
+
+        endpoint_url = read_settings().s3_endpoint_url
+    endpoint_url = check_endpoint(endpoint_url)
     with _STORES_LOCK:
         store = _STORES.get(endpoint_url)
         if store is None:
