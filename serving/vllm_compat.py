@@ -13,7 +13,6 @@ Sections: version; scheduler; engine; worker and model runner (capture).
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 # Minor versions whose internals this module was written against and tested on.
@@ -36,6 +35,12 @@ def is_supported(version: str) -> bool:
     return any(version == minor or version.startswith(minor + ".") for minor in SUPPORTED_MINOR_VERSIONS)
 
 
+def _allow_unknown() -> bool:
+    from leap_io.settings import read_settings
+
+    return read_settings().allow_unknown_vllm
+
+
 @functools.cache
 def check_version() -> str:
     """The installed vLLM version; raise UnsupportedVllmVersion on one this module does not know.
@@ -43,7 +48,7 @@ def check_version() -> str:
     `LEAP_ALLOW_UNKNOWN_VLLM=1` lets an operator try a newer vLLM at their own risk.
     """
     version = installed_version()
-    if not is_supported(version) and os.environ.get(ALLOW_UNKNOWN_ENV) != "1":
+    if not is_supported(version) and not _allow_unknown():
         raise UnsupportedVllmVersion(
             f"LEAP supports vLLM {', '.join(SUPPORTED_MINOR_VERSIONS)}.x; vLLM {version} is installed. "
             f"LEAP reads vLLM scheduler and model-runner internals (serving/vllm_compat.py) that change "

@@ -119,7 +119,9 @@ def _safe_id(text: str) -> str:
 
 def default_replica_id(port: int | None = None) -> str:
     """`LEAP_REPLICA_ID` if set, else the host name (and `port`, for several replicas on one host)."""
-    given = os.environ.get(REPLICA_ENV, "").strip()
+    from leap_io.settings import read_settings
+
+    given = (read_settings().replica_id or "").strip()
     if given:
         return _safe_id(given)
     host = socket.gethostname() or "host"
