@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -36,7 +34,7 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationInfo, field_valida
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from leap_core.gate_verdict import MARGIN, P95_BOUND
-from leap_io.durable import fsync_dir, write_text_durably
+from leap_io.admin_client import TOKEN_FILE_NAME, create_token_file
 from leap_io.object_store import check_endpoint, parse_s3_url
 from leap_io.paths import STACK_FOLDER
 from leap_io.pidfiles import service_pid
@@ -430,7 +428,7 @@ class LeapSettings(ServingSection, BaseSettings):
         if self.drift_state_path is None:
             self.drift_state_path = self.home / "drift" / "watch.json"
         if self.admin_token_file is None:
-            self.admin_token_file = str(self.home / "admin.token")
+            self.admin_token_file = str(self.home / TOKEN_FILE_NAME)
         if self.champion_url is None:
             self.champion_url = str(self.home / "champion")
         if self.admin_port is None:
@@ -523,7 +521,7 @@ class LeapSettings(ServingSection, BaseSettings):
             return self.admin_token
         path = Path(self.admin_token_file)
         if not path.exists():
-            _create_token_file(path)
+            create_token_file(path)
         token = path.read_text().strip()
         if not token:
             raise ValueError(f"the admin token file {path} is empty")
@@ -535,21 +533,3 @@ def read_settings() -> LeapSettings:
     names the setting (its variable is LEAP_ and the name in capitals)."""
     return LeapSettings()
 
-
-def _create_token_file(path: Path) -> None:
-    """A random admin token at `path`, readable by its owner alone from the first byte on.
-
-    The token is written whole under another name and linked in: a reader never sees a half-written
-    token, and of two processes creating it at once the first one's token stands (a link, unlike a
-    rename, never replaces a file that exists).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    aside = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}")
-    write_text_durably(aside, secrets.token_urlsafe(32), mode=0o600)
-    try:
-        os.link(aside, path)
-    except FileExistsError:
-        pass
-    finally:
-        aside.unlink()
-    fsync_dir(path.parent)
