@@ -8,7 +8,6 @@ model answers, in one shared JSONL schema. The shared data folder sits next to t
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -36,8 +35,9 @@ _REPO_ROOT = Path(__file__).resolve().parent.parent
 
 def shared_dir() -> Path | None:
     """The shared data folder: `$LEAP_SHARED` if set, else `../shared` beside the repository; None if absent."""
-    override = os.environ.get("LEAP_SHARED")
-    path = Path(override) if override else _REPO_ROOT.parent / "shared"
+    from leap_io.settings import read_settings
+
+    path = read_settings().shared or _REPO_ROOT.parent / "shared"
     return path if path.is_dir() else None
 
 

@@ -82,7 +82,7 @@ def build_engine(settings: EngineSettings, leap: LeapConfig | None, stock: bool 
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    leap = leap or LeapConfig()
+    leap = leap or LeapConfig.from_environment()
     kwargs: dict[str, Any] = dict(
         model=settings.model, max_model_len=settings.max_model_len, dtype=settings.dtype or "auto",
         enforce_eager=settings.enforce_eager, max_num_seqs=leap.max_resident,

@@ -31,11 +31,13 @@ from typing import Any
 
 import numpy as np
 
+from leap_io.settings import GATE_BLOCKS
+
 POLICY_ORDER = ("fcfs", "champion", "challenger")
 WARMUP_REQUESTS = 4
 CALIBRATION_TOKENS = 64  # the calibration run's lengths are capped: the step shapes are what the fit needs
 DECODE_SLOTS = 8  # K of the gate's engine: a slice of dozens of requests must queue for slots, as 512 do for 64
-BLOCKS = 2  # disjoint request blocks, one a repeat (the gate's default of 2 repeats)
+BLOCKS = GATE_BLOCKS  # disjoint request blocks, one a repeat (the gate's default of 2 repeats)
 MIN_BLOCK = 4  # requests a block holds at least: fewer requests make fewer blocks
 
 
