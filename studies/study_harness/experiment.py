@@ -58,7 +58,7 @@ def open_live(model_path: str | None = None, leap: LeapConfig | None = None, max
     """Prepare the model (or describe a given HF folder) and start an in-process engine on it."""
     model = resolve_model(model_path)
     # the replays force the corpus's recorded true lengths (ignore_eos): RLS may learn them
-    leap = (leap or LeapConfig()).model_copy(update={"rls_learns_forced_lengths": True})
+    leap = (leap or LeapConfig.from_environment()).model_copy(update={"rls_learns_forced_lengths": True})
     engine = build_engine(EngineSettings(model=model.path, max_model_len=max_model_len), leap, stock=stock)
     runtime = None if stock else leap_scheduler(engine).leap
     return LiveSetup(engine, runtime, model, max_tokens, dict(decoding or DEFAULT_DECODING))
