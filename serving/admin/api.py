@@ -1,7 +1,8 @@
 """The admin API of a serving process: readout push, current version and RLS stats, Prometheus metrics.
 
 A small threaded HTTP server inside the engine-core process, beside the scheduler that uses the readout,
-so a push takes effect at the next step without touching the OpenAI front end. Everything but
+so a push takes effect at the next step without touching the OpenAI front end. The paths and the RLS info
+header are `leap_io.admin_client`'s, which the flows' client builds its URLs from. Everything but
 `/leap/health` and `/metrics` needs `Authorization: Bearer <token>` (no token configured: refused with 403);
 every refusal is a JSON error and leaves the old readout serving.
 
@@ -41,6 +42,16 @@ from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from leap_io.admin_client import (
+    FCFS_PATH,
+    FEEDBACK_FLUSH_PATH,
+    HEALTH_PATH,
+    METRICS_PATH,
+    READOUT_PATH,
+    RLS_INFO_HEADER,
+    RLS_PATH,
+    SHADOW_PATH,
+)
 from serving.admin.connections import AdminConnections, DeadlinePassed, DeadlineReader
 from serving.readout.push import PushRefused
 from serving.supervise import SupervisedThread
@@ -56,11 +67,7 @@ DEFAULT_BODY_DEADLINE_S = 300.0
 _CHUNK = 1 << 20
 _DIGITS = re.compile(r"^[0-9]{1,19}$")
 _TRUE = ("1", "true", "yes", "on")
-RLS_PATH = "/leap/rls"
-FCFS_PATH = "/leap/fcfs"
-SHADOW_PATH = "/leap/shadow"
 MAX_SWITCH_BODY = 4096
-RLS_INFO_HEADER = "X-Leap-Rls"
 
 
 class AdminTarget(Protocol):
@@ -115,10 +122,10 @@ def health_answer(target: Any) -> tuple[int, dict]:
 
 def quick_answer(target: Any, path: str) -> tuple[int, str, bytes] | None:
     """The unauthenticated reads answered even when every handler slot is taken; None for anything else."""
-    if path == "/leap/health":
+    if path == HEALTH_PATH:
         status, payload = health_answer(target)
         return status, "application/json", json.dumps(payload, default=str).encode()
-    if path == "/metrics":
+    if path == METRICS_PATH:
         return 200, CONTENT_TYPE_LATEST, generate_latest(target.metrics_registry)
     return None
 
@@ -211,12 +218,12 @@ class _AdminHandler(BaseHTTPRequestHandler):
 
     def _get(self) -> None:
         path = urlsplit(self.path).path
-        if path == "/leap/health":
+        if path == HEALTH_PATH:
             self._health()
-        elif path == "/leap/readout":
+        elif path == READOUT_PATH:
             if self._authorized():  # versions, recipes, sources and RLS figures are the operators' business
                 self._reply(200, self.target.describe())
-        elif path == "/metrics":
+        elif path == METRICS_PATH:
             self._reply(200, generate_latest(self.target.metrics_registry), CONTENT_TYPE_LATEST)
         elif path == RLS_PATH:
             self._rls()
@@ -254,12 +261,12 @@ class _AdminHandler(BaseHTTPRequestHandler):
 
     def _post(self) -> None:
         split = urlsplit(self.path)
-        if split.path not in ("/leap/readout", "/leap/feedback/flush", FCFS_PATH, SHADOW_PATH):
+        if split.path not in (READOUT_PATH, FEEDBACK_FLUSH_PATH, FCFS_PATH, SHADOW_PATH):
             self._reply(404, {"error": f"no such endpoint: {split.path}"})
             return
         if not self._authorized():
             return
-        if split.path == "/leap/feedback/flush":
+        if split.path == FEEDBACK_FLUSH_PATH:
             try:
                 self._reply(200, self.target.flush_feedback())
             except Exception as exc:  # noqa: BLE001 - the writer says what is not on disk
