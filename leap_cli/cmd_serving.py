@@ -56,18 +56,15 @@ def serve(
         raise typer.BadParameter(f"expected one of {', '.join(ORDERS)}, got {order!r}", param_hint="--order")
     from harness.engine import engine_environment
     from harness.model_prep import prepare_model
+    from leap_io.admin_client import READOUT_PATH, TOKEN_FILE_NAME, create_token_file
     from leap_io.paths import state_dir, sub_dir
 
     engine_environment()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # the API server runs the engine in its own process
     model_path = model or prepare_model().path
-    token_file = Path(os.environ.get("LEAP_ADMIN_TOKEN_FILE", state_dir() / "admin.token"))
+    token_file = Path(os.environ.get("LEAP_ADMIN_TOKEN_FILE", state_dir() / TOKEN_FILE_NAME))
     if not token_file.exists() and not os.environ.get("LEAP_ADMIN_TOKEN"):
-        import secrets
-
-        from leap_io.durable import write_text_durably
-
-        write_text_durably(token_file, secrets.token_urlsafe(24), mode=0o600)
+        create_token_file(token_file)
     leap = {"policy": policy, "max_resident": max_resident, "decode_slots": decode_slots,
             "adaptive_slots": adaptive_slots,
             "waiting_cap": waiting_cap, "admin_port": admin_port, "admin_token_file": str(token_file),
@@ -97,5 +94,5 @@ def serve(
             "--served-model-name", Path(model_path).name,
             "--additional-config", json.dumps({"leap": leap}), *(extra or [])]
     console.print(f"[bold]leap serve[/]: OpenAI API on http://{host}:{port}/v1, admin on "
-                  f"http://127.0.0.1:{admin_port}/leap/readout")
+                  f"http://127.0.0.1:{admin_port}{READOUT_PATH}")
     os.execv(argv[0], argv)
