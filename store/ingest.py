@@ -14,22 +14,11 @@ hashing it. A segment whose stamp changed is read and checked as before (new con
 path is still caught); one without a stamp (a source that cannot say) is always read.
 
 Segments are isolated from each other: bad input in one segment never aborts the run or blocks the
-next one. What cannot be parsed is recorded `unreadable`; a segment whose processing raises (an
-Arrow or database error, a value no check foresaw) is rolled back alone and recorded `failed` with
-reason `segment_error` and the error, while the other segments of the run (and of its transaction
-group) are ingested. Both get one quarantine row (row_index -1) and a ledger row with zero counts, so
-later runs skip them; `retry_failed` tries `failed` ones again (after a fix). Errors of the
-environment rather than of the segment (memory exhausted, and those the store's writer names: a full
-disk, a DuckDB fatal error, a lost PostgreSQL connection) still end the run: quarantining every
-segment of a full disk would be wrong.
-
-A segment's content never changes once renamed. When it does:
-- the path was recorded `unreadable` or `failed` (nothing of it was ingested): the new content is
-  ingested and replaces the ledger row (a repaired file);
-- the path was ingested (`ok`): the new content is NOT ingested, since its rows would be counted
-  against a ledger row that describes other rows; it is quarantined with reason
-  `checksum_changed` (one quarantine row, and a `changed_segments` row keyed by path and checksum,
-  so later runs skip it). The rows ingested from the first content stay, as do their ledger counts.
+next one; what cannot be parsed, a segment whose processing raises, and new content at an ingested path
+are quarantined whole (`store.ingest_outcomes` says how each is recorded). Errors of the environment
+rather than of the segment (memory exhausted, and those the store's writer names: a full disk, a DuckDB
+fatal error, a lost PostgreSQL connection) still end the run: quarantining every segment of a full disk
+would be wrong.
 
 Rows are judged by `store.validation` (capture recipes, finish reasons, every quarantine reason) and
 written through the store's `store.protocol.StoreWriter`: the DuckDB file's, or PostgreSQL's, whose
@@ -56,26 +45,46 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
-from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from leap_io.feedback_schema import META_REPLICA_ID, NOT_TRAINING_FINISH_REASONS
+from leap_io.feedback_schema import META_REPLICA_ID
 from leap_io.object_store import is_object_url
+from store.ingest_outcomes import (
+    REASON_CHECKSUM_CHANGED,
+    REASON_SEGMENT_ERROR,
+    REASON_UNREADABLE,
+    STATUS_CHECKSUM_CHANGED,
+    STATUS_FAILED,
+    STATUS_OK,
+    STATUS_UNREADABLE,
+    STATUS_VANISHED,
+    Crash,
+    IngestReport,
+    StageHook,
+    not_trainable_counts,
+    record_changed,
+    record_failed,
+    record_unreadable,
+    run_hook,
+    skipped,
+    totals,
+    utc_now,
+    write_ledger,
+)
 from store.protocol import Ledger, SpaceKey, Stamps, Store, StoreWriter
 from store.row_masks import rows_where
-from store.validation import JudgedSegment, quarantine_json
+from store.validation import JudgedSegment
 
-__all__ = [
+__all__ = [  # the outcomes' names too: callers take the whole ingest API from here
     "REASON_CHECKSUM_CHANGED",
     "REASON_SEGMENT_ERROR",
     "REASON_UNREADABLE",
@@ -94,16 +103,6 @@ __all__ = [
     "totals",
 ]
 
-STATUS_OK = "ok"
-STATUS_UNREADABLE = "unreadable"
-STATUS_FAILED = "failed"
-STATUS_CHECKSUM_CHANGED = "checksum_changed"
-STATUS_VANISHED = "vanished"  # listed, then gone before it was read: nothing to record
-
-REASON_UNREADABLE = "unreadable_segment"
-REASON_SEGMENT_ERROR = "segment_error"
-REASON_CHECKSUM_CHANGED = "checksum_changed"
-
 _WRITER_NAME = re.compile(r"^feedback-\d{8}T\d{6}-(?P<replica>.+)-\d{6}-[0-9a-f]+\.parquet$")
 """A segment name as serving.feedback.writer.FeedbackWriter makes it; the replica id sits between fixed fields."""
 
@@ -111,122 +110,15 @@ QUARANTINE_DIR = "quarantine"
 """A sub-folder of the feedback folder that ingest never reads (the writer sets bad files aside there)."""
 
 
-@dataclass(frozen=True)
-class IngestReport:
-    """What one segment contributed; for a skipped segment every count is zero.
-
-    `status` is ok, unreadable, failed or checksum_changed (the last three with `reason` and
-    `error`); `not_trainable` counts the accepted rows of each finish reason that is not a training
-    label; `replica_id` is the sub-folder the segment came from (None at the top level).
-    """
-
-    segment: str
-    checksum: str
-    rows_read: int
-    accepted: int
-    quarantined: int
-    duplicates: int
-    skipped: bool = False
-    status: str = STATUS_OK
-    reason: str | None = None
-    error: str | None = None
-    not_trainable: Mapping[str, int] = field(default_factory=dict)
-    replica_id: str | None = None
-
-
-class _Crash(BaseException):
-    """An exception of the test hook: it stands for the process dying, so no isolation may catch it."""
-
-    def __init__(self, error: BaseException) -> None:
-        super().__init__(error)
-        self.error = error
-
-
-StageHook = Callable[[str], None]
-"""Called inside the transaction after each write ("requests", "features", "quarantine", "ledger")."""
-
-
-def _now() -> datetime:
-    return datetime.now(UTC).replace(tzinfo=None)
-
-
 def _checksum(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _stage(hook: StageHook | None, name: str) -> None:
-    if hook is not None:
-        try:
-            hook(name)
-        except Exception as error:
-            raise _Crash(error) from error
-
-
-def _error_text(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"[:2000]
-
-
-def _write_ledger(writer: StoreWriter, report: IngestReport, now: datetime) -> None:
-    writer.write_ledger(report.segment, report.checksum,
-                        (report.rows_read, report.accepted, report.quarantined, report.duplicates), report.status, now)
-
-
-def _quarantine_whole(writer: StoreWriter, read: _ReadSegment, status: str, reason: str, error: BaseException,
-                      detail: Mapping[str, Any], hook: StageHook | None) -> IngestReport:
-    """Record a segment none of whose rows is stored: one quarantine row (row_index -1) standing for it,
-    and a ledger row with zero counts, so later runs skip it."""
-    now = _now()
-    if read.replaces:  # a repaired file replaces what its earlier version left in quarantine
-        writer.clear_segment_quarantine(read.segment)
-    writer.quarantine_segment(read.segment, reason, quarantine_json(dict(detail)), now)
-    _stage(hook, "quarantine")
-    report = IngestReport(read.segment, read.checksum, 0, 0, 0, 0, status=status, reason=reason,
-                          error=_error_text(error), replica_id=read.replica_id)
-    _write_ledger(writer, report, now)
-    _stage(hook, "ledger")
-    return report
-
-
-def _ingest_unreadable(writer: StoreWriter, read: _ReadSegment, hook: StageHook | None) -> IngestReport:
-    """Record a segment nothing can be read from: no row is known, so none is counted."""
-    return _quarantine_whole(writer, read, STATUS_UNREADABLE, REASON_UNREADABLE, read.error,
-                             {"error": _error_text(read.error)}, hook)
-
-
-def _record_failed(writer: StoreWriter, read: _ReadSegment, error: BaseException, stage: str) -> IngestReport:
-    """Record a segment whose processing raised: nothing of it is stored, later runs skip it."""
-    rows = read.judged.n if read.judged is not None else read.rows
-    return _quarantine_whole(writer, read, STATUS_FAILED, REASON_SEGMENT_ERROR, error,
-                             {"error": _error_text(error), "stage": stage, "rows": rows, "replica_id": read.replica_id},
-                             None)
-
-
-def _record_changed(writer: StoreWriter, read: _ReadSegment) -> IngestReport:
-    """Quarantine new content at the path of a segment already ingested, without ingesting any of it."""
-    now = _now()
-    detail = {"checksum": read.checksum, "ingested_checksum": read.changed_from, "size_bytes": read.size_bytes,
-              "replica_id": read.replica_id}
-    writer.quarantine_segment(read.segment, REASON_CHECKSUM_CHANGED, quarantine_json(detail), now)
-    writer.record_changed(read.segment, read.checksum, read.changed_from, read.size_bytes, now)
-    return IngestReport(read.segment, read.checksum, 0, 0, 0, 0, status=STATUS_CHECKSUM_CHANGED,
-                        reason=REASON_CHECKSUM_CHANGED,
-                        error=f"the segment was ingested with checksum {read.changed_from}; its content changed since",
-                        replica_id=read.replica_id)
-
-
-def _not_trainable(rows: pa.Table) -> dict[str, int]:
-    """Accepted rows of each finish reason that is not a training label."""
-    if not rows.num_rows:
-        return {}
-    counts = pc.value_counts(rows.column("finish_reason")).to_pylist()
-    return {item["values"]: int(item["counts"]) for item in counts if item["values"] in NOT_TRAINING_FINISH_REASONS}
-
-
-def _ingest_table(writer: StoreWriter, read: _ReadSegment, known_dims: Mapping[SpaceKey, int],
+def _ingest_table(writer: StoreWriter, read: ReadSegment, known_dims: Mapping[SpaceKey, int],
                   hook: StageHook | None) -> tuple[IngestReport, dict[SpaceKey, int]]:
     """Write one judged segment; also returns the dims it stored for each feature space."""
     segment, judged = read.segment, read.judged
-    now = _now()
+    now = utc_now()
     if read.replaces:  # a repaired file replaces what its earlier version left in quarantine
         writer.clear_segment_quarantine(segment)
     codes, spaces = judged.feature_spaces()
@@ -237,13 +129,13 @@ def _ingest_table(writer: StoreWriter, read: _ReadSegment, known_dims: Mapping[S
     rows = judged.accepted_rows(firsts)
     writer.prepare_features(rows, judged.dim or 0, segment, read.checksum)
     inserted = writer.insert_requests(rows, segment, now, read.replica_id)  # the others: ids already stored
-    _stage(hook, "requests")
+    run_hook(hook, "requests")
     writer.insert_features(rows, inserted, judged.dim or 0, judged.recipe)
-    _stage(hook, "features")
+    run_hook(hook, "features")
     quarantine = judged.quarantine_rows(segment)
     if quarantine.num_rows:
         writer.insert_quarantine(quarantine, now)
-    _stage(hook, "quarantine")
+    run_hook(hook, "quarantine")
 
     accepted = np.zeros(judged.n, dtype=bool)
     accepted[np.flatnonzero(firsts)[inserted]] = True
@@ -253,10 +145,10 @@ def _ingest_table(writer: StoreWriter, read: _ReadSegment, known_dims: Mapping[S
     n_quarantined = quarantine.num_rows
     stored = rows_where(rows, inserted)
     report = IngestReport(segment, read.checksum, judged.n, n_accepted, n_quarantined,
-                          judged.n - n_accepted - n_quarantined, not_trainable=_not_trainable(stored),
+                          judged.n - n_accepted - n_quarantined, not_trainable=not_trainable_counts(stored),
                           replica_id=read.replica_id)
-    _write_ledger(writer, report, now)
-    _stage(hook, "ledger")
+    write_ledger(writer, report, now)
+    run_hook(hook, "ledger")
     return report, dims
 
 
@@ -321,7 +213,7 @@ class SegmentFile:
 
 
 @dataclass
-class _ReadSegment:
+class ReadSegment:
     """A segment read from disk and judged on its own, ready for the writing connection."""
 
     segment: str
@@ -339,7 +231,7 @@ class _ReadSegment:
 
 
 def _read_segment(source: SegmentSource, ledger: Ledger, changed: set[tuple[str, str]], retry_failed: bool,
-                  run_errors: tuple[type[BaseException], ...], stamps: Stamps | None = None) -> _ReadSegment:
+                  run_errors: tuple[type[BaseException], ...], stamps: Stamps | None = None) -> ReadSegment:
     """Read, checksum, parse and judge one segment; runs on the read-ahead thread (no store access).
 
     `ledger` maps each segment already ingested to (checksum, status), `changed` holds the
@@ -353,18 +245,18 @@ def _read_segment(source: SegmentSource, ledger: Ledger, changed: set[tuple[str,
     stamp = stamp_of(source)
     known = (stamps or {}).get(segment) if stamp is not None else None
     if known is not None and known[0] == stamp and not (retry_failed and known[2] == STATUS_FAILED):
-        return _ReadSegment(segment, known[1], replica, skip_status=known[2])  # stamp already recorded
+        return ReadSegment(segment, known[1], replica, skip_status=known[2])  # stamp already recorded
     try:
         data = source.read_bytes()
     except FileNotFoundError:
-        return _ReadSegment(segment, "", replica, skip_status=STATUS_VANISHED)
+        return ReadSegment(segment, "", replica, skip_status=STATUS_VANISHED)
     checksum = _checksum(data)
     seen = ledger.get(segment)
     if seen is not None and seen[0] == checksum and not (retry_failed and seen[1] == STATUS_FAILED):
-        return _ReadSegment(segment, checksum, replica, skip_status=seen[1], stamp=stamp)
+        return ReadSegment(segment, checksum, replica, skip_status=seen[1], stamp=stamp)
     if (segment, checksum) in changed:
-        return _ReadSegment(segment, checksum, replica, skip_status=STATUS_CHECKSUM_CHANGED, stamp=stamp)
-    read = _ReadSegment(segment, checksum, replica, size_bytes=len(data), replaces=seen is not None, stamp=stamp)
+        return ReadSegment(segment, checksum, replica, skip_status=STATUS_CHECKSUM_CHANGED, stamp=stamp)
+    read = ReadSegment(segment, checksum, replica, size_bytes=len(data), replaces=seen is not None, stamp=stamp)
     if seen is not None and seen[1] == STATUS_OK:
         read.replaces, read.changed_from = False, seen[0]
         return read
@@ -400,12 +292,7 @@ def _replica_of(name: str, metadata: Mapping[bytes, bytes]) -> str | None:
     return match.group("replica") if match else None
 
 
-def _skipped(read: _ReadSegment) -> IngestReport:
-    return IngestReport(read.segment, read.checksum, 0, 0, 0, 0, skipped=True, status=read.skip_status,
-                        replica_id=read.replica_id)
-
-
-def _as_claimed(read: _ReadSegment, seen: tuple[str, str] | None, changed: bool, retry_failed: bool) -> _ReadSegment:
+def _as_claimed(read: ReadSegment, seen: tuple[str, str] | None, changed: bool, retry_failed: bool) -> ReadSegment:
     """`read` decided again against its ledger row as it is now, under the segment's lock: another
     writer may have ingested it (or quarantined its content as changed) since this run's snapshot."""
     if changed:
@@ -419,7 +306,7 @@ def _as_claimed(read: _ReadSegment, seen: tuple[str, str] | None, changed: bool,
     return replace(read, replaces=True)
 
 
-def _write_segment(writer: StoreWriter, read: _ReadSegment, known_dims: Mapping[SpaceKey, int],
+def _write_segment(writer: StoreWriter, read: ReadSegment, known_dims: Mapping[SpaceKey, int],
                    hook: StageHook | None, retry_failed: bool = False) -> tuple[IngestReport, dict[SpaceKey, int]]:
     """Write one read segment inside the open transaction (raises if writing it fails), and its stamp."""
     report, dims = _write_outcome(writer, read, known_dims, hook, retry_failed)
@@ -428,18 +315,18 @@ def _write_segment(writer: StoreWriter, read: _ReadSegment, known_dims: Mapping[
     return report, dims
 
 
-def _write_outcome(writer: StoreWriter, read: _ReadSegment, known_dims: Mapping[SpaceKey, int],
+def _write_outcome(writer: StoreWriter, read: ReadSegment, known_dims: Mapping[SpaceKey, int],
                    hook: StageHook | None, retry_failed: bool) -> tuple[IngestReport, dict[SpaceKey, int]]:
     if writer.concurrent:
         read = _as_claimed(read, *writer.claim(read.segment, read.checksum), retry_failed)
         if read.skip_status is not None:
-            return _skipped(read), {}
+            return skipped(read), {}
     if read.changed_from is not None:
-        return _record_changed(writer, read), {}
+        return record_changed(writer, read), {}
     if read.failure is not None:
-        return _record_failed(writer, read, read.failure, "judge"), {}
+        return record_failed(writer, read, read.failure, "judge"), {}
     if read.judged is None:
-        return _ingest_unreadable(writer, read, hook), {}
+        return record_unreadable(writer, read, hook), {}
     return _ingest_table(writer, read, known_dims, hook)
 
 
@@ -448,14 +335,14 @@ def _run_errors(writer: StoreWriter) -> tuple[type[BaseException], ...]:
     return (MemoryError, *writer.environment_errors)
 
 
-def _write_alone(writer: StoreWriter, read: _ReadSegment, known_dims: dict[SpaceKey, int],
+def _write_alone(writer: StoreWriter, read: ReadSegment, known_dims: dict[SpaceKey, int],
                  hook: StageHook | None, retry_failed: bool = False) -> IngestReport:
     """Write one segment in a transaction of its own; if writing it raises, record it failed instead."""
     writer.begin()
     try:
         report, dims = _write_segment(writer, read, known_dims, hook, retry_failed)
         writer.commit()
-    except (_Crash, *_run_errors(writer)):
+    except (Crash, *_run_errors(writer)):
         writer.rollback()
         raise
     except Exception as error:  # noqa: BLE001  (isolation: this segment fails, the run goes on)
@@ -465,9 +352,9 @@ def _write_alone(writer: StoreWriter, read: _ReadSegment, known_dims: dict[Space
             if writer.concurrent:  # hold the segment while recording it, as a write would
                 read = _as_claimed(read, *writer.claim(read.segment, read.checksum), retry_failed)
             if read.skip_status is not None:
-                report, dims = _skipped(read), {}
+                report, dims = skipped(read), {}
             else:
-                report, dims = _record_failed(writer, read, error, "write"), {}
+                report, dims = record_failed(writer, read, error, "write"), {}
             if read.stamp is not None:
                 writer.write_stamp(read.segment, read.stamp, read.checksum, report.status)
             writer.commit()
@@ -478,7 +365,7 @@ def _write_alone(writer: StoreWriter, read: _ReadSegment, known_dims: dict[Space
     return report
 
 
-def _record_stamps(writer: StoreWriter, reads: Sequence[_ReadSegment]) -> None:
+def _record_stamps(writer: StoreWriter, reads: Sequence[ReadSegment]) -> None:
     """Record the stamps of segments skipped by their checksum, in one short transaction (in segment
     order, so concurrent runs never deadlock). Losing them costs one more read of each next run."""
     if not reads:
@@ -505,11 +392,11 @@ def _ingest_paths(writer: StoreWriter, sources: Sequence[SegmentSource], hook: S
     """
     ledger, changed, known_dims = writer.snapshot()
     stamps = writer.stamps()
-    unstamped: list[_ReadSegment] = []  # skipped by their checksum: their stamps are recorded at the end
+    unstamped: list[ReadSegment] = []  # skipped by their checksum: their stamps are recorded at the end
     run_errors = _run_errors(writer)
     pending_dims: dict[SpaceKey, int] = {}  # written by the open transaction
     reports: list[IngestReport] = []
-    group: list[tuple[_ReadSegment, int]] = []  # segments written in the open transaction, with their report's index
+    group: list[tuple[ReadSegment, int]] = []  # segments written in the open transaction, with their report's index
     rows_in_transaction = 0
 
     def read_ahead(index: int) -> Future | None:
@@ -525,7 +412,7 @@ def _ingest_paths(writer: StoreWriter, sources: Sequence[SegmentSource], hook: S
                 ahead = read_ahead(index + 1)
                 if read.skip_status is not None:
                     if read.skip_status != STATUS_VANISHED:
-                        reports.append(_skipped(read))
+                        reports.append(skipped(read))
                     if read.stamp is not None and read.skip_status != STATUS_VANISHED:
                         unstamped.append(read)
                     continue
@@ -534,7 +421,7 @@ def _ingest_paths(writer: StoreWriter, sources: Sequence[SegmentSource], hook: S
                 group.append((read, len(reports)))
                 try:
                     report, dims = _write_segment(writer, read, {**known_dims, **pending_dims}, hook, retry_failed)
-                except (_Crash, *run_errors):
+                except (Crash, *run_errors):
                     raise
                 except Exception:  # noqa: BLE001  (isolation: redo the group without this segment)
                     writer.rollback()
@@ -562,7 +449,7 @@ def _ingest_paths(writer: StoreWriter, sources: Sequence[SegmentSource], hook: S
                 writer.rollback()
             if ahead is not None:
                 ahead.cancel()
-            if isinstance(error, _Crash):
+            if isinstance(error, Crash):
                 raise error.error from None
             raise
     return reports
@@ -646,28 +533,3 @@ def ingest_folder(store: Store, folder: str | Path | None = None, *, transaction
                            _after_stage=_after_stage)
 
 
-def totals(reports: Iterable[IngestReport]) -> dict[str, Any]:
-    """Summed counts of several reports (they reconcile as each report does).
-
-    `failed`, `unreadable` and `checksum_changed` count the segments of this run quarantined
-    whole (not those skipped because an earlier run did); `not_trainable` sums the accepted rows
-    of each finish reason that is not a training label.
-    """
-    reports = list(reports)
-    not_trainable: dict[str, int] = {}
-    for report in reports:
-        for reason, count in report.not_trainable.items():
-            not_trainable[reason] = not_trainable.get(reason, 0) + int(count)
-    fresh = [report for report in reports if not report.skipped]
-    return {
-        "segments": len(reports),
-        "skipped": sum(report.skipped for report in reports),
-        "rows_read": sum(report.rows_read for report in reports),
-        "accepted": sum(report.accepted for report in reports),
-        "quarantined": sum(report.quarantined for report in reports),
-        "duplicates": sum(report.duplicates for report in reports),
-        "failed": sum(report.status == STATUS_FAILED for report in fresh),
-        "unreadable": sum(report.status == STATUS_UNREADABLE for report in fresh),
-        "checksum_changed": sum(report.status == STATUS_CHECKSUM_CHANGED for report in fresh),
-        "not_trainable": dict(sorted(not_trainable.items())),
-    }
