@@ -227,13 +227,13 @@ def test_a_version_2_store_migrates_and_its_rows_are_last_at_their_layer(tmp_pat
 
 def test_settings_read_candidate_recipes_and_refuse_bad_ones(monkeypatch):
     monkeypatch.setenv("LEAP_RECIPES", "last@17, last@17+mean@17+prompt,last@17")
-    assert PipelineSettings().recipes == ["last@17", "last@17+mean@17+prompt"]
+    assert PipelineSettings().recipes == ("last@17", "last@17+mean@17+prompt")  # serving's type: one setting
     monkeypatch.setenv("LEAP_RECIPES", '["mean@3"]')
-    assert PipelineSettings().recipes == ["mean@3"]
+    assert PipelineSettings().recipes == ("mean@3",)
     monkeypatch.setenv("LEAP_RECIPES", "")
-    assert PipelineSettings().recipes is None
+    assert PipelineSettings().recipes == ()
     monkeypatch.delenv("LEAP_RECIPES")
-    assert PipelineSettings().recipes is None
+    assert PipelineSettings().recipes == ()
     monkeypatch.setenv("LEAP_RECIPES", "last@17,last@x")
     with pytest.raises(ValidationError, match="last@x"):
         PipelineSettings()
