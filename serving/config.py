@@ -22,7 +22,9 @@ registered ones) rank by their predictions: countdown by predicted remaining len
 of the remaining length under the serving readout's length distribution (`leap_core.gittins`; countdown
 while the readout carries none, see `serving.decode_steps`). "oracle" and "client" always count down.
 
-Refresh (`refresh_at` with `refresh_readout_path`, serving/refresh.py) is off unless both are set.
+Serving no longer refreshes predictions (serving/refresh.py is gone): `refresh_at` and
+`refresh_readout_path` are still read, and a process given both says at start that it ignores them
+(`serving.worker`).
 """
 
 from __future__ import annotations
