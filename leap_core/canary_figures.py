@@ -5,7 +5,7 @@ groups of finished requests are independent samples of one stream. For each grou
 prediction at admission with the true length, the MAE in tokens, and the mean per-token latency
 (finish minus arrival over output tokens). The canaries' figure is set against the rest's as a
 difference (Spearman, MAE) or a ratio (mean PTL), each with a bootstrap interval that resamples the two
-groups independently (`n_boot` replicates, percentile interval at `level`).
+groups independently (`leap_core.intervals`: `n_boot` replicates, percentile interval at `level`).
 
 The canaries are **worse** when an interval says so: Spearman lower (the difference's upper end below
 0), MAE higher (its lower end above 0), or mean PTL more than `ptl_bound` higher (the ratio's lower end
@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import ArrayLike
 
+from leap_core.intervals import percentile_interval, resample_rows
 from leap_core.metrics import mae_batch, spearman_batch
 
 
@@ -27,15 +28,6 @@ def _group(true: ArrayLike, pred: ArrayLike, ptl: ArrayLike) -> tuple[np.ndarray
         raise ValueError(f"true, pred and ptl differ in length: {t.size}, {p.size}, {latency.size}")
     keep = np.isfinite(t) & np.isfinite(p) & np.isfinite(latency)
     return t[keep], p[keep], latency[keep]
-
-
-def _interval(replicates: np.ndarray, value: float, level: float) -> dict[str, float]:
-    tail = (1.0 - level) / 2.0 * 100.0
-    finite = replicates[np.isfinite(replicates)]
-    if finite.size == 0:
-        return {"value": value, "ci_low": float("nan"), "ci_high": float("nan")}
-    low, high = np.percentile(finite, [tail, 100.0 - tail])
-    return {"value": value, "ci_low": float(low), "ci_high": float(high)}
 
 
 def canary_figures(canary: tuple[ArrayLike, ArrayLike, ArrayLike], rest: tuple[ArrayLike, ArrayLike, ArrayLike],
@@ -48,7 +40,7 @@ def canary_figures(canary: tuple[ArrayLike, ArrayLike, ArrayLike], rest: tuple[A
     if min(sizes.values()) < 2:
         raise ValueError(f"each group needs at least 2 finished requests, got {sizes}")
     rng = np.random.default_rng(seed)
-    draws = {name: rng.integers(0, sizes[name], size=(n_boot, sizes[name])) for name in groups}
+    draws = {name: resample_rows(sizes[name], n_boot, rng) for name in groups}
     point, boot = {}, {}
     for name, (t, p, latency) in groups.items():
         index = draws[name]
@@ -58,12 +50,13 @@ def canary_figures(canary: tuple[ArrayLike, ArrayLike, ArrayLike], rest: tuple[A
                       "mean_ptl": latency[index].mean(axis=1)}
     for figure in ("spearman", "mae"):
         figures[figure] = {"canary": point["canary"][figure], "rest": point["rest"][figure],
-                           "difference": _interval(boot["canary"][figure] - boot["rest"][figure],
-                                                   point["canary"][figure] - point["rest"][figure], level)}
+                           "difference": percentile_interval(point["canary"][figure] - point["rest"][figure],
+                                                             boot["canary"][figure] - boot["rest"][figure], level)}
     with np.errstate(divide="ignore", invalid="ignore"):
         ratios = boot["canary"]["mean_ptl"] / boot["rest"]["mean_ptl"]
     figures["mean_ptl"] = {"canary": point["canary"]["mean_ptl"], "rest": point["rest"]["mean_ptl"],
-                           "ratio": _interval(ratios, point["canary"]["mean_ptl"] / point["rest"]["mean_ptl"], level)}
+                           "ratio": percentile_interval(point["canary"]["mean_ptl"] / point["rest"]["mean_ptl"], ratios,
+                                                        level)}
     worse = []
     if figures["spearman"]["difference"]["ci_high"] < 0.0:
         worse.append("spearman")

@@ -2,7 +2,8 @@
 
 The replays (`harness.gate_replay`) give each arm's per-request PTL over the same (request, repeat)
 pairs. The verdict is the ratio of the challenger's mean PTL to the bar's (the champion, or FCFS when
-there is none) with a bootstrap interval over requests, each request resampled with all its repeats.
+there is none) with a bootstrap interval over requests, each request resampled with all its repeats
+(`leap_core.intervals`).
 It has three outcomes:
 
 - **better**: the interval lies below 1 and the ratio is at least `margin` below 1;
@@ -28,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from leap_core.intervals import bootstrap_ci, ratio_over_requests
 
 LONG_QUANTILE = 0.75
 MARGIN = 0.02  # better needs the ratio at least this far below 1
@@ -55,7 +57,6 @@ def _long_p95_interval(bar_ptl: np.ndarray, ch_ptl: np.ndarray, long: np.ndarray
                        seed: int, level: float) -> dict[str, float]:
     """The longest quartile's P95 PTL, challenger over bar, with a bootstrap interval that resamples the long
     requests, each with all its repeats (one request's repeats are not independent samples)."""
-    from leap_core.metrics import bootstrap_ci  # scipy: the settings import this module's defaults
     bar_long = bar_ptl.reshape(repeats, -1)[:, long]  # (repeats, long requests)
     ch_long = ch_ptl.reshape(repeats, -1)[:, long]
 
@@ -80,8 +81,6 @@ def gate_verdict(results: Mapping[str, Mapping[str, Any] | None], margin: float 
     figures are the repeats one after another, so entry i is request i % (size / repeats). Missing or
     non-finite figures, or replays of different requests, fail the gate rather than raise.
     """
-    from leap_core.metrics import ratio_over_requests
-
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
     if not p95_bound > 0.0:

@@ -32,7 +32,8 @@ from numpy.typing import ArrayLike
 
 from leap_core import targets as targets_module  # `targets` is validate_recipes' argument
 from leap_core.alpha import ALPHAS, held_out_path, kfold
-from leap_core.metrics import bootstrap_replicates, censor, censored_spearman, percentile_interval, spearman_difference
+from leap_core.intervals import bootstrap_replicates, percentile_interval
+from leap_core.metrics import censor, censored_spearman, spearman_difference
 
 N_SE = 1.0
 """Standard errors of its gap to the best a smaller recipe may trail by and still be chosen (0: the best wins)."""

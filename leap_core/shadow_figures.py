@@ -5,7 +5,7 @@ predictions and, once it finished, its true length. Over those requests: the Spe
 with the length, the MAE in tokens, and the pairwise order accuracy (of two requests of different length,
 the share the prediction puts in the right order, a tie counting half: what shortest-predicted-first
 needs; it is (1 + Somers' D) / 2). Each figure is given for both readouts and as the shadow's minus the
-served one's, with a paired bootstrap interval over requests (`leap_core.metrics.bootstrap_ci`, the same
+served one's, with a paired bootstrap interval over requests (`leap_core.intervals.bootstrap_ci`, the same
 replicates for every figure).
 
 The shadow is **worse** when an interval says so: its Spearman or its order accuracy lower (the
@@ -20,7 +20,8 @@ from collections.abc import Callable
 import numpy as np
 from numpy.typing import ArrayLike
 
-from leap_core.metrics import bootstrap_ci, mae_batch, spearman_batch
+from leap_core.intervals import bootstrap_ci
+from leap_core.metrics import mae_batch, spearman_batch
 
 PAIRWISE_ROWS = 1024
 """Rows the order accuracy's bootstrap draws on at most (each replicate compares every pair: n^2 cells);

@@ -194,7 +194,8 @@ def test_eval_transfer_command_takes_any_prompt_file(all_layers, prompt_file):
 def test_simulated_studies_on_the_small_real_corpus(all_layers, prompt_file):
     from evaluation.corpora import load_or_build
     from evaluation.data import length_data
-    from evaluation.simulated import run_load, run_tail
+    from evaluation.simulated_load import run_load
+    from evaluation.simulated_tail import run_tail
     from evaluation.transfer import fit_leap
     from leap_core.simulator import StepTimeModel
     from harness.datasets import load_prompts

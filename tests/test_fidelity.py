@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from evaluation.fidelity import (compare, loop_periods, mean_interval, paired_ratio, ratio_pairs, relative_errors,
+from evaluation.fidelity import (compare, loop_periods, paired_ratio, ratio_pairs, relative_errors,
                                  steady_rate)
 
 
@@ -21,16 +21,6 @@ def test_steady_rate_counts_the_middle_half_of_completions():
     assert steady_rate(finish) == pytest.approx(2.0)  # the window lies inside the steady stretch
     with pytest.raises(ValueError, match="steady window"):
         steady_rate(np.ones(8))
-
-
-def test_mean_interval_is_a_t_interval_over_runs():
-    from scipy import stats
-
-    values = [4.0, 5.0, 6.0]
-    interval = mean_interval(values)
-    half = stats.t.ppf(0.975, 2) * 1.0 / np.sqrt(3)
-    assert interval == pytest.approx({"value": 5.0, "ci_low": 5.0 - half, "ci_high": 5.0 + half})
-    assert np.isnan(mean_interval([3.0])["ci_low"])
 
 
 def test_paired_ratio_resamples_repeats_then_requests():

@@ -129,7 +129,8 @@ def _study_pool(seed: int, n: int = 300):
 
 
 def test_the_load_study_reports_the_gittins_arm_beside_countdown():
-    from evaluation.simulated import Order, run_load
+    from evaluation.simulated_load import run_load
+    from evaluation.simulation import Order
 
     prompt, out, predicted, dist = _study_pool(seed=0)
     gittins = Order("leap", "gittins_over_countdown", overrides={"distribution": dist})
@@ -164,7 +165,8 @@ def test_the_load_study_reports_the_gittins_arm_beside_countdown():
 
 
 def test_the_tail_guard_takes_the_cheapest_knob_that_meets_the_goal_on_its_validation_pool():
-    from evaluation.simulated import TAIL_GOAL, TAIL_MEAN_GOAL, Order, choose_tail_guard
+    from evaluation.simulated_load import choose_tail_guard
+    from evaluation.simulation import TAIL_GOAL, TAIL_MEAN_GOAL, Order
 
     prompt, out, predicted, dist = _study_pool(seed=7)
     guard = choose_tail_guard(prompt, out, predicted, StepTimeModel(),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from leap_core import metrics
+from leap_core import intervals, metrics
 from leap_core.noise import noisy_predictions
 
 
@@ -37,7 +37,7 @@ def test_bootstrap_interval_covers_the_population_spearman():
     covered = 0
     for seed in range(20):
         x, y = _population_sample(300, RHO, seed)
-        figure = metrics.bootstrap_ci(metrics.spearman_batch, x, y, n_boot=500, seed=seed, vectorized=True)
+        figure = intervals.bootstrap_ci(metrics.spearman_batch, x, y, n_boot=500, seed=seed, vectorized=True)
         assert figure["value"] == pytest.approx(metrics.spearman(x, y))
         assert figure["ci_low"] < figure["value"] < figure["ci_high"]
         covered += figure["ci_low"] <= TRUE_SPEARMAN <= figure["ci_high"]
@@ -48,26 +48,26 @@ def test_bootstrap_interval_narrows_like_one_over_root_n():
     widths = {}
     for n in (100, 1600):
         x, y = _population_sample(n, RHO, seed=n)
-        figure = metrics.bootstrap_ci(metrics.spearman_batch, x, y, n_boot=1000, vectorized=True)
+        figure = intervals.bootstrap_ci(metrics.spearman_batch, x, y, n_boot=1000, vectorized=True)
         widths[n] = figure["ci_high"] - figure["ci_low"]
     assert 2.5 < widths[100] / widths[1600] < 6.0  # sqrt(16) = 4
 
 
 def test_vectorised_and_plain_statistics_draw_the_same_replicates():
     x, y = _population_sample(150, RHO, seed=3)
-    fast = metrics.bootstrap_ci(metrics.spearman_batch, x, y, n_boot=300, seed=5, vectorized=True)
-    slow = metrics.bootstrap_ci(metrics.spearman, x, y, n_boot=300, seed=5)
+    fast = intervals.bootstrap_ci(metrics.spearman_batch, x, y, n_boot=300, seed=5, vectorized=True)
+    slow = intervals.bootstrap_ci(metrics.spearman, x, y, n_boot=300, seed=5)
     assert fast == pytest.approx(slow, rel=1e-12)
-    other_seed = metrics.bootstrap_ci(metrics.spearman, x, y, n_boot=300, seed=6)
+    other_seed = intervals.bootstrap_ci(metrics.spearman, x, y, n_boot=300, seed=6)
     assert other_seed["value"] == slow["value"] and other_seed["ci_low"] != slow["ci_low"]
 
 
 def test_bootstrap_refuses_bad_arguments_and_handles_degenerate_data():
     with pytest.raises(ValueError, match="differ in length"):
-        metrics.bootstrap_ci(metrics.mae, [1, 2, 3], [1, 2])
+        intervals.bootstrap_ci(metrics.mae, [1, 2, 3], [1, 2])
     with pytest.raises(ValueError, match="level"):
-        metrics.bootstrap_ci(metrics.mae, [1, 2], [1, 2], level=1.0)
-    constant = metrics.bootstrap_ci(metrics.spearman_batch, np.ones(20), np.arange(20.0), vectorized=True)
+        intervals.bootstrap_ci(metrics.mae, [1, 2], [1, 2], level=1.0)
+    constant = intervals.bootstrap_ci(metrics.spearman_batch, np.ones(20), np.arange(20.0), vectorized=True)
     assert math.isnan(constant["value"]) and math.isnan(constant["ci_low"]) and math.isnan(constant["ci_high"])
 
 
@@ -79,7 +79,7 @@ def test_stratified_resampling_keeps_every_row_in_its_stratum():
         seen.append(labels)
         return np.zeros(labels.shape[:-1])
 
-    metrics.bootstrap_ci(statistic, strata, n_boot=50, strata=strata, vectorized=True)
+    intervals.bootstrap_ci(statistic, strata, n_boot=50, strata=strata, vectorized=True)
     replicates = seen[-1]
     assert replicates.shape == (50, 100)
     assert (replicates == strata[None, :]).all()  # column j always holds a row of row j's stratum
@@ -89,12 +89,12 @@ def test_hierarchical_bootstrap_draws_groups_then_rows_with_known_answers():
     """Two groups constant within: a replicate's mean is 0, 1/2 or 1 with chances 1/4, 1/2, 1/4, so the 95%
     interval is [0, 1], where resampling the pooled rows alone would give about 0.5 +- 0.22."""
     two = np.repeat([[0.0], [1.0]], 10, axis=1)
-    nested = metrics.hierarchical_bootstrap_ci(metrics.mean_last_axis, two, n_boot=4000)
+    nested = intervals.hierarchical_bootstrap_ci(intervals.mean_last_axis, two, n_boot=4000)
     assert nested == {"value": 0.5, "ci_low": 0.0, "ci_high": 1.0}
-    pooled = metrics.bootstrap_ci(metrics.mean_last_axis, two.reshape(-1), n_boot=4000, vectorized=True)
+    pooled = intervals.bootstrap_ci(intervals.mean_last_axis, two.reshape(-1), n_boot=4000, vectorized=True)
     assert 0.25 < pooled["ci_low"] < 0.4 and 0.6 < pooled["ci_high"] < 0.75
     # groups that agree add nothing: one value, a point interval
-    assert metrics.hierarchical_bootstrap_ci(metrics.mean_last_axis, np.full((3, 4), 2.0)) == {
+    assert intervals.hierarchical_bootstrap_ci(intervals.mean_last_axis, np.full((3, 4), 2.0)) == {
         "value": 2.0, "ci_low": 2.0, "ci_high": 2.0}
 
 
@@ -105,7 +105,7 @@ def test_hierarchical_bootstrap_variance_is_between_groups_plus_within_over_rows
     groups, rows = 6, 40
     values = rng.normal(0.0, 1.0, (groups, 1)) + rng.normal(0.0, 2.0, (groups, rows))
     expected = np.sqrt((values.mean(axis=1).var() + values.var(axis=1).mean() / rows) / groups)
-    figure = metrics.hierarchical_bootstrap_ci(metrics.mean_last_axis, values, n_boot=20000, seed=1)
+    figure = intervals.hierarchical_bootstrap_ci(intervals.mean_last_axis, values, n_boot=20000, seed=1)
     assert figure["value"] == pytest.approx(values.mean())
     assert (figure["ci_high"] - figure["ci_low"]) / 2 == pytest.approx(1.96 * expected, rel=0.06)
 
@@ -113,17 +113,17 @@ def test_hierarchical_bootstrap_variance_is_between_groups_plus_within_over_rows
 def test_hierarchical_bootstrap_of_identical_groups_is_the_pooled_bootstrap_and_of_one_group_the_plain_one():
     rng = np.random.default_rng(2)
     a, b = rng.lognormal(0.0, 0.5, 30), rng.lognormal(0.3, 0.5, 30)
-    copies = metrics.hierarchical_bootstrap_ci(metrics.ratio_of_means, np.tile(a, (5, 1)), np.tile(b, (5, 1)),
+    copies = intervals.hierarchical_bootstrap_ci(intervals.ratio_of_means, np.tile(a, (5, 1)), np.tile(b, (5, 1)),
                                                n_boot=20000)
-    pooled = metrics.bootstrap_ci(metrics.ratio_of_means, np.tile(a, 5), np.tile(b, 5), n_boot=20000,
+    pooled = intervals.bootstrap_ci(intervals.ratio_of_means, np.tile(a, 5), np.tile(b, 5), n_boot=20000,
                                   vectorized=True)
     assert copies["value"] == pytest.approx(pooled["value"])
     for end in ("ci_low", "ci_high"):
         assert copies[end] == pytest.approx(pooled[end], rel=0.01)
-    one = metrics.hierarchical_bootstrap_ci(metrics.ratio_of_means, a[None], b[None], n_boot=500, seed=3)
-    assert one == metrics.bootstrap_ci(metrics.ratio_of_means, a, b, n_boot=500, seed=3, vectorized=True)
+    one = intervals.hierarchical_bootstrap_ci(intervals.ratio_of_means, a[None], b[None], n_boot=500, seed=3)
+    assert one == intervals.bootstrap_ci(intervals.ratio_of_means, a, b, n_boot=500, seed=3, vectorized=True)
     with pytest.raises(ValueError, match="one shape"):
-        metrics.hierarchical_bootstrap_ci(metrics.ratio_of_means, np.ones((2, 3)), np.ones((2, 4)))
+        intervals.hierarchical_bootstrap_ci(intervals.ratio_of_means, np.ones((2, 3)), np.ones((2, 4)))
 
 
 # ------------------------------------------------------------------ censoring
@@ -196,3 +196,16 @@ def test_noise_targets_the_metrics_spearman():
     pred = noisy_predictions(true, 0.7, seed=0)
     assert metrics.spearman(true, pred) == pytest.approx(0.7, abs=0.002)
 
+
+
+def test_mean_over_runs_is_a_t_interval():
+    values = [4.0, 5.0, 6.0]
+    half = stats.t.ppf(0.975, 2) * 1.0 / np.sqrt(3)
+    assert intervals.mean_over_runs(values) == pytest.approx({"value": 5.0, "ci_low": 5.0 - half, "ci_high": 5.0 + half})
+    assert np.isnan(intervals.mean_over_runs([3.0])["ci_low"])
+
+
+def test_wilson_interval_is_scipys():
+    expected = stats.binomtest(17, 40).proportion_ci(confidence_level=0.95, method="wilson")
+    assert intervals.wilson_interval(17, 40) == {"value": 17 / 40, "ci_low": expected.low, "ci_high": expected.high}
+    assert np.isnan(intervals.wilson_interval(0, 0)["value"])

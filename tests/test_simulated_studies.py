@@ -7,9 +7,13 @@ from dataclasses import asdict, replace
 import numpy as np
 import pytest
 
-from evaluation.simulated import (TAIL_FIGURES, Split, _workloads, life_error, plot_load, plot_refresh, plot_tail,
-                                  run_load, run_load_over_splits, run_refresh, run_tail, section_load, section_refresh,
-                                  section_tail)
+from evaluation.simulated_load import Split, run_load, run_load_over_splits
+from evaluation.simulated_load_report import plot_load, section_load
+from evaluation.simulated_refresh import life_error, run_refresh
+from evaluation.simulated_refresh_report import plot_refresh, section_refresh
+from evaluation.simulated_tail import run_tail
+from evaluation.simulated_tail_report import plot_tail, section_tail
+from evaluation.simulation import TAIL_FIGURES, _workloads
 from leap_core.noise import noisy_predictions
 from leap_core.simulator import SimConfig, StepTimeModel, fcfs_capacity, poisson_arrivals, simulate
 from tests.sim_reference import reference_simulate
@@ -377,7 +381,7 @@ def test_loads_are_fractions_of_the_engine_measured_capacity():
     """An engine that sustains half of what the step model says: the simulator runs on the engine's time
     base (every step twice as long), so each load is the same fraction of a halved capacity, the ratios
     between policies do not move and every latency doubles; the capacity carries the engine's interval."""
-    from evaluation.simulated import EngineCapacity
+    from evaluation.simulation import EngineCapacity
 
     prompt, out, predicted = _pool(n=200)
     engine = EngineCapacity(scale=0.5, ci_low=0.45, ci_high=0.55, source="engine")
@@ -446,7 +450,7 @@ def test_the_simulations_price_steps_with_the_saved_fidelity_studys_model(tmp_pa
 
 
 def test_bursty_arrivals_keep_a_trace_windows_shape_at_the_loads_mean_rate():
-    from evaluation.simulated import bursty_arrivals
+    from evaluation.simulation import bursty_arrivals
 
     gaps = np.array([0.1, 0.1, 5.0, 0.1, 0.1, 0.1, 3.0, 0.2] * 50)
     arrival = bursty_arrivals(gaps, 100, rate=4.0, seed=3)

@@ -7,8 +7,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from evaluation.simulated import (ADAPTIVE_SLOT_RULE, HEADLINE_LOAD, LOADS, QUICK_LOADS, _workloads, adaptive_config,
-                                  run_load, section_load)
+from evaluation.simulated_load import LOADS, QUICK_LOADS, run_load
+from evaluation.simulated_load_report import section_load
+from evaluation.simulation import ADAPTIVE_SLOT_RULE, HEADLINE_LOAD, _workloads, adaptive_config
 from leap_core.decode_slots import DecodeSlotRule
 from leap_core.noise import noisy_predictions
 from leap_core.simulator import (VLLM_CPU_MAX_NUM_BATCHED_TOKENS, VLLM_CPU_MAX_NUM_SEQS, SimConfig, StepTimeModel,

@@ -11,7 +11,7 @@ import pytest
 from evaluation.versus_stock import (GOALS, LEAP, STOCK, VersusStockSettings, arm_order, figures, goals,
                                      segment_name, summarize, sustained_capacity)
 from study_harness.openai_traffic import Outcome
-from leap_core.metrics import ratio_over_runs
+from leap_core.intervals import ratio_over_runs
 
 
 def _outcome(rid: str, at: float, first: float, finish: float, tokens: int, chunks=()) -> Outcome:

@@ -12,7 +12,7 @@ single run reaches. Two kinds of rerun, each on the held-out ShareGPT pool (eval
   independent samples per pair; the figure is the mean Spearman over the 6 pairs of samples (each pair is
   an unbiased estimate of the same quantity; the mean has less variance than one pair).
 
-Intervals are percentile bootstraps over prompts (leap_core.metrics.bootstrap_ci).
+Intervals are percentile bootstraps over prompts (leap_core.intervals.bootstrap_ci).
 
 From agreement to a ceiling. If a run's (rank-transformed) length is y = f(prompt) + e with e independent
 noise of the same law in every run, two runs correlate as r = var f / var y, and the best possible
@@ -82,7 +82,8 @@ def ceiling_figures(greedy: np.ndarray, rerun: np.ndarray, samples: np.ndarray,
 
     Every interval resamples the same prompts (same seed, same row count), so the readout's figures and the
     ceilings are resampled alike."""
-    from leap_core.metrics import bootstrap_ci, spearman_batch
+    from leap_core.intervals import bootstrap_ci
+    from leap_core.metrics import spearman_batch
 
     greedy = np.asarray(greedy, dtype=np.float64)
     rerun = np.asarray(rerun, dtype=np.float64)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pathlib
 
+from evaluation.report_format import interval, pyplot
+
 ROWS = (  # (label on the page, where the figure sits in the result)
     ("two greedy runs (batch composition changed)", ("greedy_rerun_spearman",)),
     ("ceiling against one greedy run, sqrt of the above", ("ceiling", "greedy")),
@@ -23,15 +25,9 @@ def _figure(result: dict, path: tuple[str, ...]) -> dict | None:
     return node if isinstance(node, dict) and "value" in node else None
 
 
-def _ci(figure: dict) -> str:
-    return f"{figure['value']:.3f} [{figure['ci_low']:.3f}, {figure['ci_high']:.3f}]"
-
-
 def plot_ceiling(result: dict, path: pathlib.Path) -> None:
     """Horizontal bars with their intervals: the agreement between runs, the ceilings, the readout."""
-    from evaluation.offline import _pyplot
-
-    plt = _pyplot()
+    plt = pyplot()
     rows = [(label, f) for label, where in ROWS if (f := _figure(result, where)) is not None]
     fig, ax = plt.subplots(figsize=(8, 4.2), dpi=120)
     y = list(range(len(rows)))[::-1]
@@ -74,7 +70,7 @@ def section_ceiling(result: dict, image: str) -> str:
     for label, where in ROWS:
         figure = _figure(result, where)
         if figure is not None:
-            lines.append(f"| {label} | {_ci(figure)} |")
+            lines.append(f"| {label} | {interval(figure)} |")
     capped = result["capped_share"]
     lines += ["", f"Share of outputs at M = {result['max_tokens']}: greedy {capped['greedy']:.1%}, sampled draws "
                   f"{capped['sampled']:.1%} (ties at M share one rank).", "", f"![{title}]({image})"]

@@ -10,6 +10,7 @@ import numpy as np
 
 from evaluation.corpora import load_or_build
 from evaluation.selections import DOMAINS, select
+from leap_core.intervals import bounds, mean_ci
 from study_harness.corpus import length_report
 from study_harness.snapshot import SELECTION
 
@@ -32,22 +33,14 @@ def corpus_study(specs: Sequence[str], max_tokens: int = 1024, model: str | None
             chat_n += row["n"]
         lengths = corpus.output_tokens[corpus.sets == name]
         capped = (corpus.finish_reasons[corpus.sets == name] == "length").astype(np.float64)
-        row["mean_ci"] = _interval(lengths.astype(np.float64))
-        row["capped_fraction_ci"] = _interval(capped)
+        row["mean_ci"] = bounds(mean_ci(lengths.astype(np.float64)))
+        row["capped_fraction_ci"] = bounds(mean_ci(capped))
         row["histogram"] = np.histogram(lengths, bins=16, range=(0, max_tokens))[0].tolist()
     capped = chat_capped / chat_n if chat_n else float("nan")
     return {"selections": list(specs), "max_tokens": max_tokens, "n": int(sum(r["n"] for r in per_set.values())),
             "per_set": per_set, "chat_capped_fraction": capped,
             "goals": {"chat_capped_fraction": {"target": f"<= {CHAT_BUDGET_GOAL}", "measured": capped,
                                                "met": bool(capped <= CHAT_BUDGET_GOAL)}}}
-
-
-def _interval(values: np.ndarray) -> list[float]:
-    """95% bootstrap interval of a mean."""
-    from leap_core.metrics import bootstrap_ci, mean_last_axis
-
-    ci = bootstrap_ci(mean_last_axis, values, vectorized=True)
-    return [ci["ci_low"], ci["ci_high"]]
 
 
 def plot_corpus(result: dict, path: Path) -> None:

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from leap_core.metrics import hierarchical_bootstrap_ci, ratio_of_means
+from leap_core.intervals import hierarchical_bootstrap_ci, mean_over_runs, ratio_of_means
 
 QUICK = {"length_divisor": 8, "max_prompt_tokens": 256}
 REQUEST_ERROR_GOAL = 0.10  # median per-request latency error of the simulator against the wall clock
@@ -76,22 +76,10 @@ def steady_rate(finish: np.ndarray) -> float:
     return (high - low) / span
 
 
-def mean_interval(values: Sequence[float], level: float = 0.95) -> dict[str, float]:
-    """The mean of a few independent measurements with its t interval ({value, ci_low, ci_high})."""
-    from scipy import stats
-
-    x = np.asarray(values, dtype=np.float64)
-    mean = float(x.mean())
-    if x.size < 2:
-        return {"value": mean, "ci_low": float("nan"), "ci_high": float("nan")}
-    half = float(stats.t.ppf((1 + level) / 2, x.size - 1) * x.std(ddof=1) / np.sqrt(x.size))
-    return {"value": mean, "ci_low": mean - half, "ci_high": mean + half}
-
-
 def paired_ratio(num: np.ndarray, den: np.ndarray, repeats: int, seed: int = 0) -> dict[str, Any]:
     """Ratio of mean PTL, numerator arm over denominator arm, of per-(repeat, request) figures laid out
     repeat after repeat, with a two-level bootstrap interval: repeats drawn with replacement, then requests
-    within each, both arms jointly (`leap_core.metrics.hierarchical_bootstrap_ci`). A repeat's runs share
+    within each, both arms jointly (`leap_core.intervals.hierarchical_bootstrap_ci`). A repeat's runs share
     the machine's state of those minutes, so a slow run moves every request in it: resampling requests
     alone would take one run's luck for a difference between the arms. `per_repeat`: each repeat's ratio."""
     num = np.asarray(num, dtype=np.float64).reshape(repeats, -1)
@@ -150,7 +138,7 @@ def engine_over_simulator(runs: Sequence[Mapping[str, Any]], config: Any) -> dic
     ({rps, prompt_tokens, output_tokens}) with its t interval: the factor that carries the engine's capacity
     to any pool's length mix (a sample's mix moves both rates alike, so the ratio varies far less than
     either)."""
-    return mean_interval([run["rps"] / simulated_steady_rate(run["prompt_tokens"], run["output_tokens"], config)
+    return mean_over_runs([run["rps"] / simulated_steady_rate(run["prompt_tokens"], run["output_tokens"], config)
                           for run in runs])
 
 

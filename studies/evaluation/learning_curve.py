@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from evaluation.offline import choose_alpha, readout_predictions
-from leap_core.metrics import percentile_interval, spearman_batch
+from leap_core.intervals import percentile_interval, resample_rows
+from leap_core.metrics import spearman_batch
 
 SIZES = (250, 500, 1000, 1500, 2000, 3000, 4000, 6000, 8000)  # those below the pool's size, then the pool
 DRAWS = 5
@@ -29,10 +30,6 @@ TARGETS = ("sqrt", "log")
 SLOPE_FROM = 1000  # the slope is fitted over sizes from here up (below it the curve bends)
 N_BOOT = 2000
 LEVEL = 0.95
-
-
-def _interval(value: float, replicates: np.ndarray) -> dict[str, float]:
-    return percentile_interval(float(value), replicates, LEVEL)
 
 
 def curve_sizes(pool: int, sizes: Sequence[int] = SIZES) -> list[int]:
@@ -66,7 +63,7 @@ def curve_figures(y_test: np.ndarray, predictions: dict[int, np.ndarray], n_boot
     n = y_test.size
     sizes = sorted(predictions)
     rng = np.random.default_rng(seed)
-    rows = rng.integers(0, n, size=(n_boot, n))
+    rows = resample_rows(n, n_boot, rng)
     true = y_test[rows]
     points, replicate_curves = [], []
     for size in sizes:
@@ -76,7 +73,7 @@ def curve_figures(y_test: np.ndarray, predictions: dict[int, np.ndarray], n_boot
         replicates = spearman_batch(true, preds[picked[:, None], rows])
         replicate_curves.append(replicates)
         points.append({"rows": int(size), "draws": int(preds.shape[0]),
-                       "spearman": _interval(float(np.mean(per_draw)), replicates),
+                       "spearman": percentile_interval(float(np.mean(per_draw)), replicates, LEVEL),
                        "draw_spread": [float(per_draw.min()), float(per_draw.max())]})
     result: dict = {"n_test": int(n), "points": points}
     fitted = [i for i, s in enumerate(sizes) if s >= slope_from]
@@ -90,7 +87,8 @@ def curve_figures(y_test: np.ndarray, predictions: dict[int, np.ndarray], n_boot
             return (x_centered @ (y - y.mean(axis=0))) / (x_centered @ x_centered)
 
         value, replicates = float(slope(values[:, None])[0]), slope(curves)
-        result["slope_per_doubling"] = {**_interval(value, replicates), "over_rows": [int(sizes[i]) for i in fitted]}
+        result["slope_per_doubling"] = {**percentile_interval(value, replicates, LEVEL),
+                                        "over_rows": [int(sizes[i]) for i in fitted]}
         if goal is not None:
             last = sizes[fitted[-1]]
 

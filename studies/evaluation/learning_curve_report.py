@@ -5,9 +5,7 @@ from __future__ import annotations
 import math
 import pathlib
 
-
-def _ci(figure: dict) -> str:
-    return f"{figure['value']:.3f} [{figure['ci_low']:.3f}, {figure['ci_high']:.3f}]"
+from evaluation.report_format import interval, pyplot
 
 
 ROWS_SHOWN = 10_000_000  # beyond this an extrapolated row count says only that it is beyond
@@ -21,9 +19,7 @@ def _rows(value: float) -> str:
 
 def plot_learning_curve(result: dict, path: pathlib.Path) -> None:
     """Spearman against training rows (log scale) per target, with the intervals as bands."""
-    from evaluation.offline import _pyplot
-
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     for target, figures in result["targets"].items():
         rows = [p["rows"] for p in figures["points"]]
@@ -63,7 +59,7 @@ def section_learning_curve(result: dict, image: str) -> str:
         for target in targets:
             point = result["targets"][target]["points"][i]
             low, high = point["draw_spread"]
-            cells += [_ci(point["spearman"]), f"{low:.3f} to {high:.3f}" if point["draws"] > 1 else "one fit"]
+            cells += [interval(point["spearman"]), f"{low:.3f} to {high:.3f}" if point["draws"] > 1 else "one fit"]
         lines.append(f"| {size:,} | " + " | ".join(cells) + " |")
     lines.append("")
     for target in targets:

@@ -28,9 +28,11 @@ import numpy as np
 from evaluation.baselines import (LengthData, LeapReadoutPredictor, fit_cached, hyperparameters, make_predictor,
                                   measure_cost)
 from evaluation.data import length_data
+from evaluation.report_format import interval
 from evaluation.transfer import fit_leap_anchored
-from evaluation.simulated import paired_ratio, paired_ratios, ratio_goals
-from leap_core.metrics import bootstrap_ci, mean_last_axis
+from evaluation.simulated_load import paired_ratios, ratio_goals
+from evaluation.simulation import paired_ratio
+from leap_core.intervals import bounds, mean_ci
 from leap_core.simulator import SimConfig, StepTimeModel, fcfs_capacity, simulate
 from serving.config import LeapConfig
 from study_harness.experiment import corpus_for, fixed_length_requests, open_live
@@ -176,10 +178,10 @@ def run_live(train_prompts: Sequence[dict], replay_prompts: Sequence[dict], sett
         raise ValueError(f"unknown policies {unknown}; expected some of {known}")
     if ("leap-refresh" in settings.policies) != (refresh is not None):
         raise ValueError("the leap-refresh arm and a RefreshArm go together")
-    live = open_replay_engine(settings, model, refresh)
-    try:
     if refresh is not None:  # the study awaits retirement: serving dropped refresh (docs/serving.md)
         raise ValueError("the leap-refresh arm cannot run: serving no longer refreshes predictions")
+    live = open_replay_engine(settings, model, refresh)
+    try:
         say(f"lengths and features of {len(train_prompts)} training and {len(replay_prompts)} replayed prompts")
         train, replay_corpus, requests = training_and_requests(live, train_prompts, replay_prompts)
         replayed = length_data(replay_corpus, replay_prompts)
@@ -340,7 +342,7 @@ def _aggregate(runs: dict[str, list[dict]], costs: dict, settings: LiveSettings,
         tokens = np.concatenate([s["tokens_per_request"] for s in summaries])
         errors[name] = np.abs(sim_latency - live_latency) / live_latency
         policies[name] = {
-            "mean_ptl": float(ptl[name].mean()), "mean_ptl_ci": _ci_pair(bootstrap_ci(mean_last_axis, ptl[name], vectorized=True)),
+            "mean_ptl": float(ptl[name].mean()), "mean_ptl_ci": bounds(mean_ci(ptl[name])),
             "p95_ptl": float(column("p95_ptl").mean()),
             "mean_ttft": float(column("mean_ttft").mean()), "p95_ttft": float(column("p95_ttft").mean()),
             "throughput_tok_s": float(column("throughput_tok_s").mean()),
@@ -402,10 +404,6 @@ def against_countdown(runs: dict[str, list[dict]], arm: str) -> dict:
             "long_requests": int(long.sum()), "long_min_tokens": int(tokens[long].min())}
 
 
-def _ci_pair(interval: dict) -> list[float]:
-    return [interval["ci_low"], interval["ci_high"]]
-
-
 def plot_live(result: dict, path) -> None:
     """Mean PTL per policy with its 95% bootstrap interval over requests, live beside simulated."""
     import matplotlib
@@ -431,10 +429,6 @@ def plot_live(result: dict, path) -> None:
     plt.close(fig)
 
 
-def _interval(r: dict) -> str:
-    return f"{r['value']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]"
-
-
 def section_live(result: dict, image: str) -> str:
     head = ("| policy | mean PTL [95% CI] | P95 PTL | mean TTFT (s) | simulated mean PTL | simulator median "
             "latency error | predictor ms/request | parameters |")
@@ -447,7 +441,7 @@ def section_live(result: dict, image: str) -> str:
         rows.append(f"| {name} | {p['mean_ptl']:.4f} [{low:.4f}, {high:.4f}] | {p['p95_ptl']:.4f} | "
                     f"{p['mean_ttft']:.2f} | {p['simulated_mean_ptl']:.4f} | "
                     f"{100 * p['simulator_median_latency_error']:.1f}% | {ms} | {params} |")
-    ratios = [f"- {key}: {_interval(r)}" for key, r in result["ratios"].items()]
+    ratios = [f"- {key}: {interval(r)}" for key, r in result["ratios"].items()]
     goals = [f"- {key} {g['target']}: measured {g['measured']:.3f} [{g['ci'][0]:.3f}, {g['ci'][1]:.3f}] "
              f"({'met' if g['met'] else 'not met'})" for key, g in result.get("goals", {}).items()]
     fidelity = result["simulator_fidelity"]
@@ -524,8 +518,8 @@ def section_live_refresh(result: dict, image: str) -> str:
         *rows,
         "",
         f"Refresh over countdown, mean PTL paired by request (95% interval resampling repeats, then requests): "
-        f"**{_interval(ratio)}**; per repeat {per_repeat}; the simulator on the same workloads and estimates: "
-        f"{_interval(refresh['simulated_refresh_over_countdown'])}. Requests refreshed per run: "
+        f"**{interval(ratio)}**; per repeat {per_repeat}; the simulator on the same workloads and estimates: "
+        f"{interval(refresh['simulated_refresh_over_countdown'])}. Requests refreshed per run: "
         f"{refresh['refreshed_per_run']}. "
         + ("Its interval lies below 1." if wins else "Its interval does not lie below 1: refresh stays off by default."),
         "",
@@ -561,10 +555,10 @@ def section_live_gittins(result: dict, image: str) -> str:
         *rows,
         "",
         f"Gittins over countdown, mean PTL paired by request (95% interval resampling repeats, then requests): "
-        f"**{_interval(ratio)}**; per repeat {per_repeat}; the simulator on the same workloads: "
-        f"{_interval(gittins['simulated'])}. {verdict} Long requests (the {gittins['long_requests']} of "
+        f"**{interval(ratio)}**; per repeat {per_repeat}; the simulator on the same workloads: "
+        f"{interval(gittins['simulated'])}. {verdict} Long requests (the {gittins['long_requests']} of "
         f"{result['n_requests']} with at least {gittins['long_min_tokens']} tokens, the top decile): mean latency "
-        f"{_interval(gittins['long_latency_ratio'])} of countdown's.",
+        f"{interval(gittins['long_latency_ratio'])} of countdown's.",
         "",
         f"![the Gittins order on the engine]({image})",
         "",

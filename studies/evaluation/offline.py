@@ -21,6 +21,8 @@ from numpy.typing import ArrayLike, NDArray
 
 from leap_core import alpha as alpha_path
 from leap_core import metrics
+from leap_core.intervals import bootstrap_ci
+from evaluation.report_format import corr, flat_interval, fmt, pyplot, tokens
 from evaluation.target_heads import HEADS, choose_head_alpha, make_head
 from leap_core.readout import LinearReadout
 
@@ -73,10 +75,10 @@ def _scored(y_test: np.ndarray, pred: np.ndarray, max_tokens: int, sets: ArrayLi
     """
     options = dict(n_boot=n_boot, seed=seed, level=LEVEL)
     values, mask = metrics.censor(y_test, max_tokens, censored)
-    spearman = metrics.bootstrap_ci(metrics.spearman_batch, values, pred, vectorized=True, **options)
+    spearman = bootstrap_ci(metrics.spearman_batch, values, pred, vectorized=True, **options)
     figures = {
         "mae": metrics.mae(y_test, pred),
-        "mae_ci": metrics.bootstrap_ci(metrics.mae_batch, y_test, pred, vectorized=True, **options),
+        "mae_ci": bootstrap_ci(metrics.mae_batch, y_test, pred, vectorized=True, **options),
         "spearman": spearman["value"],
         "spearman_ci": spearman,
         "censored_share": float(mask.mean()),
@@ -215,18 +217,9 @@ def run_layers(F_train: ArrayLike, y_train: ArrayLike, F_test: ArrayLike, y_test
 # ------------------------------------------------------------------ figures
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_targets(result: dict, path: pathlib.Path) -> None:
     """Grouped bars: test MAE per length bucket, one bar per regression target."""
-    plt = _pyplot()
+    plt = pyplot()
     names = list(result["targets"])
     x = np.arange(len(BUCKETS))
     width = 0.8 / len(names)
@@ -248,7 +241,7 @@ def plot_targets(result: dict, path: pathlib.Path) -> None:
 def plot_layers(result: dict, path: pathlib.Path) -> None:
     """Test MAE (left axis) and Spearman (right axis) per layer with their bootstrap bands, all-layers as
     horizontal lines."""
-    plt = _pyplot()
+    plt = pyplot()
     layer = [row["layer"] for row in result["layers"]]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     right = ax.twinx()
@@ -281,38 +274,12 @@ def plot_layers(result: dict, path: pathlib.Path) -> None:
 # ------------------------------------------------------------------ markdown
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    """`value` in format `spec`; 'n/a' for a missing or NaN value (an empty bucket)."""
-    if value is None or not np.isfinite(value):
-        return "n/a"
-    return format(value, spec)
-
-
-def _tokens(value: float | None) -> str:
-    """Token counts with one decimal (3 significant digits would turn 1234 into 1.23e+03)."""
-    return _fmt(value, ".1f")
-
-
-def _corr(value: float | None) -> str:
-    return _fmt(value, ".3f")
-
-
-def _ci(figures: dict, key: str, spec: str, bound_spec: str) -> str:
-    """figures[key] with its interval figures[key + "_ci"] as "v [lo, hi]"; the value alone without one."""
-    value = _fmt(figures.get(key), spec)
-    interval = figures.get(f"{key}_ci")
-    if not interval or value == "n/a":
-        return value
-    low, high = _fmt(interval.get("ci_low"), bound_spec), _fmt(interval.get("ci_high"), bound_spec)
-    return value if "n/a" in (low, high) else f"{value} [{low}, {high}]"
-
-
 def _tokens_ci(figures: dict) -> str:
-    return _ci(figures, "mae", ".1f", ".0f")
+    return flat_interval(figures, "mae", ".1f", ".0f")
 
 
 def _corr_ci(figures: dict) -> str:
-    return _ci(figures, "spearman", ".3f", ".2f")
+    return flat_interval(figures, "spearman", ".3f", ".2f")
 
 
 def _within_set_note(figures: dict) -> list[str]:
@@ -324,7 +291,7 @@ def _within_set_note(figures: dict) -> list[str]:
     for name, row in [*per_set["per_set"].items(), ("pooled", per_set["pooled"])]:
         flat = {"spearman": row["spearman"]["value"], "spearman_ci": row["spearman"],
                 "mae": row["mae"]["value"], "mae_ci": row["mae"]}
-        lines.append(f"| {name} | {row['n']} | {_fmt(row['censored_share'], '.1%')} | {_corr_ci(flat)} | "
+        lines.append(f"| {name} | {row['n']} | {fmt(row['censored_share'], '.1%')} | {_corr_ci(flat)} | "
                      f"{_tokens_ci(flat)} |")
     within = per_set.get("within_set_spearman")
     if within:
@@ -339,7 +306,7 @@ def _interval_note(result: dict) -> str:
         return ""
     return (f"Brackets: {boot['level']:.0%} percentile bootstrap interval over the {result['n_test']} test rows "
             f"({boot['n_boot']} resamples). Censored (reached M) test rows: "
-            f"{_fmt(result.get('censored_share'), '.1%')}; they tie at M for Spearman.")
+            f"{fmt(result.get('censored_share'), '.1%')}; they tie at M for Spearman.")
 
 
 def _footer(result: dict, title: str, image: str) -> list[str]:
@@ -347,8 +314,8 @@ def _footer(result: dict, title: str, image: str) -> list[str]:
     lines = []
     for name, goal in result.get("goals", {}).items():
         verdict = "met" if goal["met"] else "not met"
-        interval = (f" [{_fmt(goal['ci'][0], '.3g')}, {_fmt(goal['ci'][1], '.3g')}]" if goal.get("ci") else "")
-        lines.append(f"Goal {name}: {goal['target']}; measured {_fmt(goal['measured'], '.3g')}{interval}: "
+        interval = (f" [{fmt(goal['ci'][0], '.3g')}, {fmt(goal['ci'][1], '.3g')}]" if goal.get("ci") else "")
+        lines.append(f"Goal {name}: {goal['target']}; measured {fmt(goal['measured'], '.3g')}{interval}: "
                      f"**{verdict}**.")
     if lines:
         lines.append("")
@@ -386,9 +353,9 @@ def section_targets(result: dict, image: str) -> str:
     for name, row in result["targets"].items():
         buckets = row["mae_by_bucket"]
         label = f"**{name}**" if name == result["best_overall"] else name
-        lines.append(f"| {label} | {row['alpha']:g} | {_tokens_ci(row)} | {_tokens(buckets['short'])} | "
-                     f"{_tokens(buckets['medium'])} | {_tokens(buckets['long'])} | {_corr_ci(row)} | "
-                     f"{_corr(row['kendall'])} |")
+        lines.append(f"| {label} | {row['alpha']:g} | {_tokens_ci(row)} | {tokens(buckets['short'])} | "
+                     f"{tokens(buckets['medium'])} | {tokens(buckets['long'])} | {_corr_ci(row)} | "
+                     f"{corr(row['kendall'])} |")
     lines += ["", f"Lowest overall MAE: {result['best_overall']}.", ""]
     note = _interval_note(result)
     if note:
@@ -430,7 +397,7 @@ def section_layers(result: dict, image: str) -> str:
     for row in result["layers"]:
         notes = [word for word, layer in (("default", default), ("chosen", chosen)) if row["layer"] == layer]
         label = f"{row['layer']} ({', '.join(notes)})" if notes else str(row["layer"])
-        lines.append(f"| {label} | {_tokens(row['cv_mae'])} | {_tokens_ci(row)} | {_corr_ci(row)} |")
+        lines.append(f"| {label} | {tokens(row['cv_mae'])} | {_tokens_ci(row)} | {_corr_ci(row)} |")
     lines.append("")
     note = _interval_note(result)
     if note:

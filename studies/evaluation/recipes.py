@@ -32,6 +32,7 @@ from sklearn.model_selection import GroupKFold
 from study_harness.corpus import Corpus
 from study_harness.recipe_corpus import WIDE_RECIPE
 from leap_core import metrics
+from leap_core.intervals import bootstrap_ci
 from leap_core.readout import LinearReadout
 from leap_core.recipe_choice import RULE as CHOICE_RULE
 from leap_core.recipe_choice import choose_recipe, validate_recipes
@@ -178,10 +179,10 @@ def target_figures(rows: RecipeRows, pred: np.ndarray, sqrt_pred: np.ndarray, n_
         mask = rows.sets == name
         if not mask.any():
             continue
-        out["spearman"][name] = metrics.bootstrap_ci(metrics.spearman_batch, values[mask], pred[mask],
-                                                     n_boot=n_boot, vectorized=True)
-        out["spearman_vs_sqrt"][name] = metrics.bootstrap_ci(metrics.spearman_difference, values[mask], pred[mask],
-                                                             sqrt_pred[mask], n_boot=n_boot, vectorized=True)
+        out["spearman"][name] = bootstrap_ci(metrics.spearman_batch, values[mask], pred[mask],
+                                             n_boot=n_boot, vectorized=True)
+        out["spearman_vs_sqrt"][name] = bootstrap_ci(metrics.spearman_difference, values[mask], pred[mask],
+                                                     sqrt_pred[mask], n_boot=n_boot, vectorized=True)
         out["n"][name] = int(mask.sum())
     return out
 
@@ -193,8 +194,8 @@ def _paired_difference(rows: RecipeRows, pred: np.ndarray, default: np.ndarray, 
     out = {}
     for name in [*sorted(set(rows.sets.tolist())), "pooled"]:
         mask = np.ones(len(rows), bool) if name == "pooled" else rows.sets == name
-        out[name] = metrics.bootstrap_ci(metrics.spearman_difference, values[mask], pred[mask], default[mask],
-                                         n_boot=n_boot, vectorized=True)
+        out[name] = bootstrap_ci(metrics.spearman_difference, values[mask], pred[mask], default[mask],
+                                 n_boot=n_boot, vectorized=True)
     return out
 
 

@@ -6,22 +6,12 @@ from pathlib import Path
 
 import numpy as np
 
-from evaluation.offline import _corr, _fmt, _pyplot, _tokens
-
-
-def _ci(figure: dict | None, spec: str = ".3f", bound: str = ".2f") -> str:
-    if not figure or figure.get("value") is None:
-        return "n/a"
-    value = _fmt(figure["value"], spec)
-    low, high = figure.get("ci_low"), figure.get("ci_high")
-    if low is None or high is None:
-        return value
-    return f"{value} [{_fmt(low, bound)}, {_fmt(high, bound)}]"
+from evaluation.report_format import corr, fmt, interval, pyplot, tokens
 
 
 def plot_recipes(result: dict, path: Path) -> None:
     """Held-out ShareGPT and pooled Spearman per recipe, with intervals."""
-    plt = _pyplot()
+    plt = pyplot()
     names = list(result["recipes"])
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1.5))
     y = np.arange(len(names))
@@ -49,8 +39,8 @@ def _choice_sentence(result: dict) -> str:
     choice = result.get("choice")
     if not choice:
         return " The rule then: the highest validation Spearman."
-    return (f" The rule: {choice['rule']}. The chosen pair's validation Spearman {_corr(choice['spearman'])} trails "
-            f"the best ({_corr(choice['best_spearman'])}) by {choice['gap']:.3f} [{choice['gap_ci_low']:.3f}, "
+    return (f" The rule: {choice['rule']}. The chosen pair's validation Spearman {corr(choice['spearman'])} trails "
+            f"the best ({corr(choice['best_spearman'])}) by {choice['gap']:.3f} [{choice['gap_ci_low']:.3f}, "
             f"{choice['gap_ci_high']:.3f}] (standard error {choice['gap_se']:.3f}).")
 
 
@@ -68,9 +58,9 @@ def _target_lines(result: dict) -> list[str]:
     for name, per in by_target.items():
         for target, fig in per.items():
             chosen = name == result["chosen"] and target == result.get("chosen_target")
-            lines.append(f"| `{name}`{' (chosen)' if chosen else ''} | {target} | {_corr(fig['validation_spearman'])} | "
-                         + " | ".join(_ci(fig["spearman"].get(s)) for s in sets) + " | "
-                         + " | ".join(_ci(fig["spearman_vs_sqrt"].get(s), "+.3f", "+.3f") for s in sets) + " |")
+            lines.append(f"| `{name}`{' (chosen)' if chosen else ''} | {target} | {corr(fig['validation_spearman'])} | "
+                         + " | ".join(interval(fig["spearman"].get(s), bound=".2f") for s in sets) + " | "
+                         + " | ".join(interval(fig["spearman_vs_sqrt"].get(s), "+.3f", "+.3f") for s in sets) + " |")
     return lines
 
 
@@ -96,21 +86,23 @@ def section_recipes(result: dict, image: str) -> str:
         cost = fig.get("cost_ms")
         mark = " (chosen)" if name == result["chosen"] else " (today)" if name == result["default"] else ""
         lines.append(f"| `{name}`{mark} | {fig['dim']} | {fig['bytes_per_row']:,} | "
-                     f"{_fmt(cost, '.3f') if cost is not None else 'not measured'} | "
-                     f"{_corr(fig['validation_spearman'])} | {_ci(fig['spearman'].get('sharegpt'))} | "
-                     f"{_ci(fig['spearman'].get('pooled'))} | {_ci(fig['mae'].get('pooled'), '.1f', '.0f')} |")
+                     f"{fmt(cost, '.3f') if cost is not None else 'not measured'} | "
+                     f"{corr(fig['validation_spearman'])} | {interval(fig['spearman'].get('sharegpt'), bound='.2f')} | "
+                     f"{interval(fig['spearman'].get('pooled'), bound='.2f')} | "
+                     f"{interval(fig['mae'].get('pooled'), '.1f', '.0f')} |")
     lines += ["", f"![recipes]({image})", "", "Held-out Spearman per set (n rows):", "",
               "| Recipe | " + " | ".join(f"{s} ({result['n_held_out'].get(s, '?')})" for s in sets) + " |",
               "|---|" + "---|" * len(sets)]
     for name, fig in recipes.items():
-        lines.append(f"| `{name}` | " + " | ".join(_corr((fig["spearman"].get(s) or {}).get("value"))
+        lines.append(f"| `{name}` | " + " | ".join(corr((fig["spearman"].get(s) or {}).get("value"))
                                                    for s in sets) + " |")
     base = result.get("baselines") or {}
     if base:
         lines += ["", "Baselines on the same held-out rows (fitted on the window's greedy rows), Spearman per set:",
                   "", "| Baseline | " + " | ".join([*sets, "pooled"]) + " |", "|---|" + "---|" * (len(sets) + 1)]
         for name, fig in base.items():
-            lines.append(f"| {name} | " + " | ".join(_ci(fig["spearman"].get(s)) for s in [*sets, "pooled"]) + " |")
+            lines.append(f"| {name} | " + " | ".join(interval(fig["spearman"].get(s), bound=".2f")
+                                                   for s in [*sets, "pooled"]) + " |")
         lines += ["", "Where a baseline ranks better than a recipe (point estimates, per held-out set):", ""]
         for recipe, fig_recipe in recipes.items():
             mine = fig_recipe["spearman"]
@@ -124,7 +116,7 @@ def section_recipes(result: dict, image: str) -> str:
         lines += ["", f"Held-out Spearman of the chosen `{result['chosen']}` minus today's `{result['default']}` on "
                   "the same rows (paired bootstrap interval):", "",
                   "| " + " | ".join([*sets, "pooled"]) + " |", "|" + "---|" * (len(sets) + 1),
-                  "| " + " | ".join(_ci(gain.get(s), "+.3f", "+.2f") for s in [*sets, "pooled"]) + " |"]
+                  "| " + " | ".join(interval(gain.get(s), "+.3f", "+.2f") for s in [*sets, "pooled"]) + " |"]
     lines += _target_lines(result)
     rls = result.get("rls") or {}
     if rls:
@@ -138,8 +130,8 @@ def section_recipes(result: dict, image: str) -> str:
             for d in domains:
                 f = per.get(d)
                 cells.append("n/a" if f is None else
-                             f"{_corr(f['frozen']['spearman'])} -> {_corr(f['rls']['spearman'])}; "
-                             f"MAE {_tokens(f['frozen']['mae'])} -> {_tokens(f['rls']['mae'])}")
+                             f"{corr(f['frozen']['spearman'])} -> {corr(f['rls']['spearman'])}; "
+                             f"MAE {tokens(f['frozen']['mae'])} -> {tokens(f['rls']['mae'])}")
             lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     from evaluation.recipes import recorded_costs
 
@@ -152,9 +144,9 @@ def section_recipes(result: dict, image: str) -> str:
                   "|---|---|---|---|---|"]
         for name, row in bench["recipes"].items():
             ratio = row["throughput_vs_last"]
-            lines.append(f"| `{name}` | {_fmt(ratio['value'], '.3f')} [{_fmt(ratio['ci_low'], '.2f')}, "
-                         f"{_fmt(ratio['ci_high'], '.2f')}] (n = {ratio['n']}) | {_fmt(row['tokens_per_s'], '.0f')} | "
-                         f"{_fmt(row['capture_ms_per_request'], '.3f')} | {_fmt(row['ready_before_decode'], '.1%')} |")
+            lines.append(f"| `{name}` | {interval(ratio, '.3f', '.2f')} (n = {ratio['n']}) | "
+                         f"{fmt(row['tokens_per_s'], '.0f')} | "
+                         f"{fmt(row['capture_ms_per_request'], '.3f')} | {fmt(row['ready_before_decode'], '.1%')} |")
     lines += ["", f"Costs: {result.get('cost_source')}. Bytes per row: the float32 feature vector a feedback row "
               f"stores for that recipe. Brackets: 95% bootstrap intervals over the held-out rows "
               f"({result['bootstrap']['n_boot']} resamples); outputs that reached M tie at M."]

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from evaluation import (ceiling_report, corpus_report, fidelity, learning_curve_report, live, offline, recipes_report,
-                        simulated, transfer, versus_stock_report)
+                        simulated_load_report, simulated_refresh_report, simulated_tail_report, transfer,
+                        versus_stock_report)
 
 Renderer = tuple[Callable[[dict, Path], None], Callable[[dict, str], str]]
 SINGLE: dict[str, Renderer] = {
@@ -25,8 +26,8 @@ SINGLE: dict[str, Renderer] = {
     "live-refresh": (live.plot_live, live.section_live_refresh),
     "live-gittins": (live.plot_live, live.section_live_gittins),
     "fidelity": (fidelity.plot_fidelity, fidelity.section_fidelity),
-    "refresh": (simulated.plot_refresh, simulated.section_refresh),
-    "tail": (simulated.plot_tail, simulated.section_tail),
+    "refresh": (simulated_refresh_report.plot_refresh, simulated_refresh_report.section_refresh),
+    "tail": (simulated_tail_report.plot_tail, simulated_tail_report.section_tail),
     "versus-stock": (versus_stock_report.plot_versus_stock, versus_stock_report.section_versus_stock),
 }
 ORDER = ("corpus", "curve", "targets", "layers", "recipes", "ceiling", "transfer", "live", "live-quick", "fidelity",
@@ -164,8 +165,8 @@ def _clean_commit(commit: object) -> bool:
 
 def _load_section(result: dict, folder: Path, out: Path) -> str:
     image = folder / f"{result['_name']}.png"
-    simulated.plot_load(result, image)
-    return simulated.section_load(result, _relative(image, out))
+    simulated_load_report.plot_load(result, image)
+    return simulated_load_report.section_load(result, _relative(image, out))
 
 
 def _relative(image: Path, out: Path) -> str:

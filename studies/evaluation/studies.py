@@ -13,7 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from evaluation import offline, simulated
+from evaluation import offline
+from evaluation.simulated_load import Split, choose_baseline, choose_tail_guard, run_load_over_splits
+from evaluation.simulated_refresh import run_refresh
+from evaluation.simulated_tail import run_tail
+from evaluation.simulation import EngineCapacity, HEADLINE_LOAD, Order
 from evaluation.baselines import (LengthData, LeapReadoutPredictor, fit_cached, hyperparameters, make_predictor,
                                   measure_cost, pinned)
 from evaluation.corpora import load_or_build, model_info
@@ -141,7 +145,7 @@ def step_model_from(path: Path | None, max_tokens: int, model: str | None, say: 
     return steps, f"calibrated now at {shape} on a saturated FCFS run (not checked against the wall clock)"
 
 
-def engine_capacity(step_model: StepTimeModel, path: Path | None = None, **config: Any) -> simulated.EngineCapacity:
+def engine_capacity(step_model: StepTimeModel, path: Path | None = None, **config: Any) -> EngineCapacity:
     """The engine's measured capacity over what the simulator (this step model, the SimConfig knobs
     `config`) gives for the same requests, from the saved full fidelity study (`leap eval fidelity
     --save`); without one at this K and R, the simulator's own capacity (`EngineCapacity()`)."""
@@ -150,15 +154,15 @@ def engine_capacity(step_model: StepTimeModel, path: Path | None = None, **confi
 
     path = path or FIDELITY_RESULT
     if not path.exists():
-        return simulated.EngineCapacity()
+        return EngineCapacity()
     saved = json.loads(path.read_text())
     settings = saved.get("settings", {})
     shape = {key: config.get(key, SIM_SHAPE.get(key)) for key in ("decode_slots", "max_resident")}
     if saved.get("quick") or any(settings.get(key) != value for key, value in shape.items()):
-        return simulated.EngineCapacity(source=f"simulator: {path.name} was measured at another engine shape")
+        return EngineCapacity(source=f"simulator: {path.name} was measured at another engine shape")
     runs = saved["capacity"]["runs"]
     factor = engine_over_simulator(runs, SimConfig(step_model=step_model, **config))
-    return simulated.EngineCapacity(
+    return EngineCapacity(
         scale=factor["value"], ci_low=factor["ci_low"], ci_high=factor["ci_high"],
         source=(f"measured on the engine ({path.name}, commit {str(saved.get('commit'))[:12]}): the engine's "
                 f"steady FCFS rate over this step model's on {len(runs)} saturated runs of held-out requests, "
@@ -178,7 +182,7 @@ def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, ba
                **options: Any) -> dict:
     """Simulated scheduling of a domain's held-out rows under every predictor (Table 4, Figure 6), over
     `splits` train/test splits, so the ratios' intervals carry what refitting on other rows moves as well
-    as the workload's noise (`simulated.run_load_over_splits`).
+    as the workload's noise (`simulated_load.run_load_over_splits`).
 
     Split k partitions the target's rows by seed k: half feed LEAP's RLS, the other half is the pool the
     simulator draws requests from. Its predictors are refitted: LEAP's readout (the penalty chosen on the
@@ -211,27 +215,27 @@ def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, ba
         evaluation, predictions = domain_predictions(rows, target, refitted, counts=counts, alpha=alpha, seed=k,
                                                      pool=pool)
         validation = validated_baseline(target, refitted, counts, step_model, say, engine=engine, seed=k, **options)
-        pools.append(simulated.Split(evaluation.prompt_tokens, evaluation.lengths, predictions,
+        pools.append(Split(evaluation.prompt_tokens, evaluation.lengths, predictions,
                                      validation.get("best_baseline")))
         validations.append(validation)
     distribution, cross_fitted = cross_fitted_distribution(train.features, train.lengths, alpha=alpha,
                                                            max_tokens=train.max_tokens)
-    gittins = simulated.Order("leap", "gittins_over_countdown", overrides={"distribution": distribution})
-    countdown = simulated.Order("leap", "guard_over_countdown", policy="countdown")
+    gittins = Order("leap", "gittins_over_countdown", overrides={"distribution": distribution})
+    countdown = Order("leap", "guard_over_countdown", policy="countdown")
     guards = {}
     for name, order in (("leap-guard", countdown), ("leap-gittins-guard", gittins)):
         say(f"choosing {name}'s waiting cap and wait aging on the training rows (cross-fitted predictions)")
-        guards[name] = simulated.choose_tail_guard(train.prompt_tokens, train.lengths, cross_fitted, step_model,
+        guards[name] = choose_tail_guard(train.prompt_tokens, train.lengths, cross_fitted, step_model,
                                                    order, engine=engine, **shape)
     knobs = {name: {"waiting_cap": g["waiting_cap"], "wait_aging": g["wait_aging"]} for name, g in guards.items()}
-    orders = {"leap-guard": simulated.Order("leap", "guard_over_countdown", policy="countdown",
+    orders = {"leap-guard": Order("leap", "guard_over_countdown", policy="countdown",
                                             overrides=knobs["leap-guard"]),
               "leap-gittins": gittins,
-              "leap-gittins-guard": simulated.Order("leap", "gittins_guard_over_countdown", overrides={
+              "leap-gittins-guard": Order("leap", "gittins_guard_over_countdown", overrides={
                   "distribution": distribution, **knobs["leap-gittins-guard"]})}
     say(f"simulating {len(pools[0].predictions) + len(orders) + 2} policies on {splits} splits' pools of "
         f"{len(pools[0].lengths)} held-out prompts")
-    result = simulated.run_load_over_splits(pools, step_model, orders=orders, engine=engine, **options)
+    result = run_load_over_splits(pools, step_model, orders=orders, engine=engine, **options)
     result.update({key: value for key, value in validations[0].items() if key != "best_baseline"})
     result["validation_by_split"] = [
         {"best_baseline": v.get("best_baseline"), "n_validation": v.get("n_validation"),
@@ -252,8 +256,8 @@ def load_study(train_spec: str, test_specs: Sequence[str], limit: int | None, ba
                                "rows": "ShareGPT prompts after the snapshot's first 3,050 in the seeded order; no "
                                        "choice (window, recipe, penalty, baseline, tail cap) was made on them"}
     say("the same policies at the headline load with bursty arrivals (a real trace's gaps)")
-    headline = options.get("headline", simulated.HEADLINE_LOAD)
-    bursty = simulated.run_load_over_splits(pools, step_model, orders=orders, engine=engine, gaps=trace_gaps(),
+    headline = options.get("headline", HEADLINE_LOAD)
+    bursty = run_load_over_splits(pools, step_model, orders=orders, engine=engine, gaps=trace_gaps(),
                                             **{**options, "loads": (headline,), "overloads": ()})
     result["bursty"] = {key: bursty[key] for key in ("arrivals", "table", "tail", "ratios", "long_p95_over_fcfs")}
     result.update(train=train_spec, test=list(test_specs), n_train=len(train), tail_guards=guards,
@@ -278,12 +282,12 @@ def refit_pinned(fitted: dict[str, Any], rows: LengthData, say: Say = _quiet) ->
 
 
 def validated_baseline(target: LengthData, fitted: dict[str, Any], counts: Sequence[int], step_model: StepTimeModel,
-                       say: Say = _quiet, engine: simulated.EngineCapacity = simulated.EngineCapacity(),
+                       say: Say = _quiet, engine: EngineCapacity = EngineCapacity(),
                        seed: int = 0, **options: Any) -> dict:
     """LEAP's opponent in the load study, chosen on validation rows: the target's feedback-stream half (no
     baseline was fitted on it, the simulated pool never holds it) of the partition seeded by `seed`, each
     baseline's countdown replayed there at the headline load with the study's engine shape and requests a
-    run (`simulated.choose_baseline`).
+    run (`simulated_load.choose_baseline`).
 
     The result keys the load study reports: `best_baseline`, `baseline_validation` (each baseline's mean
     PTL with its interval, Spearman on those rows, and its hyper-parameters, with what its own search chose),
@@ -294,8 +298,8 @@ def validated_baseline(target: LengthData, fitted: dict[str, Any], counts: Seque
     stream, predicted = stream_predictions(target, fitted, counts, seed=seed)
     say(f"choosing the best baseline on {len(stream)} feedback-stream rows (validation)")
     sim = {key: options[key] for key in ("decode_slots", "max_resident", "n_requests") if key in options}
-    choice = simulated.choose_baseline(stream.prompt_tokens, stream.lengths, predicted, step_model,
-                                       load=options.get("headline", simulated.HEADLINE_LOAD), engine=engine, **sim)
+    choice = choose_baseline(stream.prompt_tokens, stream.lengths, predicted, step_model,
+                                       load=options.get("headline", HEADLINE_LOAD), engine=engine, **sim)
     setup = {key: value for key, value in choice.items() if key not in ("best_baseline", "baselines", "n_pool")}
     return {"best_baseline": choice["best_baseline"], "n_validation": choice["n_pool"],
             "baseline_validation": {name: {**figures, "hyperparameters": hyperparameters(fitted[name])}
@@ -439,7 +443,7 @@ def refresh_study(step_model: StepTimeModel, max_tokens: int = 1024, model: str 
         Path(readout_out).write_bytes(to_bytes(served))
         say(f"refresh readout ({served.n_train_} decode states) written to {readout_out}")
     say(f"simulating countdown and refresh on {len(index)} prompts")
-    result = simulated.run_refresh(prefill.prompt_tokens, lengths, countdown, refreshed, CHECKPOINTS, step_model,
+    result = run_refresh(prefill.prompt_tokens, lengths, countdown, refreshed, CHECKPOINTS, step_model,
                                    cost, **{**SIM_SHAPE, **options})
     result.update(pool=f"sharegpt:{n_prompts} held out from {CHAT_TRAIN}", train=CHAT_TRAIN,
                   countdown_spearman=float(offline_spearman(lengths, countdown)),
@@ -456,7 +460,7 @@ def tail_study(step_model: StepTimeModel, max_tokens: int = 1024, model: str | N
                say: Say = _quiet, **options: Any) -> dict:
     """Long-request P95 against the waiting cap and aging strength, LEAP's predictions on chat."""
     test, predictions, _ = chat_predictions([], max_tokens, model, say)
-    result = simulated.run_tail(test.prompt_tokens, test.lengths, predictions["leap"], step_model,
+    result = run_tail(test.prompt_tokens, test.lengths, predictions["leap"], step_model,
                                 **{**SIM_SHAPE, **options})
     result.update(pool=CHAT_TEST)
     return result

@@ -23,6 +23,7 @@ import numpy as np
 from evaluation.baselines import LengthData, hyperparameters
 from evaluation.data import split_stream
 from evaluation.offline import choose_alpha
+from evaluation.report_format import corr, interval
 from leap_core import metrics
 from leap_core.readout import LinearReadout
 from leap_core.rls import RLS, fit_readout_with_anchor
@@ -170,10 +171,6 @@ def _per_set(figures: dict) -> dict[str, float]:
             if entry["n"] >= metrics.MIN_SET_ROWS}
 
 
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None or not np.isfinite(value) else f"{value:.3f}"
-
-
 def _method_figures(result: dict, method: str) -> dict | None:
     """The `per_set_metrics` of one method ("frozen", "refit", "rls@<count>" or a baseline's name), if saved."""
     figures = result.get("metrics")
@@ -196,12 +193,7 @@ def _interval(entry: dict | None) -> tuple[float, float, float]:
 
 def _with_ci(entry: dict | None, point: float | None = None) -> str:
     """"0.612 [0.55, 0.67]"; the point value alone when no interval was saved."""
-    value, low, high = _interval(entry)
-    if entry is None:
-        return _fmt(point)
-    if not (np.isfinite(low) and np.isfinite(high)):
-        return _fmt(value)
-    return f"{value:.3f} [{low:.2f}, {high:.2f}]"
+    return corr(point) if entry is None else interval(entry, ".3f", ".2f")
 
 
 def _spearman_of(result: dict, method: str) -> float | None:

@@ -17,10 +17,10 @@ Capacity is stock's sustained throughput on this request mix: `capacity_requests
 released at once into the first stock server, generated tokens per second while at least half of them are
 still running, over the mean output length of those requests. Each run then plays one segment per
 (pattern, load): `requests` prompts arriving by a Poisson process or with the Azure conversation trace's
-gaps (`evaluation.simulated.bursty_arrivals`), rescaled to `load` x capacity, and waits for the segment to
+gaps (`evaluation.simulation.bursty_arrivals`), rescaled to `load` x capacity, and waits for the segment to
 drain before the next starts. Arms alternate within a repeat (stock, LEAP, then LEAP, stock, ...; the
 oracle last, as it needs stock's lengths), each repeat draws new prompts, seeds and arrivals shared by its
-arms, and every ratio's interval is over repeats (`leap_core.metrics.ratio_over_runs`), not requests.
+arms, and every ratio's interval is over repeats (`leap_core.intervals.ratio_over_runs`), not requests.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from study_harness.openai_traffic import OpenAIServer, Outcome, TrafficRequest, free_port, send_traffic
-from leap_core.metrics import ratio_over_runs
+from leap_core.intervals import ratio_over_runs
 
 STOCK, LEAP, ORACLE = "stock", "leap", "oracle"
 EXTRA_ARMS = {  # arms that tell apart what of leap serve's difference from stock comes from where
@@ -170,7 +170,7 @@ def segment_requests(work: Workload, settings: VersusStockSettings, capacity_rps
                      ) -> dict[str, list[TrafficRequest]]:
     """Each (pattern, load) segment's requests for one repeat: new prompts, seeds and arrivals per repeat,
     the same for every arm of the repeat."""
-    from evaluation.simulated import bursty_arrivals
+    from evaluation.simulation import bursty_arrivals
     from leap_core.simulator import poisson_arrivals
 
     rng = np.random.default_rng([settings.seed, repeat])

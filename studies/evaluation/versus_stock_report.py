@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import pathlib
 
-from evaluation.simulated import _table
+from evaluation.report_format import interval, pyplot, table
 from evaluation.versus_stock import EXTRA_ARMS
 
 ROWS = (("mean latency", "mean_latency"), ("P50 latency", "p50_latency"), ("P90 latency", "p90_latency"),
@@ -14,20 +14,9 @@ ROWS = (("mean latency", "mean_latency"), ("P50 latency", "p50_latency"), ("P90 
         ("P99 TTFT", "p99_ttft"), ("throughput", "throughput"), ("longest quartile's P95 latency", "long_p95_latency"))
 
 
-def _ratio(r: dict | None) -> str:
-    if not r or r.get("value") is None:
-        return "n/a"
-    low, high = r.get("ci_low"), r.get("ci_high")
-    if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
-        return f"{r['value']:.3f}"
-    return f"{r['value']:.3f} [{low:.3f}, {high:.3f}]"
-
-
 def plot_versus_stock(result: dict, path: pathlib.Path) -> None:
     """LEAP over stock, mean latency and mean per-token latency, per segment, with intervals over runs."""
-    from evaluation.offline import _pyplot
-
-    plt = _pyplot()
+    plt = pyplot()
     names = list(result["segments"])
     fig, ax = plt.subplots(figsize=(8, 3.8), dpi=120)
     for offset, (label, key, color) in enumerate((("mean latency", "mean_latency", "tab:blue"),
@@ -79,9 +68,9 @@ def section_versus_stock(result: dict, image: str) -> str:
         f"![LEAP over stock]({image})", ""]
     rows = []
     for label, key in ROWS:
-        rows.append([label, *(_ratio(segments[n]["leap_over_stock"].get(key)) for n in names)])
+        rows.append([label, *(interval(segments[n]["leap_over_stock"].get(key)) for n in names)])
     for arm in arms[1:]:
-        rows.append([f"{arm}: mean latency", *(_ratio(segments[n].get(f"{arm}_over_stock", {}).get("mean_latency"))
+        rows.append([f"{arm}: mean latency", *(interval(segments[n].get(f"{arm}_over_stock", {}).get("mean_latency"))
                                                 for n in names)])
     sim = result.get("simulated", {}).get("segments", {})
     for label, key in (("simulated mean latency", "mean_latency"), ("simulated mean per-token latency", "mean_ptl")):
@@ -93,7 +82,7 @@ def section_versus_stock(result: dict, image: str) -> str:
         rows.append([label, *cells])
     rows.append(["lengths matched stock's", *(f"{segments[n]['lengths_matched']}/{segments[n]['lengths_compared']}"
                                               for n in names)])
-    text.append(_table(["LEAP / stock", *names], rows))
+    text.append(table(["LEAP / stock", *names], rows))
     stats = [run[arm].get("leap_stats") or {} for run in result.get("runs", []) for arm in ("leap",) if arm in run]
     held, steps = sum(st.get("held_steps") or 0 for st in stats), sum(st.get("steps") or 0 for st in stats)
     text += ["", f"LEAP held decode candidates out in {held:,} of its {steps:,} steps over {len(stats)} runs"

@@ -217,7 +217,7 @@ def load(
     and the tail guard on each (leap-guard, leap-gittins-guard), with every policy's `tail_goal`."""
     from dataclasses import asdict
 
-    from evaluation.simulated import QUICK_LOADS
+    from evaluation.simulated_load import QUICK_LOADS
     from evaluation.studies import BASELINES, LOAD_WORKLOADS, QUICK_LOAD_WORKLOADS, load_study, step_model_from
 
     say = _say(as_json)

@@ -51,20 +51,11 @@ from typing import Any
 
 import numpy as np
 
+from leap_core.intervals import wilson_interval
+
 CASES = ("worse", "better", "equal")
 QUICK = {"length_divisor": 48, "max_prompt_tokens": 64, "slice": 96}
 FULL_SLICE = 64
-
-
-def _rate_ci(hits: int, trials: int) -> dict[str, float | int]:
-    from scipy.stats import binomtest
-
-    if trials == 0:
-        return {"rate": float("nan"), "ci_low": float("nan"), "ci_high": float("nan")}
-    interval = binomtest(hits, trials).proportion_ci(confidence_level=0.95, method="wilson")
-    return {"rate": hits / trials, "ci_low": float(interval.low), "ci_high": float(interval.high)}
-
-
 SMALL_SLICE = 16  # training rows of the better case's first champion
 
 
@@ -209,12 +200,12 @@ def bench_gate(trials: int = 20, quick: bool = False, slice_size: int | None = N
         del engine
     summary: dict[str, Any] = {}
     for case, record in cases.items():
-        promoted = _rate_ci(record["promoted"], record["trials"])
-        summary[case] = {"trials": record["trials"], "promoted_rate": promoted["rate"],
+        promoted = wilson_interval(record["promoted"], record["trials"])
+        summary[case] = {"trials": record["trials"], "promoted_rate": promoted["value"],
                          "promoted_ci": [promoted["ci_low"], promoted["ci_high"]], "runs": record["runs"]}
         if case == "equal":
-            same = _rate_ci(record["no_difference"], record["trials"])
-            summary[case].update(no_difference_rate=same["rate"], no_difference_ci=[same["ci_low"], same["ci_high"]])
+            same = wilson_interval(record["no_difference"], record["trials"])
+            summary[case].update(no_difference_rate=same["value"], no_difference_ci=[same["ci_low"], same["ci_high"]])
     goals = {"worse_promoted_at_most": 0.05, "better_promoted_at_least": 0.80, "equal_no_difference_at_least": 0.90,
              "trials_at_least": 20, "gate_seconds_at_most": 300.0}
     met = {"worse": summary["worse"]["promoted_rate"] <= goals["worse_promoted_at_most"],
