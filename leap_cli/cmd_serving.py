@@ -56,22 +56,25 @@ def serve(
         raise typer.BadParameter(f"expected one of {', '.join(ORDERS)}, got {order!r}", param_hint="--order")
     from harness.engine import engine_environment
     from harness.model_prep import prepare_model
-    from leap_io.admin_client import READOUT_PATH, TOKEN_FILE_NAME, create_token_file
-    from leap_io.paths import state_dir, sub_dir
+    from leap_io.admin_client import READOUT_PATH, create_token_file
+    from leap_io.paths import sub_dir
+    from leap_io.settings import read_settings
 
     engine_environment()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # the API server runs the engine in its own process
     model_path = model or prepare_model().path
-    token_file = Path(os.environ.get("LEAP_ADMIN_TOKEN_FILE", state_dir() / TOKEN_FILE_NAME))
-    if not token_file.exists() and not os.environ.get("LEAP_ADMIN_TOKEN"):
+    settings = read_settings()
+    token_file = Path(settings.admin_token_file)  # LEAP_ADMIN_TOKEN_FILE, else <home>/admin.token
+    if not token_file.exists() and not settings.admin_token:
         create_token_file(token_file)
     leap = {"policy": policy, "max_resident": max_resident, "decode_slots": decode_slots,
             "adaptive_slots": adaptive_slots,
             "waiting_cap": waiting_cap, "admin_port": admin_port, "admin_token_file": str(token_file),
             "feedback_dir": str(feedback_dir or sub_dir("feedback")),
             # every accepted push is kept here and served again after a restart
-            "state_dir": os.environ.get("LEAP_STATE_DIR") or str(sub_dir(f"serving-{port}"))}
-    registry_uri = os.environ.get("LEAP_REGISTRY_URI") or os.environ.get("LEAP_MLFLOW_TRACKING_URI")
+            "state_dir": settings.state_dir or str(sub_dir(f"serving-{port}"))}
+    # given, not derived: without either variable the replica serves no registry's champion
+    registry_uri = settings.registry_uri or settings.given_value("mlflow_tracking_uri")
     if registry_uri:  # with no push kept yet, the registry's champion serves at start
         leap["registry_uri"] = registry_uri
     if readout:
