@@ -67,7 +67,7 @@ def calibrate_step_clock(engine: Any, runtime: Any, requests: Sequence[Any]) -> 
     """A step-time model fitted on a saturated FCFS run of `requests` (lengths capped at
     CALIBRATION_TOKENS) on this engine, and how well it fits the measured steps."""
     from harness.replay import replay
-    from leap_core.simulator import StepTimeModel
+    from leap_core.step_time import StepTimeModel
 
     runtime.reset_readout(None, None)
     runtime.configure(policy="fcfs", rls=False)

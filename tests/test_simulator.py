@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from leap_core.noise import noisy_predictions
-from leap_core.simulator import (SimConfig, StepTimeModel, fcfs_capacity, poisson_arrivals, repeated_seconds, simulate,
-                                  steps_to_cover)
+from leap_core.simulator import SimConfig, fcfs_capacity, poisson_arrivals, repeated_seconds, simulate, steps_to_cover
+from leap_core.step_time import StepTimeModel
 from tests.sim_reference import reference_simulate
 
 
@@ -176,8 +176,8 @@ def test_rejects_empty_outputs_and_mismatched_arrays():
 def test_simulate_command_on_the_real_trace(tmp_path):
     from typer.testing import CliRunner
 
-    from leap_cli.main import app  # the console command's app, study commands included
     from harness.datasets import shared_dir
+    from leap_cli.main import app  # the console command's app, study commands included
 
     if shared_dir() is None or not (shared_dir() / "data" / "traces" / "AzureLLMInferenceTrace_conv.csv").is_file():
         pytest.skip("the shared Azure trace is not present")
