@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from evaluation.ceiling import ceiling_figures, rerun_order
+from evaluation.ceiling import ceiling_figures
+from evaluation.selections import rerun_order
 from leap_core.metrics import spearman
 
 

@@ -31,22 +31,9 @@ from collections.abc import Callable
 import numpy as np
 
 from evaluation.corpora import load_or_build, load_or_build_sampled_labels, model_info
+from evaluation.selections import RERUN_ORDER_SEED, RERUN_RESIDENT, SAMPLED_RESIDENT, SAMPLES, rerun_order
 from harness.replay import DEFAULT_DECODING
 from study_harness.sampled_labels import SAMPLED_DECODING
-
-RERUN_RESIDENT = 64  # the greedy rerun's resident requests (the corpus was built with 256)
-RERUN_ORDER_SEED = 1  # the greedy rerun's queue order: a seeded shuffle of the pool
-SAMPLES = 4  # sampled draws per prompt: study_harness.sampled_labels' table, shared with the recipe study
-# Sampled draws are generated with 64 resident requests: on 2 CPU cores 256 resident sequences of up to
-# 1,024 tokens made about 116 generated tokens/s (the sampled pool's build), 64 about 300 (the rerun's).
-SAMPLED_RESIDENT = 64
-
-
-def rerun_order(prompts: list[dict], seed: int = RERUN_ORDER_SEED) -> list[dict]:
-    """The pool in the greedy rerun's queue order."""
-    order = np.random.default_rng(seed).permutation(len(prompts))
-    return [prompts[i] for i in order]
-
 
 def load_or_build_ceiling(max_tokens: int = 1024, model: str | None = None,
                           say: Callable[[str], None] = lambda message: None, build: bool = True):

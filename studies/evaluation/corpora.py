@@ -197,7 +197,7 @@ def build_snapshot(selection: str, all_layers_selection: str, max_tokens: int = 
         if not spec:
             continue
         if part == "decode":
-            from evaluation.studies import refresh_pool
+            from evaluation.selections import refresh_pool
 
             prompts = refresh_pool()
             key, spec = decode_key(info, layer, max_tokens), f"decode states of the refresh pool ({len(prompts)})"
@@ -268,8 +268,8 @@ def sampled_snapshot_part(max_tokens: int = 1024, model: str | None = None,
     ceiling's pool (evaluation.ceiling), write their rows into the committed snapshot with a manifest entry
     of kind "sampled", then the ceiling's greedy rerun under its own key; return the manifest (None when no
     row is recorded yet). `prompts_record` as in study_harness.snapshot.write_manifest."""
-    from evaluation.ceiling import RERUN_RESIDENT, SAMPLED_RESIDENT, rerun_order
-    from evaluation.selections import CEILING_POOL, SAMPLED_POOL, ceiling_pool, sampled_pool
+    from evaluation.selections import (CEILING_POOL, RERUN_RESIDENT, SAMPLED_POOL, SAMPLED_RESIDENT, ceiling_pool,
+                                       rerun_order, sampled_pool)
     from study_harness.sampled_labels import SAMPLED_DECODING
 
     train, held = sampled_pool()

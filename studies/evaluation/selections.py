@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
+
 from harness.datasets import available_prompts, load_prompts, sample_prompts, shared_dir
 
 DOMAINS = {
@@ -159,3 +161,25 @@ def ceiling_pool() -> list[dict]:
     """The first CEILING_POOL prompts of CHAT_TEST without CHAT_TRAIN's ids (all ShareGPT)."""
     train = select(CHAT_TRAIN)
     return select(CHAT_TEST, exclude={p["id"] for p in train})[:CEILING_POOL]
+
+
+REFRESH_POOL = 500  # held-out ShareGPT prompts whose decode states the refresh study measures
+
+
+def refresh_pool(n_prompts: int = REFRESH_POOL) -> list[dict]:
+    """The refresh study's prompts: the first ShareGPT prompts held out from the chat training set."""
+    return select(f"sharegpt:{n_prompts}", exclude={p["id"] for p in select(CHAT_TRAIN)})
+
+
+RERUN_RESIDENT = 64  # the greedy rerun's resident requests (the corpus was built with 256)
+RERUN_ORDER_SEED = 1  # the greedy rerun's queue order: a seeded shuffle of the pool
+SAMPLES = 4  # sampled draws per prompt: study_harness.sampled_labels' table, shared with the recipe study
+# Sampled draws are generated with 64 resident requests: on 2 CPU cores 256 resident sequences of up to
+# 1,024 tokens made about 116 generated tokens/s (the sampled pool's build), 64 about 300 (the rerun's).
+SAMPLED_RESIDENT = 64
+
+
+def rerun_order(prompts: list[dict], seed: int = RERUN_ORDER_SEED) -> list[dict]:
+    """The pool in the greedy rerun's queue order."""
+    order = np.random.default_rng(seed).permutation(len(prompts))
+    return [prompts[i] for i in order]

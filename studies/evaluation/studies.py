@@ -23,7 +23,7 @@ from evaluation.baselines import (LengthData, LeapReadoutPredictor, fit_cached, 
 from evaluation.corpora import load_or_build, model_info
 from evaluation.data import length_data
 from evaluation.offline import choose_alpha
-from evaluation.selections import CHAT_TEST, CHAT_TRAIN, UNTOUCHED, UNTOUCHED_SPEC, select
+from evaluation.selections import CHAT_TEST, CHAT_TRAIN, REFRESH_POOL, UNTOUCHED, UNTOUCHED_SPEC, refresh_pool, select
 from evaluation.transfer import FEEDBACK_COUNTS, domain_predictions, fit_leap, run_transfer, stream_predictions
 from harness.datasets import trace_gaps
 from leap_core.cross_fit import FOLDS as GITTINS_FOLDS
@@ -320,13 +320,7 @@ def chat_predictions(names: Sequence[str], max_tokens: int, model: str | None,
     return test, predictions, costs
 
 
-REFRESH_POOL = 500  # held-out ShareGPT prompts whose decode states the refresh study measures
 REFRESH_FOLDS = 2
-
-
-def refresh_pool(n_prompts: int = REFRESH_POOL) -> list[dict]:
-    """The refresh study's prompts: the first ShareGPT prompts held out from the chat training set."""
-    return select(f"sharegpt:{n_prompts}", exclude={p["id"] for p in select(CHAT_TRAIN)})
 
 
 def _length_agreement(prefill: Any, max_tokens: int, model: str | None) -> dict:
