@@ -32,6 +32,8 @@ from typing import Any
 
 import httpx
 
+from leap_io.admin_client import AdminClient
+
 DEMO_DECODING = {"temperature": 0.0, "frequency_penalty": 0.5}
 
 
@@ -243,8 +245,7 @@ def run_demo(n_prompts: int = 240, max_tokens: int = 1024, concurrency: int = 25
                                             concurrency, None))
         summary["traffic"] = traffic
         admin = f"http://{settings.stack_host}:{settings.admin_port}"
-        httpx.post(f"{admin}/leap/feedback/flush", headers={"Authorization": f"Bearer {settings.token()}"},
-                   timeout=60).raise_for_status()
+        AdminClient(admin, settings.token(), timeout=60).flush_feedback().raise_for_status()
 
         say("ingesting feedback into DuckDB")
         ingest = ingest_flow()
@@ -260,8 +261,7 @@ def run_demo(n_prompts: int = 240, max_tokens: int = 1024, concurrency: int = 25
         if verdict.get("passed"):
             say("pushing and promoting the challenger")
             push = push_flow(version=fit["version"], name=fit["name"], promote=True)
-        served = httpx.get(f"{admin}/leap/readout", headers={"Authorization": f"Bearer {settings.token()}"},
-                           timeout=30).json()
+        served = AdminClient(admin, settings.token(), timeout=30).readout().json()
         store = open_store(settings)
         counts, capped = store.counts(), _capped_fraction(store)
     finally:

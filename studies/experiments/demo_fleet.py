@@ -30,8 +30,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import numpy as np
+
+from leap_io.admin_client import AdminClient
 
 FLEET_SERVICES = ("postgres", "s3", "mlflow")
 """The fleet's servers the demo starts besides its replicas (the flows run in-process)."""
@@ -39,7 +40,7 @@ FLEET_SERVICES = ("postgres", "s3", "mlflow")
 
 def _flush(admin: str, token: str) -> dict[str, Any]:
     """Close the replica's open segment and ship what it holds to the bucket."""
-    response = httpx.post(f"{admin}/leap/feedback/flush", headers={"Authorization": f"Bearer {token}"}, timeout=120)
+    response = AdminClient(admin, token, timeout=120).flush_feedback()
     response.raise_for_status()
     return response.json()
 

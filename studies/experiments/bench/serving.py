@@ -257,8 +257,7 @@ def run_http(kind: str, spec: dict, timeout_s: float = 600.0) -> dict:
     import os
     import secrets
 
-    import httpx
-
+    from leap_io.admin_client import AdminClient
     from study_harness.openai_traffic import OpenAIServer, TrafficRequest, free_port, send_traffic
 
     port, admin_port = free_port(), free_port()
@@ -288,8 +287,7 @@ def run_http(kind: str, spec: dict, timeout_s: float = 600.0) -> dict:
                   "mean_latency_s": float(latency.mean()), "output_tokens": tokens, "latency_s": latency.tolist(),
                   "ready_before_decode": None}
         if kind == LEAP:
-            stats = httpx.get(f"http://127.0.0.1:{admin_port}/leap/readout", headers={"Authorization": f"Bearer {token}"},
-                              timeout=10).json().get("stats", {})
+            stats = AdminClient(f"http://127.0.0.1:{admin_port}", token, timeout=10).readout().json().get("stats", {})
             result["ready_before_decode"] = stats.get("ready_before_decode")
         return result
 

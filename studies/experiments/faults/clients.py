@@ -35,6 +35,7 @@ from experiments.faults.serve import (
     with_length_distribution,
     zip_bomb,
 )
+from leap_io.admin_client import READOUT_PATH, AdminClient
 
 
 @dataclass
@@ -174,7 +175,7 @@ def _post(path: str, headers: str, body: bytes = b"") -> bytes:
 def admin_cases(token: str, limit: int) -> list[tuple[str, bytes, bool, tuple[int, ...]]]:
     """(case, raw bytes, half-close after sending, accepted statuses)."""
     auth = f"Authorization: Bearer {token}\r\n"
-    readout = "/leap/readout"
+    readout = READOUT_PATH
     json_body = b'{"version": "v999", "coef": [1, 2, 3], "layer": 1}'
     garbage = bytes(range(256)) * 8
     return [
@@ -248,8 +249,7 @@ def malformed_admin(replica: Replica, slow: bool = True) -> dict[str, Any]:
 
     def hit() -> None:
         try:
-            flood[str(httpx.get(f"{replica.admin.url}/leap/readout", timeout=30,
-                                headers={"Authorization": f"Bearer {replica.admin.token}"}).status_code)] += 1
+            flood[str(AdminClient(replica.admin.url, replica.admin.token, timeout=30).readout().status_code)] += 1
         except httpx.HTTPError as exc:
             flood[type(exc).__name__] += 1
 

@@ -21,6 +21,7 @@ import httpx
 
 from experiments.faults.clients import Replica, result
 from experiments.faults.serve import openai_body, openai_path
+from leap_io.admin_client import FEEDBACK_FLUSH_PATH, AdminClient, admin_headers
 
 TRICKLERS = 12
 TRICKLE_EVERY_S = 2.0
@@ -58,8 +59,8 @@ def admin_slowloris(replica: Replica, hold_s: float = 16.0) -> dict[str, Any]:
     time.sleep(1.0)  # every trickler connected: this address's share of the handlers is held
     other = httpx.Client(transport=httpx.HTTPTransport(local_address=OTHER_HOST), timeout=30)
     try:  # the control plane, from another host, while the flood holds
-        flushed: int | str = other.post(f"{replica.admin.url}/leap/feedback/flush", content=b"",
-                                        headers={"Authorization": f"Bearer {replica.admin.token}"}).status_code
+        flushed: int | str = other.post(f"{replica.admin.url}{FEEDBACK_FLUSH_PATH}", content=b"",
+                                        headers=admin_headers(replica.admin.token)).status_code
     except httpx.HTTPError as exc:
         flushed = f"no answer: {exc}"
     finally:
@@ -69,8 +70,8 @@ def admin_slowloris(replica: Replica, hold_s: float = 16.0) -> dict[str, Any]:
     deadline = time.monotonic() + hold_s
     while time.monotonic() < deadline:
         try:
-            health.append(httpx.get(f"{replica.admin.url}/leap/health", timeout=5).status_code)
-            metrics.append(httpx.get(f"{replica.admin.url}/metrics", timeout=5).status_code)
+            health.append(AdminClient(replica.admin.url, None, timeout=5).health().status_code)
+            metrics.append(AdminClient(replica.admin.url, None, timeout=5).metrics().status_code)
         except httpx.HTTPError:
             health.append(-1)
         time.sleep(0.5)

@@ -28,6 +28,7 @@ from experiments.faults.serve import (
     openai_request,
     prometheus_values,
 )
+from leap_io.admin_client import AdminClient
 from serving.readout.push import version_key
 
 
@@ -93,7 +94,7 @@ class VersionPoller:
 
     def __init__(self, url: str, token: str, interval_s: float = 0.025) -> None:
         self.url = url
-        self.headers = {"Authorization": f"Bearer {token}"}
+        self.token = token
         self.interval_s = interval_s
         self.observations: list[tuple[float, str, int]] = []
         self.errors = 0
@@ -101,11 +102,11 @@ class VersionPoller:
         self._thread = threading.Thread(target=self._run, name="leap-fault-poller", daemon=True)
 
     def _run(self) -> None:
-        with httpx.Client(timeout=10.0) as client:
+        with AdminClient(self.url, self.token, timeout=10.0) as admin:
             while not self._stop.is_set():
                 sent = time.monotonic()
                 try:
-                    described = client.get(f"{self.url}/leap/readout", headers=self.headers).json()
+                    described = admin.readout().json()
                     self.observations.append((sent, str(described.get("version", "")),
                                               int(described.get("generation", -1))))
                 except (httpx.HTTPError, ValueError):

@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from leap_io.admin_client import READOUT_PATH, AdminClient
 from leap_io.durable import write_text_durably
 from ops.stack import group_alive
 
@@ -273,35 +274,34 @@ def raw_http(port: int, data: bytes, *, half_close: bool = False, timeout: float
 
 
 class Admin:
-    """The LEAP admin API of one replica."""
+    """The LEAP admin API of one replica, through the product's client (`leap_io.admin_client`)."""
 
     def __init__(self, url: str, token: str, timeout: float = 30.0) -> None:
         self.url = url
         self.token = token
         self.timeout = timeout
+        self.client = AdminClient(url, token, timeout)
 
     def readout(self) -> dict:
-        response = httpx.get(f"{self.url}/leap/readout", timeout=self.timeout,
-                             headers={"Authorization": f"Bearer {self.token}"})
+        response = self.client.readout()
         response.raise_for_status()
         return response.json()
 
     def health(self) -> tuple[int, dict]:
-        response = httpx.get(f"{self.url}/leap/health", timeout=self.timeout)
+        response = self.client.health()
         return response.status_code, response.json()
 
     def metrics(self) -> str:
-        response = httpx.get(f"{self.url}/metrics", timeout=self.timeout)
+        response = self.client.metrics()
         response.raise_for_status()
         return response.text
 
     def push(self, body: bytes, query: str = "") -> httpx.Response:
-        return httpx.post(f"{self.url}/leap/readout{query}", content=body, timeout=self.timeout,
-                          headers={"Authorization": f"Bearer {self.token}"})
+        """POST `body` to the readout path with any `query`, well-formed or not (the faults try both)."""
+        return self.client.request("POST", READOUT_PATH + query, content=body)
 
     def flush(self) -> httpx.Response:
-        return httpx.post(f"{self.url}/leap/feedback/flush", content=b"", timeout=self.timeout,
-                          headers={"Authorization": f"Bearer {self.token}"})
+        return self.client.flush_feedback()
 
     def anchor(self) -> tuple[str, int]:
         """(base version, generation): what changes with a push or a restore, never with an RLS publish."""
