@@ -36,7 +36,7 @@ from ops.fleet_env import ENV_FILE, LAYOUT_FILE
 
 if TYPE_CHECKING:
     from flows.settings import PipelineSettings
-    from ops.stack import Service
+    from ops.service import Service
 
 POOL = "leap"
 WORKERS = 2
@@ -256,7 +256,7 @@ def worker_name(index: int) -> str:
 
 def fleet_specs(settings: PipelineSettings, layout: FleetLayout) -> dict[str, Service]:
     """Every service of the fleet, in start order; `after` names what must answer before one starts."""
-    from ops.stack import Service
+    from ops.service import Service
 
     host = settings.stack_host
     pgdata = settings.stack_dir / "pgdata"
