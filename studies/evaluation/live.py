@@ -44,29 +44,14 @@ TEXT_BASELINES = ("prompt_length", "minilm_ridge", "minilm_finetuned", "minilm_l
 HIDDEN_BASELINES = ("trail_mlp",)
 FULL_POLICIES = ("fcfs", *TEXT_BASELINES, *HIDDEN_BASELINES, "leap", "leap-rls", "leap-gittins", "oracle")
 QUICK_POLICIES = ("fcfs", "prompt_length", "trail_mlp", "leap", "leap-gittins", "oracle")
-REFRESH_POLICIES = ("leap", "leap-refresh")
-"""`leap eval live --refresh`: countdown and refresh, on one engine that captures decode states for both."""
 GITTINS_POLICIES = ("leap", "leap-gittins")
 """`leap eval live --gittins`: countdown and the Gittins order on the same readout, nothing else replayed."""
 REFERENCE = ("fcfs", "leap", "leap-rls", "leap-gittins", "leap-refresh", "oracle")
-LEAP_ARMS = ("leap", "leap-rls", "leap-gittins", "leap-refresh")
+"""Columns of the saved results' tables (leap-refresh: the retired refresh arm of earlier runs)."""
+LEAP_ARMS = ("leap", "leap-rls", "leap-gittins")
 """LEAP's readout served by the runtime: countdown, countdown corrected online by RLS, the Gittins order on
 the readout's length distribution (`LeapConfig.order`), which `gittins_over_countdown` compares with countdown,
-and countdown refreshed from decode states (retired: serving no longer refreshes), `refresh_over_countdown`."""
-
-
-@dataclass
-class RefreshArm:
-    """What the leap-refresh arm serves: the refresh readout file the engine loads, its checkpoints, and each
-    replayed prompt's remaining-length estimates at them from its recorded decode states (NaN where the
-    output ended first; for the simulator's refresh arm). `n_train`: decode states the readout was fitted on,
-    from `n_pool` prompts that are not replayed."""
-
-    readout_path: str
-    checkpoints: tuple[int, ...]
-    estimates: dict[str, np.ndarray]
-    n_train: int = 0
-    n_pool: int = 0
+(retired: countdown refreshed from decode states, `refresh_over_countdown`, in earlier saved runs)."""
 
 
 @dataclass
@@ -167,20 +152,13 @@ def calibrated_step_model(decode_slots: int = 64, max_resident: int = 512, max_t
 
 
 def run_live(train_prompts: Sequence[dict], replay_prompts: Sequence[dict], settings: LiveSettings,
-             model: str | None = None, say: Callable[[str], None] = lambda message: None,
-             refresh: RefreshArm | None = None) -> dict:
+             model: str | None = None, say: Callable[[str], None] = lambda message: None) -> dict:
     """Mean/P95 PTL, TTFT and throughput per policy on the step clock, paired ratios with intervals, the
-    simulator's fidelity on the same workloads, and predictor costs. The leap-refresh arm needs `refresh`;
-    the engine then captures decode states for every arm and only that arm refreshes."""
-    known = (*FULL_POLICIES, "leap-refresh")
-    unknown = [p for p in settings.policies if p not in known]
+    simulator's fidelity on the same workloads, and predictor costs."""
+    unknown = [p for p in settings.policies if p not in FULL_POLICIES]
     if unknown:
-        raise ValueError(f"unknown policies {unknown}; expected some of {known}")
-    if ("leap-refresh" in settings.policies) != (refresh is not None):
-        raise ValueError("the leap-refresh arm and a RefreshArm go together")
-    if refresh is not None:  # the study awaits retirement: serving dropped refresh (docs/serving.md)
-        raise ValueError("the leap-refresh arm cannot run: serving no longer refreshes predictions")
-    live = open_replay_engine(settings, model, refresh)
+        raise ValueError(f"unknown policies {unknown}; expected some of {FULL_POLICIES}")
+    live = open_replay_engine(settings, model)
     try:
         say(f"lengths and features of {len(train_prompts)} training and {len(replay_prompts)} replayed prompts")
         train, replay_corpus, requests = training_and_requests(live, train_prompts, replay_prompts)
@@ -199,10 +177,6 @@ def run_live(train_prompts: Sequence[dict], replay_prompts: Sequence[dict], sett
                                waiting_cap=settings.waiting_cap, step_model=step_model,
                                max_prefill_tokens_per_step=prefill_budget(live),
                                distribution=readout.length_distribution_)
-        if refresh is not None:
-            sim_config = replace(sim_config, refresh_at=tuple(refresh.checkpoints))
-            nan = np.full(len(refresh.checkpoints), np.nan)
-            refreshed = np.stack([refresh.estimates.get(r.id, nan) for r in requests])
         runs: dict[str, list[dict]] = {name: [] for name in settings.policies}
         for repeat in range(settings.repeats):
             arrivals = planned_arrivals(len(requests), rate, None, settings.seed + repeat)
@@ -211,8 +185,7 @@ def run_live(train_prompts: Sequence[dict], replay_prompts: Sequence[dict], sett
                 say(f"repeat {repeat + 1}/{settings.repeats}: {name}")
                 run = replay_policy(live, name, requests, arrivals, predictors, readout, anchor,
                                      settings.max_tokens, tag=f"r{repeat}-{name}-", clock=step_model)
-                run["simulated_latency"] = simulated_latency(name, arrivals, requests, predicted, sim_config,
-                                                             refreshed if refresh is not None else None)
+                run["simulated_latency"] = simulated_latency(name, arrivals, requests, predicted, sim_config)
                 runs[name].append(run)
     finally:
         live.close()
@@ -220,11 +193,8 @@ def run_live(train_prompts: Sequence[dict], replay_prompts: Sequence[dict], sett
     return {**result, "baseline_hyperparameters": {name: hyperparameters(p) for name, p in predictors.items()}}
 
 
-def open_replay_engine(settings: Any, model: str | None = None, refresh: RefreshArm | None = None) -> Any:
-    """The in-process engine a replay study runs on: FCFS to start, `settings`' R, K, waiting cap and M. A
-    `refresh` arm is refused: serving no longer refreshes predictions."""
-    if refresh is not None:
-        raise ValueError("serving no longer refreshes predictions: there is no refresh arm to open")
+def open_replay_engine(settings: Any, model: str | None = None) -> Any:
+    """The in-process engine a replay study runs on: FCFS to start, `settings`' R, K, waiting cap and M."""
     return open_live(model, LeapConfig(policy="fcfs", rls=False, max_resident=settings.max_resident,
                                        decode_slots=settings.decode_slots, waiting_cap=settings.waiting_cap),
                      max_tokens=settings.max_tokens)
@@ -259,16 +229,14 @@ def predicted_lengths(requests: list[ReplayRequest], replayed: LengthData, reado
     position = {rid: i for i, rid in enumerate(replayed.ids)}
     rows = replayed.subset(np.array([position[r.id] for r in requests]))
     out = {"leap": readout.predict(rows.features)}
-    out["leap-rls"] = out["leap-gittins"] = out["leap-refresh"] = out["leap"]
+    out["leap-rls"] = out["leap-gittins"] = out["leap"]
     out.update({name: np.asarray(p.predict(rows), dtype=np.float64) for name, p in predictors.items()})
     return out
 
 
 def simulated_latency(name: str, arrivals: np.ndarray, requests: list[ReplayRequest],
-                       predicted: dict[str, np.ndarray], config: SimConfig,
-                       refreshed: np.ndarray | None = None) -> np.ndarray:
-    """The simulator's latency for each request of one replay; the leap-refresh arm refreshes with `refreshed`
-    (n, checkpoints) at `config.refresh_at`, every other arm counts down from its prediction alone."""
+                       predicted: dict[str, np.ndarray], config: SimConfig) -> np.ndarray:
+    """The simulator's latency for each request of one replay, each arm counting down from its prediction."""
     lengths = np.array([r.fixed_length for r in requests], dtype=np.int64)
     prompt = np.array([len(r.prompt_token_ids) for r in requests], dtype=np.int64)
     if name in ("fcfs", "oracle"):
@@ -277,8 +245,6 @@ def simulated_latency(name: str, arrivals: np.ndarray, requests: list[ReplayRequ
         policy, guess = "gittins", predicted[name]
     else:
         policy, guess = "countdown", predicted[name]
-    if name == "leap-refresh":  # the config carries the checkpoints
-        return simulate(arrivals, prompt, lengths, guess, replace(config, policy=policy), refreshed=refreshed).latency
     return simulate(arrivals, prompt, lengths, guess, replace(config, policy=policy, refresh_at=())).latency
 
 
@@ -361,12 +327,6 @@ def _aggregate(runs: dict[str, list[dict]], costs: dict, settings: LiveSettings,
         gittins = against_countdown(runs, "leap-gittins")
         ratios["gittins_over_countdown"] = gittins.pop("ratio")
         against["gittins"] = gittins
-    if "leap-refresh" in runs and "leap" in runs:
-        refresh = against_countdown(runs, "leap-refresh")
-        ratios["refresh_over_countdown"] = refresh["ratio"]
-        against["refresh"] = {"refresh_over_countdown_per_repeat": refresh["per_repeat"],
-                              "simulated_refresh_over_countdown": refresh["simulated"],
-                              "refreshed_per_run": [s.get("refreshed") for s in runs["leap-refresh"]]}
     all_errors = np.concatenate(list(errors.values()))
     drift = [s["modeled_over_wall"] for summaries in runs.values() for s in summaries if "modeled_over_wall" in s]
     return {"n_requests": n, "n_train": n_train, "repeats": settings.repeats, "load": settings.load,
@@ -505,6 +465,8 @@ def section_live_refresh(result: dict, image: str) -> str:
     wins = ratio["ci_high"] < 1.0
     return "\n".join([
         "## Refresh on the engine",
+        "",
+        "Retired: serving no longer refreshes predictions (`docs/serving.md`); this is the last saved run.",
         "",
         f"Countdown (`leap`) against refresh (`leap-refresh`: the remaining length re-estimated from the decode "
         f"state at {arm.get('checkpoints', '?')} generated tokens) on one engine that captures decode states for "

@@ -76,7 +76,6 @@ RERUN: tuple[tuple[str, ...], ...] = (
     ("eval", "load", "--untouched", "--train", WIDE_TRAIN, "--name", "load-untouched-wide", *BASELINES),
     ("eval", "live", "--gittins"),
     ("eval", "refresh"),
-    ("eval", "live", "--refresh"),
     ("eval", "tail"),
 )
 

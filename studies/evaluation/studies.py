@@ -343,62 +343,14 @@ def _length_agreement(prefill: Any, max_tokens: int, model: str | None) -> dict:
             "median_relative_difference": float(np.median(np.abs(a - b) / np.maximum(a, 1.0)))}
 
 
-def serving_refresh_readout(rows: Any, index: np.ndarray, model: str | None) -> Any:
-    """The refresh readout serving loads (`LeapConfig.refresh_readout_path`): LEAP's fit on the decode states
-    that `index` (`study_harness.decode_states.checkpoint_matrix`, its g = 0 column first) points to, to the length
-    that remained, with the identity a push is checked against."""
-    from evaluation.data import length_data
-    from study_harness.decode_states import CHECKPOINTS
-
-    checkpoint_rows = index[:, 1:]
-    every = rows.subset(np.sort(checkpoint_rows[checkpoint_rows >= 0]))
-    info = model_info(model)
-    served = fit_leap(length_data(every, [{"id": i, "prompt": ""} for i in every.ids]))
-    served.metadata = {"model_id": info.model_id, "model_fingerprint": info.fingerprint, "layer": int(rows.layer),
-                       "version": f"refresh-{len(every)}", "n_train": len(every),
-                       "refresh_at": list(CHECKPOINTS), "predicts": "remaining length"}
-    return served
-
-
-def live_refresh_arm(replayed: Sequence[dict], max_tokens: int, model: str | None, say: Say, build: bool = True):
-    """The live study's refresh arm: the serving refresh readout fitted on the decode states of the refresh
-    pool's prompts other than `replayed` (no replayed prompt's states train it), written where the engine
-    loads it, and each replayed prompt's remaining-length estimates at the checkpoints for the simulator."""
-    from evaluation.corpora import load_or_build_decode_states
-    from evaluation.live import RefreshArm
-    from study_harness.decode_states import CHECKPOINTS, checkpoint_matrix
-    from leap_core.readout_format import to_bytes
-
-    replayed_ids = {p["id"] for p in replayed}
-    pool = [p for p in refresh_pool() if p["id"] not in replayed_ids]
-    rows = load_or_build_decode_states([*pool, *replayed], max_tokens, model, say, build)
-    index, has_prefill = checkpoint_matrix(rows, [p["id"] for p in pool])
-    readout = serving_refresh_readout(rows, index[has_prefill], model)
-    path = sub_dir("refresh") / f"live-{readout.metadata['version']}.npz"
-    path.write_bytes(to_bytes(readout))
-    say(f"refresh readout on {readout.n_train_} decode states of {int(has_prefill.sum())} pool prompts -> {path}")
-    ids = [p["id"] for p in replayed]
-    at, _ = checkpoint_matrix(rows, ids)
-    estimates = np.full((len(ids), len(CHECKPOINTS)), np.nan)
-    for c in range(len(CHECKPOINTS)):
-        present = at[:, c + 1] >= 0
-        if present.any():
-            estimates[present, c] = readout.predict(rows.features[at[present, c + 1]])
-    return RefreshArm(readout_path=str(path), checkpoints=tuple(CHECKPOINTS),
-                      estimates={rid: row for rid, row in zip(ids, estimates)}, n_train=int(readout.n_train_),
-                      n_pool=int(has_prefill.sum()))
-
-
 def refresh_study(step_model: StepTimeModel, max_tokens: int = 1024, model: str | None = None,
-                  say: Say = _quiet, n_prompts: int = REFRESH_POOL, build: bool = True,
-                  readout_out: Path | None = None, **options: Any) -> dict:
+                  say: Say = _quiet, n_prompts: int = REFRESH_POOL, build: bool = True, **options: Any) -> dict:
     """Countdown against refreshing during decode, both arms measured on the same held-out prompts.
 
     Countdown: LEAP's readout fitted on the chat training rows, applied to each pool prompt's prefill
     state. Refresh: a second readout of the same form, fitted on decode states (study_harness.decode_states)
     to the remaining length, cross-fitted by prompt so no prompt is scored by a readout that saw it; its
-    prediction cost per request is measured and charged per refresh. `readout_out`: also write the refresh
-    readout fitted on every pool prompt's decode states there, for serving (`LeapConfig.refresh_readout_path`)."""
+    prediction cost per request is measured and charged per refresh."""
     from evaluation.corpora import load_or_build_decode_states
     from evaluation.data import length_data
     from study_harness.decode_states import CHECKPOINTS, checkpoint_matrix
@@ -430,12 +382,6 @@ def refresh_study(step_model: StepTimeModel, max_tokens: int = 1024, model: str 
                 refreshed[present, c] = readout.predict(rows.features[index[present, c + 1]])
     assert readout is not None
     cost = measure_cost(LeapReadoutPredictor.from_readout(readout), train)["ms_per_request"] / 1000.0
-    if readout_out is not None:  # serving's refresh readout: the same fit on every pool prompt's decode states
-        from leap_core.readout_format import to_bytes
-
-        served = serving_refresh_readout(rows, index, model)
-        Path(readout_out).write_bytes(to_bytes(served))
-        say(f"refresh readout ({served.n_train_} decode states) written to {readout_out}")
     say(f"simulating countdown and refresh on {len(index)} prompts")
     result = run_refresh(prefill.prompt_tokens, lengths, countdown, refreshed, CHECKPOINTS, step_model,
                                    cost, **{**SIM_SHAPE, **options})
@@ -462,32 +408,21 @@ def tail_study(step_model: StepTimeModel, max_tokens: int = 1024, model: str | N
 
 def live_study(quick: bool, n_requests: int | None = None, repeats: int | None = None, load: float = 1.2,
                decode_slots: int | None = None, max_tokens: int = 1024, model: str | None = None,
-               say: Say = _quiet, refresh: bool = False, gittins: bool = False) -> dict:
+               say: Say = _quiet, gittins: bool = False) -> dict:
     """The live replay: `quick` is a smaller run (fewer requests, one repeat, the baselines that train in
-    seconds) that finishes in minutes; the full run is the Table 3 study. `refresh`: countdown against
-    refresh on one engine that captures decode states (`evaluation.live.REFRESH_POLICIES`); `gittins`:
-    countdown against the Gittins order (`evaluation.live.GITTINS_POLICIES`); either 64 requests x 4
-    repeats unless told otherwise."""
-    from evaluation.live import (FULL_POLICIES, GITTINS_POLICIES, QUICK_POLICIES, REFRESH_POLICIES, LiveSettings,
-                                 run_live)
+    seconds) that finishes in minutes; the full run is the Table 3 study. `gittins`: countdown against the
+    Gittins order (`evaluation.live.GITTINS_POLICIES`), 64 requests x 4 repeats unless told otherwise."""
+    from evaluation.live import FULL_POLICIES, GITTINS_POLICIES, QUICK_POLICIES, LiveSettings, run_live
 
-    if refresh and gittins:
-        raise ValueError("--refresh and --gittins are separate studies: run one at a time")
     train = select(CHAT_TRAIN)
-    default_n, default_repeats = (64, 4) if refresh or gittins else (32, 1) if quick else (60, 2)
+    default_n, default_repeats = (64, 4) if gittins else (32, 1) if quick else (60, 2)
     replayed = select(f"sharegpt:{n_requests or default_n}", exclude={p["id"] for p in train})
-    policies = (REFRESH_POLICIES if refresh else GITTINS_POLICIES if gittins else QUICK_POLICIES if quick
-                else FULL_POLICIES)
+    policies = GITTINS_POLICIES if gittins else QUICK_POLICIES if quick else FULL_POLICIES
     settings = LiveSettings(n_requests=len(replayed), n_train=len(train), repeats=repeats or default_repeats,
                             load=load, max_tokens=max_tokens, policies=policies,
                             calibration_requests=len(replayed), decode_slots=decode_slots or 8)
-    arm = live_refresh_arm(replayed, max_tokens, model, say) if refresh else None
-    result = run_live(train, replayed, settings, model, say, refresh=arm)
+    result = run_live(train, replayed, settings, model, say)
     result.update(quick=quick, train=CHAT_TRAIN)
-    if arm is not None:
-        result["refresh_arm"] = {"checkpoints": list(arm.checkpoints), "n_train": arm.n_train, "n_pool": arm.n_pool,
-                                 "readout": "LEAP's fit on decode states to the remaining length "
-                                            "(serving_refresh_readout)"}
     return result
 
 

@@ -81,10 +81,6 @@ def live(
     decode_slots: Optional[int] = typer.Option(
         None, help="K, requests decoded per step (default 8): scaled so that requests queue for slots on "
                    "2 CPU cores, as 512 do for 64 on a GPU"),
-    refresh: bool = typer.Option(False, "--refresh", help="countdown against refresh (leap-refresh) on one engine "
-                                                          "that captures decode states for both: 64 requests x 4 "
-                                                          "repeats by default, `refresh_over_countdown` paired by "
-                                                          "repeat, then request"),
     gittins: bool = typer.Option(False, "--gittins", help="countdown against the Gittins order (leap-gittins) on "
                                                           "one engine: 64 requests x 4 repeats by default, "
                                                           "`gittins_over_countdown` paired by repeat, then "
@@ -92,16 +88,14 @@ def live(
     max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
 ) -> None:
     """Replay held-out requests through the real engine (step clock) under FCFS, baselines, LEAP, LEAP + RLS
-    and the oracle (--refresh: LEAP with and without refresh; --gittins: countdown against the Gittins
-    order); paired ratios with intervals and the simulator's fidelity on the same workloads."""
+    and the oracle (--gittins: countdown against the Gittins order); paired ratios with intervals and the
+    simulator's fidelity on the same workloads."""
     from evaluation.studies import live_study
 
-    if refresh and gittins:
-        raise typer.BadParameter("--refresh and --gittins are separate studies: run one at a time")
     result = live_study(quick, requests, repeats, load, decode_slots, max_tokens, model, _say(as_json),
-                        refresh=refresh, gittins=gittins)
-    study = "live-refresh" if refresh else "live-gittins" if gittins else "live"
-    _finish(result, study, study if refresh or gittins else "live-quick" if quick else "live", as_json, save)
+                        gittins=gittins)
+    study = "live-gittins" if gittins else "live"
+    _finish(result, study, study if gittins else "live-quick" if quick else "live", as_json, save)
 
 
 @eval_app.command("fidelity")
@@ -251,12 +245,9 @@ def _simulated_study(study: str, step_model: Optional[Path], max_tokens: int, mo
 
 @eval_app.command("refresh")
 def refresh(step_model: Optional[Path] = STEP_MODEL, max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL,
-            readout_out: Optional[Path] = typer.Option(
-                None, help="also write the refresh readout (every pool prompt's decode states) for serving's "
-                           "LEAP_REFRESH_READOUT_PATH"),
             as_json: bool = JSON, save: bool = SAVE) -> None:
-    """Refreshing the length estimate during decode against countdown, both measured in the engine."""
-    _simulated_study("refresh", step_model, max_tokens, model, as_json, save, readout_out=readout_out)
+    """Refreshing the length estimate during decode against countdown, simulated (serving does not refresh)."""
+    _simulated_study("refresh", step_model, max_tokens, model, as_json, save)
 
 
 @eval_app.command("tail")
