@@ -69,6 +69,7 @@ from store.ingest_outcomes import (
     STATUS_VANISHED,
     Crash,
     IngestReport,
+    ReadSegment,
     StageHook,
     not_trainable_counts,
     record_changed,
@@ -210,24 +211,6 @@ class SegmentFile:
 
     def remove(self) -> None:
         self.path.unlink()
-
-
-@dataclass
-class ReadSegment:
-    """A segment read from disk and judged on its own, ready for the writing connection."""
-
-    segment: str
-    checksum: str
-    replica_id: str | None = None
-    skip_status: str | None = None  # set when nothing is to be written: seen before, or vanished
-    replaces: bool = False  # the ledger holds an earlier content that left nothing stored
-    changed_from: str | None = None  # set when the ledger holds an ingested earlier content
-    size_bytes: int = 0
-    stamp: str | None = None  # the source's stamp when it was read, recorded with the outcome
-    rows: int = 0
-    judged: JudgedSegment | None = None
-    error: Exception | None = None  # unreadable
-    failure: Exception | None = None  # parsed, but judging it raised
 
 
 def _read_segment(source: SegmentSource, ledger: Ledger, changed: set[tuple[str, str]], retry_failed: bool,

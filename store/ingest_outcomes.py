@@ -21,17 +21,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from leap_io.feedback_schema import NOT_TRAINING_FINISH_REASONS
 from store.protocol import StoreWriter
-from store.validation import quarantine_json
-
-if TYPE_CHECKING:
-    from store.ingest import ReadSegment
+from store.validation import JudgedSegment, quarantine_json
 
 STATUS_OK = "ok"
 STATUS_UNREADABLE = "unreadable"
@@ -42,6 +39,24 @@ STATUS_VANISHED = "vanished"  # listed, then gone before it was read: nothing to
 REASON_UNREADABLE = "unreadable_segment"
 REASON_SEGMENT_ERROR = "segment_error"
 REASON_CHECKSUM_CHANGED = "checksum_changed"
+
+
+@dataclass
+class ReadSegment:
+    """A segment read from disk and judged on its own, ready for the writing connection."""
+
+    segment: str
+    checksum: str
+    replica_id: str | None = None
+    skip_status: str | None = None  # set when nothing is to be written: seen before, or vanished
+    replaces: bool = False  # the ledger holds an earlier content that left nothing stored
+    changed_from: str | None = None  # set when the ledger holds an ingested earlier content
+    size_bytes: int = 0
+    stamp: str | None = None  # the source's stamp when it was read, recorded with the outcome
+    rows: int = 0
+    judged: JudgedSegment | None = None
+    error: Exception | None = None  # unreadable
+    failure: Exception | None = None  # parsed, but judging it raised
 
 
 @dataclass(frozen=True)
