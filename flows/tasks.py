@@ -33,7 +33,7 @@ from flows.shadow import shadow_evidence
 from leap_core.readout import LinearReadout
 from leap_core.rls import RLS
 from leap_io.jsonable import dumps, to_jsonable
-from leap_io.object_store import is_object_url
+from leap_io.s3_locations import is_object_url
 from registry.aliases import CHAMPION
 from registry.client import ReadoutRegistry
 from registry.locking import is_postgres_location

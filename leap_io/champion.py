@@ -45,7 +45,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from leap_io import signing
 from leap_io.durable import write_bytes_durably
-from leap_io.object_store import is_object_url
+from leap_io.s3_locations import is_object_url
 
 CHAMPION_URL_ENV = "LEAP_CHAMPION_URL"
 
@@ -107,7 +107,8 @@ class ChampionPublication:
         self.location = str(location)
         self._s3 = None
         if is_object_url(self.location):
-            from leap_io.object_store import ObjectStore, parse_s3_url
+            from leap_io.object_store import ObjectStore
+            from leap_io.s3_locations import parse_s3_url
 
             self._where = parse_s3_url(self.location)
             self._s3 = ObjectStore(endpoint_url)

@@ -6,10 +6,6 @@ so a checkout is self-contained and `rm -rf .leap` resets everything.
 
 from pathlib import Path
 
-STACK_FOLDER = "stack"
-"""The local stack's pid files, logs and fleet files, under the state folder."""
-
-
 def state_dir() -> Path:
     from leap_io.settings import read_settings
 

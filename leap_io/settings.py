@@ -35,8 +35,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from leap_core.gate_verdict import MARGIN, P95_BOUND
 from leap_io.admin_client import TOKEN_FILE_NAME, create_token_file
-from leap_io.object_store import check_endpoint, parse_s3_url
-from leap_io.paths import STACK_FOLDER
+from leap_io.s3_locations import check_endpoint, parse_s3_url
 from leap_io.pidfiles import service_pid
 
 ENV_PREFIX = "LEAP_"
@@ -49,6 +48,9 @@ POLICIES = ("fcfs", "leap", "oracle", "client")
 Order = Literal["countdown", "gittins"]
 ORDERS: tuple[str, ...] = get_args(Order)
 _PREDICTOR_POLICIES: set[str] = set()
+
+STACK_FOLDER = "stack"
+"""The local stack's pid files, logs and fleet files, under the state folder."""
 
 
 def register_predictor_policy(name: str) -> str:

@@ -11,9 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from leap_io.paths import STACK_FOLDER
 from leap_io.pidfiles import service_pid
-from leap_io.settings import LeapSettings
+from leap_io.settings import STACK_FOLDER, LeapSettings
 
 LAYOUT_FILE = "fleet.json"
 ENV_FILE = "fleet.env"

@@ -24,7 +24,7 @@ Who holds what (the S3 calls are those of `leap_io.object_store.ObjectStore`, li
 
 The two locations must not overlap (neither prefix inside the other, in one bucket): otherwise a
 replica's folder could hold the publication, or the workers' delete right reach it. Every input is
-checked and a bad one raises ValueError naming it (`leap_io.object_store.ObjectURLError` for locations).
+checked and a bad one raises ValueError naming it (`leap_io.s3_locations.ObjectURLError` for locations).
 Pure functions: no I/O, no credentials.
 """
 
@@ -35,7 +35,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from leap_io.object_store import S3Location, parse_s3_url
+from leap_io.s3_locations import S3Location, parse_s3_url
 
 POLICY_VERSION = "2012-10-17"
 WORKER = "worker"

@@ -57,7 +57,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from leap_io.feedback_schema import META_REPLICA_ID
-from leap_io.object_store import is_object_url
+from leap_io.s3_locations import is_object_url
 from store.ingest_outcomes import (
     REASON_CHECKSUM_CHANGED,
     REASON_SEGMENT_ERROR,

@@ -15,7 +15,8 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from leap_io.object_store import ObjectNotFound, ObjectStore, check_endpoint, parse_s3_url
+from leap_io.object_store import ObjectNotFound, ObjectStore
+from leap_io.s3_locations import check_endpoint, parse_s3_url
 
 logger = logging.getLogger(__name__)
 

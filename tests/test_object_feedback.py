@@ -24,7 +24,8 @@ from pydantic import ValidationError
 from store.ingest import complete_segments, ingest_folder, totals
 from ops.servers import free_port, running_s3
 from store.duckdb import LogStore
-from leap_io.object_store import ObjectStore, ObjectURLError, check_endpoint, parse_s3_url
+from leap_io.object_store import ObjectStore
+from leap_io.s3_locations import ObjectURLError, check_endpoint, parse_s3_url
 from serving.config import LeapConfig
 from serving.feedback.writer import FeedbackWriter
 from serving.feedback.segments import PARTIAL_SUFFIX
@@ -303,16 +304,16 @@ def test_the_runtime_ships_its_writers_segments_and_reports_them(tmp_path, s3_en
     url = f"s3://{bucket}/fleet"
     runtime = build(feedback_dir=str(tmp_path / "feedback"), feedback_url=url, s3_endpoint_url=s3_env,
                     admin_port=None)
-    assert runtime.shipper is not None and runtime.shipper.destination.url() == f"{url}/{runtime.feedback.replica_id}"
+    assert runtime.shipper is not None and runtime.shipper.destination.url() == f"{url}/{runtime.recorder.writer.replica_id}"
     for i in range(3):
-        runtime.feedback.write({**feedback_row(i, dim=RUNTIME_DIM), "layer": runtime.layer})
+        runtime.recorder.writer.write({**feedback_row(i, dim=RUNTIME_DIM), "layer": runtime.layer})
     report = runtime.flush_feedback()
     assert report["shipper"]["segments_shipped"] == 1 and report["shipper"]["pending_segments"] == 0
     health = runtime.health()
     assert health["healthy"] and health["threads"]["feedback_shipper"]["alive"]
     assert "leap_feedback_segments_shipped_total 1.0" in generate_latest(runtime.metrics_registry).decode()
     assert 'leap_thread_alive{thread="feedback_shipper"} 1.0' in generate_latest(runtime.metrics_registry).decode()
-    assert len(_keys(s3_env, bucket, f"fleet/{runtime.feedback.replica_id}/")) == 1
+    assert len(_keys(s3_env, bucket, f"fleet/{runtime.recorder.writer.replica_id}/")) == 1
 
 
 def test_an_engine_without_a_spool_folder_ships_nothing_and_says_why(tmp_path, s3_env, bucket, build, caplog):
@@ -321,7 +322,7 @@ def test_an_engine_without_a_spool_folder_ships_nothing_and_says_why(tmp_path, s
     with caplog.at_level("WARNING", logger="serving.runtime"):
         runtime = build(feedback_dir=None, feedback_url=f"s3://{bucket}/fleet", s3_endpoint_url=s3_env,
                         admin_port=None)
-    assert runtime.feedback is None and runtime.shipper is None
+    assert runtime.recorder.writer is None and runtime.shipper is None
     assert any("writes no feedback" in record.getMessage() for record in caplog.records)
     assert runtime.health()["healthy"]
     assert _keys(s3_env, bucket, "fleet/") == []

@@ -37,7 +37,8 @@ import yaml
 from botocore.exceptions import ClientError
 
 from leap_io.champion import ChampionPublication
-from leap_io.object_store import ObjectAccessDenied, ObjectStore, ObjectStoreError, ObjectURLError
+from leap_io.object_store import ObjectAccessDenied, ObjectStore, ObjectStoreError
+from leap_io.s3_locations import ObjectURLError
 from leap_io.signing import generate_key_pair
 from ops.s3_access import WORKER, fleet_policies, replica_policy, render, worker_policy
 from ops.servers import running_s3

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from leap_io.durable import fsync_dir
-from leap_io.object_store import ObjectAccessDenied, ObjectStore, ObjectStoreError, check_key_part, parse_s3_url
+from leap_io.object_store import ObjectAccessDenied, ObjectStore, ObjectStoreError
+from leap_io.s3_locations import check_key_part, parse_s3_url
 from serving.supervise import SupervisedThread
 
 logger = logging.getLogger(__name__)
