@@ -178,9 +178,9 @@ def replay(engine: Any, requests: Sequence[ReplayRequest], arrivals: np.ndarray,
         outputs = engine.step()
         step_times.append(time.perf_counter() - step_start)
         if runtime is not None:
-            step_shapes.append(runtime.last_step_shape)
+            step_shapes.append(runtime.steps.last_step_shape)
         if clock is not None:
-            modeled += float(clock.step_seconds(*runtime.last_step_shape))
+            modeled += float(clock.step_seconds(*runtime.steps.last_step_shape))
         now = modeled if clock is not None else time.time()
         generated = 0
         for output in outputs:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,6 @@ from serving.decode_steps import DecodeSteps
 from serving.fcfs_fallback import FcfsFallback
 from serving.feedback.finished import FinishedRequests
 from serving.readout.online_rls import OnlineLearner
-from serving.readout.predictor import PredictorService
 from serving.readout.push import CaptureSpace
 from serving.readout.service import ReadoutService
 from serving.readout.sources import ReadoutSources, RegistrySourceFactory
@@ -52,7 +50,7 @@ from serving.feedback.recorder import FeedbackRecorder
 from serving.readout.shadow import ShadowReadout
 from serving.supervise import RateLimitedLog
 from serving.telemetry import Telemetry
-from serving.tracking import RequestTracker, Tracked
+from serving.tracking import RequestTracker
 
 logger = logging.getLogger(__name__)
 
@@ -160,54 +158,10 @@ class LeapRuntime:
         self.shipper = start_shipper(self.config, writer, self.telemetry)
         return writer
 
-    # -- the parts, under the names other code uses ---------------------------------------------
-    @property
-    def readout(self) -> Any:
-        return self.readouts.readout
-
-    @property
-    def version(self) -> str:
-        return self.readouts.version
-
-    @property
-    def predictor(self) -> PredictorService:
-        return self.readouts.predictor
-
     @property
     def learner(self) -> OnlineLearner:
+        """`readouts.learner`, kept while studies/evaluation/live.py reads it under this name."""
         return self.readouts.learner
-
-    @property
-    def feedback(self) -> Any:
-        """The `serving.feedback.writer.FeedbackWriter`, or None when no feedback folder is configured."""
-        return self.recorder.writer
-
-    @property
-    def listeners(self) -> list[Callable[[dict], None]]:
-        return self.recorder.listeners
-
-    @property
-    def last_held(self) -> set[str]:
-        """The requests held out of the last step."""
-        return self.steps.last_held
-
-    @property
-    def last_step_shape(self) -> tuple[int, int, int, int]:
-        """(decoded requests, prefill tokens, context tokens of the decoded requests, prefill pairs) of the
-        last step."""
-        return self.steps.last_step_shape
-
-    @property
-    def tracked(self) -> dict[str, Tracked]:
-        return self.tracker.tracked
-
-    @property
-    def features(self) -> dict[str, np.ndarray]:
-        return self.tracker.features
-
-    @property
-    def predictions(self) -> dict[str, float]:
-        return self.tracker.predictions
 
     def _on_feature(self, request_id: str, feature: np.ndarray) -> None:
         """The receiver thread's hand-off: keep the feature and queue it for a prediction."""
@@ -301,15 +255,15 @@ class LeapRuntime:
 
     # -- reporting -----------------------------------------------------------------------------
     def describe(self) -> dict:
-        readout = self.readout
+        readout = self.readouts.readout
         meta = dict(getattr(readout, "metadata", {}) or {})
         return {
-            "version": self.version, "policy": self.config.policy, "layer": self.layer, "dim": self.dim,
+            "version": self.readouts.version, "policy": self.config.policy, "layer": self.layer, "dim": self.dim,
             "recipe": str(self.recipe), "feature_dim": self.feature_dim, "readout_recipe": self.readouts.recipe,
             "model_id": self.model_id, "model_fingerprint": self.fingerprint,
             "target": getattr(readout, "target", None), "max_tokens": getattr(readout, "max_tokens", None),
             "readout": {k: v for k, v in meta.items() if isinstance(v, (str, int, float, bool))},
-            **self.readouts.describe(), **self.sources.describe(), "rls": self.learner.stats(),
+            **self.readouts.describe(), **self.sources.describe(), "rls": self.readouts.learner.stats(),
             "shadow": self.shadow.describe(), "stats": self.stats(), "healthy": self.health()["healthy"],
             "decode_order": self.steps.describe_order(),
         }
@@ -321,8 +275,8 @@ class LeapRuntime:
         judged by its own `healthy()`.
         """
         feedback = self.recorder.writer_health()
-        threads = {"receiver": self.receiver.stats(), "predictor": self.predictor.stats(),
-                   "rls": self.learner.health(), "feedback": feedback}
+        threads = {"receiver": self.receiver.stats(), "predictor": self.readouts.predictor.stats(),
+                   "rls": self.readouts.learner.health(), "feedback": feedback}
         healthy = (threads["receiver"]["alive"] and threads["predictor"]["alive"] and threads["rls"]["alive"]
                    and (not feedback["enabled"] or feedback["healthy"]))
         if self.shipper is not None:
@@ -339,7 +293,7 @@ class LeapRuntime:
         return {"ready_before_decode": (c.ready / seen) if seen else None, "ready": c.ready,
                 "missed": c.missed, "waited_s": c.waited_s, "max_steps_held_out": c.max_held_out,
                 "finished": self.recorder.finished, "feedback_rows": self.recorder.rows, "steps": c.steps,
-                "schedule_overhead_s": c.schedule_s, "predicted": self.predictor.predicted,
+                "schedule_overhead_s": c.schedule_s, "predicted": self.readouts.predictor.predicted,
                 "resident": len(self.tracker.tracked), "recipe": str(self.recipe),
                 "held_steps": c.held_steps, "held": c.held, "decode_slots": self.steps.describe_slots(),
                 "readout_recipe": self.readouts.recipe}

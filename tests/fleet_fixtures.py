@@ -42,4 +42,4 @@ def feed(runtime, X: np.ndarray, lengths: np.ndarray) -> None:
     """Finished requests into the replica's RLS, as `on_finished` hands them over; waits until learned."""
     for feature, length in zip(X, lengths):
         runtime.readouts.observe(feature, int(length))
-    assert runtime.learner.wait_idle(10.0)
+    assert runtime.readouts.learner.wait_idle(10.0)

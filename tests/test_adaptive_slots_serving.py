@@ -30,7 +30,7 @@ def _decoding_requests(runtime) -> list[Request]:
     features = np.random.default_rng(0).normal(size=(N, DIM)).astype(np.float32)
     features[:, 0] = LENGTHS
     FeatureSender(runtime.config.channel).send([r.request_id for r in requests], features)
-    assert eventually(lambda: {r.request_id for r in requests} <= set(runtime.predictions))
+    assert eventually(lambda: {r.request_id for r in requests} <= set(runtime.tracker.predictions))
     for r in requests:
         r.num_computed_tokens = r.num_prompt_tokens
         r.append_output_token_ids([7])
@@ -58,7 +58,7 @@ def test_a_rising_step_time_holds_out_all_but_the_slots_that_keep_up_with_the_de
     assert slots == DecodeSlotRule(margin=0.25).slots(fixed, per_request, demand, N)
     # the shortest predicted decode, the rest wait
     held = {r.request_id for r in requests[slots:]}
-    assert runtime.last_held == held
+    assert runtime.steps.last_held == held
     assert runtime.stats()["decode_slots"]["slots"] == slots
     assert runtime.metrics_registry.get_sample_value("leap_decode_slots") == slots
 
@@ -73,7 +73,7 @@ def test_every_request_decodes_on_a_flat_curve_or_with_fixed_slots(build, adapti
     requests = _decoding_requests(runtime)
     _measured(runtime, 0.018, per_decode_s)
     runtime.before_schedule(requests, 1)
-    assert runtime.last_held == set()
+    assert runtime.steps.last_held == set()
     assert runtime.steps.slots == slots
 
 
@@ -83,4 +83,4 @@ def test_until_enough_steps_are_measured_the_configured_slots_hold(build):
     requests = _decoding_requests(runtime)
     runtime.before_schedule(requests, 1)
     assert runtime.steps.slots == 8
-    assert len(runtime.last_held) == N - 8
+    assert len(runtime.steps.last_held) == N - 8

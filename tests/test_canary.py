@@ -58,7 +58,7 @@ def _traffic(runtime, prefix: str, n: int) -> None:
         vector = np.random.default_rng(i).normal(size=DIM).astype(np.float32)
         vector[0] = length
         sender.send([request.request_id], vector[None])
-        assert eventually(lambda: request.request_id in runtime.predictions)
+        assert eventually(lambda: request.request_id in runtime.tracker.predictions)
         request.num_computed_tokens = request.num_prompt_tokens + length - 1
         request.append_output_token_ids([7] * length)
         request.status = RequestStatus.FINISHED_STOPPED

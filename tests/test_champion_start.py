@@ -78,7 +78,7 @@ def test_a_restarted_replica_takes_a_champion_published_after_its_last_push(buil
 
     restarted = _start(build, tmp_path)
 
-    assert (restarted.describe()["source"], restarted.version) == ("champion", "20250106T000000-new00001")
+    assert (restarted.describe()["source"], restarted.readouts.version) == ("champion", "20250106T000000-new00001")
 
 
 def test_a_push_saved_after_the_publication_wins(build, tmp_path):
@@ -90,7 +90,7 @@ def test_a_push_saved_after_the_publication_wins(build, tmp_path):
 
     restarted = _start(build, tmp_path)
 
-    assert (restarted.describe()["source"], restarted.version) == ("state", "20250107T000000-pushed01")
+    assert (restarted.describe()["source"], restarted.readouts.version) == ("state", "20250107T000000-pushed01")
     assert restarted.describe()["champion"]["state"] == "older-than-state"
 
 
@@ -123,7 +123,7 @@ def test_a_publication_in_a_bucket_serves_a_new_replica(build, tmp_path, bucket)
 
     runtime = build(policy="leap", rls=True, state_dir=str(tmp_path / "state"), champion_url=location)
 
-    assert (runtime.describe()["source"], runtime.version) == ("champion", "20250108T000000-bucket01")
+    assert (runtime.describe()["source"], runtime.readouts.version) == ("champion", "20250108T000000-bucket01")
 
 
 def test_a_damaged_saved_push_gives_way_to_an_older_publication(build, tmp_path):
@@ -136,7 +136,7 @@ def test_a_damaged_saved_push_gives_way_to_an_older_publication(build, tmp_path)
 
     restarted = _start(build, tmp_path)
 
-    assert (restarted.describe()["source"], restarted.version) == ("champion", "20250105T000000-champ001")
+    assert (restarted.describe()["source"], restarted.readouts.version) == ("champion", "20250105T000000-champ001")
 
 
 def test_a_publication_names_its_registry_in_one_spelling(tmp_path, monkeypatch):
@@ -171,7 +171,7 @@ def test_a_replica_leaves_another_registrys_champion_alone(build, tmp_path):
     other.close()
 
     same = _start(build, tmp_path, registry_uri="http://registry-a:5000/")
-    assert (same.describe()["source"], same.version) == ("champion", "20250106T000000-new00001")
+    assert (same.describe()["source"], same.readouts.version) == ("champion", "20250106T000000-new00001")
 
 
 # -- signed publications ---------------------------------------------------------------------------------
@@ -224,7 +224,7 @@ def test_a_replica_with_a_public_key_refuses_an_unsigned_champion_and_serves_a_s
     publication.publish(NAME, _bundle("20250106T000000-new00001", 1), "20250106T000000-new00001", 5,
                         signing_key=keys["private_key"])
     signed = _start(build, tmp_path, champion_public_key=keys["public_key"])
-    assert (signed.describe()["source"], signed.version) == ("champion", "20250106T000000-new00001")
+    assert (signed.describe()["source"], signed.readouts.version) == ("champion", "20250106T000000-new00001")
 
 
 # -- publication sequence: which came later, without clocks ----------------------------------------------
@@ -289,5 +289,5 @@ def test_a_replica_whose_clock_runs_ahead_takes_the_champion_published_after_its
 
     restarted = _start(build, tmp_path)
 
-    assert (restarted.describe()["source"], restarted.version) == ("champion", "20250106T000000-new00001")
+    assert (restarted.describe()["source"], restarted.readouts.version) == ("champion", "20250106T000000-new00001")
     assert restarted.readouts.state.saved().sequence == 2

@@ -58,7 +58,7 @@ def test_the_engine_serving_another_prompt_set_starts_a_retrain(tmp_path):
         runtime = leap_scheduler(engine).leap
         url = f"http://127.0.0.1:{runtime.admin.port}"
         promote(registry, logged.name, logged.version, [url], PushOptions(TOKEN, retries=0), home / "promotions")
-        assert runtime.version == readout.metadata["version"]
+        assert runtime.readouts.version == readout.metadata["version"]
         prompts, _ = encode_prompts(engine.get_tokenizer(), read_prompts(SHIFTED_TO)[:24], 512)
         token = home / "replica.token"
         token.write_text(TOKEN)

@@ -137,7 +137,7 @@ def test_an_online_correction_worse_than_its_anchor_is_reset_to_the_champion(rep
     # RLS, forgetting fast, follows a burst of the long domain; then the traffic goes back to the one
     # the anchor was fitted on, where the correction overshoots
     traffic.serve(r["shifted"])
-    assert runtime.learner.wait_idle()
+    assert runtime.readouts.learner.wait_idle()
     before = runtime.readouts.anchor_prediction(r["held_out"].features[0])[1]
     with pipeline_home(home, **watch_env(home, r["url"], margin=100)):
         traffic.serve(r["held_out"].part(0, 32))
@@ -150,7 +150,7 @@ def test_an_online_correction_worse_than_its_anchor_is_reset_to_the_champion(rep
     assert resets and resets[0]["acted"] and resets[0]["done"], result["decisions"]
     assert result["rollbacks"] == 1 and result["retrains"] == 0
     # the replica serves the champion's anchor again: RLS starts over, the figures afresh
-    assert runtime.version == r["version"] and runtime.learner.stats()["updates"] == 0
+    assert runtime.readouts.version == r["version"] and runtime.readouts.learner.stats()["updates"] == 0
     assert runtime.readouts.anchor_prediction(r["held_out"].features[0])[1] == before + 1
     assert runtime.recorder.quality.figures(FITTED_ON) is None
 
@@ -193,7 +193,7 @@ def test_a_champion_worse_than_its_predecessor_on_the_same_traffic_is_rolled_bac
     assert rollbacks[0]["previous_anchor_mae"] < min(rollbacks[0]["anchor_mae"]) / 1.25
     assert fourth["rollbacks"] == 1 and fourth["retrains"] == 0
     assert registry.get_alias(r["name"], CHAMPION) == "1" and registry.get_alias(r["name"], PREVIOUS_CHAMPION) == "2"
-    assert r["runtime"].version == r["version"]
+    assert r["runtime"].readouts.version == r["version"]
 
 
 def test_a_fleet_wide_rollback_waits_for_the_gates_evidence(replica, domains):
@@ -206,4 +206,4 @@ def test_a_fleet_wide_rollback_waits_for_the_gates_evidence(replica, domains):
     assert rollbacks[0]["held_back"].startswith("the gate's evidence does not support it")
     assert fourth["rollbacks"] == 0 and fourth["baseline"]["previous_champion"] == "1"
     assert registry.get_alias(r["name"], CHAMPION) == "2"
-    assert r["runtime"].version != r["version"]  # still the promoted champion
+    assert r["runtime"].readouts.version != r["version"]  # still the promoted champion

@@ -81,13 +81,13 @@ def test_capture_matches_transformers_including_chunked_prefill(live, model):
 
     rows = []
     runtime = live["runtime"]
-    runtime.listeners.append(rows.append)
+    runtime.recorder.listeners.append(rows.append)
     long_prompt = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 45)
     prompts = ["What is the capital of France?", long_prompt]
     try:
         run(live, prompts, tokens=2, tag="capture")
     finally:
-        runtime.listeners.remove(rows.append)
+        runtime.recorder.listeners.remove(rows.append)
     features = {row["client_request_id"]: row["feature"] for row in rows}
     hf = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32)
     long_ids = chat_ids(engine, long_prompt)
@@ -125,8 +125,8 @@ def test_predictions_ready_and_decode_order_follows_predicted_remaining(live):
 
     def before_step():
         candidates = [r for r in scheduler.running
-                      if r.num_output_tokens > 0 and r.request_id in runtime.predictions]
-        remaining = {r.request_id: max(runtime.predictions[r.request_id] - r.num_output_tokens, 1.0)
+                      if r.num_output_tokens > 0 and r.request_id in runtime.tracker.predictions]
+        remaining = {r.request_id: max(runtime.tracker.predictions[r.request_id] - r.num_output_tokens, 1.0)
                      for r in candidates}
         observe_next_schedule(scheduler, remaining, checked)
 
@@ -148,12 +148,12 @@ def test_wait_aging_counts_every_held_out_step_and_ranks_by_wait_over_remaining(
     checked, waits = [], []
 
     def before_step():
-        tracked = runtime.tracked
-        candidates = [r for r in scheduler.running if r.num_output_tokens > 0 and r.request_id in runtime.predictions
+        tracked = runtime.tracker.tracked
+        candidates = [r for r in scheduler.running if r.num_output_tokens > 0 and r.request_id in runtime.tracker.predictions
                       and r.request_id in tracked]
         priority = {}
         for r in candidates:
-            remaining = max(runtime.predictions[r.request_id] - r.num_output_tokens, 1.0)
+            remaining = max(runtime.tracker.predictions[r.request_id] - r.num_output_tokens, 1.0)
             priority[r.request_id] = remaining * np.exp(-rate * tracked[r.request_id].waited / remaining)
             waits.append((tracked[r.request_id].waited, tracked[r.request_id].held_out))
         observe_next_schedule(scheduler, priority, checked)
@@ -193,8 +193,8 @@ def test_each_step_records_the_context_its_decodes_and_prefills_attend_to(live):
     runtime = live["runtime"]
     prompts = [len(chat_ids(live["engine"], text)) for text in PROMPTS[:3]]
     before_each_step = []  # `run` calls back before each step: the shape of the step before it
-    run(live, PROMPTS[:3], tokens=6, tag="ctx", on_step=lambda: before_each_step.append(runtime.last_step_shape))
-    shapes = np.array(before_each_step[1:] + [runtime.last_step_shape])
+    run(live, PROMPTS[:3], tokens=6, tag="ctx", on_step=lambda: before_each_step.append(runtime.steps.last_step_shape))
+    shapes = np.array(before_each_step[1:] + [runtime.steps.last_step_shape])
     decode_only = shapes[(shapes[:, 0] == 3) & (shapes[:, 1] == 0)]
     assert len(decode_only) >= 3
     # each has its prompt and at least its first token; the last decode of 6 tokens has 5 generated
@@ -264,9 +264,9 @@ def test_good_push_changes_version_and_rls_anchor_and_rls_learns(live):
     response = _push(runtime, make_bundle(to_bytes(readout), state))
     assert _get(runtime).json()["rls"]["base_version"] == "push-2"
     run(live, PROMPTS[:9], tokens=6, tag="rls")
-    stats = runtime.learner.stats()
+    stats = runtime.readouts.learner.stats()
     assert stats["updates"] >= 1
-    assert runtime.version.startswith("push-2+rls")
+    assert runtime.readouts.version.startswith("push-2+rls")
     assert "leap_rls_updates" in _get(runtime, "/metrics").text
 
 
@@ -297,7 +297,7 @@ def test_the_gittins_order_ranks_by_the_pushed_distribution_and_finishes_every_r
 
 def test_every_finished_request_is_in_the_feedback_exactly_once(live):
     runtime = live["runtime"]
-    runtime.feedback.flush()
+    runtime.recorder.writer.flush()
     ids, keys = [], []
     for segment in sorted(glob.glob(str(live["feedback"] / "*.parquet"))):
         table = read_segment_file(segment)

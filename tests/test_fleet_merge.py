@@ -178,7 +178,7 @@ def test_leap_merge_then_a_new_replica_takes_the_champion_and_reconcile_moves_on
     assert merged["status"] == "merged" and merged["rows_merged"] == 8 and merged["versions_equal"]
 
     newcomer, _ = replica(build, fleet["home"] / "new-state", champion_url=str(fleet["home"] / "champion"))
-    assert (newcomer.describe()["source"], newcomer.version) == ("champion", merged["readout_version"])
+    assert (newcomer.describe()["source"], newcomer.readouts.version) == ("champion", merged["readout_version"])
     other, _, _, _ = champion_readout("20250103T000000-behind01", np.random.default_rng(5))
     fleet["runtimes"][1].push_readout(make_bundle(to_bytes(other), None, force=True))  # around the flows
 
@@ -187,7 +187,7 @@ def test_leap_merge_then_a_new_replica_takes_the_champion_and_reconcile_moves_on
 
     assert [p["endpoint"] for p in report["pushed"]] == [urls[1]]
     assert report["in_step"] == [urls[0], urls[2]] and list(report["unreachable"]) == ["http://127.0.0.1:9"]
-    assert {runtime.version for runtime in fleet["runtimes"]} == {merged["readout_version"]}
+    assert {runtime.readouts.version for runtime in fleet["runtimes"]} == {merged["readout_version"]}
 
 
 class _StateTarget(faults.ReplicaTarget):

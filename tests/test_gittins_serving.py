@@ -57,7 +57,7 @@ def _two_requests(runtime) -> tuple[Request, Request]:
     features = np.random.default_rng(0).normal(size=(2, DIM)).astype(np.float32)
     features[:, 0] = [SHORT_OR_LONG, ALWAYS_200]
     FeatureSender(runtime.config.channel).send([outlived.request_id, fresh.request_id], features)
-    assert eventually(lambda: {outlived.request_id, fresh.request_id} <= set(runtime.predictions))
+    assert eventually(lambda: {outlived.request_id, fresh.request_id} <= set(runtime.tracker.predictions))
     return _decoded(outlived, 20), _decoded(fresh, 1)
 
 
@@ -66,7 +66,7 @@ def test_the_gittins_order_decodes_by_the_index_of_the_served_distribution(build
     runtime.reset_readout(_readout("v1", _distribution()), None)  # a push: through the readout file
     outlived, fresh = _two_requests(runtime)
     runtime.before_schedule([outlived, fresh], 1)
-    assert runtime.last_held == {outlived.request_id}  # the fresh request's index is the larger
+    assert runtime.steps.last_held == {outlived.request_id}  # the fresh request's index is the larger
     order = runtime.health()["decode_order"]
     assert order == {"configured": "gittins", "serving": "gittins", "fallback": None, "fallbacks": 0}
     assert runtime.metrics_registry.get_sample_value("leap_order_fallback") == 0.0
@@ -74,7 +74,7 @@ def test_the_gittins_order_decodes_by_the_index_of_the_served_distribution(build
     runtime.config.order = "countdown"  # the same requests under countdown's ranking go the other way
     runtime.configure()
     runtime.before_schedule([outlived, fresh], 2)
-    assert runtime.last_held == {fresh.request_id}
+    assert runtime.steps.last_held == {fresh.request_id}
 
 
 def test_without_a_distribution_the_gittins_order_counts_down_says_so_and_takes_the_next_pushed_one(build):
@@ -82,7 +82,7 @@ def test_without_a_distribution_the_gittins_order_counts_down_says_so_and_takes_
     runtime.reset_readout(_readout("v1", None), None)
     outlived, fresh = _two_requests(runtime)
     runtime.before_schedule([outlived, fresh], 1)
-    assert runtime.last_held == {fresh.request_id}  # countdown: 80 predicted remaining before 499
+    assert runtime.steps.last_held == {fresh.request_id}  # countdown: 80 predicted remaining before 499
     order = runtime.describe()["decode_order"]
     assert order["configured"] == "gittins" and order["serving"] == "countdown" and order["fallbacks"] == 1
     assert order["fallback"] == "the serving readout 'v1' carries no length distribution"
@@ -91,14 +91,14 @@ def test_without_a_distribution_the_gittins_order_counts_down_says_so_and_takes_
 
     runtime.reset_readout(_readout("v2", _distribution()), None)  # the next push brings one
     runtime.before_schedule([outlived, fresh], 2)
-    assert runtime.last_held == {outlived.request_id}
+    assert runtime.steps.last_held == {outlived.request_id}
     order = runtime.health()["decode_order"]
     assert (order["serving"], order["fallback"], order["fallbacks"]) == ("gittins", None, 1)
     assert runtime.metrics_registry.get_sample_value("leap_order_fallback") == 0.0
 
     runtime.reset_readout(_readout("v3", None), None)  # and one without takes it away again, counted
     runtime.before_schedule([outlived, fresh], 3)
-    assert runtime.last_held == {fresh.request_id}
+    assert runtime.steps.last_held == {fresh.request_id}
     assert runtime.health()["decode_order"]["fallbacks"] == 2
 
 
@@ -119,4 +119,4 @@ def test_a_push_with_a_corrupt_distribution_is_refused_and_the_serving_order_goe
     with pytest.raises(PushRefused, match="length distribution") as refused:
         runtime.push_readout(make_bundle(buffer.getvalue(), None))
     assert refused.value.status == 422
-    assert runtime.version == "v1" and runtime.health()["decode_order"]["serving"] == "gittins"
+    assert runtime.readouts.version == "v1" and runtime.health()["decode_order"]["serving"] == "gittins"

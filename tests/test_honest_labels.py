@@ -87,7 +87,7 @@ def test_rls_learns_only_from_lengths_the_client_left_alone(build, sender_for):
     readout = first_value_readout("v1", max_tokens=M)
     runtime.push_readout(make_bundle(to_bytes(readout), _anchor(readout)))
     rows = []
-    runtime.listeners.append(rows.append)
+    runtime.recorder.listeners.append(rows.append)
     cases = [  # (request, how it finished)
         (make_request("capped-00000001", max_tokens=64), RequestStatus.FINISHED_LENGTH_CAPPED),
         (make_request("eos-off-00000001", max_tokens=M, extra=None), RequestStatus.FINISHED_LENGTH_CAPPED),
@@ -99,7 +99,7 @@ def test_rls_learns_only_from_lengths_the_client_left_alone(build, sender_for):
     for i, (request, _) in enumerate(cases):
         runtime.before_schedule([request], 0)
         sender.send([request.request_id], feature(10.0 + i, seed=i)[None])
-    assert eventually(lambda: all(request.request_id in runtime.predictions for request, _ in cases))
+    assert eventually(lambda: all(request.request_id in runtime.tracker.predictions for request, _ in cases))
     for request, status in cases:
         runtime.on_finished(finish(decode(request, 5), status))
     runtime.readouts.learner.flush()

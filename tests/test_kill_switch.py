@@ -45,7 +45,7 @@ def features(*firsts: float) -> np.ndarray:
 def predicted(runtime, sender: FeatureSender, requests: list[Request], firsts: list[float], step: int) -> None:
     runtime.before_schedule(requests, step)
     sender.send([r.request_id for r in requests], features(*firsts))
-    assert eventually(lambda: all(r.request_id in runtime.predictions for r in requests))
+    assert eventually(lambda: all(r.request_id in runtime.tracker.predictions for r in requests))
 
 
 def test_the_switch_orders_decodes_fcfs_from_the_next_step_and_back(build):
@@ -56,20 +56,20 @@ def test_the_switch_orders_decodes_fcfs_from_the_next_step_and_back(build):
     sender = FeatureSender(runtime.config.channel)
     predicted(runtime, sender, [early, late], [100.0, 5.0], 0)
     runtime.before_schedule([decode(early), decode(late)], 1)
-    assert runtime.last_held == {early.request_id}  # shortest predicted first
+    assert runtime.steps.last_held == {early.request_id}  # shortest predicted first
     url, auth = f"http://127.0.0.1:{runtime.admin.port}", {"Authorization": f"Bearer {TOKEN}"}
 
     answer = httpx.post(f"{url}/leap/fcfs", json={"on": True, "reason": "incident 42"}, headers=auth, timeout=10)
     assert answer.status_code == 200 and answer.json()["on"] and answer.json()["source"] == "command"
     runtime.before_schedule([decode(early, 2), decode(late, 2)], 2)
-    assert runtime.last_held == {late.request_id}  # first come, first served
+    assert runtime.steps.last_held == {late.request_id}  # first come, first served
     health = httpx.get(f"{url}/leap/health", timeout=10).json()
     assert health["fcfs_fallback"]["on"] and health["fcfs_fallback"]["reason"] == "incident 42"
     assert runtime.metrics_registry.get_sample_value("leap_fcfs_fallback") == 1.0
 
     assert httpx.post(f"{url}/leap/fcfs", json={"on": False}, headers=auth, timeout=10).json()["on"] is False
     runtime.before_schedule([decode(early, 3), decode(late, 3)], 3)
-    assert runtime.last_held == {early.request_id}
+    assert runtime.steps.last_held == {early.request_id}
     assert runtime.metrics_registry.get_sample_value("leap_fcfs_fallback") == 0.0
 
 

@@ -65,7 +65,7 @@ def served(model):
         readout = readout_on(SERVED, model, runtime.dim, "served-1")
         runtime.reset_readout(readout, None)  # validated like a push
         rows = []
-        runtime.listeners.append(rows.append)
+        runtime.recorder.listeners.append(rows.append)
         ids = {}
         for rid, (text, settings) in REQUESTS.items():
             ids[rid] = chat_ids(engine, text)
@@ -133,4 +133,4 @@ def test_a_readout_on_part_of_the_capture_serves_and_one_on_an_uncaptured_layer_
     with pytest.raises(PushRefused) as refused:
         runtime.push_readout(to_bytes(readout_on("last@22", model, runtime.dim, "served-2")))
     assert refused.value.status == 409 and "last@22" in str(refused.value) and str(RECIPE) in str(refused.value)
-    assert runtime.version == "served-1"
+    assert runtime.readouts.version == "served-1"

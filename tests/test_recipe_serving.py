@@ -67,8 +67,8 @@ def predicted(runtime, rid: str, vector: np.ndarray) -> float:
     """Send `vector` as the captured feature of a new request and return its prediction."""
     runtime.before_schedule([request(rid)], 0)
     FeatureSender(runtime.config.channel).send([rid], vector[None])
-    assert eventually(lambda: rid in runtime.predictions), rid
-    return runtime.predictions[rid]
+    assert eventually(lambda: rid in runtime.tracker.predictions), rid
+    return runtime.tracker.predictions[rid]
 
 
 # -- column selection -------------------------------------------------------------------------------------
@@ -80,7 +80,7 @@ def test_each_readout_reads_its_recipes_columns_in_step_on_the_predictor_thread_
 
     # a publish rescores the live request from its cached vector with the new readout's columns
     runtime.reset_readout(one_hot_readout("mean@2+decoding", DIM + 2, "v2"), None)  # log(1 + max_tokens)
-    assert runtime.predictions["a-00000001"] == pytest.approx(vector[column_of("decoding", k=2)])
+    assert runtime.tracker.predictions["a-00000001"] == pytest.approx(vector[column_of("decoding", k=2)])
 
     class Head:
         """An evaluation head (served on the predictor thread) on the second domain of the capture's two."""
@@ -92,7 +92,7 @@ def test_each_readout_reads_its_recipes_columns_in_step_on_the_predictor_thread_
             return X[:, -1].astype(np.float64)
 
     runtime.serve_predictor(Head(), "head")
-    assert runtime.predictions["a-00000001"] == pytest.approx(vector[column_of("domain=a/b", k=1)])
+    assert runtime.tracker.predictions["a-00000001"] == pytest.approx(vector[column_of("domain=a/b", k=1)])
     assert predicted(runtime, "b-00000001", vector + 1) == pytest.approx(vector[column_of("domain=a/b", k=1)] + 1)
 
 
@@ -152,7 +152,7 @@ def test_a_push_the_capture_does_not_cover_is_refused_with_both_recipes_and_the_
     assert error.startswith("refused") and named in error
     if case != "a dim not its recipe's":
         assert CAPTURE in error  # names the capture recipe beside the readout's
-    assert runtime.version == "v1" and response.json()["serving"] == "v1"
+    assert runtime.readouts.version == "v1" and response.json()["serving"] == "v1"
     assert predicted(runtime, "a-00000001", distinct()) == pytest.approx(distinct()[column_of("prompt")])
 
 
@@ -163,7 +163,7 @@ def test_a_configured_readout_the_capture_does_not_cover_is_refused_at_start(bui
         build(policy="leap", recipe=CAPTURE, readout_path=str(path))
     assert CAPTURE in str(refused.value) and refused.value.status == 409
     path.write_bytes(to_bytes(one_hot_readout("last@1+prompt", DIM, "file")))  # a sub-recipe serves
-    assert build(policy="leap", recipe=CAPTURE, readout_path=str(path)).version == "file"
+    assert build(policy="leap", recipe=CAPTURE, readout_path=str(path)).readouts.version == "file"
 
 
 def test_a_saved_readout_the_new_capture_does_not_cover_is_not_restored(build, tmp_path, caplog):
@@ -173,7 +173,7 @@ def test_a_saved_readout_the_new_capture_does_not_cover_is_not_restored(build, t
     first.close()
     with caplog.at_level(logging.WARNING, logger="serving"):
         second = build(policy="leap", state_dir=str(state))  # captures last@2 only now
-    assert second.describe()["source"] == "none" and second.version == ""
+    assert second.describe()["source"] == "none" and second.readouts.version == ""
     assert second.telemetry.dropped("state", "unusable") == 1
     assert any("mean@2" in r.getMessage() and f"last@{LAYER}" in r.getMessage() for r in caplog.records)
 

@@ -90,7 +90,7 @@ def test_bad_client_extras_are_ignored_counted_and_warned_about_once_in_a_while(
         for request in bad:
             runtime.on_finished(finish(request))
     # a bad prediction is no prediction: the request goes by its max_tokens (20 < 300), so `good` waits
-    assert good.request_id in runtime.last_held
+    assert good.request_id in runtime.steps.last_held
     for key in BAD_EXTRAS:
         label = "unknown" if key == "leap_colour" else key  # a key LEAP does not know is counted as unknown
         assert sample(runtime, "leap_bad_request_extras_total", key=label) == 50, key
@@ -115,11 +115,11 @@ def test_bad_extras_in_feedback_rows_fall_back_to_what_the_engine_knows(build, s
     runtime = build(policy="leap")
     runtime.reset_readout(first_value_readout(), None)
     rows = []
-    runtime.listeners.append(rows.append)
+    runtime.recorder.listeners.append(rows.append)
     request = make_request("req-00000001", extra=dict(BAD_EXTRAS))
     runtime.before_schedule([request], 0)  # prefill: tracked, never held
     sender_for(runtime).send([request.request_id], feature(30.0)[None])
-    assert eventually(lambda: request.request_id in runtime.predictions)
+    assert eventually(lambda: request.request_id in runtime.tracker.predictions)
     runtime.before_schedule([decode(request)], 1)
     runtime.on_finished(finish(decode(request, 3)))
     assert len(rows) == 1
@@ -145,9 +145,9 @@ def test_receiver_drops_malformed_messages_with_a_reason_and_keeps_serving(build
     finally:
         raw.close(linger=1000)
     sender_for(runtime).send(["after"], feature(42.0)[None])
-    assert eventually(lambda: "after" in runtime.predictions)
-    assert runtime.predictions["after"] == pytest.approx(42.0)
-    assert not {"odd-size", "short", "nan"} & set(runtime.features)
+    assert eventually(lambda: "after" in runtime.tracker.predictions)
+    assert runtime.tracker.predictions["after"] == pytest.approx(42.0)
+    assert not {"odd-size", "short", "nan"} & set(runtime.tracker.features)
     expected = {"not_float32": 1, "wrong_dim": 1, "non_finite": 1, "bad_id": 1, "bad_frame": 2}
 
     def dropped() -> dict:
@@ -163,10 +163,10 @@ def test_receiver_drops_malformed_messages_with_a_reason_and_keeps_serving(build
 def test_a_request_that_ends_in_the_step_that_prefilled_it_gets_its_row(build, sender_for):
     runtime = build(policy="leap")
     rows = []
-    runtime.listeners.append(rows.append)
+    runtime.recorder.listeners.append(rows.append)
     request = make_request("one-00000001", max_tokens=1)  # never resident at a step start: never tracked
     sender_for(runtime).send([request.request_id], feature(3.0)[None])
-    assert eventually(lambda: request.request_id in runtime.features)
+    assert eventually(lambda: request.request_id in runtime.tracker.features)
     runtime.on_finished(finish(decode(request, 1)))
     assert [row["client_request_id"] for row in rows] == ["one"] and rows[0]["output_tokens"] == 1
 
@@ -174,11 +174,11 @@ def test_a_request_that_ends_in_the_step_that_prefilled_it_gets_its_row(build, s
 def test_two_requests_with_one_client_id_get_rows_of_their_own_keyed_by_the_process(build, sender_for):
     runtime = build(policy="leap")
     rows = []
-    runtime.listeners.append(rows.append)
+    runtime.recorder.listeners.append(rows.append)
     first, second = (make_request(f"x-0000000{i}", max_tokens=1, extra={"leap_request_id": "reused\x00"})
                      for i in range(2))
     sender_for(runtime).send([first.request_id, second.request_id], np.stack([feature(3.0), feature(4.0)]))
-    assert eventually(lambda: {first.request_id, second.request_id} <= set(runtime.features))
+    assert eventually(lambda: {first.request_id, second.request_id} <= set(runtime.tracker.features))
     for request in (first, second):
         runtime.on_finished(finish(decode(request, 1)))
     assert [row["client_request_id"] for row in rows] == ["reused\ufffd"] * 2  # NUL: no store's text holds it
@@ -189,7 +189,7 @@ def test_two_requests_with_one_client_id_get_rows_of_their_own_keyed_by_the_proc
 def test_a_feature_that_lands_after_its_request_finished_still_makes_the_row(build, sender_for):
     runtime = build(policy="leap")
     rows = []
-    runtime.listeners.append(rows.append)
+    runtime.recorder.listeners.append(rows.append)
     request = make_request("late-00000001")
     runtime.before_schedule([request], 0)
     runtime.on_finished(finish(decode(request, 3)))  # the worker's ZeroMQ message is still on its way
@@ -215,7 +215,7 @@ def test_a_feature_that_never_arrives_costs_one_counted_row_after_a_bounded_wait
     monkeypatch.setattr(serving.feedback.finished, "LATE_FEATURE_S", 0.05)
     runtime = build(policy="leap")
     rows = []
-    runtime.listeners.append(rows.append)
+    runtime.recorder.listeners.append(rows.append)
     request = make_request("lost-00000001")
     runtime.before_schedule([request], 0)
     runtime.on_finished(finish(decode(request, 2)))
@@ -246,12 +246,12 @@ def test_a_nan_prediction_is_no_prediction_and_the_request_goes_by_max_tokens(bu
     long = make_request("long-00000001", max_tokens=500)
     runtime.before_schedule([short, long], 0)
     sender_for(runtime).send([short.request_id, long.request_id], np.stack([feature(13.0), feature(100.0)]))
-    assert eventually(lambda: long.request_id in runtime.predictions)
-    assert runtime.predictor.flush(2.0)
-    assert short.request_id not in runtime.predictions
+    assert eventually(lambda: long.request_id in runtime.tracker.predictions)
+    assert runtime.readouts.predictor.flush(2.0)
+    assert short.request_id not in runtime.tracker.predictions
     assert sample(runtime, "leap_dropped_total", what="prediction", reason="non_finite") == 1
     runtime.before_schedule([decode(short), decode(long)], 1)
-    assert runtime.last_held == {long.request_id}  # 10 tokens (max_tokens) before 100 predicted
+    assert runtime.steps.last_held == {long.request_id}  # 10 tokens (max_tokens) before 100 predicted
 
 
 # -- waiting for predictions -----------------------------------------------------------------------------
@@ -265,7 +265,7 @@ def test_requests_without_a_prediction_share_one_bounded_wait_per_step(build):
     elapsed = time.perf_counter() - start
     assert 0.14 <= elapsed < 0.4  # one 150 ms deadline for all six, not six in a row
     assert runtime.stats()["missed"] == 6
-    assert runtime.last_held == {r.request_id for r in requests[2:]}  # by max_tokens: 10 and 11 first
+    assert runtime.steps.last_held == {r.request_id for r in requests[2:]}  # by max_tokens: 10 and 11 first
     start = time.perf_counter()
     runtime.before_schedule(requests, 2)  # the misses of a step are waited for once, not every step
     assert time.perf_counter() - start < 0.1
@@ -279,14 +279,14 @@ def test_a_prediction_arriving_during_the_wait_ends_it(build, sender_for):
     runtime.before_schedule([late, other], 0)
     sender = sender_for(runtime)
     sender.send([other.request_id], feature(30.0)[None])
-    assert eventually(lambda: other.request_id in runtime.predictions)
+    assert eventually(lambda: other.request_id in runtime.tracker.predictions)
     timer = threading.Timer(0.05, lambda: sender.send([late.request_id], feature(5.0)[None]))
     timer.start()
     start = time.perf_counter()
     runtime.before_schedule([decode(late), decode(other)], 1)
     assert time.perf_counter() - start < 1.5
     timer.join()
-    assert runtime.last_held == {other.request_id}  # predicted 5 beats predicted 30
+    assert runtime.steps.last_held == {other.request_id}  # predicted 5 beats predicted 30
     assert runtime.stats()["ready"] == 1 and runtime.stats()["missed"] == 1
 
 
@@ -298,7 +298,7 @@ def test_a_push_while_features_arrive_and_requests_finish_never_fails(build, sen
     runtime.before_schedule(resident, 0)
     sender = sender_for(runtime)
     sender.send([r.request_id for r in resident], np.stack([feature(10.0 + i % 50) for i in range(2000)]))
-    assert eventually(lambda: len(runtime.predictions) == 2000)
+    assert eventually(lambda: len(runtime.tracker.predictions) == 2000)
     stop = threading.Event()
 
     def churn() -> None:
@@ -323,7 +323,7 @@ def test_a_push_while_features_arrive_and_requests_finish_never_fails(build, sen
         stop.set()
         thread.join()
         sys.setswitchinterval(interval)
-    assert runtime.version == f"v{version}"
+    assert runtime.readouts.version == f"v{version}"
 
 
 # -- per-request state stays bounded ---------------------------------------------------------------------
@@ -338,8 +338,8 @@ def test_ten_thousand_aborted_requests_leave_no_per_request_state(build, sender_
         runtime.on_finished(finish(request, RequestStatus.FINISHED_ABORTED))
         sender.send([request.request_id], feature(20.0)[None])  # its feature arrives after the abort
     assert eventually(lambda: sample(runtime, "leap_dropped_total", what="feature", reason="finished") == n, 30)
-    assert runtime.predictor.flush(5.0)
-    assert (len(runtime.tracked), len(runtime.features), len(runtime.predictions)) == (0, 0, 0)
+    assert runtime.readouts.predictor.flush(5.0)
+    assert (len(runtime.tracker.tracked), len(runtime.tracker.features), len(runtime.tracker.predictions)) == (0, 0, 0)
 
 
 # -- health ----------------------------------------------------------------------------------------------
@@ -377,7 +377,7 @@ def test_an_accepted_push_is_restored_at_the_next_start(build, tmp_path):
     described = second.describe()
     assert described["source"] == "state" and described["version"] == "pushed-1"
     assert described["rls"]["active"] is True
-    np.testing.assert_allclose(second.readout.coef_, readout.coef_)
+    np.testing.assert_allclose(second.readouts.readout.coef_, readout.coef_)
 
 
 def test_a_damaged_state_folder_is_logged_and_never_fatal(build, tmp_path, caplog):
@@ -389,7 +389,7 @@ def test_a_damaged_state_folder_is_logged_and_never_fatal(build, tmp_path, caplo
     path.write_bytes(path.read_bytes()[:-7])
     with caplog.at_level(logging.WARNING, logger="serving"):
         second = build(policy="leap", state_dir=str(state))
-    assert second.describe()["source"] == "none" and second.version == ""
+    assert second.describe()["source"] == "none" and second.readouts.version == ""
     assert any("state" in r.getMessage() for r in caplog.records)
 
 
@@ -397,7 +397,7 @@ def test_the_configured_readout_file_serves_when_there_is_no_state(build, tmp_pa
     path = tmp_path / "readout.leap"
     path.write_bytes(to_bytes(first_value_readout("from-file")))
     runtime = build(policy="leap", readout_path=str(path), state_dir=str(tmp_path / "state"))
-    assert runtime.describe()["source"] == "config" and runtime.version == "from-file"
+    assert runtime.describe()["source"] == "config" and runtime.readouts.version == "from-file"
 
 
 # -- one tenant cannot fill what RLS learns -------------------------------------------------------------
@@ -411,12 +411,12 @@ def test_a_tenant_past_its_share_of_the_label_rows_teaches_rls_no_more_while_oth
                 for i, tenant in enumerate(tenants)]
     for request in requests:
         sender.send([request.request_id], feature(2.0)[None])
-    assert eventually(lambda: all(r.request_id in runtime.features for r in requests))
+    assert eventually(lambda: all(r.request_id in runtime.tracker.features for r in requests))
     for request in requests:
         runtime.on_finished(finish(decode(request, 1), RequestStatus.FINISHED_STOPPED))
     # big: 6 learned alone; once small sends, big's rows wait until fewer than 4 of the last 8 are its own
     # learned rows: the 4 next are refused, the 5th (the window has moved past 4 of its early rows) learned
-    assert eventually(lambda: runtime.learner.stats()["observed"] == 6 + 1 + 1)
+    assert eventually(lambda: runtime.readouts.learner.stats()["observed"] == 6 + 1 + 1)
     assert sample(runtime, "leap_dropped_total", what="rls_row", reason="tenant_share") == 4
 
 
@@ -428,8 +428,8 @@ def test_one_tenant_alone_teaches_rls_every_row(build, sender_for):
     requests = [make_request(f"solo{i}-0000000{i}", max_tokens=1) for i in range(9)]
     for request in requests:
         sender.send([request.request_id], feature(2.0)[None])
-    assert eventually(lambda: all(r.request_id in runtime.features for r in requests))
+    assert eventually(lambda: all(r.request_id in runtime.tracker.features for r in requests))
     for request in requests:
         runtime.on_finished(finish(decode(request, 1), RequestStatus.FINISHED_STOPPED))
-    assert eventually(lambda: runtime.learner.stats()["observed"] == 9)
+    assert eventually(lambda: runtime.readouts.learner.stats()["observed"] == 9)
     assert sample(runtime, "leap_dropped_total", what="rls_row", reason="tenant_share") == 0

@@ -41,7 +41,7 @@ def finished(runtime, sender: FeatureSender, rid: str, first: float, tokens: int
     vector = np.random.default_rng(len(rid)).normal(size=DIM).astype(np.float32)
     vector[0] = first
     sender.send([rid], vector[None])
-    assert eventually(lambda: rid in runtime.predictions)
+    assert eventually(lambda: rid in runtime.tracker.predictions)
     request.num_computed_tokens = request.num_prompt_tokens + tokens - 1
     request.append_output_token_ids([7] * tokens)
     request.status = RequestStatus.FINISHED_STOPPED
@@ -52,7 +52,7 @@ def test_a_shadow_held_over_http_predicts_each_row_from_the_same_vector_and_neve
     runtime = build(policy="leap", decode_slots=1, admin_port=0, admin_token=TOKEN)
     runtime.reset_readout(first_value_readout("served-1"), None)
     rows: list[dict] = []
-    runtime.listeners.append(rows.append)
+    runtime.recorder.listeners.append(rows.append)
     sender = FeatureSender(runtime.config.channel)
     url, auth = f"http://127.0.0.1:{runtime.admin.port}/leap/shadow", {"Authorization": f"Bearer {TOKEN}"}
     body = make_bundle(to_bytes(scaled_readout("shadow-1", 3.0)), None)

@@ -246,7 +246,7 @@ def build_corpus(engine, runtime, prompts: Sequence[dict], folder: Path, max_tok
                      "output_tokens": row["output_tokens"], "finish_reason": row["finish_reason"],
                      "feature": row["feature"]})
 
-    runtime.listeners.append(collect)
+    runtime.recorder.listeners.append(collect)
     try:
         for item in encoded:
             request = ReplayRequest(id=item["id"], prompt_token_ids=item["prompt_token_ids"], max_tokens=max_tokens)
@@ -267,6 +267,6 @@ def build_corpus(engine, runtime, prompts: Sequence[dict], folder: Path, max_tok
         collected[0] += len(rows)
         rows.clear()
     finally:
-        runtime.listeners.remove(collect)
+        runtime.recorder.listeners.remove(collect)
     return {"requested": len(prompts), "cached": len(prompts) - len(todo), "generated": collected[0],
             "dropped_too_long": dropped}

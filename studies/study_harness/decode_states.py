@@ -104,7 +104,7 @@ def _one_batch(engine: Any, runtime: Any, items: list[dict], max_tokens: int, de
         if row.get("feature") is not None:
             features[str(row["client_request_id"])] = np.asarray(row["feature"], dtype=np.float32)
 
-    runtime.listeners.append(collect)
+    runtime.recorder.listeners.append(collect)
     try:
         outputs = _run(engine, [(row_id(item["id"], 0), item["prompt_token_ids"], max_tokens) for item in items],
                        decoding)
@@ -113,7 +113,7 @@ def _one_batch(engine: Any, runtime: Any, items: list[dict], max_tokens: int, de
                  if row_id(item["id"], 0) in outputs and g < len(outputs[row_id(item["id"], 0)][0])]
         _run(engine, later, decoding)
     finally:
-        runtime.listeners.remove(collect)
+        runtime.recorder.listeners.remove(collect)
     rows = []
     for item in items:
         first = outputs.get(row_id(item["id"], 0))

@@ -187,7 +187,7 @@ def clock_skew(workdir: str | Path | None = None) -> dict[str, Any]:
             host = _host_environment(home, mlflow_tracking_uri=server.url, champion_url=str(champion_url),
                                      endpoints=f"http://127.0.0.1:{replica.admin.port}")
             [pushed] = _promoters([(first.name, str(first.version), host, SKEW_S)])
-            before = replica.version
+            before = replica.readouts.version
         finally:
             replica.close()
         saved = json.loads((state / "readout.json").read_text())
@@ -196,7 +196,7 @@ def clock_skew(workdir: str | Path | None = None) -> dict[str, Any]:
         publication = json.loads((champion_url / f"{first.name}.json").read_text())
         restarted = _runtime(state, champion_url)
         try:
-            after, source = restarted.version, restarted.describe()["source"]
+            after, source = restarted.readouts.version, restarted.describe()["source"]
         finally:
             restarted.close()
     clocks_say_saved_is_newer = float(saved["saved_at"]) > float(publication["published_at"])
