@@ -8,7 +8,7 @@ are read, with pydantic's message naming the variable. No other module reads a `
 
 The fields come in sections:
 
-- `ServingSection`: what one serving process does (policy, capture, RLS, feedback, admin API, refresh).
+- `ServingSection`: what one serving process does (policy, capture, RLS, feedback, admin API).
   `serving.config.LeapConfig` is this section as a plain model: a serving process builds it from keyword
   arguments (`leap serve`'s flags travel in vLLM's `additional_config`) over the variables set in its
   environment (`LeapSettings.serving_values`); a section field left unset keeps its default there, so a
@@ -47,23 +47,9 @@ GATE_BLOCKS = 2
 POLICIES = ("fcfs", "leap", "oracle", "client")
 Order = Literal["countdown", "gittins"]
 ORDERS: tuple[str, ...] = get_args(Order)
-_PREDICTOR_POLICIES: set[str] = set()
 
 STACK_FOLDER = "stack"
 """The local stack's pid files, logs and fleet files, under the state folder."""
-
-
-def register_predictor_policy(name: str) -> str:
-    """Allow `name` as a policy: countdown on the predictions of a predictor served under that name."""
-    if not name or not name.replace("_", "").replace("-", "").isalnum():
-        raise ValueError(f"a policy name is letters, digits, '-' and '_', not {name!r}")
-    if name not in POLICIES:
-        _PREDICTOR_POLICIES.add(name)
-    return name
-
-
-def known_policies() -> tuple[str, ...]:
-    return (*POLICIES, *sorted(_PREDICTOR_POLICIES))
 
 
 def _split(value: Any) -> Any:
@@ -173,26 +159,10 @@ class ServingSection(BaseModel):
                                                            "late features and predictions")
     orphan_ttl_s: float = Field(120.0, gt=0.0, description="how long a feature or prediction may wait for its "
                                                            "request to become resident")
-    # NoDecode: the environment gives "16,32,64", not JSON
-    refresh_at: Annotated[tuple[int, ...], NoDecode] = Field(
-        (), description="generated counts at which a decoding request's remaining length is re-estimated "
-                        "(LEAP_REFRESH_AT=16,32,64); empty: countdown on the prefill prediction only")
-    refresh_readout_path: str | None = Field(None, description="leap_core readout fitted on decode states to the "
-                                                               "remaining length, at the serving layer")
-
-    @field_validator("refresh_at", "recipes", mode="before")
+    @field_validator("recipes", mode="before")
     @classmethod
     def _list_from_text(cls, value: Any) -> Any:
         return _split(value)
-
-    @field_validator("refresh_at")
-    @classmethod
-    def _increasing_checkpoints(cls, value: tuple[int, ...]) -> tuple[int, ...]:
-        if any(g < 1 for g in value):
-            raise ValueError(f"refresh_at counts generated tokens and must be >= 1, got {value}")
-        if any(later <= earlier for earlier, later in zip(value, value[1:])):
-            raise ValueError(f"refresh_at must be strictly increasing, got {value}")
-        return value
 
     @field_validator("recipe")
     @classmethod
@@ -222,8 +192,8 @@ class ServingSection(BaseModel):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, value: str) -> str:
-        if value not in POLICIES and value not in _PREDICTOR_POLICIES:
-            raise ValueError(f"unknown policy {value!r}; expected one of {known_policies()}")
+        if value not in POLICIES:
+            raise ValueError(f"unknown policy {value!r}; expected one of {POLICIES}")
         return value
 
     @field_validator("aging", "order")

@@ -11,20 +11,15 @@ A policy name says two things: the decode order (`decode_order`: FCFS, or countd
 remaining length) and where the predicted length comes from (`length_source`):
 
 - "fcfs": arrival order, no prediction used;
-- "leap": countdown on the readout's (or a served evaluation predictor's) predictions;
+- "leap": countdown on the readout's (or a served evaluation predictor's, `LeapRuntime.serve_predictor`)
+  predictions;
 - "oracle": countdown on the true length the client sent (`leap_oracle_length`), for evaluation;
 - "client": countdown on the length the client predicted (`leap_predicted_length`);
-- a name registered with `register_predictor_policy` (the evaluation heads served with
-  `LeapRuntime.serve_predictor`): like "leap", with its name recorded in the feedback rows.
 
-`order` ("countdown" | "gittins", LEAP_ORDER) chooses how the predictor-based policies ("leap" and the
-registered ones) rank by their predictions: countdown by predicted remaining length, or the Gittins index
+`order` ("countdown" | "gittins", LEAP_ORDER) chooses how "leap" ranks by its predictions: countdown by predicted remaining length, or the Gittins index
 of the remaining length under the serving readout's length distribution (`leap_core.gittins`; countdown
 while the readout carries none, see `serving.decode_steps`). "oracle" and "client" always count down.
 
-Serving no longer refreshes predictions (serving/refresh.py is gone): `refresh_at` and
-`refresh_readout_path` are still read, and a process given both says at start that it ignores them
-(`serving.worker`).
 """
 
 from __future__ import annotations
@@ -41,13 +36,10 @@ from leap_io.settings import (
     LeapSettings,
     Order,
     ServingSection,
-    known_policies,
     read_settings,
-    register_predictor_policy,
 )
 
-__all__ = ["ORDERS", "POLICIES", "LeapConfig", "Order", "channel_address", "known_policies",
-           "leap_config_from_vllm", "register_predictor_policy"]
+__all__ = ["ORDERS", "POLICIES", "LeapConfig", "Order", "channel_address", "leap_config_from_vllm"]
 
 
 class LeapConfig(ServingSection):
@@ -76,11 +68,6 @@ class LeapConfig(ServingSection):
         if self.policy in ("fcfs", "oracle", "client"):
             return "none" if self.policy == "fcfs" else self.policy
         return "predicted"
-
-    @property
-    def refresh_configured(self) -> bool:
-        """Whether both refresh settings are given; the runtime still checks the readout before it serves."""
-        return bool(self.refresh_at) and bool(self.refresh_readout_path)
 
     def token(self) -> str | None:
         if self.admin_token:

@@ -32,12 +32,7 @@ from leap_core.readout_format import to_bytes
 from leap_io.push_bundle import make_bundle
 from leap_io.redact import redact_url
 from serving import vllm_compat
-from serving.config import (
-    LeapConfig,
-    channel_address,
-    leap_config_from_vllm,
-    register_predictor_policy,
-)
+from serving.config import LeapConfig, channel_address, leap_config_from_vllm
 from serving.decode_steps import DecodeSteps
 from serving.fcfs_fallback import FcfsFallback
 from serving.feedback.finished import FinishedRequests
@@ -214,11 +209,10 @@ class LeapRuntime:
     def serve_predictor(self, predictor: Any, version: str) -> None:
         """Serve any object with `predict(X) -> lengths` on the captured features, without RLS.
 
-        For evaluation heads that are not linear readouts (an MLP on the hidden state); it runs on the
-        same predictor thread, so its cost lands where LEAP's does. `version` also becomes a policy
-        name (`configure(policy=version)`), so feedback rows say which head ordered the requests.
+        For evaluation heads that are not linear readouts (an MLP on the hidden state), under the "leap"
+        policy; it runs on the same predictor thread, so its cost lands where LEAP's does. `version` names
+        the head in the feedback rows.
         """
-        register_predictor_policy(version)
         self.readouts.serve_predictor(predictor, version)
 
     def reset_readout(self, readout: LinearReadout | None, rls_state: dict[str, np.ndarray] | None) -> None:

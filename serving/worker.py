@@ -80,7 +80,6 @@ def install_capture(worker) -> AuxStateCapture | PrefillCapture:
     config = leap_config_from_vllm(worker.vllm_config)
     runner = worker.model_runner
     num_layers = len(decoder_layers(runner.get_model()))
-    serving_layer = capture_layer(worker.vllm_config, num_layers)
     recipe = serving_recipe(worker.vllm_config, num_layers)
     sender = FeatureSender(channel_address(worker.vllm_config, config))
     try:
@@ -97,8 +96,6 @@ def install_capture(worker) -> AuxStateCapture | PrefillCapture:
     where = f"all {num_layers} decoder layers (layer study)" if config.capture_all_layers else \
         f"recipe {capture.recipe} of {num_layers} decoder layers"
     logger.info("LEAP capture (%s) installed on %s", capture.method, where)
-    if getattr(config, "refresh_configured", False):  # settings that may outlive the feature
-        logger.warning("LEAP ignores refresh_at / refresh_readout_path: serving no longer refreshes predictions")
     return capture
 
 
