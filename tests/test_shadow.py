@@ -235,10 +235,11 @@ def test_the_gate_report_carries_the_shadow_figures_as_metrics_and_in_its_senten
 
 def test_the_live_figures_are_recomputed_every_period_once_the_window_is_full_too(monkeypatch):
     import serving.readout.shadow as shadow_module
+    import serving.rolling_quality as rolling_quality
     from serving.telemetry import Telemetry
 
-    calls = []
-    monkeypatch.setattr(shadow_module, "spearman", lambda a, b: calls.append(len(a)) or 0.0)
+    calls = []  # the shadow's figures are its window's (serving.rolling_quality)
+    monkeypatch.setattr(rolling_quality, "spearman", lambda a, b: calls.append(len(a)) or 0.0)
     shadow = shadow_module.ShadowReadout({}, None, Telemetry(), window=32)
     for i in range(8 * shadow_module.FIGURES_EVERY):  # 4x the window: full after the first 32 pairs
         shadow.observe(float(i), float(i), i + 1)

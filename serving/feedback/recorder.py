@@ -31,27 +31,24 @@ import logging
 import secrets
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from leap_core.metrics import mae, spearman
 from leap_io.feedback_schema import CLIENT_ID_MAX_CHARS
 from serving import vllm_compat
 from serving.supervise import RateLimitedLog
 from serving.fcfs_fallback import FcfsFallback
 from serving.readout.shadow import ShadowReadout
+from serving.rolling_quality import QUALITY_WINDOW, QualityRows, RollingQuality
 from serving.telemetry import Telemetry
-from serving.feedback.tenant_share import capped_weights
 from serving.tracking import Tracked
 
 logger = logging.getLogger(__name__)
 
 DECODING_KEYS = ("temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty",
                  "repetition_penalty", "ignore_eos", "min_tokens", "seed")
-QUALITY_WINDOW = 256
 MAX_DOMAINS = 32
 ALL = "all"
 
@@ -63,7 +60,8 @@ the current anchor generation)."""
 class DomainQuality:
     """Rolling prediction quality by domain since the current anchor, a Prometheus collector.
 
-    Each window holds the last `window` (predicted, anchor-predicted, true length) triples of its
+    Each domain's window (a `serving.rolling_quality.RollingQuality` of two readouts, the served and
+    the anchor) holds the last `window` (true length, predicted, anchor-predicted, tenant) rows of its
     domain; the engine thread only appends, and the figures are computed when /metrics is scraped
     (`leap_domain_rolling_spearman`, `leap_domain_rolling_mae`, `leap_domain_anchor_mae`,
     `leap_domain_rolling_rows`, by `domain`, and `leap_anchor_generation`). When the anchor generation
@@ -80,13 +78,13 @@ class DomainQuality:
         self._generation_now = generation
         self.window, self.max_domains, self.tenant_max_share = window, max_domains, tenant_max_share
         self.generation = 0
-        self._rows: dict[str, deque[tuple[float, float, float, str | None]]] = {}
+        self._rows: dict[str, RollingQuality] = {}
         self._lock = threading.Lock()
         telemetry.registry.register(self)
 
     def add(self, predicted: float, anchor: float, output_tokens: int, domain: str | None, generation: int,
             tenant: str | None = None) -> None:
-        row = (float(predicted), float(anchor), float(output_tokens), tenant)
+        row = (output_tokens, predicted, anchor, tenant)
         with self._lock:
             if generation != self.generation:
                 self._reset(generation)
@@ -134,16 +132,13 @@ class DomainQuality:
                 if current != self.generation:
                     self._reset(current)
             generation = self.generation
-            copies = {domain: list(rows) for domain, rows in self._rows.items()}
-        figures = {}
-        for domain, rows in copies.items():
-            values = np.asarray([row[:3] for row in rows], dtype=np.float64)
-            weight = capped_weights([row[3] for row in rows], self.tenant_max_share)
-            true = values[:, 2]
-            figures[domain] = {"spearman": spearman(true, values[:, 0]) if len(values) > 1 else float("nan"),
-                               "mae": float(weight @ np.abs(true - values[:, 0])),
-                               "anchor_mae": float(weight @ np.abs(true - values[:, 1])), "rows": len(values)}
-        return generation, figures
+            copies = {domain: rows.snapshot() for domain, rows in self._rows.items()}
+        return generation, {domain: self._figures(rows) for domain, rows in copies.items()}
+
+    def _figures(self, rows: QualityRows) -> dict:
+        weight = rows.tenant_weights(self.tenant_max_share)
+        return {"spearman": rows.spearman(0), "mae": rows.mae(0, weight), "anchor_mae": rows.mae(1, weight),
+                "rows": len(rows)}
 
     def _reset(self, generation: int) -> None:
         self.generation = generation
@@ -152,8 +147,9 @@ class DomainQuality:
     def _append(self, domain: str, row: tuple[float, float, float, str | None]) -> None:
         rows = self._rows.get(domain)
         if rows is None:
-            rows = self._rows[domain] = deque(maxlen=self.window)
-        rows.append(row)
+            rows = self._rows[domain] = RollingQuality(self.window, readouts=2)
+        true, predicted, anchor, tenant = row
+        rows.add(true, predicted, anchor, tenant=tenant)
 
 
 def client_id(text: str) -> str:
@@ -193,7 +189,7 @@ class FeedbackRecorder:
         self.rows = 0
         self.finished = 0
         self.row_ids = RowIds()
-        self.recent: deque[tuple[float, int]] = deque(maxlen=QUALITY_WINDOW)
+        self.recent = RollingQuality(QUALITY_WINDOW)  # the live ranking the FCFS fallback watches
         self.anchor = anchor
         self.fallback = fallback
         self.shadow = shadow
@@ -254,14 +250,10 @@ class FeedbackRecorder:
             self.recent.clear()
             if self.fallback is not None:
                 self.fallback.new_anchor()
-        self.recent.append((predicted, output_tokens))
-        if self.finished % 16 == 0 and len(self.recent) >= 16:
-            pairs = np.asarray(self.recent)
-            ranking = spearman(pairs[:, 1], pairs[:, 0])
-            self._telemetry.spearman.set(ranking)
-            self._telemetry.mae.set(mae(pairs[:, 1], pairs[:, 0]))
-            if self.fallback is not None:
-                self.fallback.observe(ranking, len(pairs))
+        self.recent.add(output_tokens, predicted)
+        if self.fallback is not None and self.finished % 16 == 0 and len(self.recent) >= 16:
+            rows = self.recent.snapshot()
+            self.fallback.observe(rows.spearman(), len(rows))
 
     def _domain_quality(self, predicted: float, output_tokens: int, feature: np.ndarray | None,
                         domain: str | None, tenant: str | None) -> None:

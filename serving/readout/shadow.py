@@ -21,13 +21,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
-from leap_core.metrics import mae, spearman
 from serving.readout.push import CaptureSpace, validate_push
+from serving.rolling_quality import QUALITY_WINDOW, RollingQuality
 from serving.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
@@ -45,13 +44,14 @@ class _Held:
 class ShadowReadout:
     """The readout a replica holds in shadow (none until `hold`), its predictions and live paired figures."""
 
-    def __init__(self, expect: dict, capture: CaptureSpace | None, telemetry: Telemetry, window: int = 256) -> None:
+    def __init__(self, expect: dict, capture: CaptureSpace | None, telemetry: Telemetry,
+                 window: int = QUALITY_WINDOW) -> None:
         self.expect = dict(expect)
         self.capture = capture
         self._telemetry = telemetry
         self._lock = threading.Lock()
         self._held: _Held | None = None
-        self._pairs: deque[tuple[float, float, int]] = deque(maxlen=window)
+        self._pairs = RollingQuality(window, readouts=2)  # (true length, served, shadow)
         self.predicted = 0
         self.errors = 0
         self._paired = 0  # pairs taken since held: the figures are recomputed every FIGURES_EVERY of them
@@ -118,17 +118,16 @@ class ShadowReadout:
 
     def _pair(self, served: float, shadow: float, output_tokens: int) -> None:
         with self._lock:
-            self._pairs.append((served, shadow, output_tokens))
+            self._pairs.add(output_tokens, served, shadow)
             self._paired += 1
             n = len(self._pairs)
-            pairs = np.asarray(self._pairs, dtype=np.float64) if self._paired % FIGURES_EVERY == 0 else None
+            pairs = self._pairs.snapshot() if self._paired % FIGURES_EVERY == 0 else None
         self._telemetry.shadow_rows.set(n)
         if pairs is None:
             return
-        truth = pairs[:, 2]
         for index, name in ((0, "served"), (1, "shadow")):
-            self._telemetry.shadow_figure.labels(readout=name, figure="spearman").set(spearman(truth, pairs[:, index]))
-            self._telemetry.shadow_figure.labels(readout=name, figure="mae").set(mae(truth, pairs[:, index]))
+            self._telemetry.shadow_figure.labels(readout=name, figure="spearman").set(pairs.spearman(index))
+            self._telemetry.shadow_figure.labels(readout=name, figure="mae").set(pairs.mae(index))
 
     def describe(self) -> dict:
         with self._lock:
