@@ -46,7 +46,8 @@ DATABASES = ("mlflow", "prefect", "leap")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REPLICA_KV_CACHE_GIB = "1"
 """KV cache of each CPU replica (GiB): several vLLM CPU engines share this machine's memory."""
-_ROLLING_GAUGES = {"leap_rolling_spearman": "spearman", "leap_rolling_mae": "mae"}
+_ROLLING_GAUGES = {"leap_domain_rolling_spearman": "spearman", "leap_domain_rolling_mae": "mae"}
+"""A replica's live figures: its per-domain gauges' series over every request (`domain="all"`)."""
 _COUNTS = {"leap_finished_requests_total": "finished", "leap_predictions_total": "predictions"}
 
 
@@ -357,11 +358,14 @@ def fleet_specs(settings: PipelineSettings, layout: FleetLayout) -> dict[str, Se
 # ---------------------------------------------------------------------------- replica readouts
 
 def parse_gauges(text: str, replica: str = "", version: str = "") -> dict[str, Any]:
-    """The live figures in a replica's /metrics text: `spearman` and `mae` over its last finished requests
-    (None before any), and `by_domain` as the drift watch reads them (`flows.drift.parse_quality`)."""
+    """The live figures in a replica's /metrics text: `spearman` and `mae` of the serving readout over its
+    last 256 finished requests since its current anchor (the `domain="all"` series of
+    `leap_domain_rolling_spearman` / `leap_domain_rolling_mae`; the MAE weighs tenants under the replica's
+    `rls_tenant_max_share`; None before any such request, or for a Spearman under two), and `by_domain` as
+    the drift watch reads them (`flows.drift.parse_quality`)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from flows.drift import MetricsError, parse_quality
+    from flows.drift import ALL, MetricsError, parse_quality
 
     figures: dict[str, Any] = {"spearman": None, "mae": None}
     rolling: dict[str, float] = {}
@@ -369,7 +373,7 @@ def parse_gauges(text: str, replica: str = "", version: str = "") -> dict[str, A
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name in _ROLLING_GAUGES and not sample.labels:
+                if sample.name in _ROLLING_GAUGES and sample.labels.get("domain") == ALL:
                     rolling[_ROLLING_GAUGES[sample.name]] = float(sample.value)
                 elif sample.name in _COUNTS and math.isfinite(sample.value):
                     counts[_COUNTS[sample.name]] = int(sample.value)
@@ -377,9 +381,8 @@ def parse_gauges(text: str, replica: str = "", version: str = "") -> dict[str, A
     except (MetricsError, ValueError, TypeError) as error:
         return {**figures, "metrics_error": f"{type(error).__name__}: {error}"}
     figures.update({key: counts.get(key) for key in _COUNTS.values()})
-    # the gauges read 0 until a predicted request finishes: that is no figure, not a perfect MAE
-    if counts.get("finished") and counts.get("predictions"):
-        figures.update({key: _finite(value) for key, value in rolling.items()})
+    # the "all" series exist from the first finished predicted request since the anchor
+    figures.update({key: _finite(value) for key, value in rolling.items()})
     if observations:
         figures["by_domain"] = {o.domain: {"spearman": _finite(o.spearman), "mae": _finite(o.mae),
                                            "anchor_mae": _finite(o.anchor_mae), "rows": o.rows}

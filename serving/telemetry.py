@@ -36,8 +36,6 @@ class Telemetry:
                                     "Engine-thread time spent waiting for missing predictions", registry=r)
         self.finished = Counter("leap_finished_requests", "Finished requests seen", registry=r)
         self.rls_updates = Gauge("leap_rls_updates", "RLS batch updates since the last anchor", registry=r)
-        self.spearman = Gauge("leap_rolling_spearman", "Spearman of prediction vs length, last 256", registry=r)
-        self.mae = Gauge("leap_rolling_mae", "MAE in tokens, last 256 finished requests", registry=r)
         self.resident = Gauge("leap_resident_requests", "Resident (running) requests", registry=r)
         self.decoding = Gauge("leap_decode_candidates", "Resident requests past prefill", registry=r)
         self.held = Gauge("leap_held_out_requests", "Requests held out this step", registry=r)

@@ -235,10 +235,9 @@ def test_status_reports_each_replica_version_and_live_figures(tmp_path):
     first.finished.inc(300)
     first.predictions.inc(300)
     targets[1].telemetry.finished.inc(5)  # finished, but none predicted (no readout yet): no figures
-    first.spearman.set(0.61)
-    first.mae.set(41.5)
-    for field, value in (("spearman", 0.6), ("mae", 40.0), ("anchor_mae", 44.0), ("rows", 120)):
-        targets[0].domain[field].labels(domain="chat").set(value)
+    for domain, figures in (("all", (0.61, 41.5, 45.0, 300)), ("chat", (0.6, 40.0, 44.0, 120))):
+        for field, value in zip(("spearman", "mae", "anchor_mae", "rows"), figures):
+            targets[0].domain[field].labels(domain=domain).set(value)
     targets[0].domain["mae"].labels(domain="code").set(12.0)  # its other figures not computed yet: left out
     servers = _admin_pair(targets)
     try:
@@ -255,7 +254,9 @@ def test_status_reports_each_replica_version_and_live_figures(tmp_path):
     assert one["admin_url"] == f"http://127.0.0.1:{servers[0].port}" and one["admin_up"] is True
     assert one["up"] is False and status["healthy"] is False  # no engine answers on the OpenAI port
     assert (one["version"], one["spearman"], one["mae"]) == ("7", pytest.approx(0.61), pytest.approx(41.5))
-    assert one["by_domain"] == {"chat": {"spearman": pytest.approx(0.6), "mae": 40.0, "anchor_mae": 44.0,
+    assert one["by_domain"] == {"all": {"spearman": pytest.approx(0.61), "mae": 41.5, "anchor_mae": 45.0,
+                                        "rows": 300},
+                                "chat": {"spearman": pytest.approx(0.6), "mae": 40.0, "anchor_mae": 44.0,
                                          "rows": 120}}
     assert (one["finished"], one["predictions"]) == (300, 300)
     assert (two["version"], two["spearman"], two["mae"], two["finished"]) == ("7+rls3", None, None, 5)
@@ -263,4 +264,14 @@ def test_status_reports_each_replica_version_and_live_figures(tmp_path):
 
     gone = fleet.replica_report(one["admin_url"], "token")  # the server is closed now
     assert gone["admin_up"] is False and gone["version"] is None and "error" in gone
-    assert "metrics_error" in fleet.parse_gauges("leap_rolling_mae{ not prometheus")
+    assert "metrics_error" in fleet.parse_gauges("leap_domain_rolling_mae{ not prometheus")
+
+
+def test_live_figures_are_the_all_series_of_the_domain_gauges():
+    text = ("leap_domain_rolling_spearman{domain=\"all\"} 0.5\nleap_domain_rolling_mae{domain=\"all\"} 12.0\n"
+            "leap_domain_rolling_spearman{domain=\"code\"} 0.9\nleap_domain_rolling_mae{domain=\"code\"} 3.0\n"
+            "leap_rolling_spearman 0.1\nleap_rolling_mae 99.0\n")  # the unlabelled gauges are gone: not read
+    assert {key: fleet.parse_gauges(text)[key] for key in ("spearman", "mae")} == {"spearman": 0.5, "mae": 12.0}
+    one_row = "leap_domain_rolling_spearman{domain=\"all\"} NaN\nleap_domain_rolling_mae{domain=\"all\"} 7.0\n"
+    assert {key: fleet.parse_gauges(one_row)[key] for key in ("spearman", "mae")} == {"spearman": None, "mae": 7.0}
+    assert fleet.parse_gauges("")["spearman"] is None and fleet.parse_gauges("")["mae"] is None
