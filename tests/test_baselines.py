@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from evaluation.baselines import (BASELINES, EncoderRanker, EncoderRegressor, EncoderRidgePredictor,
-                                  HiddenStateMLP, LeapReadoutPredictor, LengthData, OraclePredictor,
-                                  PromptLengthPredictor, fit_cached, make_predictor, measure_cost)
+from evaluation.baseline_fits import BASELINES, fit_cached, make_predictor, measure_cost
+from evaluation.baselines import (EncoderRidgePredictor, HiddenStateMLP, LeapReadoutPredictor, LengthData,
+                                  OraclePredictor, PromptLengthPredictor)
+from evaluation.finetuned import EncoderRanker, EncoderRegressor
 from leap_core.metrics import spearman
 
 torch.set_num_threads(1)

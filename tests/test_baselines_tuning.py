@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from evaluation.baselines import (EncoderRanker, EncoderRegressor, EncoderRidgePredictor, HiddenStateMLP,
-                                  LengthData, PromptLengthPredictor, cache_key, fit_cached, pinned,
+from evaluation.baseline_fits import cache_key, fit_cached, pinned
+from evaluation.baselines import (EncoderRidgePredictor, HiddenStateMLP, LengthData, PromptLengthPredictor,
                                   validation_split)
+from evaluation.finetuned import EncoderRanker, EncoderRegressor
 from leap_core.metrics import spearman
 from tests.test_baselines import MAX_TOKENS, synthetic
 

@@ -106,7 +106,7 @@ def test_one_layer_corpus_reuses_the_all_layers_rows_and_generates_the_rest(all_
 
 
 def test_offline_and_transfer_studies_on_the_small_corpus(all_layers, prompt_file):
-    from evaluation.baselines import make_predictor
+    from evaluation.baseline_fits import make_predictor
     from evaluation.corpora import load_or_build, model_info
     from evaluation.data import length_data
     from evaluation.offline import run_layers, run_targets

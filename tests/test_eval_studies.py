@@ -58,7 +58,7 @@ def test_split_stream_keeps_at_least_15_percent_for_evaluation():
 
 
 def test_transfer_rls_recovers_a_rotated_domain():
-    from evaluation.baselines import make_predictor
+    from evaluation.baseline_fits import make_predictor
     from evaluation.transfer import run_transfer
 
     train, target = synthetic(600, seed=1), synthetic(1300, seed=2, shift=1.2)

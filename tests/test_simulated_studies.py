@@ -367,7 +367,8 @@ def synthetic_train(n: int = 80):
 
 
 def test_hyperparameters_record_the_mlps_own_search():
-    from evaluation.baselines import HiddenStateMLP, hyperparameters
+    from evaluation.baseline_fits import hyperparameters
+    from evaluation.baselines import HiddenStateMLP
 
     train = synthetic_train(120)
     mlp = HiddenStateMLP(hidden=(8,), alphas=(1.0, 10.0), learning_rates=(1e-3,), max_iter=20).fit(train)

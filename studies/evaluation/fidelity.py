@@ -165,7 +165,7 @@ def run_fidelity(train_prompts: Sequence[dict], pool_prompts: Sequence[dict], se
                  model: str | None = None, say: Callable[[str], None] = lambda message: None) -> dict:
     """The study of the module docstring; `pool_prompts` are held out from `train_prompts` and split into
     the capacity samples and the replayed requests, disjoint."""
-    from evaluation.baselines import hyperparameters
+    from evaluation.baseline_fits import hyperparameters
     from evaluation.data import length_data
     from evaluation.live import (fit_leap_with_anchor, fit_predictors, open_replay_engine, predicted_lengths,
                                  prefill_budget, replay_policy, simulated_latency, training_and_requests)

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from evaluation.baselines import (LengthData, LeapReadoutPredictor, fit_cached, hyperparameters, make_predictor,
-                                  measure_cost)
+from evaluation.baseline_fits import fit_cached, hyperparameters, make_predictor, measure_cost
+from evaluation.baselines import LengthData, LeapReadoutPredictor
 from evaluation.data import length_data
 from evaluation.report_format import interval
 from evaluation.transfer import fit_leap_anchored

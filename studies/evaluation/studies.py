@@ -18,8 +18,8 @@ from evaluation.simulated_load import Split, choose_baseline, choose_tail_guard,
 from evaluation.simulated_refresh import run_refresh
 from evaluation.simulated_tail import run_tail
 from evaluation.simulation import EngineCapacity, HEADLINE_LOAD, Order
-from evaluation.baselines import (LengthData, LeapReadoutPredictor, fit_cached, hyperparameters, make_predictor,
-                                  measure_cost, pinned)
+from evaluation.baseline_fits import fit_cached, hyperparameters, make_predictor, measure_cost, pinned
+from evaluation.baselines import LengthData, LeapReadoutPredictor
 from evaluation.corpora import load_or_build, model_info
 from evaluation.data import length_data
 from evaluation.offline import choose_alpha

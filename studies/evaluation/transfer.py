@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from evaluation.baselines import LengthData, hyperparameters
+from evaluation.baseline_fits import hyperparameters
+from evaluation.baselines import LengthData
 from evaluation.data import split_stream
 from evaluation.offline import choose_alpha
 from evaluation.report_format import corr, interval
