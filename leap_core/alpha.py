@@ -1,20 +1,9 @@
 """Choosing the readout's ridge penalty: the whole alpha grid scored over any cross-validation split.
 
-The fit flow and the offline studies both choose alpha here, on one grid (`ALPHAS`) and with one
-estimator: the readout's own model (features standardized on the fitting rows, ridge with an
-unpenalized intercept in a target space, predictions clipped to [1, M]). They differ only in the
-split and the score they ask for:
-
-- the fit flow validates on the newest rows of the training window (`newest_split`), scored by
-  mean squared error in the target space ("mse_target");
-- the offline studies use shuffled 5-fold CV (`sklearn.model_selection.KFold`), scored by mean
-  absolute error in tokens ("mae"), since raw, log and sqrt readouts must be comparable.
-
-Splits are scikit-learn splitters (anything with `split(X)`). The ridge fits are not refitted per
-alpha: one eigendecomposition of the smaller Gram matrix per split serves the whole grid (primal
-Z^T Z, or dual Z Z^T when a split has fewer rows than features, as with all layers concatenated).
-That is the same solution as `LinearReadout(alpha).fit` on the split's rows, at the cost of one fit,
-which is what keeps a 13-value grid over 30 layers or 100k rows cheap.
+The fit flow and the offline studies choose alpha here, on one grid (`ALPHAS`) with the readout's own
+estimator, so their choices agree; they differ only in the split (`newest_split` for the fit flow,
+shuffled K-fold for the studies) and the score ("mse_target" or "mae" in tokens). One eigendecomposition
+per split serves the whole grid, which keeps a wide grid over many layers or rows cheap.
 """
 
 from __future__ import annotations

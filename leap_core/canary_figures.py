@@ -1,16 +1,9 @@
 """Live figures of canary replicas against the rest of the fleet over the same time window.
 
-The canaries serve the challenger, the others the champion, on traffic routed to them alike, so the two
-groups of finished requests are independent samples of one stream. For each group: the Spearman of the
-prediction at admission with the true length, the MAE in tokens, and the mean per-token latency
-(finish minus arrival over output tokens). The canaries' figure is set against the rest's as a
-difference (Spearman, MAE) or a ratio (mean PTL), each with a bootstrap interval that resamples the two
-groups independently (`leap_core.intervals`: `n_boot` replicates, percentile interval at `level`).
-
-The canaries are **worse** when an interval says so: Spearman lower (the difference's upper end below
-0), MAE higher (its lower end above 0), or mean PTL more than `ptl_bound` higher (the ratio's lower end
-above 1 + `ptl_bound`). The canary flow (`flows.canary`) rolls worse canaries back and promotes
-otherwise.
+Canaries serve the challenger and the rest the champion on traffic routed alike, so the two groups are
+independent samples of one stream. Spearman, MAE and mean per-token latency are compared as differences
+or a ratio with bootstrap intervals (`leap_core.intervals`); the canaries are worse only when an interval
+says so. The canary flow (`flows.canary`) rolls worse canaries back and promotes otherwise.
 """
 
 from __future__ import annotations

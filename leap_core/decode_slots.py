@@ -1,17 +1,10 @@
 """How many resident requests decode each step: as few as keep the engine ahead of its demand.
 
-Where a step's time grows with the number of requests it decodes (a CPU, a GPU at large batches),
-decoding every resident request each step is processor sharing: every request slows every other one.
-Decoding only the k most urgent makes each step shorter, so the order decides who finishes first, at the
-price of throughput: k requests a step serve k / t(k) tokens a second, t(k) = fixed + per_request * k.
-`DecodeSlotRule` picks the smallest k whose service rate stays ahead of the demand (the tokens arriving
-requests will need per second, plus the resident backlog drained over `drain_s`) by `margin`; where holding
-requests out would not make a step faster (a flat curve: a memory-bound GPU below its batch limit), or no k
-keeps up, every resident request decodes, up to `max_slots`.
-
-`StepTimeEstimator` fits t from the engine's own steps (exponentially weighted least squares, so it follows
-a machine whose speed drifts) and `DemandRate` estimates the arriving tokens per second with an exponential
-kernel. Both are plain numbers in, numbers out: the serving runtime and the simulator feed them.
+Where a step's time grows with the number of requests it decodes, decoding every resident request is
+processor sharing; decoding only the most urgent lets the order decide who finishes first, at a price in
+throughput. `DecodeSlotRule` picks the smallest count whose service rate stays ahead of demand, from a
+step-time fit (`StepTimeEstimator`) and an arrival rate (`DemandRate`). Numbers in, numbers out: the
+serving runtime and the simulator both feed it.
 """
 
 from __future__ import annotations

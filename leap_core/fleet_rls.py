@@ -1,29 +1,16 @@
 """Exact merge of several replicas' RLS states that started from one common anchor.
 
-Every replica of a fleet serves the same pushed readout and its RLS anchor (A_0, b_0) and folds only
-its own finished requests into it. With forgetting 1 an RLS state is nothing but the information of
-the anchored ridge problem (leap_core.rls):
+With forgetting 1 an RLS state is the information of the anchored ridge problem (`leap_core.rls`):
 
     A_i = A_0 + sum_{r in R_i} u_r u_r^T,     b_i = b_0 + sum_{r in R_i} u_r y_r,
 
-whatever the batch sizes and however lazily the rows were folded (u_r = [1, z_r] with z_r standardized
-by the anchor readout's mean and scale, y_r in its target space). The one-shot anchored ridge solve on
-the training rows and the feedback of every replica has the information
+so the one-shot solve over every replica's feedback has
 
-    A* = A_0 + sum_i sum_{r in R_i} u_r u_r^T = A_0 + sum_i (A_i - A_0),   b* = b_0 + sum_i (b_i - b_0),
+    A* = A_0 + sum_i (A_i - A_0),     b* = b_0 + sum_i (b_i - b_0),
 
-so merging is a sum of differences, and theta* = A*^-1 b*, P* = A*^-1 come from one Cholesky factor.
-This holds only when every term is built on the same problem: the same standardization (else the u_r
-differ), the same alpha (else A_0 differs) and no forgetting (rho < 1 discounts A_0 itself, so a
-difference no longer isolates the feedback). Anything else is refused with a ValueError.
-
-The rows a replica folded are counted by the information itself: the intercept column is all ones,
-so A_i[0, 0] - A_0[0, 0] is the number of rows it added, which must equal the growth of its own
-`n_seen` counter. A state that does not extend the anchor this way (a replica on another anchor,
-a damaged state) is refused rather than merged.
-
-After the merged state is pushed, every replica is anchored at it, so the next merge takes it as A_0
-and counts only rows folded since: no row is counted twice.
+and theta* = A*^-1 b*, P* = A*^-1 come from one Cholesky factor. This holds only on one problem (same
+standardization, same alpha, no forgetting); anything else, or a state that does not extend the anchor,
+is refused with a ValueError. After a merge every replica is anchored at it, so no row counts twice.
 """
 
 from __future__ import annotations

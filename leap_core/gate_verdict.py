@@ -1,25 +1,12 @@
 """The promotion gate's verdict: challenger against bar on paired replays, with an interval and three outcomes.
 
-The replays (`harness.gate_replay`) give each arm's per-request PTL over the same (request, repeat)
-pairs. The verdict is the ratio of the challenger's mean PTL to the bar's (the champion, or FCFS when
-there is none) with a bootstrap interval over requests, each request resampled with all its repeats
-(`leap_core.intervals`).
-It has three outcomes:
-
-- **better**: the interval lies below 1 and the ratio is at least `margin` below 1;
-- **worse**: the interval lies above 1, or the longest quartile's P95 PTL is above `p95_bound` x the bar's
-  beyond its own interval (shortest-predicted-first schedules can starve long requests, and a mean alone
-  would hide that). The guard reads an interval too: a better ranker sends long requests later than a
-  worse one by design, and on a slice of dozens of requests the quartile's P95 is nearly its maximum, so a
-  point estimate called a truly better challenger worse in 2 of 5 bench trials (x1.25, x1.31);
-- **no difference**: anything else.
-
-What each does is the rule (`passed`, which promotes): better passes, worse fails, and no difference
-fails unless `on_no_difference` is "noninferior", which passes a challenger whose interval's upper end
-is within `noninferiority` of 1 (a fresher readout no worse within that bound). Live evidence comes
-first: when the challenger was held in shadow (`shadow`, from `leap_core.shadow_figures`) and an interval
-there finds it worse than the champion on the same requests, nothing passes. Anything that makes the
-comparison meaningless fails: the gate fails closed.
+The replays (`harness.gate_replay`) give each arm's per-request PTL over the same (request, repeat) pairs;
+the verdict is the ratio of mean PTLs, challenger over bar (the champion, or FCFS), with a bootstrap
+interval over requests: better, worse (including a guard on the longest quartile's P95, since
+shortest-predicted-first can starve long requests) or no difference. `passed` turns that into the rule,
+with `on_no_difference` deciding the middle case; a challenger found worse in shadow
+(`leap_core.shadow_figures`) never passes, and anything that makes the comparison meaningless fails
+closed.
 """
 
 from __future__ import annotations

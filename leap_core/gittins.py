@@ -1,32 +1,14 @@
 """Ranking under the predictor's uncertainty: the Gittins index of a request's remaining length.
 
-A point prediction says "about 200 tokens"; the readout's validation errors say how far off such a
-prediction tends to be. `LengthGivenPrediction` keeps, per bin of predicted length, the true lengths of
-validation requests predicted in that bin: the distribution of a request's length L given its prediction.
-Once a request has generated `a` tokens without finishing, its remaining length R = L - a follows the
-bin's samples with L > a (the request has outlived the shorter ones).
-
-The index, for preemptive scheduling of jobs whose sizes are known only in distribution (Gittins;
-Aalto, Ayesta and Righter 2009; Scully, Harchol-Balter and Scheller-Wolf 2020 for the weighted form): for
-a quantum of Delta tokens of service,
+`LengthGivenPrediction` keeps, per bin of predicted length, the true lengths of validation requests
+predicted there: the distribution of a request's length L given its prediction. After `a` tokens, with
+R = L - a over the samples with L > a and weight w(L) (1/L for per-token latency, 1 for latency),
 
     G(a) = sup_Delta  E[w(L) 1{R <= Delta} | L > a]  /  E[min(R, Delta) | L > a],
 
-the expected weight completed per token of service invested. Serving the largest index first minimises
-the mean weighted response time of a single M/G/1 server; the weight w(L) = 1/L makes it the mean
-latency per output token (PTL), the figure LEAP is judged by, and w = 1 the mean latency. With the m
-samples sorted by remaining length, r_1 <= ... <= r_m, the supremum is over Delta in {r_j}:
-
-    G(a) = max_j  (sum_{i<=j} w_i)  /  (sum_{i<=j} r_i + (m - j) r_j)      (each term over m).
-
-With an exact prediction (one sample L) it is w(L) / (L - a): shortest remaining first, weighted. A
-request that has outlived every sample of its bin uses the samples of all bins; one that has outlived
-those too can only end by the budget M, so its single remaining is M - a.
-
-`LengthGivenPrediction` precomputes G for every bin and generated count 0..M-1 (`gittins_indices`; the
-policy reads one entry per request per step); `leap_core.policy.GittinsPolicy` ranks by 1 / G, the
-expected service per unit weight. The fit flow fits it on cross-fitted predictions of the training rows
-and the readout file carries it (`leap_core.readout_format`), so serving can rank by it too.
+and serving the largest index first minimises mean weighted response time (Gittins; Scully et al.
+2020). G is precomputed per bin and generated count (`gittins_indices`) so the policy
+(`leap_core.policy.GittinsPolicy`) reads one entry per request per step; the readout file carries it.
 """
 
 from __future__ import annotations

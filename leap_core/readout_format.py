@@ -1,18 +1,10 @@
 """The readout file: an .npz held in memory (arrays plus one JSON metadata blob).
 
-Bytes in, bytes out: callers decide where the file lives, so leap_core stays free of I/O. Loading
-checks the file against what the caller is about to feed it (`expect`), because a readout applied
-to another model's or layer's hidden states predicts plausible-looking nonsense instead of failing.
-
-Optional block: the readout's length distribution (`LinearReadout.length_distribution_`, which the
-Gittins decode order ranks by), as three arrays (the inner bin edges, every bin's sorted true lengths
-one after another as int16, or int32 for budgets beyond int16, and each bin's count) and a
-`length_distribution` entry of the blob (n_bins, max_tokens, weight). Files without it load with
-`length_distribution_` None; a block that is present is validated as strictly as the weights.
-
-A readout on a fitted target (`leap_core.targets.FITTED_TARGETS`) carries its map as two float arrays,
-`target_knots` (log lengths) and `target_values`; they are required for such a target, refused for any
-other, and checked as `TargetMap` checks them (strictly increasing, from length 1 to the readout's M).
+Bytes in, bytes out: callers decide where the file lives, so leap_core stays free of I/O. Loading checks
+the file against what the caller is about to feed it (`expect`), because a readout applied to another
+model's or layer's hidden states predicts plausible-looking nonsense instead of failing. Optional blocks
+(the length distribution for the Gittins order, a fitted target's map) are validated as strictly as the
+weights.
 """
 
 from __future__ import annotations

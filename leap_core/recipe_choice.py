@@ -1,25 +1,11 @@
-"""Choosing a feature recipe (and so a layer) by validation on the training window only.
+"""Choosing a feature recipe (and so a layer, and a target) by validation on the training window only.
 
-For each candidate recipe, every split's held-out predictions come from the one alpha path
-(`leap_core.alpha.held_out_path`: the whole penalty grid for the cost of one fit). The penalty is the one
-with the lowest held-out mean absolute error; the recipe's score is the Spearman rank correlation of
-its held-out predictions at that penalty against the true lengths (outputs that reached M tie at M),
-since ranking is what the scheduler uses.
-
-The choice follows the one-standard-error rule: the best score marks the bar, and the recipe with the
-fewest columns whose score trails the best by at most one standard error of that difference wins (it
-costs less to capture, store and correct, and a smaller gap is noise). The standard error is the paired
-bootstrap's: the validation rows are resampled, and the best row's Spearman and this row's are computed
-on the same draws. Rows are drawn one by one, so where a prompt holds two rows (the recipe study's greedy
-and sampled labels of one prompt) the error is a little too small. Each table row carries its gap to the
-best with a 95% interval (`gap`, `gap_ci_low`, `gap_ci_high`) and the standard error (`gap_se`), so the
-choice is shown with the noise it was made in.
-
-Candidate regression targets (`leap_core.targets`) are chosen the same way: a (recipe, target) pair is
-one row of the table, scored in tokens like every other.
-
-The fit flow splits by arrival (the newest rows of its training window); the recipe study by
-shuffled K-fold grouped by prompt. Neither looks at its test rows.
+Each candidate's held-out predictions come from one alpha path (`leap_core.alpha.held_out_path`); its
+score is the Spearman of those predictions with the true lengths, since ranking is what the scheduler
+uses. The one-standard-error rule (paired bootstrap) picks the recipe with the fewest columns whose
+score is within noise of the best: it costs less to capture, store and correct. Candidate targets
+(`leap_core.targets`) are rows of the same table. The fit flow validates on the newest rows of its
+window, the recipe study on K folds grouped by prompt; neither looks at its test rows.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """Feature recipes: which numbers of one prefill a readout reads, named so that every part agrees.
 
-A recipe is a list of blocks, concatenated in order into one feature vector per request:
-
-- `last@L`: the residual stream after decoder layer L at the last prompt token (the paper's feature);
-- `mean@L`: its mean over the prompt tokens;
-- `entropy@L`: its mean over the prompt tokens weighted by the entropy of the model's next-token
-  distribution at each token (tokens where the model is unsure of what follows carry more weight);
-- `prompt`: log(1 + prompt tokens), one column;
-- `decoding`: the request's decoding settings, `DECODING_COLUMNS` (so one readout serves greedy and
-  sampled traffic);
-- `domain=a/b/c`: one indicator column per named domain (`DOMAIN_VALUE` for the request's domain), a
-  per-domain intercept that RLS can move on its own when one domain's traffic shifts (a request of no
-  listed domain has all zeros).
-
-The name is the blocks joined by `+`, e.g. `last@17+mean@17+prompt+decoding`; it is what serving's
-capture, the corpus, the fit flow and the readout file all record (`recipe` in the readout metadata,
-`RECIPE_VERSION` beside it). A readout that records no recipe is `last@<its layer>`, today's files.
-
-A capture records one recipe; a readout may use any recipe whose blocks the capture holds
-(`columns`): a replica can capture a wide recipe and serve a readout on part of it, and its feedback
-rows let the fit flow choose among every recipe the capture covers.
+A recipe is a list of blocks concatenated into one feature vector: `last@L`, `mean@L`, `entropy@L`
+(hidden states after layer L), `prompt`, `decoding` and `domain=a/b/c`. Its name, the blocks joined by
+`+` (e.g. `last@17+prompt+decoding`), is what capture, the corpus, the fit flow and the readout file all
+record, so they cannot disagree; a readout without one is `last@<its layer>`. A readout may use any
+recipe whose blocks the capture holds (`columns`), so one wide capture lets the fit flow choose among
+many recipes.
 """
 
 from __future__ import annotations

@@ -1,31 +1,17 @@
 """Recursive least squares correction of the readout from finished requests.
 
-Every finished request reveals its true output length. RLS folds that feedback into the readout
-weights exactly as if the ridge problem had been re-solved on the training data plus all feedback,
-at O(d^2) per batch instead of O(d^3):
+Every finished request reveals its true output length. RLS folds it into the readout exactly as if the
+anchored ridge problem had been re-solved on the training data plus all feedback, at O(d^2) per batch:
 
     theta = A^-1 b,   A = U_s^T U_s + alpha D + sum U^T U,   b = U_s^T y_s + sum U^T y,
 
-with U = [1, Z] (standardized features, intercept first), D = diag(0, 1, ..., 1) and y in the
-readout's target space. The batch update on P = A^-1 is the usual one:
+with U = [1, Z] (standardized features, intercept first), D = diag(0, 1, ..., 1), y in the target space.
+The batch update on P = A^-1:
 
     V = P U^T;  S = I + U V;  G = V S^-1;  theta += G (y - U theta);  P -= G V^T.
 
-Forgetting (rho < 1) discounts all earlier information, anchor included, once per `update` call:
-A_t = rho A_{t-1} + U^T U and b_t = rho b_{t-1} + U^T y. By Woodbury this only changes S to
-rho I + U V and divides the downdated P by rho; G keeps its form.
-
-Speed. P is (d+1)^2 float64 (134 MB at d = 4096), so an update is bound by memory traffic, not by
-arithmetic. P is kept Fortran-ordered with only its upper triangle valid: V comes from BLAS dsymm
-(one read of the triangle), and P -= G V^T is written as P -= W W^T with W = V L^-T (L the
-Cholesky factor of S), which keeps P symmetric by construction. W is not applied at once: up to
-`fold_every` columns are kept aside (P = s (B - W W^T)) and folded into B by one in-place dsyrk, so
-most updates read P once and write nothing of size d^2.
-
-Recovery. The anchor information A and b are kept too (feedback rows are folded into them lazily,
-`fold_every` rows at a time, for the same reason). When an update meets non-finite values, a
-non-positive-definite S or a non-positive diagonal of P, the state is rebuilt exactly from them:
-P = A^-1 (Cholesky) and theta = A^-1 b.
+Forgetting (rho < 1) discounts earlier information once per `update`: S becomes rho I + U V and the
+downdated P is divided by rho. Memory layout, lazy folding and recovery: docs/architecture.md.
 """
 
 from __future__ import annotations

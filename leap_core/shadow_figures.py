@@ -1,16 +1,9 @@
 """Paired, delayed-label figures of a readout held in shadow against the one that served the same requests.
 
-Each finished request that both readouts predicted from the same captured vector gives a pair of
-predictions and, once it finished, its true length. Over those requests: the Spearman of each prediction
-with the length, the MAE in tokens, and the pairwise order accuracy (of two requests of different length,
-the share the prediction puts in the right order, a tie counting half: what shortest-predicted-first
-needs; it is (1 + Somers' D) / 2). Each figure is given for both readouts and as the shadow's minus the
-served one's, with a paired bootstrap interval over requests (`leap_core.intervals.bootstrap_ci`, the same
-replicates for every figure).
-
-The shadow is **worse** when an interval says so: its Spearman or its order accuracy lower (the
-difference's upper end below 0), or its MAE higher (the difference's lower end above 0). The gate's rule
-on no difference (`leap_core.gate_verdict`) promotes only a challenger that is not worse in shadow.
+Both readouts predicted each finished request from the same captured vector, so the comparison is
+paired: Spearman, MAE and pairwise order accuracy for each readout and as a difference, with a paired
+bootstrap interval (`leap_core.intervals.bootstrap_ci`). The shadow is worse only when an interval says
+so; the gate (`leap_core.gate_verdict`) promotes only a challenger that is not worse in shadow.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """A discrete-event simulator of the engine's step loop, to compare decode policies on whole traces.
 
-Each step the engine admits waiting requests in arrival order (their prefill yields the first token and
-the hidden state the length prediction needs, so admission cannot be length-aware), then decodes up
-to `decode_slots` of the requests already resident, chosen by the policy. A step's duration comes from
-a `StepTimeModel` (`leap_core.step_time`: a fixed cost per decode count, their context, prefill tokens and
-their attending pairs) calibrated from measured engine steps.
-Within a step everything is vectorised, and a stretch of steps in which the selection cannot change (no
-request finishes, joins or is forced in by the waiting cap) is taken in one move, so whole traces
-simulate quickly.
-
-Stock vLLM (`SimConfig.stock`) is the same loop with vLLM's own budget: every running request decodes each
-step up to `max_num_seqs`, their decode tokens come out of `max_num_batched_tokens` first, and waiting
-prompts take what is left in arrival order, the last one chunked across steps when it does not fit
-(`chunked_prefill`). Decode slots can also follow the load (`slot_rule`, `leap_core.decode_slots`): each
-step decodes as few requests as keep the engine ahead of its demand.
-
-Optionally the predictions can be refreshed during decoding (the alternative to LEAP's one-shot
-countdown): when a resident request's generated count reaches one of `refresh_at`, its estimate of the
-remaining length is replaced by a given one (measured: a readout applied to the decode state the engine
-captured at that point), and the step pays `refresh_cost_s` per refreshed request.
+Each step admits waiting requests in arrival order, then decodes up to `decode_slots` resident requests
+chosen by the policy; a step's duration comes from a calibrated `leap_core.step_time.StepTimeModel`.
+Stretches of steps in which the selection cannot change are taken in one move, so whole traces simulate
+quickly. `SimConfig.stock` runs vLLM's own budget (every running request decodes, chunked prefill) as the
+baseline; `slot_rule` lets the decode slots follow the load (`leap_core.decode_slots`); `refresh_at`
+replaces a resident request's estimate mid-decode, to study refreshing against the one-shot countdown.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """Target transforms: the space in which the readout regresses output lengths.
 
-Output lengths are heavy-tailed; fitting sqrt(length) (the default) keeps long requests from
-dominating the squared loss while staying closer to linear than log. A prediction is clipped to the
-transform of the feasible range [1, M] (M = the request's output token budget) before it is mapped
-back, so a readout can never predict a length no request can have.
-
-Fixed targets (sqrt, log, raw) are functions of the length alone. Fitted targets are monotone maps
-learned from the training lengths once, then held fixed (`TargetMap`: a piecewise-linear map of log
-length, knots and values both strictly increasing), so the readout stays one linear layer and RLS
-corrects it exactly in the fitted space (feedback lengths go through the same map):
-
-- rank: the normal score of a length's mid-rank among the training lengths (ties, such as outputs cut
-  at M, share one rank), linear in log length between the training lengths.
-- softbin: the expected bin center under Gaussian soft labels (`soft_labels`) of the log length, bins
-  at the training quantiles. A soft-label bin classifier fitted by least squares (one ridge output per
-  bin) has this readout's score as its expected center when its outputs are not clipped at 0: ridge is
-  linear in its targets, and the outputs of a row sum to 1 because every row's labels do. The classifier
-  decodes exp(score); this target decodes through the map's inverse (the length whose labels' expected
-  center is the score); the two order requests alike.
-
-A fitted target is decoded by the map's inverse (also piecewise linear), after clipping to the map's
-values at 1 and M.
+Output lengths are heavy-tailed; fitting sqrt(length) (the default) keeps long requests from dominating
+the squared loss while staying closer to linear than log. Predictions are clipped to the transform of
+[1, M] before mapping back, so a readout never predicts an impossible length. Fixed targets (sqrt, log,
+raw) are functions of the length alone; fitted targets (rank, softbin) are monotone piecewise-linear maps
+of log length learned once from the training lengths (`TargetMap`), so the readout stays one linear layer
+and RLS corrects it exactly in the fitted space.
 """
 
 from __future__ import annotations
