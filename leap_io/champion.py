@@ -1,36 +1,12 @@
 """The published champion: the push bundle of the registry's champion at a well-known place, so a replica
 that starts or restarts serves it without talking to MLflow.
 
-Every promotion and rollback (`flows.promotion`) publishes the new champion's bundle here once the
-replicas serve it and the aliases name it; a replica reads it at start and serves it when it is newer
-than its own saved state (`serving.readout.sources`), validated exactly as a push is.
-
-A publication of registered model `name` is two objects under the location (a local folder, or
-`s3://bucket/prefix` through `leap_io.object_store`):
-
-  <name>.bundle   the push bundle (readout file and RLS state; `leap_io.push_bundle`)
-  <name>.json     {"version": readout version, "registry_version", "registry" (tracking URI),
-                   "published_at" (unix s), "sha256"}
-
-The bundle is written first and the JSON last, each whole (`leap_io.durable` locally; an S3 put is atomic),
-and the JSON names the bundle's digest: a reader that meets a bundle of another publication (written
-between its two reads) sees the digest differ and treats the publication as absent this time, never
-serving a mix. Each publication of a name takes the next `sequence` number (1, 2, ...), and the
-bundle carries the same number (`leap_io.push_bundle`), so a replica that saved a push tells which
-came later by that counter, with no clock involved. With a signing key the JSON also holds an Ed25519 `signature` over the rest of it
-(`leap_io.signing`), and a reader given the public key refuses a publication that is unsigned or whose
-signature does not verify: whoever can write the location then still cannot choose what replicas
-serve. Only a push or publication without a sequence (made by hand, or by an older LEAP) is
-compared by time, `published_at` against the replica's own `saved_at`: then both clocks must agree.
-
-A publication names the registry whose champion it is. A replica that knows its own registry
-(`LEAP_REGISTRY_URI`) leaves a publication of another registry alone (two registries may share one
-`$LEAP_HOME`, say a fleet's and a single machine's), and then takes its champion from its registry.
-URIs are compared as `registry_key` writes them; two spellings of one server (a host name and its
-address) read as two registries, which costs that replica the registry's answer time, never a wrong
-champion.
-
-No MLflow and no vLLM imports: the serving plugin reads it.
+Every promotion and rollback (`flows.promotion`) publishes the new champion here (a local folder or
+`s3://bucket/prefix`); a replica reads it at start and serves it when it is newer than its saved state
+(`serving.readout.sources`), validated exactly as a push is. Publications are ordered by a sequence
+number and may be signed (docs/security.md); a replica ignores a publication of another registry than
+its own. Layout and write order: docs/architecture.md. No MLflow and no vLLM imports: the serving plugin
+reads it.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """The columns of a feedback segment: one row per finished request, written once by the serving process.
 
-The schema is shared by the writer (serving) and the ingest flow (store/duckdb.py), so it lives in one
-place. The feature column is a fixed-size list of float32: the whole vector the serving engine
-captured, its capture recipe (`leap_core.recipes`), so a readout may be fitted on any recipe that recipe
-covers. A segment's Parquet metadata records that dim, the recipe (`leap.recipe`; segments from before
-recipes have none and hold `last@<layer>`), the serving layer and the model fingerprint. In the file
-(`segment_table`, version 2) the feature column is fixed-size binary, each row its floats' little-endian
-bytes; `read_segment_file` and ingest give it back as lists, and read version 1 files too.
-
-Identity. A row's `request_id` is made by the serving process (`serving.feedback.recorder.RowIds`: a random
-token drawn when the process starts and a counter), never by a client, so no client can make another
-request's row look like a duplicate. The id the client gave (`leap_request_id`, `X-Request-Id`, or the
-one vLLM made) is kept as data in `client_request_id`; segments written before that column existed
-held the client's id in `request_id`, and ingest copies it across.
+The schema is shared by the writer (serving) and the ingest flow (`store.ingest`), so it lives in one
+place. The feature column holds the whole vector of the replica's capture recipe (`leap_core.recipes`),
+so a readout may be fitted on any recipe it covers; the segment's Parquet metadata records the recipe,
+layer and model fingerprint. `request_id` is made by the serving process, never by a client, so no client
+can make another request's row look like a duplicate; the client's id is kept in `client_request_id`.
+File versions and old-segment handling: docs/architecture.md.
 """
 
 import pyarrow as pa

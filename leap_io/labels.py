@@ -1,19 +1,10 @@
 """Which finished requests' lengths are training labels: the one rule the serving process's RLS and the fits use.
 
 A length trains only when the model chose where to stop, or ran into the whole budget M the readout is
-fitted for (a length censored at M, which the sqrt target clips to anyway). Otherwise it says what the client
-asked for, not how long the answer is, and a client could use it to teach the readout that everything is
-short (or long):
-
-  finish reason  abort, error, repetition: the answer was cut short for another reason (a client's stop
-                 string ends a request as an abort in the engine core, so it lands here too);
-  client_cap     stopped by a `max_tokens` below M ("length" under a smaller budget);
-  ignore_eos     the client forbade the stop: the length is `max_tokens`;
-  min_tokens     the client forbade an earlier stop;
-  policy_client, policy_oracle
-                 served under a policy that schedules by lengths the client gave (studies, not traffic).
-
-Such rows are kept in the store as data; they never reach RLS or a fit as lengths.
+fitted for. Otherwise (cut short by abort, error or repetition; capped by the client's `max_tokens`;
+`ignore_eos` or `min_tokens` set; served under a policy that uses client-given lengths) it says what the
+client asked for, not how long the answer is, and a client could use it to teach the readout that
+everything is short. Such rows are kept in the store as data; they never reach RLS or a fit as lengths.
 """
 
 from __future__ import annotations

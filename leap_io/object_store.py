@@ -1,22 +1,11 @@
 """Feedback segments in an S3-compatible bucket: `s3://bucket/prefix` locations and a small boto3 client.
 
-Serving replicas upload their closed segments to `<prefix>/<replica id>/<segment name>` and ingest lists
-and reads them there, so a fleet shares one bucket instead of one feedback volume (which no two writers
-can share safely across machines). The same code talks to AWS S3, MinIO (the production compose file)
-and moto's server (the tests and `leap stack up --fleet`).
-
-Every location is validated before any request is made (`parse_s3_url` raises `ObjectURLError` naming
-what is wrong), and every upload is verified: the body travels with its Content-MD5, which the server
-checks against what it received (a body cut or corrupted on the way is refused with BadDigest), and the
-object is then read back by HEAD and must have the uploaded size (and, where the ETag is a plain MD5, the
-same digest). Only then may a caller delete its local copy.
-
-The endpoint is the `endpoint_url` argument, else `LEAP_S3_ENDPOINT_URL`, else AWS; credentials and
-region come from the standard `AWS_*` variables (boto3's own chain). Errors of the service (down,
-refused, no such bucket) are raised as `ObjectStoreError` with the operation and location in the
-message; a missing object as `ObjectNotFound` (a `FileNotFoundError`, as for a vanished local file).
-
-No vLLM and no flows imports: serving and the flows both use this module.
+Replicas upload closed segments to `<prefix>/<replica id>/<segment name>` and ingest reads them there, so
+a fleet shares one bucket instead of a feedback volume no two machines can share safely. The same code
+talks to AWS S3, MinIO and moto. Locations are validated before any request (`ObjectURLError`), and every
+upload is verified (Content-MD5, then a HEAD read-back) before a caller may delete its local copy. Service
+errors raise `ObjectStoreError`, a missing object `ObjectNotFound` (a `FileNotFoundError`). No vLLM or
+flows imports: serving and the flows both use it.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """The push bundle: what the push flow sends a replica, a readout file plus its RLS anchor arrays.
 
-A body is either a bare leap_core readout file or an npz archive with `readout_bytes`, `rls_*` arrays,
-an optional `force` flag (push even when the version is older than the serving one) and an optional
-`sequence`: the number of the champion publication the push belongs to (`leap_io.champion`), which a
-replica keeps with its saved state so that, at restart, it tells a newer publication from an older one
-by that counter instead of by two hosts' clocks.
-
-A body comes from the network, so nothing in it is decompressed before its size is known: each member's
-uncompressed size comes from the zip directory and its dtype and shape from the .npy header, and both
-are checked against caps first (zipfile never inflates a member past its recorded size, so the check
-holds while reading). The same goes for the readout file inside a bundle.
+A body is a bare readout file or an npz with `readout_bytes`, `rls_*` arrays, an optional `force` flag and
+an optional `sequence` (the champion publication it belongs to, `leap_io.champion`), so a restarted
+replica orders pushes by counter, not by clocks. A body comes from the network, so every member's size,
+dtype and shape are checked against caps before anything is decompressed (docs/security.md).
 """
 
 from __future__ import annotations

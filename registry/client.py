@@ -1,22 +1,12 @@
 """Readouts and their RLS state versioned in the MLflow model registry, promoted through aliases.
 
-One registered model per serving model and layer. Each fit is one run (params, metrics, plots,
-the readout file) and one model version; serving reads `champion`, the gate compares `challenger`
-against it, and `previous-champion` keeps the last good version one step away for a rollback.
-
-`ReadoutRegistry` is the one door to MLflow, put together from its roles: writing runs
-(`registry.runs`), loading readouts (`registry.loading`), finding versions and earlier runs
-(`registry.lookups`), moving aliases under the alias lock (`registry.aliases`, `registry.locking`) and
-pruning old versions with their files (`registry.retention`).
-A server that asks for an account (MLflow's basic-auth app, infra/compose.yaml) gets the one named by
-`LEAP_MLFLOW_USERNAME`, with the password read from the file `LEAP_MLFLOW_PASSWORD_FILE`
-(`apply_credentials`, when a registry on an http URI is made).
-Everything is logged through `MlflowClient` with explicit run ids: the fluent API keeps a global
-active run, which a Prefect task or a second thread would otherwise share or leak. Every call is
-retried while the server may come back and then fails as `RegistryUnavailable`; a call MLflow refuses
-fails as `RegistryError` (`registry.calls`).
-
-This module is the registry's public face: what callers need is importable from here.
+One registered model per serving model and layer; each fit is one run and one model version. Serving
+reads `champion`, the gate compares `challenger` against it, and `previous-champion` keeps a rollback one
+step away. `ReadoutRegistry` is the one door to MLflow, put together from `registry.runs`,
+`registry.loading`, `registry.lookups`, `registry.aliases` (under `registry.locking`) and
+`registry.retention`. Everything is logged through `MlflowClient` with explicit run ids, since the
+fluent API's global active run would leak across Prefect tasks and threads; calls are retried, then fail
+as `RegistryUnavailable` or `RegistryError` (`registry.calls`). This module is the registry's public face.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""The alias lock: one queue for every process of a host that moves a registry's aliases.
+"""The alias lock: one queue for every process that moves a registry's aliases.
 
-Alias writes are serialized by `AliasLock`, a file lock, rather than by a compare-and-set in MLflow:
-MLflow's alias and tag writes are unconditional (last writer wins, with no version or precondition
-to test), so a CAS built from them would still be a read followed by a write with a race between.
-An exclusive `flock` on one file next to the registry's state holds every alias writer of the host
-(the fit's challenger, promotion, rollback, the champion push) in one queue, is reentrant within a
-thread, and is released by the kernel when its holder dies, so a kill -9 never leaves it stale.
-A file lock does not reach across hosts. A fleet whose log store is PostgreSQL takes the lock there
-instead (`PostgresAliasLock`, a session advisory lock, also released by the server when its holder's
-connection ends), so promotions from several hosts, or from processes with separate state folders, queue
-on one lock: `AliasLock.for_path` takes either a file path or a `postgresql+psycopg://` URL.
+MLflow's alias and tag writes are unconditional (last writer wins), so a compare-and-set built from them
+would still race; alias writes are serialized by a lock instead. `AliasLock` is an exclusive `flock` on
+a file beside the registry's state: reentrant within a thread and released by the kernel when its holder
+dies. A file lock does not reach across hosts, so a fleet on PostgreSQL uses `PostgresAliasLock`, a
+session advisory lock; `AliasLock.for_path` takes a file path or a `postgresql+psycopg://` URL.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Which resident requests decode each step: LEAP's side of vLLM's `schedule()`.
 
-Before a step, every resident request past its prefill is a decode candidate; when there are more
-than `decode_slots` of them, the `leap_core.policy.DecodePolicy` picks which decode and the others are
-held out of this one step (they keep their KV blocks). A request is ordered by its predicted total
-length, else by its max_tokens. The engine
-thread waits on the predictor in one bounded place only: a step whose new decode candidates have no
-prediction yet waits for them once, up to `ready_wait_ms` for all of them together.
-
-The Gittins order (`LeapConfig.order`) ranks by the serving readout's length distribution, so the policy
-is rebuilt whenever another readout serves (a push, a restore); a readout without a distribution is
-ordered by countdown instead, which `describe_order` reports with the number of times it happened (on
-`/leap/health`), and `leap_order_fallback` while it lasts.
-
-With `adaptive_slots`, K is chosen each step (`leap_core.decode_slots`): the engine's own steps fit its
-step time against the batch, arriving requests' predicted lengths give the demand, and K is the fewest slots
-that keep up with it by `slot_margin` (every candidate, up to `decode_slots`, where holding some out would not
-make a step faster). Until enough steps are measured, K is `decode_slots`.
-
-After the step, what the engine actually scheduled is counted (hold-outs, the step's shape), and the
-per-request state is pruned once a second.
+When there are more decode candidates than `decode_slots`, the `leap_core.policy.DecodePolicy` picks which
+decode and the others are held out of this one step (they keep their KV blocks). The engine thread waits
+on the predictor in one bounded place only (`ready_wait_ms`). The Gittins order is rebuilt whenever
+another readout serves and falls back to countdown, reported, for a readout without a length
+distribution; `adaptive_slots` chooses the slot count each step (`leap_core.decode_slots`). After the
+step, what the engine scheduled is counted and per-request state is pruned.
 """
 
 from __future__ import annotations

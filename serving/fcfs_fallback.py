@@ -1,18 +1,11 @@
 """The kill switch: a replica serves first-come-first-served, by command or by itself, and says so.
 
 Length-aware scheduling helps only while the readout ranks lengths. `FcfsFallback` puts the decode order
-back to FCFS at once, without touching the readout, RLS or the engine: predictions are still made and
-recorded (so the live figures go on measuring the readout), only the order stops using them.
-
-- By command: `POST /leap/fcfs` (admin token) with `{"on": true, "reason": "..."}`, and `{"on": false}` to
-  go back; `leap fcfs on|off` sends it to every replica.
-- By itself: with `fcfs_below_spearman` set, when the rolling Spearman of prediction against true length
-  over the last finished requests (at least `fcfs_min_rows` of them) falls below that bound. A fallback
-  engaged this way ends when a new readout is pushed (it gets its own chance) or by command; one
-  engaged by command ends only by command.
-
-The state is on `/leap/health` (`fcfs_fallback`) and `/metrics` (`leap_fcfs_fallback`, 1 while on). The
-engine thread reads one attribute per step; switching is a single assignment under a lock.
+back to FCFS at once without touching the readout, RLS or the engine, so predictions are still recorded
+and the live figures go on measuring the readout. It engages by command (`POST /leap/fcfs`,
+`leap fcfs on|off`) or by itself when the rolling Spearman falls below `fcfs_below_spearman`; the rules
+for ending it and where its state shows are in docs/serving.md ("Kill switch"). The engine thread reads
+one attribute per step; switching is one assignment under a lock.
 """
 
 from __future__ import annotations

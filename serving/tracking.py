@@ -1,23 +1,10 @@
 """Per-request state: what LEAP knows about each resident request, its captured feature and its prediction.
 
-Three threads write here: the engine thread (a request becomes resident, decodes, finishes), the
-capture receiver (a feature arrives) and the predictor / readout publisher (a prediction arrives). The
-per-request dicts are only mutated and iterated under one lock, so a publish that rescores every live
-request never sees a dict change size under it; the engine thread's hot reads (`predictions.get`) are
-single dict operations and need no lock.
-
-Nothing here may grow with the number of requests served, only with the number resident:
-
-- a request's entries are removed when it finishes;
-- a feature or prediction that arrives after its request finished (an abort during prefill, a
-  prediction batch still in flight) is recognised by a bounded memory of recently finished ids and
-  dropped (`leap_dropped_total{what, reason="finished"}`);
-- a feature or prediction for an id that never becomes resident is dropped after `orphan_ttl_s`
-  (`reason="expired"`), by `expire`, which the runtime calls about once a second.
-
-Client-supplied `leap_*` extras are validated once, when a request becomes resident, by
-`serving.request_extras.parse_leap_extras`; a bad key is ignored (the engine falls back to what it
-knows), counted by key and warned about at a limited rate.
+Three threads write here (the engine thread, the capture receiver, the predictor and readout publisher),
+so the per-request dicts are mutated and iterated under one lock, while the engine thread's hot reads are
+single dict operations. Nothing here may grow with the number of requests served, only with the number
+resident: late and orphaned arrivals are dropped and counted (docs/architecture.md). Client `leap_*`
+extras are validated once, when a request becomes resident (`serving.request_extras`).
 """
 
 from __future__ import annotations

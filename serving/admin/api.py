@@ -1,31 +1,11 @@
 """The admin API of a serving process: readout push, current version and RLS stats, Prometheus metrics.
 
 A small threaded HTTP server inside the engine-core process, beside the scheduler that uses the readout,
-so a push takes effect at the next step without touching the OpenAI front end. The paths and the RLS info
-header are `leap_io.admin_client`'s, which the flows' client builds its URLs from. Everything but
-`/leap/health` and `/metrics` needs `Authorization: Bearer <token>` (no token configured: refused with 403);
-every refusal is a JSON error and leaves the old readout serving.
-
-  GET  /leap/health            200 while the target reports healthy (target.health(), when it has one), else 503
-  GET  /leap/readout           (token) current readout metadata, version, capture and readout recipes, RLS stats
-  POST /leap/readout           body: a leap_core readout file, or a bundle (readout + RLS anchor);
-                               `?force=1` lets an older version replace a newer one (a rollback)
-  POST /leap/feedback/flush    close the open feedback segment so ingest sees every finished request
-  POST /leap/fcfs              (token) the kill switch: body {"on": true|false, "reason": "..."} orders
-                               decodes FCFS from the next step, or by the policy again (serving/fcfs_fallback.py)
-  POST /leap/shadow            (token) body: a push bundle held in shadow (predicts each finished request
-                               from the same vector, never schedules; serving/readout/shadow.py); empty: let it go
-  GET  /leap/rls               (token) the RLS state learned since the last push (rows waiting for a batch
-                               learned first), as a push bundle; the header X-Leap-Rls holds its base
-                               version and rows folded (JSON); 409
-                               when the replica learns nothing, 404 when the target keeps no RLS
-  GET  /metrics                Prometheus text format
-
-No client can take the process down or lock it: a push body needs a Content-Length (411 without one,
-400 when it is not a number) within the cap (413 beyond), every socket read has a timeout, the request
-head and the body must each arrive within a deadline (408), and at most `max_handlers` requests are served
-at once, `max_per_address` of them from one address (503 beyond; `serving.admin.connections`). Health and
-metrics are answered even then.
+so a push takes effect at the next step without touching the OpenAI front end. The paths and the RLS
+header are `leap_io.admin_client`'s. Everything but `/leap/health` and `/metrics` needs the admin token;
+every refusal is a JSON error and leaves the old readout serving. Endpoints and status codes:
+docs/serving.md ("Admin API"). No client can take the process down or lock it: bodies are capped, reads
+and requests have deadlines, and concurrent requests are capped (`serving.admin.connections`).
 """
 
 from __future__ import annotations

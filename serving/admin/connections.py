@@ -1,16 +1,9 @@
 """The admin API's connection layer: how much of the server one client can hold, and for how long.
 
-- At most `max_handlers` requests are in progress at once, and at most `max_per_address` from one address.
-- The whole request head must arrive within `head_deadline_s`. A client that trickles one header line
-  every few seconds is cut off at the deadline, not let through because each line beats the socket timeout.
-  The body has a deadline of its own (the handler sets it once the head is read).
-- A connection beyond a cap goes to one refuser thread that multiplexes every refused socket with
-  `selectors`, so no client can make it wait. It reads the request head (for `REFUSAL_HEAD_S` at most), and
-  answers `GET /leap/health` and `GET /metrics` in full, so a flood never hides a replica's health; every
-  other request gets 503 with `Retry-After: 1`. When its bounded queue is full, the connection is closed at
-  once and counted.
-
-`AdminConnections.counts()` has each refusal counted by reason.
+Caps on requests in progress (overall and per address) and deadlines on the request head and body, so a
+slow or flooding client cannot lock the admin API. Connections beyond a cap go to one refuser thread that
+still answers health and metrics in full, so a flood never hides a replica's health. Details:
+docs/architecture.md; refusals are counted by reason (`AdminConnections.counts()`).
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Capture the residual stream after decoder layer L at the last prompt token, in the step that ends prefill.
 
 Two routes, one result (a float32 vector per request, pushed to the scheduler process over ZeroMQ):
-
-- `AuxStateCapture` (the default): vLLM's auxiliary hidden-state outputs, the path EAGLE-3 uses. The
-  model returns the residual stream of the chosen layers beside its final hidden states from inside the
-  compiled graph, so it works under torch.compile and CUDA graphs at the engine's full speed. After each
-  forward (before sampling) the rows of requests whose prompt ends in this step are selected.
-- `PrefillCapture`, the fallback for models without aux-state support: PyTorch forward hooks, which fire
-  only in eager mode. It is used only when the operator runs the engine with `enforce_eager=True`
-  (docs/serving.md gives its measured cost); LEAP never switches to eager by itself.
-
-Either way the batch layout (which flattened rows belong to which request, how many prompt tokens each
-has computed) finds with a few numpy operations the requests whose prompt ends in this step; chunked
-prefill is covered because a chunk that does not reach the prompt's end is skipped. On an accelerator
-the rows are copied into pinned host memory without blocking, and a helper thread waits for the copy,
-so the step never synchronizes with the device for LEAP.
+`AuxStateCapture` (default) uses vLLM's auxiliary hidden-state outputs, the path EAGLE-3 uses, so it works
+under torch.compile and CUDA graphs at full speed; `PrefillCapture` uses forward hooks and serves models
+without aux-state support only when the operator runs with `enforce_eager=True`. Either way the batch
+layout finds the requests whose prompt ends in this step (chunked prefill included), and rows are copied
+to pinned host memory without blocking, so the step never synchronizes with the device for LEAP.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """The files of one replica's feedback: segments, their crash recovery, the quarantine, write failures.
 
-Layout under the feedback folder:
-
-  <folder>/feedback-<time>-<replica>-<id>.parquet     complete segments (what ingest reads)
-  <folder>/<replica>/.writer.lock                     held (flock) while this replica's writer runs
-  <folder>/<replica>/*.arrows.partial                 this replica's open segment, an Arrow IPC stream
-  <folder>/<replica>/quarantine/*.jsonl               rows that could not be converted, with the reason
-
-The open segment gets one record batch per append, fsynced each time, so a crash leaves a readable
-prefix. Closing a segment converts the stream to Parquet durably (`leap_io.durable`), so readers only
-see complete segments. Partials live in a folder per replica, so a restarting replica recovers only its
-own crashed stream and never another replica's open one; a dead replica's partials are adopted once
-they are stale and its lock is free.
-
-A write that fails (a full disk) leaves the stream cut back to its last durable batch and kept as a
-partial ("stranded", converted on a later try), and starts a backoff (`retry_at`) that the first write
-that works again ends; `disk_errno` says meanwhile whether the disk is full.
+Complete segments (`feedback-*.parquet`, what ingest reads) sit at the top of the feedback folder; each
+replica's lock, open Arrow IPC stream and quarantine sit in a folder of its own, so a restarting replica
+recovers only its own crashed stream (and adopts a dead replica's once stale). The open stream is fsynced
+per append, so a crash leaves a readable prefix, and closing converts it to Parquet durably
+(`leap_io.durable`), so readers only see complete segments. A failed write (a full disk) cuts the stream
+back to its last durable batch and backs off; layout: docs/serving.md ("Feedback segments").
 """
 
 from __future__ import annotations

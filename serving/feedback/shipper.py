@@ -1,27 +1,11 @@
 """Ship this replica's closed feedback segments from the local folder to object storage.
 
-With `feedback_url` set (`s3://bucket/prefix`), the feedback writer still writes to the local folder
-(a crash-safe spool: fsynced streams, atomic renames, recovery of its own partials), and this shipper
-uploads each complete segment to `<prefix>/<replica id>/<segment name>`, where ingest lists them. The
-local file is deleted only after the upload is verified (`leap_io.object_store.ObjectStore.put`: the
-server checks the Content-MD5, then a HEAD checks size and digest), so at every moment each row is on
-the local disk, in the bucket, or both:
-
-- S3 down or refusing: the segment stays on disk, the failure is counted, and the next try waits a
-  backoff that doubles up to `max_backoff_s`; nothing is dropped, the spool simply grows.
-- killed between the upload and the delete: the next start uploads the same bytes to the same key
-  again; ingest identifies a segment by its `s3://bucket/key` and checksum, so it is read once.
-- killed or crashed anywhere else: the writer's restart turns its partial stream into a segment and
-  the shipper's first pass uploads it with every leftover from before.
-
-Only this replica's segments are shipped: names `feedback-<time>-<replica id>-<sequence>-<id>.parquet`
-at the top of the folder, as `serving.feedback.writer.FeedbackWriter` renames them, with exactly this
-replica's id. Another replica's files in a shared folder are never touched (that replica ships them).
-
-Work is bounded: a pass uploads at most `max_segments_per_pass` segments and a pass that meets an S3
-error ends there. The thread is a `SupervisedThread` (a bug restarts it, counted); `stats()` and the
-Prometheus collector report what was shipped, what failed and what waits; `close(deadline_s)` tries a
-last pass that stops at the deadline, leaving whatever it could not ship for the next start.
+With `feedback_url` set, the writer still spools segments to the local folder and this thread uploads
+each complete one to `<prefix>/<replica id>/<segment name>`, where ingest lists them. The local file is
+deleted only after the upload is verified (`leap_io.object_store`), so every row is always on disk, in
+the bucket, or both: an S3 outage only grows the spool (with backoff), and a re-upload after a crash is
+read once by ingest. Only this replica's own segments are shipped. Retry, bounds and shutdown:
+docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """How much of what RLS learns one tenant may supply.
 
 RLS corrects the serving readout with every honest label (`leap_io.labels`), so a tenant that sends most
-of the traffic would decide most of the correction, and a tenant that floods could steer it for everyone.
-`TenantShare` keeps the tenants of the last `window` label rows and lets one tenant supply at most
-`max_share` x `window` of the rows RLS learns from among them; its rows beyond that are counted and not
-learned. The cap binds only while more than one tenant is in the window: a replica that serves one tenant
-(or none named) learns from every row, and a stray row of another tenant stops binding once `window`
-rows have passed. Rows without
-`leap_tenant` count as one tenant of their own.
-
-A tenant is whatever the request's `leap_tenant` extra says; it protects one tenant from another only
-where a gateway sets that extra and clients cannot.
+of the traffic would decide most of the correction, and a flooding tenant could steer it for everyone.
+`TenantShare` lets one tenant supply at most `max_share` of the last `window` learned rows while more than
+one tenant is in the window; its rows beyond that are counted, not learned. A tenant is the request's
+`leap_tenant` extra, so this protects tenants from each other only where a gateway sets it.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Append-only feedback segments: one Parquet row per finished request, written exactly once.
 
-Rows go to a writer thread so the scheduler never waits on the disk; the files it writes (segments,
-their crash recovery, the quarantine, write failures) are `serving.feedback.segments`'.
-
-Nothing a caller passes can stop the writer: each row is converted on its own before it joins a batch
-(`serving.feedback.rows`), and a row that does not fit the schema is quarantined with its reason and
-counted. The backlog (rows accepted, not yet on disk) is bounded; rows beyond it are dropped and counted
-by reason. Rows that cannot be written (a full disk) stay in the backlog and are retried; a segment
-whose conversion fails stays on disk as a partial and is retried too. Rotation (by rows or age) and
-shutdown close the open segment as Parquet. `flush()` raises unless everything accepted before it is
-in a closed Parquet segment (or quarantined), and `stats()` / `healthy()` say how the writer is doing.
+Rows go to a writer thread so the scheduler never waits on the disk; the files it writes are
+`serving.feedback.segments`'. Nothing a caller passes can stop the writer: each row is converted on its
+own (`serving.feedback.rows`) and a misfit row is quarantined with its reason. The backlog is bounded
+(overflow dropped and counted), rows that cannot be written are retried, and `flush()` raises unless
+everything accepted before it is in a closed segment or quarantined.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Online correction: an RLS thread that learns from finished requests and publishes new readouts.
 
-Finished requests arrive as (feature, true output length). Every `every` of them the thread applies one
-batch RLS update, builds a readout with the new weights, and calls `publish(readout, generation)` (which
-swaps the predictor's readout and rescores the live requests from their cached features). The scheduler
-never waits for it.
-
-Each anchor (a pushed readout and its RLS state) is a generation: `reanchor` starts a new one and rows
-buffered under the old one are dropped, not learned. Every publish carries the generation it was
-learned in, because an update computed just before a push can reach `publish` just after it; the
-receiver compares it with the current generation and drops the stale one instead of letting it
-overwrite the push. The queue is bounded (rows beyond it are dropped and counted) and the thread runs
-under `SupervisedThread`, so a row that breaks an update costs that update, not online learning.
+Every `every` finished requests the thread applies one batch RLS update and calls
+`publish(readout, generation)`; the scheduler never waits for it. Each anchor is a generation, and every
+publish carries the one it was learned in, so an update computed just before a push cannot overwrite
+it. The queue is bounded and the thread runs under `SupervisedThread`, so a row that breaks an update
+costs that update, not online learning.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The CPU predictor service: batches whatever features have arrived and predicts with the published readout.
 
-It runs in its own thread beside the engine. Producers (the capture receiver) call `submit`, which only
-appends to a bounded deque and sets an event, so it never blocks the engine loop; past `max_pending`
-items a submit is dropped and counted instead of growing memory without bound. The worker drains the
-deque, stacks the features, does one matrix product with the readout that is published *at that moment*,
-and hands the batch to the callback. `publish` swaps the readout with a single reference assignment,
-which is atomic under the GIL, so a batch is always predicted entirely by one version; the readout is
-read after the batch is taken, so an item submitted after a publish is never predicted by the old one.
-
-A batch that fails (one vector the readout cannot take, a predictor that raises on some input) is
-predicted again row by row, so one bad vector costs one prediction, not up to `max_batch`. The thread
-runs under `SupervisedThread`: whatever escapes a batch is counted and the loop restarts.
+It runs in its own thread beside the engine. `submit` only appends to a bounded deque, so it never blocks
+the engine loop (overflow is dropped and counted). Each batch is one matrix product with the readout
+published at that moment; `publish` is one reference assignment, so a batch is always predicted by one
+version. A failing batch is retried row by row so one bad vector costs one prediction, and the thread
+runs under `SupervisedThread`.
 """
 
 from __future__ import annotations

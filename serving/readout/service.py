@@ -1,23 +1,11 @@
 """The readout that serves: its version, the threads that apply and correct it.
 
-`ReadoutService` owns the predictor thread (features -> predicted lengths), the RLS learner (finished
-requests -> corrected readouts) and pushes (validated, served, persisted in `serving.readout.saved_state`).
-Every change of readout goes through `_publish` under one lock, which swaps the predictor's readout
-and rescores every live request from its cached feature, so requests admitted under the old readout
-are ordered by the new one from the next step. What serves at start is chosen by
-`serving.readout.sources`, which serves it here.
-
-Columns. A captured vector holds the engine's capture recipe (`leap_core.recipes`); a readout reads the
-columns of its own recipe from it (`CaptureSpace.columns`), which may be all of them or a part. Every
-readout is checked against the capture before it serves (its recipe covered, its dim that recipe's),
-and every place it is applied takes its columns: the predictor thread (the published readout is wrapped
-with its columns, so a batch is always sliced and predicted by one readout), the in-step prediction,
-the rescoring of a publish and the rows handed to RLS.
-
-Generations. A push, a restore or a reset starts a new anchor generation (the learner's). An RLS update
-is tagged with the generation it was learned in and is dropped if a push arrived meanwhile, so a stale
-correction can never overwrite a newer push. The same holds for a readout loaded in the background
-(`serve_unless_moved_on`): a push that lands first wins.
+`ReadoutService` owns the predictor thread, the RLS learner and pushes (validated, served, persisted in
+`serving.readout.saved_state`). Every change of readout goes through `_publish` under one lock, which
+swaps the predictor's readout and rescores every live request, so requests admitted under the old readout
+are ordered by the new one from the next step. A readout reads its recipe's columns of the captured
+vector and is checked against the capture before it serves. A push, restore or reset starts a new anchor
+generation, and stale RLS updates or background loads of an older generation are dropped.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
-"""Where the readout a replica serves at start comes from (`source` in `describe()`), in this order:
+"""Where the readout a replica serves at start comes from (`source` in `describe()`).
 
-0. "champion": the champion the last promotion published (`leap_io.champion`, at `champion_url`),
-   when it was published after this replica's last saved push (by the publication sequence both carry;
-   by the clocks only for a push that carries none) and is another version: a replica that
-   was down or not yet started during a promotion, a rollback or a fleet merge takes the champion
-   without talking to the registry (validated like a push, then saved as its state);
-1. "state": the last push this replica accepted, from `state_dir` (`serving.readout.saved_state`; a torn
-   write is detected, logged and skipped, never served);
-2. "config": the readout file named by `readout_path`;
-3. "registry": the champion of this model and layer in the registry at `registry_uri`, loaded lazily
-   on a background thread through a `RegistrySource`; failures are logged, never fatal;
-4. "none": no readout until the first push. Later pushes report "push".
-
-The plugin never imports a registry client. A `RegistrySource` is handed in: by an in-process caller
-(`LeapRuntime(..., registry_source=...)`), else by the installed `leap.readout_sources` entry point
-named `mlflow`, looked up only when `registry_uri` is set. vLLM builds the scheduler, and with it the
-runtime, in its own process from a class name; an entry point is what reaches it there.
+In order: the published champion when newer than this replica's saved push ("champion"), the saved push
+("state"), the configured file ("config"), the registry ("registry", loaded lazily in the background),
+else none until the first push; docs/serving.md ("Restoring the readout at start") gives the rules. The
+plugin never imports a registry client: a `RegistrySource` is handed in by an in-process caller, else
+found through the `leap.readout_sources` entry point, since vLLM builds the runtime in its own process
+from a class name.
 """
 
 from __future__ import annotations
