@@ -1,21 +1,11 @@
 """Compaction of the DuckDB store's feature files: many small files become a few large ones.
 
-Ingest writes one feature file per segment (`store.feature_files`), so a fleet that closes a small
-segment every few seconds leaves hundreds of thousands of files, and a training frame opens one file per
-segment it reads. `compact_features` rewrites the files that hold fewer than `small_rows` stored vectors
-into files of about `target_rows` each (one feature dim per file). Only the rows the store references are
-copied, so rows found to be duplicates at ingest take no room afterwards.
-
-Safety:
-- A new file is written durably before the transaction that points the rows at it; a crash before the
-  commit leaves an unreferenced file and the old references intact.
-- The old files are not deleted at once: a reader that read the references a moment before may still
-  open them. They are recorded in `retired_feature_files` and deleted by a compaction at least
-  `grace_s` later.
-- Everything runs on the store's one write connection, so no ingest writes meanwhile.
-- A file's name derives from the names it replaces, so a rerun after a crash writes the same name again.
-
-The PostgreSQL store keeps its vectors in the `features` table itself and has nothing to compact.
+Ingest writes one feature file per segment (`store.feature_files`), so a fleet of small segments would
+leave a file per segment for every training frame to open. `compact_features` rewrites the files holding
+fewer than `small_rows` referenced vectors into files of about `target_rows`. New files are durable before
+the transaction that points rows at them, old ones are deleted only `grace_s` later (a reader may still
+open them), and names derive from what they replace, so a crash or rerun is safe. PostgreSQL keeps
+vectors in its `features` table and has nothing to compact.
 """
 
 from __future__ import annotations

@@ -1,38 +1,11 @@
 """The DuckDB log store: finished requests, their features, quarantined rows and the ingest ledger.
 
-DuckDB lets one process at a time open a file read-write (no other process can open it at all
-meanwhile), so connections are short-lived and opening one retries with backoff before giving up
-with `StoreBusyError`. The reads that both stores run alike are `store.sql`'s; what rows ingest
-accepts is `store.validation`'s (finish reasons: only `TRAINING_FINISH_REASONS` are training labels),
-and how it writes them is `store.duckdb_writer`'s.
-
-Feature encoding. Each feature vector is `dim` little-endian float32 values (`store.feature_encoding`).
-The vectors are kept in Parquet files beside the database file (`store.feature_files`): the
-`features` table holds each stored request's feature space and the file and row of its vector, so
-one table holds several feature spaces whose dims differ, and ingest writes a segment's vectors as
-one column instead of copying them into DuckDB's blocks (a third of the cost). Ingest views a
-segment's float32 buffer as fixed-size binary values without copying it, and reading a frame views
-each file's column as one (n, dim) array, so features never travel row by row in either direction.
-A request's row in `features` exists only where its `requests` row does (ingest writes both for
-the rows it inserts, in one transaction), so `request_id` is unique there without an index.
-
-Writers attach the file with small row groups: DuckDB writes each complete row group a transaction
-appends straight into the database file, so a feedback segment's rows are written once instead of
-into the write-ahead log and again at the next checkpoint.
-
-Schema versions. `SCHEMA_VERSION` is written to `store_meta`; opening an older file (read-only too)
-migrates it once under the write lock: version 2 added `requests.replica_id` (the serving replica
-whose feedback sub-folder held the row; NULL for rows ingested before, or from top-level segments)
-and the `changed_segments` table; version 3 added `features.recipe` (NULL before: `last@<layer>`, see
-`store.sql`); version 4 stores `features.feature` as little-endian float32 bytes (BLOB) instead of
-`FLOAT[]`, converted in place chunk by chunk through Arrow; version 5 moves the vectors out to feature
-files (`features.file`, `features.file_row`), keyset page by keyset page, and drops the index on
-`features.request_id`; version 6 adds the `segment_stamps` table (empty: each segment's content is
-checked once more, then skipped by its stamp); version 7 adds `requests.client_request_id` (the
-client's id as data; `request_id` is the serving process's key) and copies each older row's
-`request_id`, then the client's, into it; version 8 adds `requests.shadow_predicted` and
-`requests.shadow_version` (a readout held in shadow, `serving.readout.shadow`; NULL before). The `gates` table is
-created on first use, outside these versions.
+DuckDB lets one process at a time open a file read-write, so connections are short-lived and opening
+one retries with backoff before `StoreBusyError`. Shared reads are `store.sql`'s, row checks
+`store.validation`'s, ingest writes `store.duckdb_writer`'s. Feature vectors are kept in Parquet files
+beside the database (`store.feature_files`) and never travel row by row in either direction. Opening an
+older file migrates it once under the write lock (`SCHEMA_VERSION`; the versions are listed in
+docs/architecture.md).
 """
 
 from __future__ import annotations

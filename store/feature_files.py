@@ -1,19 +1,10 @@
 """The DuckDB store's feature vectors, kept as Parquet files beside the database file.
 
-The store's `features` table holds, for each stored request, the feature space and where its vector
-lies: a file of this folder and a row of it. Each file holds one column, `feature`, of fixed-size
-binary values (`dim` little-endian float32 values each), uncompressed and without statistics:
-Gaussian-like hidden states compress by about a tenth, and the vectors are read back whole.
-
-Why files. Copying 576-float vectors into DuckDB's own blocks cost the ingest's writing thread
-0.6 s per 100,000 rows, about half of it, while writing the same bytes as one Parquet column costs
-about a third of that; DuckLake keeps table data the same way (a catalog of Parquet files).
-
-Durability. A file is written under a temporary name, flushed to disk, renamed and its folder
-flushed, all before the transaction that references it commits; a crash leaves at most a file no
-row references, never a row without its file. A file's name is derived from what it holds (the
-segment and its checksum, `file_name`), so a rerun after a crash or a rollback writes the same name
-again, which nothing committed references yet.
+The `features` table holds each stored request's feature space and where its vector lies (a file of this
+folder and a row of it). Writing a segment's vectors as one Parquet column is cheaper than copying them
+into DuckDB's blocks, and is the layout DuckLake gives a catalog (docs/infra.md). A file is durable
+before the transaction that references it commits, so a crash leaves at most an unreferenced file; a
+file's name derives from its content (`file_name`), so a rerun writes the same name again.
 """
 
 from __future__ import annotations

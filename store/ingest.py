@@ -1,44 +1,12 @@
 """Idempotent ingest of feedback segments into the log store.
 
-A segment is read once, checked as a whole with Arrow / numpy kernels, and written in one
-transaction: accepted rows go to `requests` and `features`, failing rows to `quarantine` with the
-first reason they fail, and the ledger records the segment's checksum and counts. Every row read is
-accounted for exactly once: rows_read == accepted + quarantined + duplicates. Rerunning is safe: a
-segment whose (path, checksum) is in the ledger is skipped, and a request id already stored is a
-duplicate, never a second row.
-
-A run costs what is new, not all history: each segment's stamp (a file's size, modification time and
-inode; an object's size and ETag, from the listing) is recorded with its checksum and status once its
-content is checked, and a later run that finds the same stamp skips the segment without reading or
-hashing it. A segment whose stamp changed is read and checked as before (new content at an ingested
-path is still caught); one without a stamp (a source that cannot say) is always read.
-
-Segments are isolated from each other: bad input in one segment never aborts the run or blocks the
-next one; what cannot be parsed, a segment whose processing raises, and new content at an ingested path
-are quarantined whole (`store.ingest_outcomes` says how each is recorded). Errors of the environment
-rather than of the segment (memory exhausted, and those the store's writer names: a full disk, a DuckDB
-fatal error, a lost PostgreSQL connection) still end the run: quarantining every segment of a full disk
-would be wrong.
-
-Rows are judged by `store.validation` (capture recipes, finish reasons, every quarantine reason) and
-written through the store's `store.protocol.StoreWriter`: the DuckDB file's, or PostgreSQL's, whose
-store other workers may write at the same time (`ingest_segments`). Each accepted row stores its
-segment's capture recipe; the dim check is per feature space (fingerprint, layer, recipe), so two
-recipes of one layer never conflict. `not_trainable` counts, in each report, the accepted rows
-whose finish reason is not a training label, by reason.
-
-Feedback folders: segments are read from the folder itself and from its sub-folders one level down,
-`<feedback>/<replica id>/*.parquet`. Each row's `replica_id` is the sub-folder's name; for a
-top-level segment it is the segment metadata's `leap.replica_id` when present, else the replica in a
-writer's segment name (`feedback-<time>-<replica>-<sequence>-<id>.parquet`), else NULL. Hidden
-names, the writer's open streams (`*.arrows.partial`), temporary names, deeper folders and
-`quarantine/` are never read. A feedback location `s3://bucket/prefix` is read the same way from the
-objects `<prefix>/*.parquet` and `<prefix>/<replica id>/*.parquet` (the replicas' shippers upload there,
-serving/feedback/shipper.py); each segment's ledger identity is then its `s3://bucket/key`.
-
-While one segment is written, a helper thread already reads, checksums, parses and judges the next
-(all of which release the GIL), so reading and writing overlap. The checks that depend on the store
-(dims already stored, ids already stored) run on the writing connection, inside the transaction.
+A segment is read once, checked as a whole (`store.validation`) and written in one transaction: accepted
+rows to `requests` and `features`, failing rows to `quarantine` with their first reason, and a ledger
+row with the checksum and counts, so every row read is accounted for exactly once and a rerun never
+stores a row twice. A run costs what is new: a segment whose stamp is unchanged since it was checked is
+skipped unread. Segments are isolated: a bad one is quarantined whole (`store.ingest_outcomes`), while
+errors of the environment (a full disk, a lost connection) end the run. Which files and objects are
+read, and how reading overlaps writing: docs/architecture.md.
 """
 
 from __future__ import annotations

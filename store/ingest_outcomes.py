@@ -1,19 +1,10 @@
 """What ingest records of a segment: its status, its report, and the rows of a segment quarantined whole.
 
 Every segment a run reaches ends with one `IngestReport` and one ledger row. `ok` segments have their
-rows judged one by one (`store.validation`); the others are quarantined whole, with one quarantine row
-(row_index -1) standing for the segment and a ledger row with zero counts, so later runs skip them:
-
-- `unreadable`: what cannot be parsed;
-- `failed` (reason `segment_error`): processing raised (an Arrow or database error, a value no check
-  foresaw); the segment is rolled back alone while the others are ingested. `retry_failed` tries it again;
-- `checksum_changed`: new content at the path of a segment already ingested. Its rows would be counted
-  against a ledger row that describes other rows, so none is ingested; a `changed_segments` row keyed by
-  path and checksum makes later runs skip it. The rows of the first content stay, as do their counts.
-  (New content at a path recorded `unreadable` or `failed`, of which nothing was stored, is ingested and
-  replaces the ledger row: a repaired file.)
-
-`totals` sums the reports of a run.
+rows judged one by one (`store.validation`); `unreadable`, `failed` and `checksum_changed` segments are
+quarantined whole (one quarantine row with row_index -1, a ledger row with zero counts) so later runs
+skip them, while a repaired file at a path recorded `unreadable` or `failed` is ingested. `totals` sums
+the reports of a run.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """The log store on PostgreSQL: the same tables and API as the DuckDB store, written by several workers.
 
-Why PostgreSQL. A DuckDB file takes one writing process at a time, which is right on one machine and
-stays the default (`store.duckdb.LogStore`). A fleet's ingest workers on several machines need a store
-they can all write at once. DuckLake (a catalog in PostgreSQL, Parquet data files in the bucket)
-would keep DuckDB's engine, but no DuckLake extension is built for the DuckDB release the project
-pins, so the shared store is PostgreSQL itself: the engine platform teams already run
-managed, reached through SQLAlchemy (the engine from a `postgresql+psycopg://` URL) and psycopg 3,
-whose COPY carries the bulk rows (`store.postgres_copy`). The reads both stores run alike are
-`store.sql`'s; how ingest writes here, with other writers at once, is `store.postgres_writer`'s.
-
-Features as `bytea`. Each row's vector is one `bytea` of `dim` little-endian float32 values, the DuckDB
-store's encoding: faster to COPY in and read back than `real[]`, whose binary form spends 8 bytes per
-float (`leap bench pipeline --store-url` measures it). The column is `STORAGE EXTERNAL`: hidden states do
-not compress, and trying costs time on every row.
-Training frames come back by COPY too: the scalars as CSV parsed by Arrow, the features as binary
-COPY viewed as one (n, dim) array, both read in one repeatable-read transaction.
-
-Schema versions. `POSTGRES_SCHEMA_VERSION` is written to `store_meta`; every store object creates or
-migrates the tables once, under a transaction advisory lock so that workers starting together do not
-race on the catalog. Version 2 added `segment_stamps`; version 3 `requests.client_request_id`; version 4
-`requests.shadow_predicted` and `requests.shadow_version` (`UPGRADES`).
+A DuckDB file takes one writing process at a time, which stays the default on one machine
+(`store.duckdb.LogStore`); a fleet's ingest workers need a store they can all write at once, and
+docs/infra.md ("Why PostgreSQL for the shared store") says why it is PostgreSQL, reached through
+SQLAlchemy and psycopg 3. Bulk rows and features travel by COPY (`store.postgres_copy`), features as
+one `bytea` of float32 per row. Shared reads are `store.sql`'s, concurrent ingest writes
+`store.postgres_writer`'s; schema versions are migrated once under an advisory lock (`UPGRADES`).
 """
 
 from __future__ import annotations

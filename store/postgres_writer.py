@@ -1,21 +1,10 @@
 """How ingest writes the PostgreSQL store (`store.postgres.PostgresStore.segment_writer`), with other
 workers writing it at the same time.
 
-Bulk rows by COPY. A segment's accepted scalar columns go to a temporary table as CSV (`_incoming`,
-see `INCOMING_DDL`), and from there into `requests`; the features of the rows inserted then go
-straight into `features` by binary COPY (`store.postgres_copy`), one `bytea` of `dim` little-endian
-float32 values per row, viewed from the segment's float32 buffer.
-
-Several writers at once. Every segment is written in its own transaction, which first takes a
-transaction advisory lock on the segment's identity and reads its ledger row again (`claim`): a
-segment that another worker ingested meanwhile is skipped, so a segment ingested twice at once ends
-up once. Requests are inserted `ON CONFLICT (request_id) DO NOTHING` from the COPYed table, in
-request id order (two segments sharing ids lock them in the same order, so they never deadlock); the
-rows that were not inserted count as duplicates, so every segment keeps rows_read == accepted +
-quarantined + duplicates, and a request id that two segments carry is stored once, whichever commits
-first. The dim check against the store reads `feature_spaces`, one row per (fingerprint, layer,
-recipe) with its dim, which a writer inserts before its rows (`store_dims`): a second writer of the
-same new space waits for the first to commit and then sees its dim, so two dims never enter one space.
+Accepted rows go by COPY to a temporary table and then into `requests`, their features by binary COPY
+into `features` (`store.postgres_copy`). Each segment is its own transaction under an advisory lock on its
+identity, so a segment ingested twice at once ends up once, and duplicate request ids are stored once
+whichever commits first; how deadlocks and conflicting dims are avoided: docs/architecture.md.
 """
 
 from __future__ import annotations

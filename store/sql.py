@@ -1,21 +1,11 @@
 """The SQL both stores run, written once: their shared tables, the selection of rows, the reads, the
 gate records and the ledger writes.
 
-DuckDB and PostgreSQL accept the same statements here but for a few spellings, which a `Dialect`
-names: the parameter mark (DuckDB's `?`, psycopg's `%s`), the type names of the tables, membership
-in a list parameter, and byte-order sorting of text (DuckDB sorts text by bytes; PostgreSQL needs
-`COLLATE "C"` to). Everything else is one text: a store supplies the few primitives that run it on
-connections of its own (`SqlStore`), and a writer its open connection (`SqlWriter`). Each engine
-keeps its own bulk paths (the DuckDB store's Arrow inserts and feature files, PostgreSQL's COPY) and
-its own schema versions and migrations. SQLAlchemy Core would need a DuckDB dialect the project does
-not install, so the text is plain SQL.
-
-Feature recipes. Each feature row records the capture recipe (`leap_core.recipes`) its vector was
-captured with, from the segment's metadata: which blocks the vector holds, in order. NULL (rows
-ingested before recipes were recorded, and segments that record none) means `last@<layer>`, the one
-recipe there was before; `RECIPE_SQL` is that rule in SQL. A feature space is (model fingerprint,
-layer, recipe): the dim check and the training frames keep recipes apart, since two recipes of one
-layer hold different columns even when their dims agree.
+DuckDB and PostgreSQL accept the same statements but for a few spellings, which a `Dialect` names; a
+store supplies the primitives that run the text on its connections (`SqlStore`), a writer its open
+connection (`SqlWriter`). Bulk paths and schema migrations stay per engine. The text is plain SQL since
+SQLAlchemy Core would need a DuckDB dialect the project does not install. A feature space is (model
+fingerprint, layer, recipe); a NULL recipe means `last@<layer>` (`RECIPE_SQL`).
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """The checks a feedback segment's rows pass before they are stored, and why a row is quarantined.
 
-`JudgedSegment` conforms one segment to the feedback schema and judges every row with Arrow / numpy
-kernels, without a row loop: a row is accepted, or quarantined with the first reason (in the order
-the checks are made) it fails. Everything here depends on the segment alone, but for one check that
-needs the store (a dim that conflicts with the dim already stored for the same feature space), which
-the writing connection runs later, in the segment's transaction (`judge_against_store`).
-
-Finish reasons. A row is stored whatever way its request finished, as long as the reason is one the
-serving side writes (`FINISH_REASONS`); only `stop` and `length` rows are training labels
-(`TRAINING_FINISH_REASONS`): a stopped request's length is its true length, and a length-capped
-one's is the budget M, which is what a readout clipped to [1, M] must predict for it. `abort`,
-`error` and `repetition` rows end where something cut the request off (a client, an engine error, a
-repetition detector), not where the model would have stopped, so they are kept for the record but
-never trained on, and every place that leaves them out counts them by reason. Any other reason is
-quarantined as unknown (`REASON_UNKNOWN_FINISH_REASON`).
-
-Identity: `request_id` is the serving process's key for the row and the store's key. A row without a
-`client_request_id` (a segment from before that column, when `request_id` was the client's id) is
-known by its `request_id` there too.
-
-Capture recipes (`store.sql`): a segment's metadata may record the recipe its features were captured
-with (`leap.recipe`, `leap_io.feedback_schema.META_RECIPE`), canonicalized by
-`leap_core.recipes.Recipe.parse`; a segment that records none means `last@<layer>`. A recipe that
-does not parse quarantines every row of its segment (`unparsable_recipe`), and so does one that the
-segment's dim cannot be a capture of (`recipe_does_not_fit_dim`: no hidden size gives that dim).
+`JudgedSegment` conforms a segment to the feedback schema and judges every row with Arrow / numpy kernels,
+without a row loop: accepted, or quarantined with the first reason it fails. The one check that needs the
+store (a dim conflicting with the stored feature space) runs later on the writing connection
+(`judge_against_store`). Every finish reason the serving side writes is stored, but only
+`TRAINING_FINISH_REASONS` are labels; a segment whose capture recipe does not parse or cannot fit its
+dim is quarantined whole.
 """
 
 from __future__ import annotations
