@@ -1,20 +1,10 @@
 """Canary promotion: a gated challenger serves on N replicas first, and their live figures decide.
 
-`canary_promote` pushes the challenger to the first `canaries` replicas of `endpoints` (sorted, so the
-same ones each time) and leaves the rest on the champion. From then on it ingests the feedback every
-`poll_s` and reads the rows that finished since the canaries took it: the canaries' rows are those
-their readout version predicted, the rest's those the champion's predicted, over the same window of
-the same traffic. Only lengths that are labels count (`leap_io.labels`). Once each group has
-`min_rows`, `leap_core.canary_figures` compares them (Spearman, MAE, mean PTL, each with its interval),
-and:
-
-- not worse: the challenger is promoted on every replica and in the registry, all or nothing
-  (`flows.promotion.promote`, still gated against the champion the gate saw);
-- worse: the canaries get the champion back (a verified push), nothing else moves;
-- too few rows when `window_s` is over: rolled back as well; a canary fails closed.
-
-Each outcome is recorded in the registry's history (`leap-operations`: `canary-promote` or
-`canary-rollback`, with the reason and the figures).
+`canary_promote` pushes the challenger to the first `canaries` replicas of `endpoints` and leaves the rest
+on the champion, then ingests feedback every `poll_s` and compares the two groups' labelled rows over the
+same window (`leap_core.canary_figures`). Not worse: promoted everywhere, all or nothing
+(`flows.promotion.promote`); worse, or too few rows when `window_s` is over: the canaries get the
+champion back. Each outcome is recorded in the registry's history (`leap-operations`).
 """
 
 from __future__ import annotations

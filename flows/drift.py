@@ -1,42 +1,11 @@
 """The drift watch: live prediction quality of every replica, and what to do when it slips.
 
-Every serving replica exports, per domain ("all": every request), the rolling Spearman and MAE of its
-serving (online-corrected) readout against the true length, the MAE its anchor (the readout as pushed,
-before RLS corrected it) has on the same requests, and how many requests that is
-(`serving.feedback.recorder.DomainQuality`, on `/metrics`). The watch scrapes them, keeps each observation in a
-small state file that outlives the run (bounded per replica and domain), and decides:
-
-- retrain, when the live MAE of one replica and domain exceeds the champion's validation MAE by
-  `drift_margin` (relative) in each of the last `drift_window` observations, each over at least
-  `drift_min_rows` requests: the traffic moved away from what the champion was fitted on. The retrain
-  runs as the retrain deployment when one is named (`drift_retrain_deployment`, where its concurrency
-  limit queues it), else as the retrain flow in this run. No second retrain within `drift_cooldown_s`.
-- reset, when the online-corrected readout does worse than its own anchor by `drift_rls_margin` over
-  the same window: the correction learned something the traffic no longer holds. The champion's
-  registered bundle is pushed to that replica with force, which serves the anchor and restarts RLS
-  from the anchor's state (verified by the version the replica reports).
-- rollback, when the champion itself is the problem: its anchor MAE over the window is worse by
-  `drift_margin` than the previous champion's was on the same replica and domain (from the
-  observations kept): the aliases move back and the restored champion is pushed to every replica
-  (`flows.promotion.rollback`, all or nothing). Only the figures over every request (domain "all") can
-  roll the fleet back: a domain is whatever `leap_domain` its clients send, so a rollback found on one
-  domain alone is recorded and held back. And a rollback needs the gate's evidence too
-  (`drift_rollback_gate`, on by default): the gate replays the previous champion as the challenger
-  against the champion, and the fleet is rolled back only when that replay finds it better or no slower
-  within `gate_noninferiority` (the upper end of the interval), and fair to long requests; otherwise
-  the rollback is held back with the verdict, which is recorded like any gate. A gate that cannot
-  replay holds the rollback back: it fails closed.
-
-The figures weigh tenants: no `leap_tenant` carries more than its cap of a replica's MAEs
-(`serving.feedback.recorder.DomainQuality`), so one tenant's traffic alone cannot trigger an action for everyone.
-
-A rollback takes precedence over resets (it re-anchors every replica) and a reset over a retrain for
-that replica and domain. Resets and rollbacks have their own cooldowns of the same length. A replica
-starts its figures afresh at every push (the serving side resets them with each new anchor), so after
-an action the window fills with observations of what serves now before anything is judged again.
-
-A replica that does not answer, answers garbage, or serves another model is reported and skipped;
-a state file that does not parse is set aside (renamed, never deleted) and the watch starts afresh.
+The watch scrapes every replica's rolling per-domain figures (`/metrics`), keeps them in a small state
+file, and decides per replica and domain: retrain when live error exceeds the champion's validation
+error, reset RLS to its anchor when the online correction does worse than the anchor, or roll back when
+the champion itself does worse than the previous one (only on every request, and only with the gate's
+support). Each action has a cooldown, and a replica's figures restart at every push, so nothing is judged
+twice on the same evidence. Findings, thresholds and precedence: docs/serving.md ("Drift watch").
 """
 
 from __future__ import annotations

@@ -1,36 +1,12 @@
 """The fleet: merge what every replica's RLS learned into one exact anchored solve, and keep every
 replica on the champion.
 
-Merge (`merge_flow`, `leap merge --json`). Every replica serves the same pushed readout and folds its
-own finished requests into the RLS state pushed with it, so the replicas' feedback information adds
-up over that common anchor (`leap_core.fleet_rls`). The flow
-
-1. reads every replica's state (`GET /leap/rls`: the anchor readout, the state, rows folded);
-2. takes the anchor most replicas share (the champion's on a tie) as the base; replicas on another
-   base, without RLS, or whose state does not extend the base, are reported and skipped, with their
-   rows counted; replicas that do not answer are reported and left out of the push. A base that is not
-   the champion is not merged (promoting it would undo the champion): status "base-not-champion",
-   and the reconcile step brings the replicas to the champion;
-3. loads the base's RLS state from the registry (the version whose `readout_version` tag is the base),
-   merges, and registers the merged readout and state as a new version (tags `merged_from`,
-   `merge_rows`, `merge_replicas`, `merge_key`);
-4. promotes it with `flows.promotion.promote` to every replica that answered (all or nothing, each push
-   verified by the version the replica reports) and publishes it as the champion, unless another
-   version became the champion meanwhile (checked under the alias lock: status "superseded");
-5. reconciles: every replica that does not report the champion gets it (`reconcile_replicas`).
-
-Nothing is counted twice: after the push every replica is anchored at the merged state, so the next
-merge's base is the merged version and only rows folded since count. The same snapshots merged again
-(a rerun after a failure) find the version registered then by `merge_key` instead of registering a
-second one. A replica learns the rows waiting for its next RLS batch before it answers, so its state
-holds every row it observed until then (`rows_buffered` counts those a replica could not learn in
-time). Rows a replica takes between the snapshot and the push, and rows of skipped replicas, are not
-in the merge and are dropped by the push's re-anchor; they stay in the log store for the next fit.
-The result reports the skipped ones.
-
-How exact it is: `merge_refit_diff` re-solves the anchored ridge problem from the base's registered
-information and the feedback rows the replicas folded (X, lengths, e.g. from the log store) and
-returns max |theta_merged - theta_refit|.
+Every replica folds its own finished requests into the state pushed with the common readout, so their
+information adds up over that anchor (`leap_core.fleet_rls`). `merge_flow` reads every replica's state
+(`GET /leap/rls`), merges those on the shared base, registers the result and promotes it to every
+replica that answered; `reconcile_replicas` brings every replica to the champion. After the push every
+replica is anchored at the merge, so no row counts twice; rows left out stay in the log store for the
+next fit. `merge_refit_diff` checks the merge against a one-shot refit. Steps: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,12 @@
 """Promotion and rollback as one operation over the registry's aliases and every serving replica.
 
-`promote(V)` ends in one of two states, never between them:
-
-- done: every replica serves V and `champion` names V (`previous-champion` the champion it replaced);
-- failed: `PromotionFailed` is raised, every replica that took V serves the previous champion again,
-  and every alias is as it was, unless the exception says exactly what could not be put back (then
-  the journal below finishes the job before anything else moves).
-
-`rollback()` is the same operation towards `previous-champion`: the aliases move AND the restored
-champion is pushed to every replica, so the registry never names one readout while replicas serve
-another.
-
-How. Under the alias lock (`registry.locking.AliasLock`, held for the whole operation so no other
-alias writer or champion push interleaves), the aliases are read once, both readouts' push bundles
-are fetched from MLflow before anything moves, and a journal is written to the state folder
-(`<journal_dir>/<model>.json`, with the previous champion's bundle next to it). Then every replica
-gets V (each push verified by the version the replica reports, retried with backoff by
-`flows.push.push_readout`), and only then do the aliases move, champion first. If anything fails, the
-earlier state is restored: the previous champion's bundle (already in hand, so this needs no MLflow)
-is pushed back to every replica that reports V, and, if any alias write was attempted, the aliases
-are written back as they were read. A process killed part-way leaves its journal, and the next
-promotion or rollback of that model restores the earlier state from it first (or refuses to start
-while it cannot). Registry calls are retried with backoff (`registry.calls.call_with_retry`) and then
-fail loudly; nothing here ever changes serving except by a verified push.
-
-Once done, and still under the lock, the new champion's bundle is published (`leap_io.champion`, at
-`champion_url`) so a replica that starts later, or was not among `endpoints`, serves it at start. The
-publication is a copy: when it cannot be written the operation still stands, and the result says why
-(`published.error`); a replica then restores its own last push as before.
+`promote(V)` ends either done (every replica serves V and `champion` names V, `previous-champion` the one
+it replaced) or failed (`PromotionFailed`, with replicas and aliases restored), never between, so the
+registry never names one readout while replicas serve another. `rollback()` is the same operation
+towards `previous-champion`. It runs under the alias lock with a journal in the state folder, so a
+process killed part-way is repaired by the next operation; nothing here changes serving except by a
+verified push (`flows.push`). Once done, the champion is published (`leap_io.champion`) for replicas
+that start later. Step by step: docs/architecture.md.
 """
 
 from __future__ import annotations

