@@ -1,15 +1,11 @@
 """Replay real prompts through the real engine at planned arrival times and measure latency after scheduling.
 
-Requests are released when the clock reaches their planned arrival (Poisson at a given rate, or a
-trace's timestamps) and the engine is stepped in between. The clock is the wall clock, or a step clock:
-with `clock=` a calibrated `StepTimeModel`, time advances by the model's duration of each step the real
-engine took (its decodes and prefill tokens), plus the measured time of predictors that block the serving
-loop, and jumps over idle gaps. The engine's scheduling decisions are the real ones; only their price in
-seconds comes from the model, so policies replayed minutes apart are compared on equal terms however
-the machine's speed drifts (measured wall step times are kept beside, to validate the model). With fixed lengths each request decodes exactly
-its recorded number of tokens (`ignore_eos`, `max_tokens` = that length), so every policy replays the same
-generation work and only the schedule differs. PTL is the paper's: (finish - planned arrival) / output
-tokens, averaged over requests.
+Requests are released at their planned arrivals (Poisson, or a trace's timestamps) and the engine is
+stepped in between. The clock is the wall clock, or a step clock (`clock=` a calibrated `StepTimeModel`)
+that prices each step the real engine took, so policies replayed minutes apart compare on equal terms
+however the machine's speed drifts; wall step times are kept beside to validate the model. With fixed
+lengths every policy replays the same generation work. PTL is the paper's: (finish - planned arrival) /
+output tokens, averaged over requests.
 """
 
 from __future__ import annotations

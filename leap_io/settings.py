@@ -1,25 +1,12 @@
 """LEAP's settings: the one class that reads `LEAP_*` environment variables.
 
-Every process of the loop reads the same variables through `LeapSettings` (`read_settings()`): the serving
-plugin, `leap serve`, the pipeline flows, the local stack, the registry client and the push client. Each
-setting has one name (`LEAP_<FIELD>`), one type and one default, and a bad value fails when the settings
-are read, with pydantic's message naming the variable. No other module reads a `LEAP_*` variable
-(tests/test_settings_single_source.py checks it).
-
-The fields come in sections:
-
-- `ServingSection`: what one serving process does (policy, capture, RLS, feedback, admin API).
-  `serving.config.LeapConfig` is this section as a plain model: a serving process builds it from keyword
-  arguments (`leap serve`'s flags travel in vLLM's `additional_config`) over the variables set in its
-  environment (`LeapSettings.serving_values`); a section field left unset keeps its default there, so a
-  serving process without `LEAP_ADMIN_PORT` runs no admin API and one without `LEAP_FEEDBACK_DIR`
-  writes no feedback.
-- `LeapSettings` adds the places of the state folder, the log store, the registry, the gate, the fit, the
-  canary, the drift watch and the local stack, and the process settings (`LEAP_REPLICA_ID`,
-  `LEAP_CAPTURE`, ...). Paths left unset derive from the state folder (`home`, `$LEAP_HOME`, default
-  `.leap`) when the settings are read: `feedback_dir` <home>/feedback, `admin_token_file`
-  <home>/admin.token, `champion_url` <home>/champion, `admin_port` 8011 (the local stack's), as
-  infra/README.md documents them.
+Every process of the loop (serving plugin, `leap serve`, flows, local stack, registry and push clients)
+reads the same variables through `LeapSettings` (`read_settings()`), so each setting has one name, one
+type and one default, and a bad value fails at read time naming the variable. No other module reads a
+`LEAP_*` variable (tests/test_settings_single_source.py checks it). `ServingSection` is what one serving
+process does (`serving.config.LeapConfig` is it as a plain model); `LeapSettings` adds the state folder,
+store, registry, gate, fit, canary, drift and stack settings, with unset paths derived from `LEAP_HOME`
+as infra/README.md documents.
 """
 
 from __future__ import annotations

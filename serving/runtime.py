@@ -1,21 +1,11 @@
 """Everything LEAP runs beside one engine's scheduler, composed from parts that each own one thing.
 
-- `RequestTracker` (serving/tracking.py): per-request state (entries, features, predictions), pruned;
-- `ReadoutService` (serving/readout/service.py): the serving readout, the predictor and RLS threads,
-  pushes and their persistence;
-- `ReadoutSources` (serving/readout/sources.py): what serves at start (the published champion, the
-  saved push, the settings' file, the registry's champion);
-- `CaptureReceiver` (serving/capture/receiver.py): captured features from the workers, validated;
-- a `CaptureSpace` (serving/readout/push.py): what a captured vector holds (the engine's capture recipe), which
-  every readout is checked against and reads its own recipe's columns of;
-- `FeedbackRecorder` (serving/feedback/recorder.py): one row per finished request for the writer and listeners;
-- `DecodeSteps` (serving/decode_steps.py): which decode candidates run each step, and the step counts;
-- `Telemetry` (serving/telemetry.py): the Prometheus registry and the drop / error counts.
-
-`LeapRuntime` wires them and holds the three scheduler hooks: `before_schedule` chooses which resident
-requests decode this step, `after_schedule` counts who actually ran, `on_finished` writes feedback and
-feeds RLS. The engine thread never blocks on another thread except in one bounded place
-(`DecodeSteps`: a step's new decode candidates without a prediction wait for it once, bounded).
+`LeapRuntime` wires the per-request state (`serving.tracking`), the serving readout and its threads
+(`serving.readout.service`, `serving.readout.sources`, `CaptureSpace` in `serving.readout.push`), the
+captured features (`serving.capture.receiver`), feedback rows (`serving.feedback.recorder`), the decode
+choice (`serving.decode_steps`) and telemetry (`serving.telemetry`). It holds the three scheduler hooks:
+`before_schedule` chooses who decodes, `after_schedule` counts who ran, `on_finished` writes feedback and
+feeds RLS. The engine thread never blocks on another thread except in one bounded place (`DecodeSteps`).
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """The feedback row of a finished request, built for the writer and in-process listeners, and the quality
 figures computed from those rows.
 
-One row per finished request that was resident and had its feature captured (the feature is the row's
-training input: the whole captured vector, the engine's capture recipe, whichever part the serving
-readout reads, so the fit flow can choose among every recipe the capture covers). The row carries
-what the engine measured (tokens, times, finish reason), what LEAP predicted (at admission and latest,
-with the readout version; and a shadow readout's prediction of the same vector while one is held, `serving.readout.shadow`) and the client's validated extras; an
-extra that failed validation is simply absent (None), never a reason to lose the row. Its key,
-`request_id`, is the process's own (`RowIds`); the client's id is kept as `client_request_id`.
-
-Quality by domain (`DomainQuality`): the rolling Spearman and MAE of the serving readout's prediction
-against the true length, and the MAE the anchor readout (the readout as pushed, before RLS corrected it)
-would have had on the same requests, for every request ("all") and by the client's `leap_domain`. The
-figures cover the requests finished since the current anchor, so a push or a reset starts them afresh
-and a drift watch never blames a new readout for its predecessor's errors; the domains are capped,
-and rows of domains beyond the cap count in "all" only (dropped from their own, and counted). The MAEs
-weigh tenants (`leap_tenant`) so that none carries more than `tenant_max_share` of a figure
-(`serving.feedback.tenant_share.capped_weights`): a tenant that floods a replica cannot by itself push the
-figures the drift watch acts on. The Spearman is over the rows as they came.
-
-Listeners are in-process consumers (the harness collects its corpus through one); a listener that raises
-is counted (`leap_thread_errors_total{thread="listener"}`) and the others still get the row.
+One row per finished request that was resident and had its feature captured: the whole captured vector,
+what the engine measured, what LEAP predicted (and a shadow readout, while one is held) and the client's
+validated extras; a bad extra is absent, never a reason to lose the row. Its key is the process's own
+(`RowIds`). `DomainQuality` keeps the rolling per-domain figures the drift watch reads, afresh at every
+anchor and tenant-weighted so no tenant alone can push them (docs/serving.md, "Drift watch"). A listener
+that raises is counted and the others still get the row.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """A challenger held in shadow: it predicts every finished request from the vector already captured, and never
 schedules.
 
-`POST /leap/shadow` (admin token) with a push bundle holds that readout beside the serving one; an empty
-body lets it go. The bundle is validated exactly as a push (`serving.readout.push.validate_push`: the model
-fingerprint, the capture recipe, finite weights), but no version order applies: a shadow may be older or
-newer than what serves. From then on, each finished request whose vector was captured is predicted by the
-shadow from that same vector (one dot product where the row is written, in the engine step that frees
-the request: no extra capture, no forward pass), and its feedback row carries `shadow_predicted` and
-`shadow_version` beside the served `predicted_at_admission`.
-
-The live figures are paired: over the last `window` finished requests that both predicted, recomputed every
-`FIGURES_EVERY` of them, the rolling Spearman and MAE of each readout against the true length, on `/metrics` as
-`leap_shadow_figure{readout="served"|"shadow", figure="spearman"|"mae"}` and `leap_shadow_rows`. The
-delayed-label figures with intervals are the flows' (`leap_core.shadow_figures` over the stored rows),
-since those see every replica's rows and only honest labels.
+`POST /leap/shadow` holds a push bundle's readout beside the serving one (validated as a push, with no
+version order); an empty body lets it go. Each finished request with a captured vector is predicted by
+the shadow from that same vector (one dot product, no extra capture or forward pass), and its feedback row
+carries `shadow_predicted` and `shadow_version`. Rolling paired figures go to `/metrics`; the figures
+with intervals are the flows' (`leap_core.shadow_figures`), over every replica's honest labels. See
+docs/serving.md ("Shadow scoring").
 """
 
 from __future__ import annotations
