@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from leap_core.gittins import LengthGivenPrediction, gittins_index
-from leap_core.noise import noisy_predictions
 from leap_core.policy import CountdownPolicy, GittinsPolicy, make_policy
 from leap_core.simulator import SimConfig, StepTimeModel, fcfs_capacity, poisson_arrivals, simulate
+from study_harness.noise import noisy_predictions
 
 
 def _by_definition(lengths: np.ndarray, a: int, weights: np.ndarray) -> float:

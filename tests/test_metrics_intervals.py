@@ -7,7 +7,7 @@ import pytest
 from scipy import stats
 
 from leap_core import intervals, metrics
-from leap_core.noise import noisy_predictions
+from study_harness.noise import noisy_predictions
 
 
 def _population_sample(n: int, rho: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

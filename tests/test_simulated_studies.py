@@ -14,8 +14,8 @@ from evaluation.simulated_refresh_report import plot_refresh, section_refresh
 from evaluation.simulated_tail import run_tail
 from evaluation.simulated_tail_report import plot_tail, section_tail
 from evaluation.simulation import TAIL_FIGURES, _workloads
-from leap_core.noise import noisy_predictions
 from leap_core.simulator import SimConfig, StepTimeModel, fcfs_capacity, poisson_arrivals, simulate
+from study_harness.noise import noisy_predictions
 from tests.sim_reference import reference_simulate
 
 STEP_MODEL = StepTimeModel()

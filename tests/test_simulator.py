@@ -7,9 +7,9 @@ from dataclasses import asdict, replace
 import numpy as np
 import pytest
 
-from leap_core.noise import noisy_predictions
 from leap_core.simulator import SimConfig, fcfs_capacity, poisson_arrivals, repeated_seconds, simulate, steps_to_cover
 from leap_core.step_time import StepTimeModel
+from study_harness.noise import noisy_predictions
 from tests.sim_reference import reference_simulate
 
 

@@ -11,9 +11,9 @@ from evaluation.simulated_load import LOADS, QUICK_LOADS, run_load
 from evaluation.simulated_load_report import section_load
 from evaluation.simulation import ADAPTIVE_SLOT_RULE, HEADLINE_LOAD, _workloads, adaptive_config
 from leap_core.decode_slots import DecodeSlotRule
-from leap_core.noise import noisy_predictions
 from leap_core.simulator import (VLLM_CPU_MAX_NUM_BATCHED_TOKENS, VLLM_CPU_MAX_NUM_SEQS, SimConfig, StepTimeModel,
                                   fcfs_capacity, poisson_arrivals, simulate)
+from study_harness.noise import noisy_predictions
 from tests.sim_reference import reference_simulate
 
 HAND = StepTimeModel(base_s=0.01, per_decode_s=0.001, per_prefill_token_s=0.0001, per_prefill_pair_s=1e-5)

@@ -57,9 +57,9 @@ def simulate_command(
     """
     from scipy.stats import spearmanr
 
-    from leap_core.noise import noisy_predictions
     from leap_core.simulator import SimConfig, simulate
     from harness.datasets import load_trace, trace_path
+    from study_harness.noise import noisy_predictions
 
     if policy is not SimPolicy.countdown and (predictions is not None or noise_spearman is not None):
         raise typer.BadParameter("only --policy countdown reads predictions", param_hint="--predictions")
