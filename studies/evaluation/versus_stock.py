@@ -123,9 +123,10 @@ def _server(arm: str, work: Workload, settings: VersusStockSettings, label: str)
 def _leap_stats(admin: dict) -> dict | None:
     import httpx
 
+    from leap_io.admin_client import AdminClient
+
     try:
-        answer = httpx.get(f"{admin['admin']}/leap/readout", headers={"Authorization": f"Bearer {admin['token']}"},
-                           timeout=10)
+        answer = AdminClient(admin["admin"], admin["token"], timeout=10).readout()
         return answer.json().get("stats") if answer.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None

@@ -146,7 +146,7 @@ class ServeProcess:
 
     def admin_answers(self, timeout: float = 2.0) -> bool:
         try:
-            return httpx.get(f"{self.admin_url}/metrics", timeout=timeout).status_code == 200
+            return AdminClient(self.admin_url, None, timeout=timeout).metrics().status_code == 200
         except httpx.HTTPError:
             return False
 
