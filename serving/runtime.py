@@ -26,7 +26,6 @@ from serving.config import LeapConfig, channel_address, leap_config_from_vllm
 from serving.decode_steps import DecodeSteps
 from serving.fcfs_fallback import FcfsFallback
 from serving.feedback.finished import FinishedRequests
-from serving.readout.online_rls import OnlineLearner
 from serving.readout.push import CaptureSpace
 from serving.readout.service import ReadoutService
 from serving.readout.sources import ReadoutSources, RegistrySourceFactory
@@ -142,11 +141,6 @@ class LeapRuntime:
 
         self.shipper = start_shipper(self.config, writer, self.telemetry)
         return writer
-
-    @property
-    def learner(self) -> OnlineLearner:
-        """`readouts.learner`, kept while studies/evaluation/live.py reads it under this name."""
-        return self.readouts.learner
 
     def _on_feature(self, request_id: str, feature: np.ndarray) -> None:
         """The receiver thread's hand-off: keep the feature and queue it for a prediction."""

@@ -275,10 +275,10 @@ def replay_policy(live: Any, name: str, requests: list[ReplayRequest], arrivals:
         runtime.configure(policy="client", rls=False, order=order)
     else:
         runtime.configure(policy=name, rls=False, order=order)
-    updates = runtime.learner.updates
+    updates = runtime.readouts.learner.updates
     result = replay(live.engine, requests, arrivals, name, runtime=runtime, tag=tag,
                     predict_at_arrival=predict_at_arrival, clock=clock)
-    runtime.learner.wait_idle()
+    runtime.readouts.learner.wait_idle()
     summary = result.summary()
     shapes, wall = result.per_step["shapes"], result.per_step["seconds"]
     summary["wall_s"] = float(wall.sum())
@@ -287,7 +287,7 @@ def replay_policy(live: Any, name: str, requests: list[ReplayRequest], arrivals:
     summary["ptl_per_request"] = result.per_request["ptl"]
     summary["latency_per_request"] = result.per_request["finish"] - result.per_request["arrival"]
     summary["tokens_per_request"] = np.maximum(result.per_request["output_tokens"], 1)
-    summary["rls_updates"] = runtime.learner.updates - updates
+    summary["rls_updates"] = runtime.readouts.learner.updates - updates
     if name not in (*LEAP_ARMS, *HIDDEN_BASELINES):
         summary["ready_before_decode"] = None
     if name == "leap-gittins":
