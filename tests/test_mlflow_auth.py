@@ -1,5 +1,5 @@
-"""MLflow with authentication: a real `mlflow server --app-name basic-auth` (ops.servers.MlflowServer with
-MlflowAuth) and the project's registry client. Without an account the registry is refused with a clear
+"""MLflow with authentication: a real `mlflow server --app-name basic-auth`
+(study_harness.servers.MlflowServer with MlflowAuth) and the project's registry client. Without an account the registry is refused with a clear
 error, with the account of LEAP_MLFLOW_USERNAME and the password file LEAP_MLFLOW_PASSWORD_FILE it
 registers, reads and moves the champion, a wrong password moves nothing, and the password shows nowhere."""
 
@@ -18,9 +18,10 @@ import pytest
 
 pytest.importorskip("mlflow")
 
-from ops.servers import MlflowAuth, MlflowServer, mlflow_command  # noqa: E402
+from ops.servers import MlflowAuth, mlflow_command  # noqa: E402
 from registry.aliases import CHAMPION  # noqa: E402
 from registry.client import ReadoutRegistry, RegistryError, RegistryUnavailable  # noqa: E402
+from study_harness.servers import MlflowServer  # noqa: E402
 from tests.fleet_fixtures import champion_readout  # noqa: E402
 
 pytestmark = pytest.mark.pipeline

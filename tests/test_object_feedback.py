@@ -22,7 +22,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
 from store.ingest import complete_segments, ingest_folder, totals
-from ops.servers import free_port, running_s3
+from ops.servers import free_port
+from study_harness.servers import running_s3
 from store.duckdb import LogStore
 from leap_io.object_store import ObjectStore
 from leap_io.s3_locations import ObjectURLError, check_endpoint, parse_s3_url

@@ -24,7 +24,7 @@ pytest.importorskip("prefect")
 
 from experiments.faults import pipeline as faults  # noqa: E402
 from flows.promotion import PromotionFailed, PushOptions, promote, recover, rollback  # noqa: E402
-from ops.servers import MlflowServer, free_port  # noqa: E402
+from ops.servers import free_port  # noqa: E402
 from registry.client import (  # noqa: E402
     CHALLENGER,
     CHAMPION,
@@ -33,6 +33,7 @@ from registry.client import (  # noqa: E402
     ReadoutRegistry,
     RegistryUnavailable,
 )
+from study_harness.servers import MlflowServer  # noqa: E402
 
 pytestmark = pytest.mark.pipeline
 

@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("mlflow")
 
-from ops.servers import MlflowServer  # noqa: E402
 from registry.aliases import CHALLENGER, CHAMPION, PREVIOUS_CHAMPION  # noqa: E402
 from registry.client import ReadoutRegistry  # noqa: E402
+from study_harness.servers import MlflowServer  # noqa: E402
 from tests.fleet_fixtures import champion_readout  # noqa: E402
 
 pytestmark = pytest.mark.pipeline

@@ -41,7 +41,7 @@ from leap_io.object_store import ObjectAccessDenied, ObjectStore, ObjectStoreErr
 from leap_io.s3_locations import ObjectURLError
 from leap_io.signing import generate_key_pair
 from ops.s3_access import WORKER, fleet_policies, replica_policy, render, worker_policy
-from ops.servers import running_s3
+from study_harness.servers import running_s3
 from serving.feedback.writer import FeedbackWriter
 from serving.feedback.shipper import FeedbackShipper
 from store import segment_sources

@@ -51,7 +51,8 @@ def bench_pipeline(
         if store_url is None:
             store = LogStore(Path(scratch) / "bench.duckdb")
         else:
-            from store.postgres import PostgresStore, scratch_database
+            from store.postgres import PostgresStore
+            from study_harness.servers import scratch_database
 
             store = PostgresStore(stack.enter_context(scratch_database(store_url)))
         ingest = timed_ingest(store, folder, rows, workers=workers)

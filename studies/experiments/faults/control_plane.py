@@ -38,7 +38,8 @@ from experiments.faults.pipeline import (
     scenario_result,
     scratch_folder,
 )
-from ops.servers import MlflowServer, create_database, free_port, running_postgres
+from ops.servers import create_database, free_port
+from study_harness.servers import MlflowServer, running_postgres
 
 REPO = Path(__file__).resolve().parents[3]
 SKEW_S = 3600.0

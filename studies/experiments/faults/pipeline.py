@@ -48,11 +48,12 @@ from experiments.bench.ingest import (
     write_synthetic_segment,
 )
 from flows.settings import PipelineSettings
-from ops.servers import MlflowServer, kill_session
+from ops.servers import kill_session
 from registry.client import CHAMPION
 from store.duckdb import LogStore
 from store.ingest import ingest_folder, totals
 from store.stores import Store, open_store
+from study_harness.servers import MlflowServer
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "fault-token"

@@ -27,9 +27,10 @@ from typing import Any
 import numpy as np
 
 from experiments.faults.pipeline import ledger_reconciles, scenario_result, scratch_folder, segment_ids, synthetic_feedback
-from ops.servers import create_database, free_port, running_postgres, running_s3, s3_environment
+from ops.servers import create_database, free_port, s3_environment
 from store.duckdb import LogStore
 from store.ingest import ingest_folder, totals
+from study_harness.servers import running_postgres, running_s3
 
 DIM, LAYER = 8, 3
 
@@ -254,9 +255,9 @@ def mlflow_artifacts_full(workdir: str | Path | None = None, *, timeout_s: float
     version made and the aliases as they were; once there is room, the same registration goes through."""
     from experiments.faults.crash import mount_tmpfs, unmount
     from experiments.faults.pipeline import fitted_readout
-    from ops.servers import MlflowServer
     from registry.aliases import CHAMPION
     from registry.client import ReadoutRegistry
+    from study_harness.servers import MlflowServer
 
     started = time.monotonic()
     with scratch_folder(workdir) as scratch:
