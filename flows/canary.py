@@ -106,6 +106,6 @@ def _recorded(registry: ReadoutRegistry, report: dict[str, Any]) -> dict[str, An
     action = "canary-promote" if report["status"] == "promoted" else "canary-rollback"
     try:
         report["recorded_run_id"] = registry.log_operation(action, report["reason"], report)
-    except Exception as error:  # noqa: BLE001 - the fleet is in its state; the record is what failed
+    except Exception as error:
         report["record_error"] = f"{type(error).__name__}: {error}"
     return report

@@ -112,7 +112,7 @@ def parse_quality(text: str, replica: str, version: str, now: float) -> list[Obs
                 if domain not in figures and len(figures) >= MAX_DOMAINS_PER_REPLICA:
                     continue
                 figures.setdefault(domain, {})[field] = sample.value
-    except Exception as exc:  # noqa: BLE001 - the parser raises several types on bad text
+    except Exception as exc:
         raise MetricsError(f"{replica} /metrics is not Prometheus text: {type(exc).__name__}: {exc}") from exc
     observations = []
     for domain, values in sorted(figures.items()):
@@ -394,15 +394,15 @@ def rollback_evidence(settings: PipelineSettings, name: str, baseline: Baseline)
     """The gate's verdict on a rollback: the previous champion replayed as the challenger against the
     champion, passed when better or no worse within `gate_noninferiority`, and fair to long requests;
     recorded like any gate."""
-    from leap_core.gate_verdict import gate_verdict
     from flows.tasks import record_gate, registry_uri, run_gate
+    from leap_core.gate_verdict import gate_verdict
     from store.stores import store_location
 
     if baseline.previous_champion is None or baseline.champion is None:
         return {"passed": False, "reason": "no previous champion is registered"}
     try:
         gate = run_gate(settings, name, baseline.previous_champion, baseline.champion)
-    except Exception as exc:  # noqa: BLE001 - no replay, no evidence: the rollback waits
+    except Exception as exc:
         return {"passed": False, "reason": f"the gate could not replay: {type(exc).__name__}: {exc}"}
     verdict = gate_verdict(gate["results"], margin=0.0, p95_bound=settings.gate_p95_bound,
                            on_no_difference="noninferior", noninferiority=settings.gate_noninferiority)
@@ -440,7 +440,7 @@ def _carry_out(decision: dict[str, Any], settings: PipelineSettings, name: str, 
                                                     settings.alias_lock_location, settings.push_retries,
                                                     settings.push_timeout_s)
         decision["done"] = True
-    except Exception as exc:  # noqa: BLE001 - reported in the result; the watch itself goes on
+    except Exception as exc:
         decision["done"] = False
         decision["error"] = f"{type(exc).__name__}: {exc}"
 
@@ -467,7 +467,7 @@ def drift_flow(name: str | None = None, act: bool = True) -> dict[str, Any]:
     if name is not None:
         try:
             baseline = Baseline(**champion_baseline(settings, name))
-        except Exception as exc:  # noqa: BLE001 - observations are still recorded; nothing is decided
+        except Exception as exc:
             registry_error = f"{type(exc).__name__}: {exc}"
     with state_file(settings.drift_state_path, settings.drift_history) as (state, notes):
         forgotten = state.keep_replicas(settings.endpoints)

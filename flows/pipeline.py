@@ -20,9 +20,8 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flows.canary import canary_promote
 from flows.promotion import PushOptions
 from flows.settings import PipelineSettings
-from store.ingest import complete_segments, deal_segments, totals
-from store.stores import is_postgres, open_store, shown_location, store_location
 from flows.tasks import (
+    compact_feature_files,
     fit_and_register,
     ingest_feedback,
     ingest_segment_batch,
@@ -30,7 +29,6 @@ from flows.tasks import (
     latest_feature_space,
     plain,
     promote_if_passed,
-    compact_feature_files,
     prune_feedback,
     prune_registry,
     push_champion,
@@ -45,6 +43,8 @@ from flows.tasks import (
 )
 from registry.aliases import CHALLENGER, CHAMPION
 from registry.client import ReadoutRegistry
+from store.ingest import complete_segments, deal_segments, totals
+from store.stores import is_postgres, open_store, shown_location, store_location
 from training.fit import NotEnoughRowsError
 
 

@@ -139,7 +139,7 @@ def _restore(registry: ReadoutRegistry, name: str, state: Mapping[str, Any], pre
         try:
             registry.apply_aliases(name, {alias: state["before"].get(alias) for alias in ALIASES})
             outcome["aliases_restored"] = True
-        except Exception as error:  # noqa: BLE001  (reported, and the journal is kept for a retry)
+        except Exception as error:
             outcome["aliases_restored"] = False
             outcome["alias_error"] = f"{type(error).__name__}: {error}"
     outcome["complete"] = outcome["aliases_restored"] is not False and not outcome["replicas_not_restored"]
@@ -205,7 +205,7 @@ def next_publication(champion_url: str | Path | None, name: str) -> int | None:
 
     try:
         return ChampionPublication(champion_url).next_sequence(name)
-    except Exception:  # noqa: BLE001 - the publication itself reports the location's error later
+    except Exception:
         return None
 
 
@@ -225,7 +225,7 @@ def publish_champion(champion_url: str | Path | None, name: str, bundle: bytes, 
     try:
         return ChampionPublication(champion_url).publish(name, bundle, readout_version, version, registry_uri,
                                                          signing_key=signing_key, sequence=sequence)
-    except Exception as error:  # noqa: BLE001 - reported; replicas then restore their own last push
+    except Exception as error:
         return {"location": str(champion_url), "error": f"{type(error).__name__}: {error}"}
 
 

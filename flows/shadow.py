@@ -63,7 +63,7 @@ def hold_fleet(name: str, version: str | None, settings: PipelineSettings | None
         report["recorded_run_id"] = registry.log_operation(
             "shadow-hold" if version is not None else "shadow-release", f"{name} v{version}",
             {"failed": len(failed), "report": report})
-    except Exception as exc:  # noqa: BLE001 - the replicas hold it; the record is what failed
+    except Exception as exc:
         report["record_error"] = f"{type(exc).__name__}: {exc}"
     return report
 

@@ -21,15 +21,14 @@ import numpy as np
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from harness.gate_replay import replay_gate
-from leap_core.gate_verdict import gate_verdict
-from flows.promotion import PushOptions
-from flows.promotion import UNCHECKED
+from flows.promotion import UNCHECKED, PushOptions
 from flows.promotion import promote as promote_everywhere
 from flows.promotion import rollback as rollback_everywhere
 from flows.push import PushFailed, push_readout
 from flows.settings import PipelineSettings, resolved_model_path
 from flows.shadow import shadow_evidence
+from harness.gate_replay import replay_gate
+from leap_core.gate_verdict import gate_verdict
 from leap_core.readout import LinearReadout
 from leap_core.rls import RLS
 from leap_io.jsonable import dumps, to_jsonable

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -82,8 +82,8 @@ def _run(run: Callable[[], dict[str, Any]], as_json: bool, title: str, fail_unhe
     from flows.promotion import PromotionFailed
     from flows.push import PushFailed
     from ops.stack import StackError
-    from store.duckdb import StoreBusyError
     from registry.client import AliasLockTimeout, RegistryUnavailable
+    from store.duckdb import StoreBusyError
 
     try:
         with json_stdout(as_json):
@@ -112,7 +112,7 @@ def _flow(flow_name: str, /, **kwargs: Any) -> Callable[[], dict[str, Any]]:
     return run
 
 
-def _timestamp(text: Optional[str], option: str) -> Optional[float]:
+def _timestamp(text: str | None, option: str) -> float | None:
     """Unix seconds from a number or an ISO date/time (local time unless it says otherwise)."""
     if text is None:
         return None
@@ -128,10 +128,10 @@ def _timestamp(text: Optional[str], option: str) -> Optional[float]:
 
 @app.command("ingest")
 def ingest_command(
-    feedback_dir: Optional[str] = typer.Option(None, help="segments folder or s3://bucket/prefix (default "
+    feedback_dir: str | None = typer.Option(None, help="segments folder or s3://bucket/prefix (default "
                                                          "$LEAP_FEEDBACK_URL, else $LEAP_HOME/feedback)"),
     retry_failed: bool = typer.Option(False, help="try segments quarantined as failed again (after a fix)"),
-    workers: Optional[int] = typer.Option(None, min=1, help="segments ingested at once into a PostgreSQL store "
+    workers: int | None = typer.Option(None, min=1, help="segments ingested at once into a PostgreSQL store "
                                                              "(default $LEAP_INGEST_WORKERS; DuckDB: one)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
@@ -143,10 +143,10 @@ def ingest_command(
 
 @app.command("fit")
 def fit_command(
-    since: Optional[str] = typer.Option(None, help="window start: unix seconds or ISO date"),
-    until: Optional[str] = typer.Option(None, help="window end (exclusive): unix seconds or ISO date"),
-    alpha: Optional[str] = typer.Option(None, help="ridge penalty or 'auto' (default $LEAP_ALPHA or auto)"),
-    anchor: Optional[str] = typer.Option(None, help="'champion': correct the champion's RLS state with the "
+    since: str | None = typer.Option(None, help="window start: unix seconds or ISO date"),
+    until: str | None = typer.Option(None, help="window end (exclusive): unix seconds or ISO date"),
+    alpha: str | None = typer.Option(None, help="ridge penalty or 'auto' (default $LEAP_ALPHA or auto)"),
+    anchor: str | None = typer.Option(None, help="'champion': correct the champion's RLS state with the "
                                                     "window (default $LEAP_FIT_ANCHOR or none)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
@@ -157,8 +157,8 @@ def fit_command(
 
 @app.command("gate")
 def gate_command(
-    version: Optional[str] = typer.Option(None, help="version to gate (default: the challenger)"),
-    name: Optional[str] = typer.Option(None, help="registered model (default: the latest feedback's)"),
+    version: str | None = typer.Option(None, help="version to gate (default: the challenger)"),
+    name: str | None = typer.Option(None, help="registered model (default: the latest feedback's)"),
     force: bool = typer.Option(False, help="replay again even if a verdict is recorded"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
@@ -168,9 +168,9 @@ def gate_command(
 
 @app.command("push")
 def push_command(
-    version: Optional[str] = typer.Option(None, help="version to push (default: champion, or the "
+    version: str | None = typer.Option(None, help="version to push (default: champion, or the "
                                                      "challenger with --promote)"),
-    name: Optional[str] = typer.Option(None, help="registered model (default: the latest feedback's)"),
+    name: str | None = typer.Option(None, help="registered model (default: the latest feedback's)"),
     promote: bool = typer.Option(False, help="make a challenger whose recorded gate passed the champion on "
                                              "every replica and in the registry, all or nothing"),
     canary: int = typer.Option(0, min=0, help="with --promote: serve it on N replicas first and promote or "
@@ -185,7 +185,7 @@ def push_command(
 
 @app.command("rollback")
 def rollback_command(
-    name: Optional[str] = typer.Option(None, help="registered model (default: the latest feedback's)"),
+    name: str | None = typer.Option(None, help="registered model (default: the latest feedback's)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Make previous-champion the champion again: move the aliases AND push it to every replica, all or
@@ -215,7 +215,7 @@ def _fleet_flow(flow_name: str, /, **kwargs: Any) -> Callable[[], dict[str, Any]
 
 @app.command("merge")
 def merge_command(
-    name: Optional[str] = typer.Option(None, help="registered model (default: the replicas' readout's)"),
+    name: str | None = typer.Option(None, help="registered model (default: the replicas' readout's)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Merge every replica's RLS state into one exact anchored solve over their common anchor, register
@@ -225,14 +225,14 @@ def merge_command(
 
 @app.command("reconcile")
 def reconcile_command(
-    name: Optional[str] = typer.Option(None, help="registered model (default: the latest feedback's)"),
+    name: str | None = typer.Option(None, help="registered model (default: the latest feedback's)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Push the champion to every replica ($LEAP_ENDPOINTS) that does not serve it, each push verified."""
     _run(_fleet_flow("reconcile_flow", name=name), as_json, "reconcile")
 
 
-def _service_names(services: Optional[str]) -> Optional[list[str]]:
+def _service_names(services: str | None) -> list[str] | None:
     if services is None:
         return None
     return [name.strip() for name in services.split(",") if name.strip()]
@@ -240,12 +240,12 @@ def _service_names(services: Optional[str]) -> Optional[list[str]]:
 
 @stack_app.command("up")
 def stack_up(
-    services: Optional[str] = typer.Option(None, help=_SERVICES_HELP),
+    services: str | None = typer.Option(None, help=_SERVICES_HELP),
     wait: bool = typer.Option(True, help="wait until every service answers its health check"),
-    timeout: Optional[float] = typer.Option(None, help="seconds to wait per service"),
+    timeout: float | None = typer.Option(None, help="seconds to wait per service"),
     fleet: bool = typer.Option(False, "--fleet", help="the fleet: PostgreSQL, S3 (moto), MLflow and Prefect on "
                                                       "them, two Prefect process workers, --replicas replicas"),
-    replicas: Optional[int] = typer.Option(None, min=0, help="serving replicas of the fleet (default: the "
+    replicas: int | None = typer.Option(None, min=0, help="serving replicas of the fleet (default: the "
                                                                "recorded fleet's, else $LEAP_REPLICAS, 1)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
@@ -267,7 +267,7 @@ def stack_up(
 
 @stack_app.command("status")
 def stack_status(
-    services: Optional[str] = typer.Option(None, help=_SERVICES_HELP),
+    services: str | None = typer.Option(None, help=_SERVICES_HELP),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Health, URL and pid of each service, and each replica's readout version and live rolling Spearman and
@@ -279,7 +279,7 @@ def stack_status(
 
 @stack_app.command("down")
 def stack_down(
-    services: Optional[str] = typer.Option(None, help=_SERVICES_HELP),
+    services: str | None = typer.Option(None, help=_SERVICES_HELP),
     grace: float = typer.Option(15.0, help="seconds between SIGTERM and SIGKILL"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
@@ -299,7 +299,7 @@ def deploy_command(
     name: str = typer.Option("hourly", help="deployment name"),
     serve: bool = typer.Option(True, help="keep running and execute the scheduled runs (Ctrl-C stops); "
                                           "--no-serve only registers the deployment"),
-    pool: Optional[str] = typer.Option(None, help="register on this process work pool instead (created if "
+    pool: str | None = typer.Option(None, help="register on this process work pool instead (created if "
                                                   "missing; its workers run the runs, one at a time)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:

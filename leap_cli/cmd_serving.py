@@ -6,7 +6,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -16,7 +15,7 @@ from leap_cli.output import console, emit
 
 @model_app.command("prepare")
 def model_prepare(
-    dest: Optional[Path] = typer.Option(None, help="output folder (default $LEAP_HOME/models/...)"),
+    dest: Path | None = typer.Option(None, help="output folder (default $LEAP_HOME/models/...)"),
     force: bool = typer.Option(False, help="rebuild even if cached"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -30,22 +29,22 @@ def model_prepare(
 
 @app.command("serve")
 def serve(
-    model: Optional[str] = typer.Option(None, help="HF model folder (default: the prepared SmolLM2)"),
+    model: str | None = typer.Option(None, help="HF model folder (default: the prepared SmolLM2)"),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000),
     policy: str = typer.Option("leap", help="fcfs | leap | oracle | client"),
-    order: Optional[str] = typer.Option(None, help="countdown | gittins: how leap ranks decodes (default "
+    order: str | None = typer.Option(None, help="countdown | gittins: how leap ranks decodes (default "
                                                    "$LEAP_ORDER, else countdown)"),
-    readout: Optional[Path] = typer.Option(None, help="readout file to serve at start"),
-    rls_state: Optional[Path] = typer.Option(None, help="RLS anchor (npz) of that readout"),
-    layer: Optional[int] = typer.Option(None, help="decoder layer to capture (default: the readout's)"),
+    readout: Path | None = typer.Option(None, help="readout file to serve at start"),
+    rls_state: Path | None = typer.Option(None, help="RLS anchor (npz) of that readout"),
+    layer: int | None = typer.Option(None, help="decoder layer to capture (default: the readout's)"),
     max_resident: int = typer.Option(512), decode_slots: int = typer.Option(64, help="K, the most decoded per step"),
     adaptive_slots: bool = typer.Option(False, "--adaptive-slots/--fixed-slots",
                                         help="choose K each step from the engine's measured step time and the "
                                              "demand (all on a flat curve), or always decode K"),
     waiting_cap: int = typer.Option(128),
     admin_port: int = typer.Option(8011, help="LEAP admin API port"),
-    feedback_dir: Optional[Path] = typer.Option(None, help="feedback segments (default $LEAP_HOME/feedback)"),
+    feedback_dir: Path | None = typer.Option(None, help="feedback segments (default $LEAP_HOME/feedback)"),
     max_model_len: int = typer.Option(4096),
     extra: list[str] = typer.Argument(None, help="further `vllm serve` arguments after --"),
 ) -> None:

@@ -20,9 +20,9 @@ def shadow_command(
     """Hold a challenger in shadow on every replica (LEAP_ENDPOINTS): each predicts every request from the
     same captured vector and its feedback rows carry both predictions; it never schedules. Exits 1 when a
     replica did not follow."""
+    from flows.pipeline import model_name_for
     from flows.settings import PipelineSettings
     from flows.shadow import hold_fleet
-    from flows.pipeline import model_name_for
 
     if state == "on" and not version:
         raise typer.BadParameter("--version is required with 'on'", param_hint="--version")

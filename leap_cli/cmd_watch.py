@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -27,7 +27,7 @@ from leap_cli.cmd_pipeline import (
 )
 
 
-def _watch(name: Optional[str], act: bool):
+def _watch(name: str | None, act: bool):
     def run() -> dict[str, Any]:
         from flows.drift import drift_flow
 
@@ -63,8 +63,8 @@ def _deploy(every: float, deployment: str, serve: bool, as_json: bool) -> None:
 @app.command("watch")
 def watch_command(
     once: bool = typer.Option(False, "--once", help="one pass, then exit"),
-    every: Optional[float] = typer.Option(None, help="seconds between passes (default $LEAP_DRIFT_INTERVAL_S)"),
-    name: Optional[str] = typer.Option(None, help="registered model (default: the one the replicas serve)"),
+    every: float | None = typer.Option(None, help="seconds between passes (default $LEAP_DRIFT_INTERVAL_S)"),
+    name: str | None = typer.Option(None, help="registered model (default: the one the replicas serve)"),
     act: bool = typer.Option(True, help="--no-act only reports what it would do"),
     deploy: bool = typer.Option(False, "--deploy", help="register the watch on the stack's Prefect server with "
                                                         "an interval schedule (and serve it, unless --no-serve)"),

@@ -23,8 +23,6 @@ from leap_io import signing
 from leap_io.durable import write_bytes_durably
 from leap_io.s3_locations import is_object_url
 
-CHAMPION_URL_ENV = "LEAP_CHAMPION_URL"
-
 
 class PublicationDamaged(ValueError):
     """A publication that must not serve: unreadable JSON, a bundle whose digest is not the recorded one."""

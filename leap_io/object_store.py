@@ -20,6 +20,7 @@ from typing import Any
 
 from leap_io.s3_locations import check_bucket, check_endpoint
 
+
 class ObjectStoreError(RuntimeError):
     """The object store refused or could not be reached; the message names the operation and location."""
 

@@ -6,6 +6,7 @@ so a checkout is self-contained and `rm -rf .leap` resets everything.
 
 from pathlib import Path
 
+
 def state_dir() -> Path:
     from leap_io.settings import read_settings
 

@@ -22,8 +22,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from leap_core.gate_verdict import MARGIN, P95_BOUND
 from leap_io.admin_client import TOKEN_FILE_NAME, create_token_file
-from leap_io.s3_locations import check_endpoint, parse_s3_url
 from leap_io.pidfiles import service_pid
+from leap_io.s3_locations import check_endpoint, parse_s3_url
 
 ENV_PREFIX = "LEAP_"
 STACK_ADMIN_PORT = 8011

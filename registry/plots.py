@@ -16,7 +16,7 @@ from numpy.typing import ArrayLike
 def available() -> bool:
     """Whether matplotlib is installed; plots are optional for logging a run."""
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401  (only whether it is installed)
     except ImportError:
         return False
     return True

@@ -22,9 +22,9 @@ from mlflow.entities import Metric, Param
 from leap_io.jsonable import dumps
 from leap_io.model_identity import registered_model_name
 from registry import plots as plotting
-from registry.gate_report import shadow_metrics
 from registry import rls_file as rls_file_format
 from registry.calls import RegistryError
+from registry.gate_report import shadow_metrics
 from registry.model import READOUT_FILE, RLS_STATE_FILE, save_readout_model
 
 if TYPE_CHECKING:

@@ -9,7 +9,6 @@ Without the variable it does nothing, so installing LEAP never changes an engine
 from __future__ import annotations
 
 
-
 def register() -> None:
     from leap_io.settings import read_settings
 

@@ -22,16 +22,16 @@ from leap_core.readout_format import to_bytes
 from leap_io.push_bundle import make_bundle
 from leap_io.redact import redact_url
 from serving import vllm_compat
+from serving.capture.receiver import CaptureReceiver
 from serving.config import LeapConfig, channel_address, leap_config_from_vllm
 from serving.decode_steps import DecodeSteps
 from serving.fcfs_fallback import FcfsFallback
 from serving.feedback.finished import FinishedRequests
+from serving.feedback.recorder import FeedbackRecorder
 from serving.readout.push import CaptureSpace
 from serving.readout.service import ReadoutService
-from serving.readout.sources import ReadoutSources, RegistrySourceFactory
-from serving.capture.receiver import CaptureReceiver
-from serving.feedback.recorder import FeedbackRecorder
 from serving.readout.shadow import ShadowReadout
+from serving.readout.sources import ReadoutSources, RegistrySourceFactory
 from serving.supervise import RateLimitedLog
 from serving.telemetry import Telemetry
 from serving.tracking import RequestTracker
@@ -49,7 +49,7 @@ def _engine_hook(method):
     def hook(self, *args, **kwargs):
         try:
             return method(self, *args, **kwargs)
-        except Exception:  # noqa: BLE001 - nothing LEAP does may take engine-core down
+        except Exception:
             self.telemetry.thread_error("scheduler")
             _hook_warnings.warning(method.__name__, "LEAP %s failed; the engine goes on", method.__name__,
                                    exc_info=True)
@@ -126,8 +126,8 @@ class LeapRuntime:
                                "(LEAP_FEEDBACK_DIR) is not, and segments are spooled there before shipping",
                                redact_url(self.config.feedback_url))
             return None
-        from serving.feedback.writer import FeedbackCollector, FeedbackWriter
         from serving.feedback.segments import default_replica_id
+        from serving.feedback.writer import FeedbackCollector, FeedbackWriter
 
         # rows keep the whole captured vector, so the fit flow may choose any recipe the capture covers
         writer = FeedbackWriter(self.config.feedback_dir, self.feature_dim, self.layer, self.model_id,

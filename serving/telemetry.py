@@ -18,7 +18,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 
 from serving.request_extras import KNOWN_KEYS
 
-
 UNKNOWN_EXTRA = "unknown"
 """The label of every `leap_*` extra key LEAP does not know (`leap_bad_request_extras_total`)."""
 

@@ -351,7 +351,7 @@ def routes_taking_extras() -> set[tuple[str, str]]:
                     continue
                 try:
                     hints = typing.get_type_hints(route.endpoint)
-                except Exception:  # noqa: BLE001 - an annotation this Python cannot resolve: read it raw
+                except Exception:
                     hints = {}
                 for parameter in inspect.signature(route.endpoint).parameters.values():
                     annotation = hints.get(parameter.name, parameter.annotation)

@@ -17,8 +17,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from store.feature_encoding import features_from_bytes
 from leap_io.durable import write_durably
+from store.feature_encoding import features_from_bytes
 
 FOLDER_SUFFIX = ".features"
 """The folder of a store's feature files is the database file's path with this suffix appended."""

@@ -218,7 +218,7 @@ def _read_segment(source: SegmentSource, ledger: Ledger, changed: set[tuple[str,
         raw = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)
     except run_errors:
         raise
-    except Exception as error:  # noqa: BLE001  (anything the reader raises means the bytes are not a segment)
+    except Exception as error:
         read.error = error
         return read
     read.rows = raw.num_rows
@@ -228,7 +228,7 @@ def _read_segment(source: SegmentSource, ledger: Ledger, changed: set[tuple[str,
         read.judged = JudgedSegment(raw)
     except run_errors:
         raise
-    except Exception as error:  # noqa: BLE001  (isolation: this segment fails, the run goes on)
+    except Exception as error:
         read.failure = error
     return read
 
@@ -296,7 +296,7 @@ def _write_alone(writer: StoreWriter, read: ReadSegment, known_dims: dict[SpaceK
     except (Crash, *_run_errors(writer)):
         writer.rollback()
         raise
-    except Exception as error:  # noqa: BLE001  (isolation: this segment fails, the run goes on)
+    except Exception as error:
         writer.rollback()
         writer.begin()
         try:
@@ -374,7 +374,7 @@ def _ingest_paths(writer: StoreWriter, sources: Sequence[SegmentSource], hook: S
                     report, dims = _write_segment(writer, read, {**known_dims, **pending_dims}, hook, retry_failed)
                 except (Crash, *run_errors):
                     raise
-                except Exception:  # noqa: BLE001  (isolation: redo the group without this segment)
+                except Exception:
                     writer.rollback()
                     earlier, group = group[:-1], []
                     pending_dims.clear()

@@ -265,7 +265,7 @@ class SqlStore(ABC):
     def _frame(self, where: str, params: list) -> TrainingFrame:
         """The training frame of the rows `where` (`selection`) selects, in `frame_query`'s order."""
 
-    def _ensure_gates(self) -> None:
+    def _ensure_gates(self) -> None:  # noqa: B027  (a hook: a no-op where the schema holds the table)
         """Create the gates table where the store's schema does not hold it from the start."""
 
     def counts(self) -> dict[str, int]:

@@ -95,7 +95,8 @@ class Traffic:
             runtime.before_schedule(requests, self.step)  # prefill: tracked
             self.step += 1
             self.sender.send([r.request_id for r in requests], part.features)
-            if not eventually(lambda: all(r.request_id in runtime.tracker.predictions for r in requests)):
+            if not eventually(lambda requests=requests: all(r.request_id in runtime.tracker.predictions
+                                                            for r in requests)):
                 raise AssertionError(f"no prediction for {len(requests)} requests of {domain.name}")
             for request, length in zip(requests, part.lengths):
                 request.num_computed_tokens = request.num_prompt_tokens + int(length) - 1

@@ -9,9 +9,9 @@ import uuid
 import numpy as np
 import pytest
 
+from leap_io.object_store import ObjectStore
 from ops.servers import s3_environment
 from study_harness.servers import running_s3
-from leap_io.object_store import ObjectStore
 
 DIM, LAYER = 8, 3  # last@3 with a hidden size of 8
 

@@ -80,8 +80,8 @@ def fleet_stack():
         assert code == 0, up
         yield {"env": env, "home": home, "up": up, "up_s": time.monotonic() - started}
     finally:
-        from ops import stack
         from flows.settings import PipelineSettings
+        from ops import stack
 
         stack.down(PipelineSettings(home=home, mlflow_port=int(env["LEAP_MLFLOW_PORT"]),
                                     prefect_port=int(env["LEAP_PREFECT_PORT"])), grace_s=10.0)

@@ -11,12 +11,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm import SamplingParams  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm import SamplingParams
+from vllm.v1.request import Request
 
-from leap_core.decode_slots import DecodeSlotRule  # noqa: E402
-from serving.capture.hidden_states import FeatureSender  # noqa: E402
-from tests.runtime_fixtures import DIM, build, eventually, first_value_readout  # noqa: E402,F401
+from leap_core.decode_slots import DecodeSlotRule
+from serving.capture.hidden_states import FeatureSender
+from tests.runtime_fixtures import DIM, build, eventually, first_value_readout  # noqa: F401  (pytest fixtures, used by name)
 
 N = 12
 LENGTHS = np.arange(10.0, 10.0 * (N + 1), 10.0)  # predicted totals: 10, 20, ..., 120

@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from evaluation.baseline_fits import BASELINES, fit_cached, make_predictor, measure_cost
-from evaluation.baselines import (EncoderRidgePredictor, HiddenStateMLP, LeapReadoutPredictor, LengthData,
-                                  OraclePredictor, PromptLengthPredictor)
+from evaluation.baselines import (
+    EncoderRidgePredictor,
+    HiddenStateMLP,
+    LeapReadoutPredictor,
+    LengthData,
+    OraclePredictor,
+    PromptLengthPredictor,
+)
 from evaluation.finetuned import EncoderRanker, EncoderRegressor
 from leap_core.metrics import spearman
 

@@ -6,8 +6,13 @@ import pytest
 import torch
 
 from evaluation.baseline_fits import cache_key, fit_cached, pinned
-from evaluation.baselines import (EncoderRidgePredictor, HiddenStateMLP, LengthData, PromptLengthPredictor,
-                                  validation_split)
+from evaluation.baselines import (
+    EncoderRidgePredictor,
+    HiddenStateMLP,
+    LengthData,
+    PromptLengthPredictor,
+    validation_split,
+)
 from evaluation.finetuned import EncoderRanker, EncoderRegressor
 from leap_core.metrics import spearman
 from tests.test_baselines import MAX_TOKENS, synthetic

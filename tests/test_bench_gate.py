@@ -21,7 +21,7 @@ def test_one_trial_replays_every_arm_and_reads_each_case_from_its_pair():
     assert set(result["cases"]) == set(CASES)
     assert result["pairs"] == {case: {"bar": bar, "challenger": challenger}
                                for case, (bar, challenger) in case_pairs().items()}
-    for case, record in result["cases"].items():
+    for record in result["cases"].values():
         assert record["trials"] == 1 and record["promoted_rate"] in (0.0, 1.0)
         (run,) = record["runs"]
         assert run["outcome"] in ("better", "no-difference", "worse")

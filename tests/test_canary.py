@@ -20,11 +20,11 @@ from leap_core.canary_figures import canary_figures
 
 pytest.importorskip("vllm")
 
-from vllm import SamplingParams  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm import SamplingParams
+from vllm.v1.request import Request, RequestStatus
 
-from serving.capture.hidden_states import FeatureSender  # noqa: E402
-from tests.runtime_fixtures import DIM, build, eventually, scaled_readout  # noqa: E402,F401
+from serving.capture.hidden_states import FeatureSender
+from tests.runtime_fixtures import DIM, build, eventually, scaled_readout  # noqa: F401  (pytest fixtures, used by name)
 
 TOKEN = "canary-token"
 
@@ -58,7 +58,7 @@ def _traffic(runtime, prefix: str, n: int) -> None:
         vector = np.random.default_rng(i).normal(size=DIM).astype(np.float32)
         vector[0] = length
         sender.send([request.request_id], vector[None])
-        assert eventually(lambda: request.request_id in runtime.tracker.predictions)
+        assert eventually(lambda request=request: request.request_id in runtime.tracker.predictions)
         request.num_computed_tokens = request.num_prompt_tokens + length - 1
         request.append_output_token_ids([7] * length)
         request.status = RequestStatus.FINISHED_STOPPED

@@ -79,8 +79,8 @@ def test_saving_a_result_from_a_dirty_checkout_is_refused_before_the_work_runs(m
 
     from typer.testing import CliRunner
 
-    from study_harness import snapshot
     from leap_cli.main import app
+    from study_harness import snapshot
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("the work ran before the checkout was checked")
@@ -101,8 +101,8 @@ def test_a_result_names_the_commit_its_study_started_from(monkeypatch):
     from typer.testing import CliRunner
 
     from evaluation import ceiling
-    from study_harness import snapshot
     from leap_cli.main import app
+    from study_harness import snapshot
 
     heads = iter(["a" * 40, "b" * 40, "b" * 40])
     monkeypatch.setattr(snapshot, "git_commit", lambda: next(heads))

@@ -13,13 +13,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from leap_core.readout_format import to_bytes  # noqa: E402
-from leap_io.champion import ChampionPublication, PublicationDamaged, default_location  # noqa: E402
-from leap_io.model_identity import registered_model_name  # noqa: E402
-from leap_io.push_bundle import make_bundle  # noqa: E402
-from tests.fleet_fixtures import champion_readout  # noqa: E402
-from tests.object_feedback_fixtures import bucket, s3_endpoint, s3_env  # noqa: E402,F401 - fixtures
-from tests.runtime_fixtures import LAYER, MODEL, build  # noqa: E402,F401 - `build` is a fixture
+from leap_core.readout_format import to_bytes
+from leap_io.champion import ChampionPublication, PublicationDamaged, default_location
+from leap_io.model_identity import registered_model_name
+from leap_io.push_bundle import make_bundle
+from tests.fleet_fixtures import champion_readout
+from tests.object_feedback_fixtures import bucket, s3_endpoint, s3_env  # noqa: F401 - fixtures
+from tests.runtime_fixtures import LAYER, MODEL, build  # noqa: F401  (pytest fixtures, used by name)
 
 NAME = registered_model_name(MODEL, LAYER)
 
@@ -260,8 +260,8 @@ def test_publications_count_up_and_the_count_is_signed(tmp_path):
 
 def test_the_sequence_decides_between_a_saved_push_and_a_publication_whatever_the_clocks_say():
     from leap_io.champion import Publication
-    from serving.readout.sources import published_is_newer
     from serving.readout.saved_state import Saved
+    from serving.readout.sources import published_is_newer
 
     now = time.time()
     ahead = Saved("v5", now + 3600, 5)  # this host's clock runs an hour ahead of the publisher's

@@ -198,8 +198,8 @@ def test_the_state_survives_runs_keeps_a_bounded_history_and_sets_a_broken_file_
 
 
 def test_the_replica_keeps_figures_per_domain_since_its_anchor_and_caps_the_domains():
-    from prometheus_client.parser import text_string_to_metric_families
     from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
 
     from serving.feedback.recorder import DomainQuality
     from serving.telemetry import Telemetry
@@ -207,8 +207,7 @@ def test_the_replica_keeps_figures_per_domain_since_its_anchor_and_caps_the_doma
     telemetry = Telemetry()
     generation = [1]
     quality = DomainQuality(telemetry, lambda: generation[0], window=4, max_domains=2)
-    for i, (predicted, anchored, true) in enumerate([(10, 20, 12), (30, 20, 33), (50, 60, 40), (70, 70, 90),
-                                                      (90, 80, 100)]):
+    for predicted, anchored, true in [(10, 20, 12), (30, 20, 33), (50, 60, 40), (70, 70, 90), (90, 80, 100)]:
         quality.add(predicted, anchored, true, "math", 1)
     quality.add(5, 5, 5, "code", 1)
     quality.add(5, 5, 5, "chat", 1)  # a third domain: counted in "all" only

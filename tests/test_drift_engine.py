@@ -30,11 +30,11 @@ def test_the_engine_serving_another_prompt_set_starts_a_retrain(tmp_path):
     from harness.engine import EngineSettings, build_engine, leap_scheduler
     from harness.model_prep import prepare_model
     from harness.replay import DEFAULT_DECODING, encode_prompts
-    from study_harness.snapshot import read_manifest, read_prompts
     from leap_core.metrics import mae
     from leap_core.rls import fit_readout_with_anchor
     from registry.client import ReadoutRegistry
     from serving.config import LeapConfig
+    from study_harness.snapshot import read_manifest, read_prompts
     from tests.flow_fixtures import pipeline_home
 
     model = prepare_model()

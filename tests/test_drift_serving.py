@@ -9,18 +9,17 @@ scraping the replica's /metrics over HTTP and acting through the registry and th
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
 pytest.importorskip("prefect")
 
-from flows.drift import RESET, RETRAIN, ROLLBACK, drift_flow  # noqa: E402
-from leap_core.metrics import mae  # noqa: E402
-from leap_core.rls import fit_readout_with_anchor  # noqa: E402
-from registry.client import CHAMPION, ReadoutRegistry  # noqa: E402
-from tests.drift_fixtures import MAX_TOKENS, TOKEN, Traffic, readout_metadata, replica_config, snapshot_domains  # noqa: E402
-from tests.flow_fixtures import pipeline_home  # noqa: E402
+from flows.drift import RESET, RETRAIN, ROLLBACK, drift_flow
+from leap_core.metrics import mae
+from leap_core.rls import fit_readout_with_anchor
+from registry.client import CHAMPION, ReadoutRegistry
+from tests.drift_fixtures import MAX_TOKENS, TOKEN, Traffic, readout_metadata, replica_config, snapshot_domains
+from tests.flow_fixtures import pipeline_home
 
 pytestmark = pytest.mark.pipeline
 FITTED_ON, SHIFTED_TO = "alpaca", "alpaca_zh"  # median output 88 tokens against 342

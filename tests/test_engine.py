@@ -27,8 +27,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def live(model, tmp_path_factory):
-    from serving.config import LeapConfig
     from harness.engine import EngineSettings, build_engine, leap_scheduler
+    from serving.config import LeapConfig
 
     feedback = tmp_path_factory.mktemp("feedback")
     config = LeapConfig(policy="leap", layer=LAYER, max_resident=16, decode_slots=4, waiting_cap=1000,

@@ -197,8 +197,8 @@ def test_simulated_studies_on_the_small_real_corpus(all_layers, prompt_file):
     from evaluation.simulated_load import run_load
     from evaluation.simulated_tail import run_tail
     from evaluation.transfer import fit_leap
-    from leap_core.simulator import StepTimeModel
     from harness.datasets import load_prompts
+    from leap_core.simulator import StepTimeModel
 
     prompts = load_prompts(prompt_file)
     data = length_data(load_or_build([prompts], M)[0], prompts)
@@ -233,7 +233,7 @@ def test_decode_states_hold_the_remaining_length_at_each_checkpoint(home, prompt
     assert has_prefill.all()
     reached = [g for g in CHECKPOINTS if g < M]
     assert reached == [16, 32]
-    for k, prompt in enumerate(prompts):
+    for k in range(len(prompts)):
         first = index[k, 0]
         total, prompt_tokens = int(rows.output_tokens[first]), int(rows.prompt_tokens[first])
         for c, g in enumerate(CHECKPOINTS):

@@ -7,9 +7,9 @@ import pytest
 
 from evaluation import recipes as recipes_study
 from evaluation.recipes import RecipeRows, capture_ms, capture_of, capture_rows, run_recipes
+from leap_core.recipes import DOMAIN_VALUE, Recipe, request_columns
 from study_harness.corpus import Corpus
 from study_harness.recipe_corpus import WIDE_RECIPE, joined
-from leap_core.recipes import DOMAIN_VALUE, Recipe, request_columns
 
 H = 6
 

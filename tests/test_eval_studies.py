@@ -107,8 +107,8 @@ def test_report_renders_every_saved_study(tmp_path):
 def test_the_report_fails_on_a_result_from_another_corpus_or_a_dirty_commit(tmp_path):
     from typer.testing import CliRunner
 
-    from study_harness.snapshot import read_manifest
     from leap_cli.main import app
+    from study_harness.snapshot import read_manifest
 
     current = read_manifest()["corpus_hash"]
     corpus = {"study": "corpus", "max_tokens": 1024, "n": 3, "chat_capped_fraction": 0.05, "command": "leap eval corpus",

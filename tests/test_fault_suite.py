@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.faults.suite import QUICK_SCENARIOS, SUMMARY_KEYS, run_suite
 from experiments.faults.clients import BAD_XARGS
+from experiments.faults.suite import QUICK_SCENARIOS, SUMMARY_KEYS, run_suite
 
 pytestmark = pytest.mark.engine
 

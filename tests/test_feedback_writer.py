@@ -21,8 +21,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from leap_io.feedback_schema import read_segment_file
-from serving.feedback.writer import FeedbackCollector, FeedbackFlushError, FeedbackWriter
 from serving.feedback.segments import LOCK_NAME, PARTIAL_SUFFIX, default_replica_id
+from serving.feedback.writer import FeedbackCollector, FeedbackFlushError, FeedbackWriter
 
 DIM = 8
 REPO = Path(__file__).resolve().parents[1]

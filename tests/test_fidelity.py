@@ -7,8 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from evaluation.fidelity import (compare, loop_periods, paired_ratio, ratio_pairs, relative_errors,
-                                 steady_rate)
+from evaluation.fidelity import compare, loop_periods, paired_ratio, ratio_pairs, relative_errors, steady_rate
 
 
 def test_steady_rate_counts_the_middle_half_of_completions():

@@ -16,19 +16,19 @@ pytest.importorskip("mlflow")
 pytest.importorskip("prefect")
 pytest.importorskip("vllm")
 
-from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
-from prefect.testing.utilities import prefect_test_harness  # noqa: E402
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+from prefect.testing.utilities import prefect_test_harness
 
-from experiments.faults import pipeline as faults  # noqa: E402
-from flows.fleet import merge_flow, merge_refit_diff, reconcile_replicas  # noqa: E402
-from flows.promotion import PushOptions, promote  # noqa: E402
-from leap_core import targets  # noqa: E402
-from leap_core.readout_format import to_bytes  # noqa: E402
-from leap_io.push_bundle import make_bundle, open_bundle  # noqa: E402
-from registry.client import CHAMPION, ReadoutRegistry  # noqa: E402
-from tests.fleet_fixtures import TOKEN, champion_readout, feed, replica, rows  # noqa: E402
-from tests.flow_fixtures import pipeline_home  # noqa: E402
-from tests.runtime_fixtures import build, eventually  # noqa: E402,F401 - `build` is a fixture
+from experiments.faults import pipeline as faults
+from flows.fleet import merge_flow, merge_refit_diff, reconcile_replicas
+from flows.promotion import PushOptions, promote
+from leap_core import targets
+from leap_core.readout_format import to_bytes
+from leap_io.push_bundle import make_bundle, open_bundle
+from registry.client import CHAMPION, ReadoutRegistry
+from tests.fleet_fixtures import TOKEN, champion_readout, feed, replica, rows
+from tests.flow_fixtures import pipeline_home
+from tests.runtime_fixtures import build, eventually  # noqa: F401  (pytest fixtures, used by name)
 
 pytestmark = [pytest.mark.pipeline,
               pytest.mark.filterwarnings("ignore:Type object .* OperatorClass:DeprecationWarning")]
@@ -132,7 +132,7 @@ def test_the_merged_champion_is_the_refit_on_all_feedback_and_serves_everywhere_
 
 
 def test_a_replica_on_another_anchor_is_skipped_and_counted_then_takes_the_merge(fleet):
-    registry, name, urls = fleet["registry"], fleet["name"], fleet["urls"]
+    registry, name = fleet["registry"], fleet["name"]
     other, other_rls, _, _ = champion_readout("20250102T000000-other001", np.random.default_rng(99))
     fleet["runtimes"][2].push_readout(make_bundle(to_bytes(other), other_rls.state_arrays()))
     learned = _learn(fleet, 0, 16, 0.0)

@@ -15,16 +15,15 @@ import pytest
 pytest.importorskip("prefect")
 pytest.importorskip("mlflow")
 
-from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
-from prefect.testing.utilities import prefect_test_harness  # noqa: E402
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+from prefect.testing.utilities import prefect_test_harness
 
-from leap_core.gate_verdict import gate_verdict  # noqa: E402
-from flows.pipeline import fit_flow, gate_flow, ingest_flow, push_flow, retrain_flow  # noqa: E402
-from store.duckdb import LogStore  # noqa: E402
-from flows.tasks import gate_slice, promote_if_passed, record_gate, recorded_gate  # noqa: E402
-from registry.client import CHALLENGER, CHAMPION, PREVIOUS_CHAMPION, ReadoutRegistry  # noqa: E402
-from serving.feedback.writer import FeedbackWriter  # noqa: E402
-from tests.flow_fixtures import ingest_and_fit, pipeline_home  # noqa: E402
+from flows.pipeline import fit_flow, gate_flow, ingest_flow, push_flow, retrain_flow
+from flows.tasks import gate_slice, promote_if_passed, record_gate, recorded_gate
+from leap_core.gate_verdict import gate_verdict
+from registry.client import CHALLENGER, CHAMPION, PREVIOUS_CHAMPION, ReadoutRegistry
+from serving.feedback.writer import FeedbackWriter
+from tests.flow_fixtures import ingest_and_fit, pipeline_home
 
 pytestmark = [pytest.mark.pipeline,
               pytest.mark.filterwarnings("ignore:Type object .* OperatorClass:DeprecationWarning")]

@@ -14,12 +14,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm import SamplingParams  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm import SamplingParams
+from vllm.v1.request import Request
 
-from leap_core.gittins import LengthGivenPrediction  # noqa: E402
-from serving.capture.hidden_states import FeatureSender  # noqa: E402
-from tests.runtime_fixtures import DIM, build, eventually, first_value_readout  # noqa: E402,F401
+from leap_core.gittins import LengthGivenPrediction
+from serving.capture.hidden_states import FeatureSender
+from tests.runtime_fixtures import DIM, build, eventually, first_value_readout  # noqa: F401  (pytest fixtures, used by name)
 
 # Requests predicted near 100 tokens end after 10 or after 1,000, half and half; those predicted near 500
 # always take 200. A request that has generated 20 of a predicted 100 has outlived the short outcome, so

@@ -13,6 +13,9 @@ import duckdb
 import numpy as np
 import pytest
 
+from flows.tasks import recorded_lengths
+from leap_io.feedback_schema import TRAINING_FINISH_REASONS
+from store.duckdb import SCHEMA_VERSION, LogStore
 from store.ingest import (
     REASON_CHECKSUM_CHANGED,
     REASON_SEGMENT_ERROR,
@@ -23,11 +26,8 @@ from store.ingest import (
     totals,
 )
 from store.validation import bad_metadata_reason
-from leap_io.feedback_schema import TRAINING_FINISH_REASONS
-from store.duckdb import SCHEMA_VERSION, LogStore
-from flows.tasks import recorded_lengths
-from training.fit import NotEnoughRowsError, fit_readout, select_window, time_split
 from tests.segment_fuzz import assert_reconciles, write_segment
+from training.fit import NotEnoughRowsError, fit_readout, select_window, time_split
 
 ALL_REASONS = ("stop", "length", "abort", "error", "repetition")
 

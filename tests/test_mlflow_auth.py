@@ -18,11 +18,11 @@ import pytest
 
 pytest.importorskip("mlflow")
 
-from ops.servers import MlflowAuth, mlflow_command  # noqa: E402
-from registry.aliases import CHAMPION  # noqa: E402
-from registry.client import ReadoutRegistry, RegistryError, RegistryUnavailable  # noqa: E402
-from study_harness.servers import MlflowServer  # noqa: E402
-from tests.fleet_fixtures import champion_readout  # noqa: E402
+from ops.servers import mlflow_command
+from registry.aliases import CHAMPION
+from registry.client import ReadoutRegistry, RegistryError, RegistryUnavailable
+from study_harness.servers import MlflowAuth, MlflowServer
+from tests.fleet_fixtures import champion_readout
 
 pytestmark = pytest.mark.pipeline
 

@@ -21,16 +21,16 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
-from store.ingest import complete_segments, ingest_folder, totals
-from ops.servers import free_port
-from study_harness.servers import running_s3
-from store.duckdb import LogStore
 from leap_io.object_store import ObjectStore
 from leap_io.s3_locations import ObjectURLError, check_endpoint, parse_s3_url
+from ops.servers import free_port
 from serving.config import LeapConfig
-from serving.feedback.writer import FeedbackWriter
 from serving.feedback.segments import PARTIAL_SUFFIX
 from serving.feedback.shipper import FeedbackShipper, ShipperCollector
+from serving.feedback.writer import FeedbackWriter
+from store.duckdb import LogStore
+from store.ingest import complete_segments, ingest_folder, totals
+from study_harness.servers import running_s3
 from tests.object_feedback_fixtures import (  # noqa: F401  (fixtures)
     DIM,
     LAYER,

@@ -216,8 +216,8 @@ def test_run_targets_carries_intervals_per_set_and_the_censored_share(layer_data
 
 def test_choose_alpha_is_the_shared_alpha_path(layer_data):
     """offline.choose_alpha and the fit flow's select_alpha are leap_core.alpha on their own split."""
-    from training.fit import ALPHA_GRID, select_alpha
     from leap_core import alpha as alpha_path
+    from training.fit import ALPHA_GRID, select_alpha
 
     F_train, y_train, _, _ = layer_data
     X = F_train[:, SIGNAL_LAYER]

@@ -18,7 +18,7 @@ import yaml
 
 pytest.importorskip("prefect")
 
-from ops.servers import free_port, program, stop, wait_http  # noqa: E402
+from ops.servers import free_port, program, stop, wait_http
 
 COMPOSE = Path(__file__).resolve().parents[1] / "infra" / "compose.yaml"
 AUTH = "admin:a-long-prefect-password"

@@ -22,10 +22,10 @@ import pytest
 pytest.importorskip("mlflow")
 pytest.importorskip("prefect")
 
-from experiments.faults import pipeline as faults  # noqa: E402
-from flows.promotion import PromotionFailed, PushOptions, promote, recover, rollback  # noqa: E402
-from ops.servers import free_port  # noqa: E402
-from registry.client import (  # noqa: E402
+from experiments.faults import pipeline as faults
+from flows.promotion import PromotionFailed, PushOptions, promote, recover, rollback
+from ops.servers import free_port
+from registry.client import (
     CHALLENGER,
     CHAMPION,
     PREVIOUS_CHAMPION,
@@ -33,7 +33,7 @@ from registry.client import (  # noqa: E402
     ReadoutRegistry,
     RegistryUnavailable,
 )
-from study_harness.servers import MlflowServer  # noqa: E402
+from study_harness.servers import MlflowServer
 
 pytestmark = pytest.mark.pipeline
 
@@ -232,7 +232,7 @@ def test_registry_calls_are_retried_until_a_restarted_mlflow_answers(tmp_path):
     def call() -> None:
         try:
             outcome["aliases"] = registry.aliases("leap-readout-x-L1")
-        except Exception as error:  # noqa: BLE001 - reported by the assertion below
+        except Exception as error:
             outcome["error"] = error
 
     caller = threading.Thread(target=call)

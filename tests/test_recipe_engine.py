@@ -14,9 +14,9 @@ import pytest
 from leap_core.readout import LinearReadout
 from leap_core.readout_format import to_bytes
 from leap_core.recipes import Recipe, decoding_columns, prompt_column
-from tests.recipe_reference import entropy_weights, pooled
 from serving.readout.push import PushRefused
 from tests.engine_fixtures import chat_ids
+from tests.recipe_reference import entropy_weights, pooled
 
 pytestmark = pytest.mark.engine
 

@@ -19,27 +19,27 @@ import pytest
 pytest.importorskip("prefect")
 pytest.importorskip("mlflow")
 
-from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings  # noqa: E402
-from prefect.testing.utilities import prefect_test_harness  # noqa: E402
-from pydantic import ValidationError  # noqa: E402
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+from prefect.testing.utilities import prefect_test_harness
+from pydantic import ValidationError
 
-from store.ingest import ingest_folder  # noqa: E402
-from store.validation import (  # noqa: E402
+from flows.pipeline import fit_flow
+from flows.settings import PipelineSettings
+from flows.tasks import latest_feature_space
+from leap_io.feedback_schema import META_RECIPE, read_segment_file
+from registry.client import CHALLENGER, ReadoutRegistry
+from registry.runs import READOUT_EXPERIMENT, RECIPE_VALIDATION_FILE
+from serving.feedback.writer import FeedbackWriter
+from store.duckdb import SCHEMA_VERSION, LogStore
+from store.ingest import ingest_folder
+from store.validation import (
     REASON_FEATURE_DIM_CONFLICT,
     REASON_RECIPE_WRONG_DIM,
     REASON_UNPARSABLE_RECIPE,
 )
-from flows.pipeline import fit_flow  # noqa: E402
-from flows.settings import PipelineSettings  # noqa: E402
-from store.duckdb import SCHEMA_VERSION, LogStore  # noqa: E402
-from flows.tasks import latest_feature_space  # noqa: E402
-from leap_io.feedback_schema import META_RECIPE, read_segment_file  # noqa: E402
-from registry.client import CHALLENGER, ReadoutRegistry  # noqa: E402
-from registry.runs import READOUT_EXPERIMENT, RECIPE_VALIDATION_FILE  # noqa: E402
-from serving.feedback.writer import FeedbackWriter  # noqa: E402
-from tests.segment_fuzz import write_segment  # noqa: E402
-from tests.flow_fixtures import ingest_and_fit, pipeline_home  # noqa: E402
-from training.spec import FeatureSpace, covered_recipes  # noqa: E402
+from tests.flow_fixtures import ingest_and_fit, pipeline_home
+from tests.segment_fuzz import write_segment
+from training.spec import FeatureSpace, covered_recipes
 
 pytestmark = [pytest.mark.pipeline,
               pytest.mark.filterwarnings("ignore:Type object .* OperatorClass:DeprecationWarning")]

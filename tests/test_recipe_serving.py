@@ -19,13 +19,12 @@ from leap_core.recipes import DOMAIN_VALUE, Recipe, request_columns
 from leap_core.rls import fit_readout_with_anchor
 from leap_io.feedback_schema import read_segment_file
 from leap_io.push_bundle import make_bundle
-from serving.readout.push import PushRefused
 from serving.config import LeapConfig
-from serving.readout.push import CaptureSpace
+from serving.readout.push import CaptureSpace, PushRefused
 from serving.readout.service import ReadoutService
 from serving.telemetry import Telemetry
 from serving.tracking import RequestTracker
-from tests.runtime_fixtures import DIM, LAYER, MODEL, build, eventually, first_value_readout  # noqa: F401
+from tests.runtime_fixtures import DIM, LAYER, MODEL, build, eventually, first_value_readout  # noqa: F401  (pytest fixtures, used by name)
 
 pytest.importorskip("vllm")
 

@@ -7,8 +7,17 @@ import pytest
 import torch
 
 from leap_core.recipe_choice import choose_recipe, validate_recipe, validate_recipes
-from leap_core.recipes import (DECODING_COLUMNS, DOMAIN_VALUE, Recipe, RecipeError, decoding_columns,
-                               domain_columns, readout_recipe, request_columns, union)
+from leap_core.recipes import (
+    DECODING_COLUMNS,
+    DOMAIN_VALUE,
+    Recipe,
+    RecipeError,
+    decoding_columns,
+    domain_columns,
+    readout_recipe,
+    request_columns,
+    union,
+)
 from serving.capture.pooling import PromptPool, entropy_of_logits, prompt_rows
 from tests.recipe_reference import entropy_weights, pooled
 

@@ -11,12 +11,13 @@ import pytest
 
 pytest.importorskip("mlflow")
 
-from mlflow.exceptions import MlflowException  # noqa: E402
-from leap_core.readout import LinearReadout  # noqa: E402
-from leap_core.readout_format import ReadoutMismatchError  # noqa: E402
-from leap_core.rls import RLS  # noqa: E402
-from registry import plots  # noqa: E402
-from registry.client import (  # noqa: E402
+from mlflow.exceptions import MlflowException
+
+from leap_core.readout import LinearReadout
+from leap_core.readout_format import ReadoutMismatchError
+from leap_core.rls import RLS
+from registry import plots
+from registry.client import (
     CHALLENGER,
     CHAMPION,
     PREVIOUS_CHAMPION,
@@ -24,8 +25,8 @@ from registry.client import (  # noqa: E402
     RegistryError,
     ensure_db,
 )
-from registry.model import READOUT_FILE, RLS_STATE_FILE  # noqa: E402
-from registry.tracking import sqlite_path  # noqa: E402
+from registry.model import READOUT_FILE, RLS_STATE_FILE
+from registry.tracking import sqlite_path
 
 pytestmark = pytest.mark.pipeline
 

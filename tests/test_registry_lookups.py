@@ -8,14 +8,14 @@ import pytest
 
 pytest.importorskip("mlflow")
 
-from leap_core.readout import LinearReadout  # noqa: E402
-from leap_core.readout_format import from_bytes  # noqa: E402
-from leap_core.rls import RLS  # noqa: E402
-from leap_io.push_bundle import open_bundle  # noqa: E402
-from registry.aliases import CHAMPION  # noqa: E402
-from registry.calls import RegistryError, RegistryUnavailable, call_with_retry  # noqa: E402
-from registry.client import ReadoutRegistry  # noqa: E402
-from registry.lookups import MERGE_ROWS_UNTIL_TAG, ROWS_UNTIL_TAG  # noqa: E402
+from leap_core.readout import LinearReadout
+from leap_core.readout_format import from_bytes
+from leap_core.rls import RLS
+from leap_io.push_bundle import open_bundle
+from registry.aliases import CHAMPION
+from registry.calls import RegistryError, RegistryUnavailable, call_with_retry
+from registry.client import ReadoutRegistry
+from registry.lookups import MERGE_ROWS_UNTIL_TAG, ROWS_UNTIL_TAG
 
 pytestmark = pytest.mark.pipeline
 

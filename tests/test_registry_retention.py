@@ -11,10 +11,10 @@ import pytest
 
 pytest.importorskip("mlflow")
 
-from registry.aliases import CHALLENGER, CHAMPION, PREVIOUS_CHAMPION  # noqa: E402
-from registry.client import ReadoutRegistry  # noqa: E402
-from study_harness.servers import MlflowServer  # noqa: E402
-from tests.fleet_fixtures import champion_readout  # noqa: E402
+from registry.aliases import CHALLENGER, CHAMPION, PREVIOUS_CHAMPION
+from registry.client import ReadoutRegistry
+from study_harness.servers import MlflowServer
+from tests.fleet_fixtures import champion_readout
 
 pytestmark = pytest.mark.pipeline
 

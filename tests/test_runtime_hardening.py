@@ -33,9 +33,6 @@ from serving.capture.hidden_states import FeatureSender
 from tests.runtime_fixtures import DIM, build, eventually, first_value_readout  # noqa: F401 (build is a fixture)
 
 
-
-
-
 def feature(first: float, seed: int = 0) -> np.ndarray:
     vector = np.random.default_rng(seed).normal(size=DIM).astype(np.float32)
     vector[0] = first

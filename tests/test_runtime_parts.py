@@ -15,11 +15,11 @@ from leap_core.readout import LinearReadout
 from leap_core.readout_format import to_bytes
 from leap_core.rls import RLS
 from leap_io.push_bundle import make_bundle
+from serving.capture.receiver import BadMessage, decode_message
 from serving.config import LeapConfig
 from serving.readout.predictor import PredictorService
-from serving.readout.service import ReadoutService
 from serving.readout.saved_state import ReadoutState
-from serving.capture.receiver import BadMessage, decode_message
+from serving.readout.service import ReadoutService
 from serving.supervise import RateLimitedLog, SupervisedThread
 from serving.telemetry import Telemetry
 from serving.tracking import RequestTracker

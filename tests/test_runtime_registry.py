@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 from leap_core.readout_format import to_bytes
 from leap_core.rls import RLS
 from registry.client import ReadoutRegistry
-from tests.runtime_fixtures import DIM, build, eventually, first_value_readout  # noqa: F401 - `build` is a fixture
+from tests.runtime_fixtures import DIM, build, eventually, first_value_readout  # noqa: F401  (pytest fixtures, used by name)
 
 pytestmark = pytest.mark.pipeline
 

@@ -40,14 +40,14 @@ from leap_io.champion import ChampionPublication
 from leap_io.object_store import ObjectAccessDenied, ObjectStore, ObjectStoreError
 from leap_io.s3_locations import ObjectURLError
 from leap_io.signing import generate_key_pair
-from ops.s3_access import WORKER, fleet_policies, replica_policy, render, worker_policy
-from study_harness.servers import running_s3
-from serving.feedback.writer import FeedbackWriter
+from ops.s3_access import WORKER, fleet_policies, render, replica_policy, worker_policy
 from serving.feedback.shipper import FeedbackShipper
+from serving.feedback.writer import FeedbackWriter
 from store import segment_sources
 from store.duckdb import LogStore
 from store.ingest import complete_segments, ingest_folder, totals
 from store.retention import prune_ingested
+from study_harness.servers import running_s3
 from tests.object_feedback_fixtures import DIM, LAYER, feedback_row
 
 REPO = Path(__file__).resolve().parents[1]
@@ -378,9 +378,9 @@ def test_the_workers_publish_the_champion_replicas_read_it_and_cannot_replace_it
             with pytest.raises(ObjectStoreError, match="403|AccessDenied"):
                 publication.publish("leap-model", b"a replica's own choice", "v2", 4)
             store = ObjectStore()
-            _denied(lambda: store.put(BUCKET, f"{CHAMPION}/leap-model.json", b"{}"))
-            _denied(lambda: store.put(BUCKET, f"{CHAMPION}/leap-model.bundle", b"forged"))
-            _denied(lambda: store.delete(BUCKET, f"{CHAMPION}/leap-model.json"))
+            _denied(lambda store=store: store.put(BUCKET, f"{CHAMPION}/leap-model.json", b"{}"))
+            _denied(lambda store=store: store.put(BUCKET, f"{CHAMPION}/leap-model.bundle", b"forged"))
+            _denied(lambda store=store: store.delete(BUCKET, f"{CHAMPION}/leap-model.json"))
     assert fleet.client().get_object(Bucket=BUCKET, Key=f"{CHAMPION}/leap-model.json")["Body"].read() == meta
 
     with fleet.principal(WORKER):  # the workers cannot take the publication away either

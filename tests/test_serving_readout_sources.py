@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from leap_core.readout_format import to_bytes  # noqa: E402
-from leap_io.model_identity import registered_model_name  # noqa: E402
-from tests.runtime_fixtures import DIM, LAYER, MODEL, build, eventually, first_value_readout  # noqa: E402,F401
+from leap_core.readout_format import to_bytes
+from leap_io.model_identity import registered_model_name
+from tests.runtime_fixtures import DIM, LAYER, MODEL, build, eventually, first_value_readout  # noqa: F401  (pytest fixtures, used by name)
 
 NAME = registered_model_name(MODEL, LAYER)
 URI = "test://registry"

@@ -25,11 +25,11 @@ from leap_io.push_bundle import make_bundle
 
 pytest.importorskip("vllm")
 
-from vllm import SamplingParams  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm import SamplingParams
+from vllm.v1.request import Request, RequestStatus
 
-from serving.capture.hidden_states import FeatureSender  # noqa: E402
-from tests.runtime_fixtures import DIM, build, eventually, first_value_readout, scaled_readout  # noqa: E402,F401
+from serving.capture.hidden_states import FeatureSender
+from tests.runtime_fixtures import DIM, build, eventually, first_value_readout, scaled_readout  # noqa: F401  (pytest fixtures, used by name)
 
 TOKEN = "shadow-token"
 

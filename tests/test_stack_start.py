@@ -9,8 +9,8 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import textwrap
+import time
 from pathlib import Path
 
 import pytest

@@ -10,10 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from store.ingest import ingest_folder
+from store.duckdb import SCHEMA_DDL, SCHEMA_VERSION, LogStore
 from store.feature_encoding import FEATURE_DTYPE, feature_bytes, features_from_bytes
 from store.feature_files import file_name
-from store.duckdb import SCHEMA_DDL, SCHEMA_VERSION, LogStore
+from store.ingest import ingest_folder
 from tests.segment_fuzz import write_segment
 
 

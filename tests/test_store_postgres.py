@@ -13,9 +13,11 @@ import pytest
 
 pytest.importorskip("psycopg")
 
-import psycopg  # noqa: E402
+import psycopg
 
-from store.ingest import (  # noqa: E402
+from flows.tasks import largest_max_tokens, latest_feature_space, recorded_gate, recorded_lengths
+from store.duckdb import LogStore
+from store.ingest import (
     STATUS_CHECKSUM_CHANGED,
     STATUS_OK,
     STATUS_UNREADABLE,
@@ -25,12 +27,10 @@ from store.ingest import (  # noqa: E402
     ingest_segments,
     totals,
 )
-from store.duckdb import LogStore  # noqa: E402
-from store.postgres import POSTGRES_SCHEMA_VERSION, PostgresStore  # noqa: E402
-from store.stores import store_at  # noqa: E402
-from flows.tasks import largest_max_tokens, latest_feature_space, recorded_gate, recorded_lengths  # noqa: E402
-from tests.postgres_fixtures import postgres_port, postgres_url  # noqa: E402,F401  (fixtures)
-from tests.segment_fuzz import assert_reconciles, truncate, write_segment  # noqa: E402
+from store.postgres import POSTGRES_SCHEMA_VERSION, PostgresStore
+from store.stores import store_at
+from tests.postgres_fixtures import postgres_port, postgres_url  # noqa: F401  (fixtures)
+from tests.segment_fuzz import assert_reconciles, truncate, write_segment
 
 GATE_TIME = datetime(2026, 1, 1, 12, 0, 0)
 CORRUPT = {"null_id": 2, "nan_feature": 2, "wrong_dim_feature": 2, "zero_output_tokens": 2,

@@ -13,8 +13,11 @@ import pytest
 from typer.testing import CliRunner
 
 from experiments.bench.ingest import BENCH_FINGERPRINT, BENCH_LAYER, write_synthetic_feedback
-from store.ingest import ingest_folder
+from leap_core import targets
+from leap_core.readout import LinearReadout
+from leap_core.rls import RLS
 from store.duckdb import LogStore, TrainingFrame
+from store.ingest import ingest_folder
 from training.fit import (
     ALPHA_GRID,
     DEFAULT_MAX_TOKENS,
@@ -24,9 +27,6 @@ from training.fit import (
     select_window,
     time_split,
 )
-from leap_core import targets
-from leap_core.readout import LinearReadout
-from leap_core.rls import RLS
 
 ROWS, DIM, MAX_TOKENS = 1500, 16, 2048
 IDENTITY = {"model_id": "bench-model", "model_fingerprint": BENCH_FINGERPRINT, "layer": BENCH_LAYER,

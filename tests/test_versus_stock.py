@@ -8,10 +8,20 @@ import math
 import numpy as np
 import pytest
 
-from evaluation.versus_stock import (GOALS, LEAP, STOCK, VersusStockSettings, arm_order, figures, goals,
-                                     segment_name, summarize, sustained_capacity)
-from study_harness.openai_traffic import Outcome
+from evaluation.versus_stock import (
+    GOALS,
+    LEAP,
+    STOCK,
+    VersusStockSettings,
+    arm_order,
+    figures,
+    goals,
+    segment_name,
+    summarize,
+    sustained_capacity,
+)
 from leap_core.intervals import ratio_over_runs
+from study_harness.openai_traffic import Outcome
 
 
 def _outcome(rid: str, at: float, first: float, finish: float, tokens: int, chunks=()) -> Outcome:

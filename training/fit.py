@@ -22,9 +22,6 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from threadpoolctl import threadpool_limits
 
-from leap_io.feedback_schema import NOT_TRAINING_FINISH_REASONS
-from leap_io.labels import LABEL_PROBLEMS, label_problems
-from store.duckdb import LogStore, TrainingFrame
 from leap_core import alpha as alpha_path
 from leap_core import metrics
 from leap_core.alpha import AlphaSelection
@@ -34,6 +31,9 @@ from leap_core.readout import LinearReadout
 from leap_core.recipe_choice import choose_recipe, validate_recipes
 from leap_core.recipes import RECIPE_VERSION, Recipe, readout_recipe
 from leap_core.rls import RLS, fit_readout_with_anchor
+from leap_io.feedback_schema import NOT_TRAINING_FINISH_REASONS
+from leap_io.labels import LABEL_PROBLEMS, label_problems
+from store.duckdb import LogStore, TrainingFrame
 
 DEFAULT_MAX_TOKENS = 1024
 """The output budget M when neither the caller nor the window's rows say what it is."""

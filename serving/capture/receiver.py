@@ -130,7 +130,7 @@ class CaptureReceiver:
             else:
                 for request_id, feature in zip(ids, rows):
                     self._deliver(request_id, feature)
-        except Exception:  # noqa: BLE001 - a failed hand-off must not fail the engine's step
+        except Exception:
             self._telemetry.drop("capture", "deliver_error", len(ids))
             self._telemetry.thread_error("receiver")
             self._warn.warning("deliver", "LEAP capture: handing over %d vectors failed", len(ids), exc_info=True)
@@ -172,7 +172,7 @@ class CaptureReceiver:
             return
         try:
             self._deliver(request_id, feature)
-        except Exception:  # noqa: BLE001 - one vector must not end the receiver
+        except Exception:
             self._telemetry.drop("capture", "deliver_error")
             self._telemetry.thread_error("receiver")
             self._warn.warning("deliver", "LEAP capture: handling the vector of %s failed", request_id, exc_info=True)

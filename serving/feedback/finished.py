@@ -18,10 +18,10 @@ import numpy as np
 from leap_io.labels import FORCED_LENGTH_PROBLEMS, LABEL_PROBLEMS, label_problem
 from serving import vllm_compat
 from serving.config import LeapConfig
-from serving.readout.service import ReadoutService
 from serving.feedback.recorder import FeedbackRecorder
-from serving.telemetry import Telemetry
 from serving.feedback.tenant_share import TenantShare
+from serving.readout.service import ReadoutService
+from serving.telemetry import Telemetry
 from serving.tracking import RequestTracker
 
 LATE_FEATURE_S = 5.0  # how long a finished request's row waits for a feature still on its way

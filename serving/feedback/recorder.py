@@ -24,10 +24,10 @@ import numpy as np
 
 from leap_io.feedback_schema import CLIENT_ID_MAX_CHARS
 from serving import vllm_compat
-from serving.supervise import RateLimitedLog
 from serving.fcfs_fallback import FcfsFallback
 from serving.readout.shadow import ShadowReadout
 from serving.rolling_quality import QUALITY_WINDOW, QualityRows, RollingQuality
+from serving.supervise import RateLimitedLog
 from serving.telemetry import Telemetry
 from serving.tracking import Tracked
 
@@ -205,7 +205,7 @@ class FeedbackRecorder:
         for listener in list(self.listeners):
             try:
                 listener(row)
-            except Exception:  # noqa: BLE001 - one listener's bug must not cost the others their row
+            except Exception:
                 self._telemetry.thread_error("listener")
                 self._warn.warning("listener", "LEAP feedback listener %r failed", listener, exc_info=True)
         return row
@@ -250,7 +250,7 @@ class FeedbackRecorder:
                 return
             try:
                 anchored, generation = self.anchor(feature)
-            except Exception:  # noqa: BLE001 - a figure is never worth the row
+            except Exception:
                 self._telemetry.drop("quality_row", "anchor_error")
                 self._warn.warning("anchor", "LEAP: the anchor readout could not predict", exc_info=True)
                 return

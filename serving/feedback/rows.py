@@ -65,7 +65,7 @@ def quarantine_line(row: Any, reason: str, replica_id: str) -> str:
         else:
             record["row"] = _json_safe(row)
         return json.dumps(record, default=repr) + "\n"
-    except Exception as exc:  # noqa: BLE001 - a row that cannot even be described is still accounted for
+    except Exception as exc:
         record["row"] = f"<a {type(row).__name__} that cannot be described: {type(exc).__name__}>"
         record.pop("feature", None)
         return json.dumps(record, default=repr) + "\n"
@@ -106,7 +106,7 @@ class RowConverter:
             raise BadRow("feature is missing or null")
         try:
             feature = np.asarray(row["feature"], dtype=np.float32)
-        except Exception as exc:  # noqa: BLE001 - __array__ of a foreign object may raise anything
+        except Exception as exc:
             raise BadRow(f"feature does not convert to float32: {type(exc).__name__}: {exc}") from None
         if feature.size != self.dim:
             raise BadRow(f"feature has {feature.size} values of shape {feature.shape}, expected dim {self.dim}")
@@ -124,12 +124,12 @@ class RowConverter:
         row that does not build a batch alone."""
         try:
             return self.batch(rows)
-        except Exception as exc:  # noqa: BLE001 - find the row that broke it
+        except Exception as exc:
             first_error = exc
         for index, row in enumerate(rows):
             try:
                 self.batch([row])
-            except Exception as exc:  # noqa: BLE001 - this row is the culprit
+            except Exception as exc:
                 raise BatchBreaker(index, f"row does not build a batch: {exc}") from first_error
         raise RuntimeError("a batch of rows that each convert does not convert together") from first_error
 

@@ -293,7 +293,7 @@ class SegmentFiles:
         name = (f"feedback-{time.strftime('%Y%m%dT%H%M%S')}-{self.replica_id}-{self._sequence:06d}-"
                 f"{uuid.uuid4().hex[:6]}")
         partial = self.replica_dir / (name + PARTIAL_SUFFIX)
-        handle = open(partial, "w+b")  # noqa: SIM115 - stays open as the segment's stream
+        handle = open(partial, "w+b")
         try:
             stream = ipc.new_stream(handle, schema)
             handle.flush()
@@ -362,7 +362,7 @@ class SegmentFiles:
             self._stream.close()
             self._handle.flush()
             os.fsync(self._handle.fileno())
-        except Exception as exc:  # noqa: BLE001 - the durable batches stay on disk as a partial
+        except Exception as exc:
             self.abandon()
             raise SegmentError("closing the feedback segment") from exc
         handle, partial = self._handle, self._partial
@@ -376,7 +376,7 @@ class SegmentFiles:
             if torn:
                 raise OSError(f"segment {partial.name} does not read back whole")
             _write_parquet(pa.Table.from_batches(batches, schema=schema), _final_name(partial, self.root))
-        except Exception as exc:  # noqa: BLE001 - the partial holds every batch; convert it later
+        except Exception as exc:
             self.abandon()
             raise SegmentError("converting the feedback segment to Parquet") from exc
         self._handle = self._stream = self._partial = None
@@ -396,7 +396,7 @@ class SegmentFiles:
             except FileNotFoundError:
                 logger.error("feedback: stranded segment %s disappeared before its conversion", partial)
                 self.errors += 1
-            except Exception as exc:  # noqa: BLE001 - it stays on disk for the next try
+            except Exception as exc:
                 raise SegmentError(f"converting the stranded segment {partial.name}") from exc
             self.stranded.pop(0)
             self.segments_closed += 1

@@ -20,8 +20,8 @@ from typing import Any
 
 from leap_io.feedback_schema import feedback_schema, segment_metadata
 from serving.feedback.rows import BadRow, BatchBreaker, Converted, RowConverter, quarantine_line
-from serving.supervise import SupervisedThread
 from serving.feedback.segments import QuarantineFull, SegmentError, SegmentFiles, default_replica_id, is_disk_full
+from serving.supervise import SupervisedThread
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ class FeedbackWriter:
                 self._pending.append(self._convert.convert(row))
             except BadRow as exc:
                 bad.append((row, str(exc)))
-            except Exception as exc:  # noqa: BLE001 - a row whose values misbehave in ways not foreseen
+            except Exception as exc:
                 bad.append((row, f"row did not convert: {type(exc).__name__}: {exc}"))
         if bad:
             self._quarantine(bad)
@@ -310,7 +310,7 @@ class FeedbackWriter:
                     self._quarantine([(self._convert.as_row(self._pending.pop(breaker.index)), str(breaker))])
                     continue  # build again without it
                 self.files.append(batch)
-            except Exception as exc:  # noqa: BLE001 - any failure keeps the rows for a retry
+            except Exception as exc:
                 self.files.failed(exc, "writing feedback rows", len(self._pending))
                 return
             del self._pending[:len(chunk)]
@@ -341,7 +341,7 @@ class FeedbackWriter:
                          self.replica_id, self.files.quarantine_bytes, len(bad), bad[0][1])
             self._count_out(len(bad), drop=DROP_QUARANTINE_FULL)
             return
-        except Exception as exc:  # noqa: BLE001 - counted as dropped with the reason
+        except Exception as exc:
             self._errors += 1
             logger.error("feedback: could not quarantine %d bad rows (%s): %s", len(bad), exc, bad[0][1])
             self._count_out(len(bad), drop=DROP_DISK_FULL if is_disk_full(exc) else DROP_QUARANTINE_FAILED)

@@ -185,14 +185,14 @@ class OnlineLearner:
             if isinstance(item, threading.Event):  # `flush`: learn the partial batch, then say so
                 try:
                     self._learn_buffered()
-                except Exception:  # noqa: BLE001 - counted by _learn; the flush is answered either way
+                except Exception:
                     self._warn.warning("flush", "LEAP RLS: the waiting rows could not be learned", exc_info=True)
                 finally:
                     item.set()
                 continue
             try:
                 self._take(*item)
-            except Exception:  # noqa: BLE001 - one row must not end online learning
+            except Exception:
                 self._error()
                 self._warn.warning("row", "LEAP RLS: a finished request could not be learned", exc_info=True)
             finally:

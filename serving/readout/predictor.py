@@ -159,7 +159,7 @@ class PredictorService:
             if values.shape != (len(batch),):
                 raise ValueError(f"predictor returned shape {values.shape} for {len(batch)} rows")
             return values, np.ones(len(batch), dtype=bool)
-        except Exception:  # noqa: BLE001 - any failure of a batch is retried row by row
+        except Exception:
             self.errors += 1
             self._warn.warning("batch", "LEAP predictor: a batch of %d failed; predicting row by row", len(batch),
                                exc_info=True)
@@ -171,7 +171,7 @@ class PredictorService:
                 if row.shape != (1,):
                     raise ValueError(f"predictor returned {row.shape[0]} values for one row")
                 values[i], predicted[i] = row[0], True
-            except Exception:  # noqa: BLE001 - the row is lost, not the thread
+            except Exception:
                 self.row_errors += 1
                 self._warn.warning("row", "LEAP predictor: no prediction for request %s", item[0], exc_info=True)
         return values, predicted
@@ -200,7 +200,7 @@ class PredictorService:
                 enqueued = np.fromiter((item[2] for item in batch), dtype=np.float64, count=len(batch))
                 try:
                     self._callback(ids, values, str(readout.metadata.get("version", "")), enqueued)
-                except Exception:  # noqa: BLE001 - a consumer's bug must not stop predictions
+                except Exception:
                     self.errors += 1
                     self._drop("callback_error", len(batch))
                     self._warn.warning("callback", "LEAP predictor: the prediction callback failed", exc_info=True)

@@ -89,7 +89,7 @@ class ShadowReadout:
             if held.columns is not None:
                 vector = np.take(vector, held.columns, axis=-1)
             value = float(np.asarray(held.readout.predict(vector[None, :])).reshape(-1)[0])
-        except Exception:  # noqa: BLE001 - the row is written without the shadow's figure
+        except Exception:
             self.errors += 1
             self._telemetry.drop("shadow_prediction", "error")
             logger.warning("LEAP: the shadow readout could not predict", exc_info=True)

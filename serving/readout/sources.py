@@ -21,9 +21,9 @@ from leap_io.champion import ChampionPublication, Publication, registry_key
 from leap_io.model_identity import registered_model_name
 from leap_io.push_bundle import make_bundle
 from leap_io.redact import redact_text, redact_url
+from serving.readout.saved_state import Saved, StateDamaged
 from serving.readout.service import ReadoutService
 from serving.supervise import SupervisedThread
-from serving.readout.saved_state import Saved, StateDamaged
 from serving.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class ReadoutSources:
                 except StateDamaged:
                     pass
             readout, rls = self.service.check(published.bundle)
-        except Exception as exc:  # noqa: BLE001 - an unusable publication must never keep a replica down
+        except Exception as exc:
             self._telemetry.drop("champion", "unusable")
             self.champion_status = {"state": "failed", "error": f"{type(exc).__name__}: {exc}"}
             logger.warning("LEAP published champion at %s is not served: %s", redact_url(location), exc)
@@ -157,7 +157,7 @@ class ReadoutSources:
                 return False
             readout_bytes, rls_state, meta = saved
             readout, rls = self.service.check(make_bundle(readout_bytes, rls_state))
-        except Exception as exc:  # noqa: BLE001 - a damaged or foreign state folder must never keep a replica down
+        except Exception as exc:
             self._telemetry.drop("state", "unusable")
             logger.warning("LEAP state in %s is not served: %s", state.folder, exc)
             return False

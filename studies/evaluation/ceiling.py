@@ -35,6 +35,7 @@ from evaluation.selections import RERUN_ORDER_SEED, RERUN_RESIDENT, SAMPLED_RESI
 from harness.replay import DEFAULT_DECODING
 from study_harness.sampled_labels import SAMPLED_DECODING
 
+
 def load_or_build_ceiling(max_tokens: int = 1024, model: str | None = None,
                           say: Callable[[str], None] = lambda message: None, build: bool = True):
     """(pool, corpus rows, greedy rerun rows, sampled rows) of the ceiling pool, generating what the snapshot

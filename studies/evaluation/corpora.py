@@ -11,10 +11,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from harness.replay import DEFAULT_DECODING
 from serving.config import LeapConfig
 from study_harness.corpus import ALL_LAYERS, Corpus, copy_layer_rows, corpus_dir, corpus_key, load_corpus, missing_ids
-from study_harness.experiment import resolve_model as model_info  # noqa: F401 - the studies' name for it
-from harness.replay import DEFAULT_DECODING
+from study_harness.experiment import resolve_model as model_info
 
 
 def load_or_build(prompt_lists: Sequence[Sequence[dict]], max_tokens: int, model: str | None = None,
@@ -59,9 +59,9 @@ def load_or_build_decode_states(prompts: Sequence[dict], max_tokens: int, model:
                                 say: Callable[[str], None] = lambda message: None, build: bool = True) -> Corpus:
     """The decode-state rows (study_harness.decode_states) of `prompts` at the serving layer, generating only
     the prompts the snapshot and the cache lack (`build=False`: only the rows already recorded)."""
+    from leap_core.layers import default_layer
     from study_harness.decode_states import build_decode_states, missing_prompts, split_ids
     from study_harness.experiment import open_live
-    from leap_core.layers import default_layer
 
     info = model_info(model)
     layer = default_layer(info.num_layers)
@@ -95,7 +95,14 @@ def load_or_build_recipe_corpus(prompts: Sequence[dict], max_tokens: int = 1024,
     """The wide recipe's features (study_harness.recipe_corpus) of `prompts` with the lengths the serving layer's
     corpus recorded for them, prefilling only what the snapshot and the cache lack."""
     from study_harness.experiment import open_live
-    from study_harness.recipe_corpus import WIDE_RECIPE, build_recipe_rows, joined, missing, recipe_corpus_key, recipe_rows
+    from study_harness.recipe_corpus import (
+        WIDE_RECIPE,
+        build_recipe_rows,
+        joined,
+        missing,
+        recipe_corpus_key,
+        recipe_rows,
+    )
 
     info = model_info(model)
     labels = load_or_build([prompts], max_tokens, model, say=say, build=build)[0]
@@ -126,8 +133,13 @@ def load_or_build_sampled_labels(prompts: Sequence[dict], max_tokens: int = 1024
     the batch compositions the outputs were generated in (which moves greedy outputs, see
     evaluation.ceiling)."""
     from study_harness.experiment import open_live
-    from study_harness.sampled_labels import (SAMPLED_DECODING, build_sampled_labels, load_sampled_labels,
-                                        missing_sampled, sampled_key)
+    from study_harness.sampled_labels import (
+        SAMPLED_DECODING,
+        build_sampled_labels,
+        load_sampled_labels,
+        missing_sampled,
+        sampled_key,
+    )
 
     decoding = dict(SAMPLED_DECODING if decoding is None else decoding)
     info = model_info(model)
@@ -179,9 +191,9 @@ def build_snapshot(selection: str, all_layers_selection: str, max_tokens: int = 
     `sampled` (default: as `decode_states`, the other study-specific part a `--select` build leaves out)
     adds the sampled labels of the sampled pool last."""
     from evaluation.selections import seeded_prompts, select
+    from leap_core.layers import default_layer
     from study_harness import snapshot
     from study_harness.corpus import noted_skipped
-    from leap_core.layers import default_layer
 
     info = model_info(model)
     layer = default_layer(info.num_layers)
@@ -268,8 +280,15 @@ def sampled_snapshot_part(max_tokens: int = 1024, model: str | None = None,
     ceiling's pool (evaluation.ceiling), write their rows into the committed snapshot with a manifest entry
     of kind "sampled", then the ceiling's greedy rerun under its own key; return the manifest (None when no
     row is recorded yet). `prompts_record` as in study_harness.snapshot.write_manifest."""
-    from evaluation.selections import (CEILING_POOL, RERUN_RESIDENT, SAMPLED_POOL, SAMPLED_RESIDENT, ceiling_pool,
-                                       rerun_order, sampled_pool)
+    from evaluation.selections import (
+        CEILING_POOL,
+        RERUN_RESIDENT,
+        SAMPLED_POOL,
+        SAMPLED_RESIDENT,
+        ceiling_pool,
+        rerun_order,
+        sampled_pool,
+    )
     from study_harness.sampled_labels import SAMPLED_DECODING
 
     train, held = sampled_pool()
@@ -294,8 +313,13 @@ def _sampled_key_part(prompts: Sequence[dict], spec: str, decoding: dict, sample
     kept unchanged, so results recorded on them stay current)."""
     from study_harness import snapshot
     from study_harness.corpus import noted_skipped
-    from study_harness.sampled_labels import (content_hash, load_sampled_labels, sampled_entry, sampled_key,
-                                        write_sampled_rows)
+    from study_harness.sampled_labels import (
+        content_hash,
+        load_sampled_labels,
+        sampled_entry,
+        sampled_key,
+        write_sampled_rows,
+    )
 
     info = model_info(model)
     key = sampled_key(info.fingerprint, max_tokens, decoding, samples)

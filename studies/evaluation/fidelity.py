@@ -167,8 +167,16 @@ def run_fidelity(train_prompts: Sequence[dict], pool_prompts: Sequence[dict], se
     the capacity samples and the replayed requests, disjoint."""
     from evaluation.baseline_fits import hyperparameters
     from evaluation.data import length_data
-    from evaluation.live import (fit_leap_with_anchor, fit_predictors, open_replay_engine, predicted_lengths,
-                                 prefill_budget, replay_policy, simulated_latency, training_and_requests)
+    from evaluation.live import (
+        fit_leap_with_anchor,
+        fit_predictors,
+        open_replay_engine,
+        predicted_lengths,
+        prefill_budget,
+        replay_policy,
+        simulated_latency,
+        training_and_requests,
+    )
     from harness.replay import planned_arrivals
     from leap_core.simulator import SimConfig, StepTimeModel, fcfs_capacity
 

@@ -7,7 +7,6 @@ import pathlib
 
 from evaluation.report_format import interval, pyplot
 
-
 ROWS_SHOWN = 10_000_000  # beyond this an extrapolated row count says only that it is beyond
 
 

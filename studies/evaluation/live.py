@@ -26,18 +26,18 @@ from typing import Any
 import numpy as np
 
 from evaluation.baseline_fits import fit_cached, hyperparameters, make_predictor, measure_cost
-from evaluation.baselines import LengthData, LeapReadoutPredictor
+from evaluation.baselines import LeapReadoutPredictor, LengthData
 from evaluation.data import length_data
 from evaluation.report_format import interval
-from evaluation.transfer import fit_leap_anchored
 from evaluation.simulated_load import paired_ratios, ratio_goals
 from evaluation.simulation import paired_ratio
+from evaluation.transfer import fit_leap_anchored
+from harness.replay import ReplayRequest, planned_arrivals, replay
 from leap_core.intervals import bounds, mean_ci
 from leap_core.simulator import SimConfig, StepTimeModel, fcfs_capacity, simulate
+from leap_io.paths import sub_dir
 from serving.config import LeapConfig
 from study_harness.experiment import corpus_for, fixed_length_requests, open_live
-from leap_io.paths import sub_dir
-from harness.replay import ReplayRequest, planned_arrivals, replay
 from training.fit import fit_length_distribution
 
 TEXT_BASELINES = ("prompt_length", "minilm_ridge", "minilm_finetuned", "minilm_ltr")
@@ -299,7 +299,7 @@ def _aggregate(runs: dict[str, list[dict]], costs: dict, settings: LiveSettings,
                step_model: StepTimeModel, fit: dict, n: int, n_train: int) -> dict:
     policies, ptl, errors = {}, {}, {}
     for name, summaries in runs.items():
-        def column(key: str) -> np.ndarray:
+        def column(key: str, summaries: list[dict] = summaries) -> np.ndarray:
             return np.array([s[key] for s in summaries], dtype=np.float64)
 
         ptl[name] = np.concatenate([s["ptl_per_request"] for s in summaries])

@@ -19,11 +19,11 @@ import pathlib
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from evaluation.report_format import corr, flat_interval, fmt, pyplot, tokens
+from evaluation.target_heads import HEADS, choose_head_alpha, make_head
 from leap_core import alpha as alpha_path
 from leap_core import metrics
 from leap_core.intervals import bootstrap_ci
-from evaluation.report_format import corr, flat_interval, fmt, pyplot, tokens
-from evaluation.target_heads import HEADS, choose_head_alpha, make_head
 from leap_core.readout import LinearReadout
 
 ALPHAS: tuple[float, ...] = alpha_path.ALPHAS

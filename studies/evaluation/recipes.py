@@ -29,8 +29,6 @@ from typing import Any
 import numpy as np
 from sklearn.model_selection import GroupKFold
 
-from study_harness.corpus import Corpus
-from study_harness.recipe_corpus import WIDE_RECIPE
 from leap_core import metrics
 from leap_core.intervals import bootstrap_ci
 from leap_core.readout import LinearReadout
@@ -38,6 +36,8 @@ from leap_core.recipe_choice import RULE as CHOICE_RULE
 from leap_core.recipe_choice import choose_recipe, validate_recipes
 from leap_core.recipes import GREEDY, Block, Recipe, decoding_columns, domain_columns, prompt_column
 from leap_core.rls import RLS
+from study_harness.corpus import Corpus
+from study_harness.recipe_corpus import WIDE_RECIPE
 
 Say = Callable[[str], None]
 DEFAULT_RECIPE = "last@22"  # the paper's feature at the 0.73-depth layer: what serving captured before recipes

@@ -10,9 +10,20 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from evaluation import (ceiling_report, corpus_report, fidelity, learning_curve_report, live, offline, recipes_report,
-                        simulated_load_report, simulated_refresh_report, simulated_tail_report, transfer,
-                        versus_stock_report)
+from evaluation import (
+    ceiling_report,
+    corpus_report,
+    fidelity,
+    learning_curve_report,
+    live,
+    offline,
+    recipes_report,
+    simulated_load_report,
+    simulated_refresh_report,
+    simulated_tail_report,
+    transfer,
+    versus_stock_report,
+)
 
 Renderer = tuple[Callable[[dict, Path], None], Callable[[dict, str], str]]
 SINGLE: dict[str, Renderer] = {

@@ -16,15 +16,36 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from evaluation.simulation import (_REFERENCES, ADAPTIVE, ADAPTIVE_SLOT_RULE, HEADLINE_LOAD, LONG_QUANTILE, STOCK,
-                                   TAIL_FIGURES, TAIL_GOAL, TAIL_MEAN_GOAL, EngineCapacity, Order,
-                                   _against_tail_goal, _arrivals, _base_config, _figures, _over_seeds, _per_seed,
-                                   _pool, _replays, _run_policy, _tail_goal, _with_split_intervals, _workloads,
-                                   adaptive_config, paired_ratio)
+from evaluation.simulation import (
+    _REFERENCES,
+    ADAPTIVE,
+    ADAPTIVE_SLOT_RULE,
+    HEADLINE_LOAD,
+    LONG_QUANTILE,
+    STOCK,
+    TAIL_FIGURES,
+    TAIL_GOAL,
+    TAIL_MEAN_GOAL,
+    EngineCapacity,
+    Order,
+    _against_tail_goal,
+    _arrivals,
+    _base_config,
+    _figures,
+    _over_seeds,
+    _per_seed,
+    _pool,
+    _replays,
+    _run_policy,
+    _tail_goal,
+    _with_split_intervals,
+    _workloads,
+    adaptive_config,
+    paired_ratio,
+)
 from leap_core.decode_slots import DecodeSlotRule
 from leap_core.metrics import spearman
 from leap_core.simulator import SimConfig, StepTimeModel, fcfs_capacity, poisson_arrivals
-
 
 LOADS = (0.5, 0.7, 0.8, 0.9, 0.95)  # fractions of the sustained FCFS capacity
 
@@ -301,8 +322,12 @@ def choose_tail_guard(prompt_tokens: ArrayLike, lengths: ArrayLike, predicted: A
                "long_p95_latency_s": float(np.nanmean([f["long_p95_latency_s"] for f in figures]))}
         row.update(_tail_goal(figures, runs["fcfs"]))
         table.append(row)
-    long_ratio = lambda row: row["long_p95_over_fcfs"]["value"]  # noqa: E731
-    ptl_ratio = lambda row: row["mean_ptl_over_fcfs"]["value"]  # noqa: E731
+    def long_ratio(row: dict) -> float:
+        return row["long_p95_over_fcfs"]["value"]
+
+    def ptl_ratio(row: dict) -> float:
+        return row["mean_ptl_over_fcfs"]["value"]
+
     meeting = [row for row in table if row["meets_goal"]]
     keeping_mean = [row for row in table if ptl_ratio(row) <= TAIL_MEAN_GOAL]
     chosen = (min(meeting, key=ptl_ratio) if meeting else min(keeping_mean, key=long_ratio) if keeping_mean

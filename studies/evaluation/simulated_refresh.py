@@ -12,8 +12,16 @@ from dataclasses import replace
 import numpy as np
 from numpy.typing import ArrayLike
 
-from evaluation.simulation import (_REFERENCES, HEADLINE_LOAD, _base_config, _figures, _over_seeds, _pool,
-                                   _run_policy, _workloads)
+from evaluation.simulation import (
+    _REFERENCES,
+    HEADLINE_LOAD,
+    _base_config,
+    _figures,
+    _over_seeds,
+    _pool,
+    _run_policy,
+    _workloads,
+)
 from leap_core.intervals import bootstrap_ci, difference_of_means, mean_ci, ratio_of_means
 from leap_core.simulator import StepTimeModel, fcfs_capacity, poisson_arrivals, simulate
 

@@ -8,8 +8,18 @@ from dataclasses import replace
 import numpy as np
 from numpy.typing import ArrayLike
 
-from evaluation.simulation import (HEADLINE_LOAD, LONG_QUANTILE, TAIL_GOAL, TAIL_MEAN_GOAL, _base_config, _pool,
-                                   _run_policy, _tail_goal, _with_intervals, _workloads)
+from evaluation.simulation import (
+    HEADLINE_LOAD,
+    LONG_QUANTILE,
+    TAIL_GOAL,
+    TAIL_MEAN_GOAL,
+    _base_config,
+    _pool,
+    _run_policy,
+    _tail_goal,
+    _with_intervals,
+    _workloads,
+)
 from leap_core.simulator import SimResult, StepTimeModel, fcfs_capacity, poisson_arrivals
 
 

@@ -23,7 +23,6 @@ from leap_core.decode_slots import DecodeSlotRule
 from leap_core.intervals import bootstrap_ci, hierarchical_bootstrap_ci, mean_ci, mean_last_axis, ratio_of_means
 from leap_core.simulator import SimConfig, SimResult, StepTimeModel, poisson_arrivals, simulate
 
-
 _REFERENCES = ("fcfs", "oracle")
 
 

@@ -14,16 +14,16 @@ from typing import Any
 import numpy as np
 
 from evaluation import offline
-from evaluation.simulated_load import Split, choose_baseline, choose_tail_guard, run_load_over_splits
-from evaluation.simulated_refresh import run_refresh
-from evaluation.simulated_tail import run_tail
-from evaluation.simulation import EngineCapacity, HEADLINE_LOAD, Order
 from evaluation.baseline_fits import fit_cached, hyperparameters, make_predictor, measure_cost, pinned
-from evaluation.baselines import LengthData, LeapReadoutPredictor
+from evaluation.baselines import LeapReadoutPredictor, LengthData
 from evaluation.corpora import load_or_build, model_info
 from evaluation.data import length_data
 from evaluation.offline import choose_alpha
 from evaluation.selections import CHAT_TEST, CHAT_TRAIN, REFRESH_POOL, UNTOUCHED, UNTOUCHED_SPEC, refresh_pool, select
+from evaluation.simulated_load import Split, choose_baseline, choose_tail_guard, run_load_over_splits
+from evaluation.simulated_refresh import run_refresh
+from evaluation.simulated_tail import run_tail
+from evaluation.simulation import HEADLINE_LOAD, EngineCapacity, Order
 from evaluation.transfer import FEEDBACK_COUNTS, domain_predictions, fit_leap, run_transfer, stream_predictions
 from harness.datasets import trace_gaps
 from leap_core.cross_fit import FOLDS as GITTINS_FOLDS
@@ -326,9 +326,9 @@ REFRESH_FOLDS = 2
 def _length_agreement(prefill: Any, max_tokens: int, model: str | None) -> dict:
     """How often the decode-state pass generated as many tokens as the corpus did for the same prompt (both
     greedy; batch composition can still move bf16 numerics): share equal, and median relative difference."""
+    from harness.replay import DEFAULT_DECODING
     from study_harness.corpus import corpus_dir, corpus_key, load_corpus
     from study_harness.decode_states import split_ids
-    from harness.replay import DEFAULT_DECODING
 
     info = model_info(model)
     owners, _ = split_ids(prefill.ids)

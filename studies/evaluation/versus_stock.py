@@ -38,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from study_harness.openai_traffic import OpenAIServer, Outcome, TrafficRequest, free_port, send_traffic
 from leap_core.intervals import ratio_over_runs
+from study_harness.openai_traffic import OpenAIServer, Outcome, TrafficRequest, free_port, send_traffic
 
 STOCK, LEAP, ORACLE = "stock", "leap", "oracle"
 EXTRA_ARMS = {  # arms that tell apart what of leap serve's difference from stock comes from where
@@ -73,7 +73,7 @@ class VersusStockSettings:
     seed: int = 0
 
     @classmethod
-    def quick(cls) -> "VersusStockSettings":
+    def quick(cls) -> VersusStockSettings:
         """Minutes, not hours: 24 requests a segment, 3 repeats, no oracle arm, outputs cut at M/4."""
         return cls(requests=24, repeats=3, oracle=False, max_tokens=256, capacity_requests=32)
 
@@ -426,12 +426,12 @@ def prepare_workload(settings: VersusStockSettings, model: str | None, say: Call
     from evaluation.data import length_data
     from evaluation.live import fit_leap_with_anchor
     from evaluation.selections import CHAT_TEST, CHAT_TRAIN, select
-    from study_harness.corpus import corpus_dir, corpus_key, load_corpus
     from harness.datasets import trace_gaps
-    from study_harness.experiment import resolve_model
     from harness.replay import DEFAULT_DECODING, encode_prompts
     from leap_core.layers import default_layer
     from leap_core.readout_format import to_bytes
+    from study_harness.corpus import corpus_dir, corpus_key, load_corpus
+    from study_harness.experiment import resolve_model
 
     info = resolve_model(model)
     folder = Path(tempfile.mkdtemp(prefix="leap-versus-stock-"))

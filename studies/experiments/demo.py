@@ -82,9 +82,9 @@ def capture_candidates(model: Any, recipes: tuple[str, ...] = DEMO_RECIPES) -> t
 def _recipe_rows(model: Any, rows: Any, recipes: tuple[str, ...]) -> tuple[Any, Any] | None:
     """(rows with the wide recipe's features instead of layer L's, that wide recipe) for the chat rows the
     committed recipe corpus holds, or None when it holds too few or does not cover every candidate."""
+    from leap_core.recipes import Recipe
     from study_harness.corpus import corpus_dir
     from study_harness.recipe_corpus import WIDE_RECIPE, joined, recipe_corpus_key, recipe_rows
-    from leap_core.recipes import Recipe
 
     if not all(Recipe.parse(r).covered_by(WIDE_RECIPE, model.hidden_size) for r in recipes):
         return None
@@ -107,16 +107,16 @@ def bootstrap_champion(tracking_uri: str, model: Any, max_tokens: int, exclude: 
     without a readout, as before."""
     import numpy as np
 
-    from study_harness.corpus import corpus_dir, corpus_key, load_corpus
     from harness.replay import DEFAULT_DECODING
-    from study_harness.snapshot import provenance, stored_texts
     from leap_core.alpha import kfold
+    from leap_core.layers import default_layer
     from leap_core.metrics import spearman
     from leap_core.recipe_choice import choose_recipe, validate_recipes
     from leap_core.recipes import RECIPE_VERSION, Recipe, union
     from leap_core.rls import fit_readout_with_anchor
     from registry.client import CHAMPION, ReadoutRegistry
-    from leap_core.layers import default_layer
+    from study_harness.corpus import corpus_dir, corpus_key, load_corpus
+    from study_harness.snapshot import provenance, stored_texts
 
     corpus_layer = default_layer(model.num_layers)
     key = corpus_key(model.fingerprint, corpus_layer, max_tokens, DEFAULT_DECODING)

@@ -141,14 +141,14 @@ def run_fleet_demo(replicas: int = 2, n_prompts: int = 160, max_tokens: int = 10
     # the watch judges windows of this many finished requests per replica; the demo's waves are small
     os.environ.setdefault("LEAP_DRIFT_MIN_ROWS", str(max(8, len(second_wave) // (2 * replicas))))
 
-    from ops import stack
-    from ops import stack_fleet as fleet
-    from ops.fleet_env import apply_environment
     from experiments.demo import _capped_fraction, bootstrap_champion, gate_summary
     from flows.drift import base_version, drift_flow
     from flows.fleet import merge_flow, replica_versions
     from flows.pipeline import fit_flow, gate_flow, ingest_flow, push_flow
     from flows.settings import PipelineSettings
+    from ops import stack
+    from ops import stack_fleet as fleet
+    from ops.fleet_env import apply_environment
     from store.stores import open_store
 
     settings = PipelineSettings()

@@ -2,9 +2,8 @@
 
 import typer
 
-
-from study_cli.apps import bench_app
 from leap_cli.output import emit
+from study_cli.apps import bench_app
 
 
 @bench_app.command("predictor")

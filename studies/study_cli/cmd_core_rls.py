@@ -13,8 +13,8 @@ import numpy as np
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from study_cli.apps import bench_app
 from leap_cli.output import console, emit
+from study_cli.apps import bench_app
 
 if TYPE_CHECKING:
     from leap_core.rls import RLS

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import time
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 
 import numpy as np
 import typer
 
-from study_cli.apps import commands as app
 from leap_cli.output import emit
+from study_cli.apps import commands as app
 
 
-class SimPolicy(str, Enum):
+class SimPolicy(StrEnum):
     fcfs = "fcfs"
     countdown = "countdown"
     oracle = "oracle"
@@ -57,8 +57,8 @@ def simulate_command(
     """
     from scipy.stats import spearmanr
 
-    from leap_core.simulator import SimConfig, simulate
     from harness.datasets import load_trace, trace_path
+    from leap_core.simulator import SimConfig, simulate
     from study_harness.noise import noisy_predictions
 
     if policy is not SimPolicy.countdown and (predictions is not None or noise_spearman is not None):

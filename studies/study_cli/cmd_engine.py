@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from leap_cli.output import console, emit
-from study_cli.apps import bench_app, commands as app, corpus_app
+from study_cli.apps import bench_app, corpus_app
+from study_cli.apps import commands as app
 from study_cli.saving import clean_tree, stamped
 
 
@@ -18,7 +18,7 @@ def progress_bar(disabled: bool = False) -> Progress:
                     console=console, disable=disabled, transient=True)
 
 
-def _prompts(prompts: Optional[Path], limit: Optional[int], offset: int = 0, seed: Optional[int] = None) -> list[dict]:
+def _prompts(prompts: Path | None, limit: int | None, offset: int = 0, seed: int | None = None) -> list[dict]:
     """Prompts of a file (default ShareGPT) in file order, or in a seeded order spread over the whole file."""
     from harness.datasets import available_prompts, load_prompts, sample_prompts
 
@@ -33,19 +33,19 @@ def _prompts(prompts: Optional[Path], limit: Optional[int], offset: int = 0, see
 
 @corpus_app.command("build")
 def corpus_build(
-    prompts: Optional[list[Path]] = typer.Option(
+    prompts: list[Path] | None = typer.Option(
         None, help="JSONL in the shared schema (default: ShareGPT); repeat for several files"),
-    limit: Optional[int] = typer.Option(None, help="prompts per file"),
+    limit: int | None = typer.Option(None, help="prompts per file"),
     max_tokens: int = typer.Option(1024, help="output budget M"),
-    layers: Optional[str] = typer.Option(None, "--layers", "--layer",
+    layers: str | None = typer.Option(None, "--layers", "--layer",
                                          help="decoder layer L (default: the model's), or 'all' for the layer study"),
-    sample_seed: Optional[int] = typer.Option(None, "--sample-seed",
+    sample_seed: int | None = typer.Option(None, "--sample-seed",
                                               help="take --limit prompts in this seeded order instead of file order"),
-    model: Optional[str] = typer.Option(None),
+    model: str | None = typer.Option(None),
     snapshot: bool = typer.Option(
         False, "--snapshot", help="build the committed snapshot's prompts, every-layer subset and the refresh study's decode "
                     "states (or only --select), and rewrite corpus/"),
-    select: Optional[str] = typer.Option(
+    select: str | None = typer.Option(
         None, help="with --snapshot: selection NAME[:N],... to add (default: the snapshot's own)"),
     build: bool = typer.Option(True, "--build/--no-build",
                                help="with --snapshot: --no-build rewrites the snapshot from the rows already "
@@ -88,19 +88,19 @@ def corpus_build(
 @app.command("replay")
 def replay_command(
     policy: list[str] = typer.Option(["fcfs", "leap"], help="repeat for several policies in one run"),
-    prompts: Optional[Path] = typer.Option(None, help="JSONL in the shared schema (default: ShareGPT)"),
+    prompts: Path | None = typer.Option(None, help="JSONL in the shared schema (default: ShareGPT)"),
     limit: int = typer.Option(300, help="requests replayed"),
-    rate: Optional[float] = typer.Option(None, help="Poisson arrivals per second"),
-    trace: Optional[Path] = typer.Option(None, help="Azure trace CSV: use its arrival timestamps"),
+    rate: float | None = typer.Option(None, help="Poisson arrivals per second"),
+    trace: Path | None = typer.Option(None, help="Azure trace CSV: use its arrival timestamps"),
     rate_scale: float = typer.Option(1.0, help="compress trace time by this factor"),
-    fixed_lengths: Optional[str] = typer.Option(
+    fixed_lengths: str | None = typer.Option(
         "corpus", help="'corpus' (recorded lengths of this model), a JSONL {id, output_tokens}, or 'none'"),
-    readout: Optional[Path] = typer.Option(None, help="readout for leap (default: fit on training prompts)"),
-    rls_state: Optional[Path] = typer.Option(None),
+    readout: Path | None = typer.Option(None, help="readout for leap (default: fit on training prompts)"),
+    rls_state: Path | None = typer.Option(None),
     train_limit: int = typer.Option(400, help="training prompts (taken after the replayed slice)"),
     max_tokens: int = typer.Option(1024), max_resident: int = typer.Option(512),
     decode_slots: int = typer.Option(64), waiting_cap: int = typer.Option(128),
-    seed: int = typer.Option(0), model: Optional[str] = typer.Option(None),
+    seed: int = typer.Option(0), model: str | None = typer.Option(None),
     as_json: bool = typer.Option(False, "--json", help="one JSON object per policy, one per line"),
 ) -> None:
     """Replay real prompts through the real engine under each policy; print latency after scheduling."""
@@ -122,7 +122,7 @@ def bench_overhead_command(
     tokens: int = typer.Option(64, help="fixed output tokens per request"),
     slots: int = typer.Option(32, help="resident = decode slots for both engines"),
     repeats: int = typer.Option(2, help="alternating stock/leap pairs"),
-    model: Optional[str] = typer.Option(None),
+    model: str | None = typer.Option(None),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Step-time overhead of hook + predictor + scheduler against stock vLLM FCFS (same replay)."""
@@ -143,7 +143,7 @@ def bench_serving_command(
     repeats: int = typer.Option(2, help="stock/LEAP pairs, order alternated"),
     load: float = typer.Option(3.0, help="arrival rate as a multiple of the measured capacity (3x: stock's "
                                          "slots fill and arrivals wait)"),
-    rate: Optional[float] = typer.Option(None, help="arrival rate in requests/s (overrides --load)"),
+    rate: float | None = typer.Option(None, help="arrival rate in requests/s (overrides --load)"),
     max_tokens: int = typer.Option(1024, help="output budget M of the recorded lengths"),
     seed: int = typer.Option(0, help="arrival seed"),
     via: str = typer.Option("engine", help="engine: in-process engines; http: the OpenAI servers and a client"),
@@ -154,7 +154,7 @@ def bench_serving_command(
     shadow_control_ms: float = typer.Option(0.0, min=0.0, max=1000.0,
                                             help="a positive control: each shadow prediction busy-waits this "
                                                  "long more, a known cost the figure must find"),
-    model: Optional[str] = typer.Option(None),
+    model: str | None = typer.Option(None),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Stock vLLM with its defaults against LEAP with its defaults: tok/s and mean latency on one trace."""
@@ -185,7 +185,7 @@ def bench_recipes_command(
     tokens: int = typer.Option(64, help="fixed output tokens per request"),
     slots: int = typer.Option(32, help="resident = decode slots"),
     repeats: int = typer.Option(2, help="rounds, each recipe once per round in rotating order"),
-    model: Optional[str] = typer.Option(None),
+    model: str | None = typer.Option(None),
     save: bool = typer.Option(False, "--save", callback=clean_tree,
                               help="write docs/results/recipe-costs.json for `leap eval recipes` (from a clean "
                                    "checkout: it records the commit and corpus snapshot)"),

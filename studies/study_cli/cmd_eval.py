@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from evaluation.selections import CHAT_TRAIN
-from study_cli.apps import eval_app
 from leap_cli.output import console, emit
-from study_cli.saving import SAVE, stamped
 from leap_io.jsonable import dumps
+from study_cli.apps import eval_app
+from study_cli.saving import SAVE, stamped
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 
@@ -53,11 +52,11 @@ def _names(value: str) -> list[str]:
 def transfer(
     train: str = typer.Option(CHAT_TRAIN, help="training sets: NAME_OR_FILE[:N],..."),
     test: list[str] = typer.Option(..., help="target prompts: a JSONL in the shared schema or a set name; repeat"),
-    limit: Optional[int] = typer.Option(300, help="prompts per test file (a seeded sample; 0 = all)"),
+    limit: int | None = typer.Option(300, help="prompts per test file (a seeded sample; 0 = all)"),
     feedback: str = typer.Option("100,500,1000", help="RLS feedback counts scored"),
     baselines: str = typer.Option("prompt_length,minilm_ridge,minilm_finetuned,minilm_ltr,trail_mlp"),
-    name: Optional[str] = typer.Option(None, help="result name under docs/results/ (default from --test)"),
-    max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
+    name: str | None = typer.Option(None, help="result name under docs/results/ (default from --test)"),
+    max_tokens: int = MAX_TOKENS, model: str | None = MODEL, as_json: bool = JSON, save: bool = SAVE,
     build: bool = BUILD,
 ) -> None:
     """Train on one domain, score another: frozen LEAP, LEAP + RLS by feedback count, a refit, baselines."""
@@ -72,20 +71,20 @@ def transfer(
 def live(
     quick: bool = typer.Option(False, "--quick",
                                help="32 requests, 1 repeat, baselines that train in seconds"),
-    requests: Optional[int] = typer.Option(None, help="replayed requests (default 60; 32 with --quick)"),
-    repeats: Optional[int] = typer.Option(None, help="repeats (default 2; 1 with --quick)"),
+    requests: int | None = typer.Option(None, help="replayed requests (default 60; 32 with --quick)"),
+    repeats: int | None = typer.Option(None, help="repeats (default 2; 1 with --quick)"),
     load: float = typer.Option(1.2, help="arrival rate as a multiple of the engine's sustained FCFS capacity: "
                                          "above 1 a short replay builds the queues that make policies differ "
                                          "(an overload over the replay's horizon; stable loads are the "
                                          "simulated study's)"),
-    decode_slots: Optional[int] = typer.Option(
+    decode_slots: int | None = typer.Option(
         None, help="K, requests decoded per step (default 8): scaled so that requests queue for slots on "
                    "2 CPU cores, as 512 do for 64 on a GPU"),
     gittins: bool = typer.Option(False, "--gittins", help="countdown against the Gittins order (leap-gittins) on "
                                                           "one engine: 64 requests x 4 repeats by default, "
                                                           "`gittins_over_countdown` paired by repeat, then "
                                                           "request, and long requests' latency"),
-    max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
+    max_tokens: int = MAX_TOKENS, model: str | None = MODEL, as_json: bool = JSON, save: bool = SAVE,
 ) -> None:
     """Replay held-out requests through the real engine (step clock) under FCFS, baselines, LEAP, LEAP + RLS
     and the oracle (--gittins: countdown against the Gittins order); paired ratios with intervals and the
@@ -102,10 +101,10 @@ def live(
 def fidelity(
     quick: bool = typer.Option(False, "--quick", help="24 requests, prompts of at most 256 tokens, recorded lengths "
                                                        "divided by 8: minutes on two CPU cores"),
-    requests: Optional[int] = typer.Option(None, help="replayed requests (default 30; 24 with --quick)"),
-    repeats: Optional[int] = typer.Option(None, help="counterbalanced repeats per load (default 6)"),
+    requests: int | None = typer.Option(None, help="replayed requests (default 30; 24 with --quick)"),
+    repeats: int | None = typer.Option(None, help="counterbalanced repeats per load (default 6)"),
     baseline: str = typer.Option("trail_mlp", help="the baseline replayed beside FCFS, LEAP and the oracle"),
-    max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
+    max_tokens: int = MAX_TOKENS, model: str | None = MODEL, as_json: bool = JSON, save: bool = SAVE,
 ) -> None:
     """The simulator checked against the wall clock: capacity measured on the engine, the step model fitted on
     other requests, FCFS, LEAP, a baseline and the oracle replayed at 0.7 and 0.9 of that capacity and simulated."""
@@ -117,8 +116,8 @@ def fidelity(
 
 @eval_app.command("corpus")
 def corpus(
-    select: Optional[list[str]] = typer.Option(None, help="selections NAME_OR_FILE[:N],... (default: every study's)"),
-    max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
+    select: list[str] | None = typer.Option(None, help="selections NAME_OR_FILE[:N],... (default: every study's)"),
+    max_tokens: int = MAX_TOKENS, model: str | None = MODEL, as_json: bool = JSON, save: bool = SAVE,
     build: bool = BUILD,
 ) -> None:
     """Output-length distribution per prompt set and how often the budget M is reached."""
@@ -129,7 +128,7 @@ def corpus(
 
 
 @eval_app.command("ceiling")
-def ceiling(max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
+def ceiling(max_tokens: int = MAX_TOKENS, model: str | None = MODEL, as_json: bool = JSON, save: bool = SAVE,
             build: bool = BUILD,
             n_boot: int = typer.Option(2000, "--n-boot", min=100, help="bootstrap replicates per interval")) -> None:
     """The label ceiling on held-out ShareGPT: Spearman between two greedy runs in other batch compositions
@@ -141,11 +140,11 @@ def ceiling(max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json:
 
 @eval_app.command("curve")
 def curve(
-    pool: Optional[int] = typer.Option(None, min=100, help="the first N ShareGPT prompts form the training pool, less "
+    pool: int | None = typer.Option(None, min=100, help="the first N ShareGPT prompts form the training pool, less "
                                                            "the test slice (default: the snapshot's ShareGPT prompts)"),
     draws: int = typer.Option(5, min=1, help="seeded training subsamples per size"),
     n_boot: int = typer.Option(2000, "--n-boot", min=100, help="bootstrap replicates per interval"),
-    max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
+    max_tokens: int = MAX_TOKENS, model: str | None = MODEL, as_json: bool = JSON, save: bool = SAVE,
     build: bool = BUILD,
 ) -> None:
     """The learning curve: held-out ShareGPT Spearman of the readout (sqrt and log targets) against its training
@@ -157,7 +156,7 @@ def curve(
 
 
 @eval_app.command("targets")
-def targets(max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON,
+def targets(max_tokens: int = MAX_TOKENS, model: str | None = MODEL, as_json: bool = JSON,
             save: bool = SAVE) -> None:
     """Regression target ablation (raw / log / sqrt): MAE by length bucket on chat."""
     from evaluation.studies import targets_study
@@ -167,7 +166,7 @@ def targets(max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json:
 
 @eval_app.command("layers")
 def layers(prompts: int = typer.Option(400, help="ShareGPT prompts with every layer captured"),
-           max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON,
+           max_tokens: int = MAX_TOKENS, model: str | None = MODEL, as_json: bool = JSON,
            save: bool = SAVE) -> None:
     """One layer against all layers concatenated, and a sweep over layers chosen on training rows only."""
     from evaluation.studies import layers_study
@@ -182,16 +181,16 @@ def load(
                                                        "train in seconds, 1,000 requests a run, 20 paired workloads "
                                                        "a load over the splits"),
     train: str = typer.Option(CHAT_TRAIN),
-    test: Optional[list[str]] = typer.Option(None, help="target prompts (JSONL or set name; default sharegpt, "
+    test: list[str] | None = typer.Option(None, help="target prompts (JSONL or set name; default sharegpt, "
                                                         "held out from --train); repeat"),
-    limit: Optional[int] = typer.Option(1200, help="target prompts per test set: half feed RLS, half are the pool"),
-    name: Optional[str] = typer.Option(None),
-    baselines: Optional[str] = typer.Option(None, help="default: every baseline (--quick: prompt_length,trail_mlp)"),
-    step_model: Optional[Path] = STEP_MODEL,
-    n_requests: Optional[int] = typer.Option(None, help="requests per run (default 2000; 1000 with --quick)"),
+    limit: int | None = typer.Option(1200, help="target prompts per test set: half feed RLS, half are the pool"),
+    name: str | None = typer.Option(None),
+    baselines: str | None = typer.Option(None, help="default: every baseline (--quick: prompt_length,trail_mlp)"),
+    step_model: Path | None = STEP_MODEL,
+    n_requests: int | None = typer.Option(None, help="requests per run (default 2000; 1000 with --quick)"),
     splits: int = typer.Option(5, help="train/test splits: each partitions the target anew and refits every "
                                        "predictor; intervals resample the splits, then the seeds within each"),
-    seeds: Optional[int] = typer.Option(None, help="paired workloads (request draw + arrivals) per split and load "
+    seeds: int | None = typer.Option(None, help="paired workloads (request draw + arrivals) per split and load "
                                                    "(default 30 over the splits: 6 each for 5; --quick 20: 4 "
                                                    "each)"),
     decode_slots: int = typer.Option(
@@ -203,7 +202,7 @@ def load(
                                                               "slice (600 ShareGPT prompts no choice was made on); "
                                                               "the --test rows still feed RLS and choose the "
                                                               "baseline"),
-    max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
+    max_tokens: int = MAX_TOKENS, model: str | None = MODEL, as_json: bool = JSON, save: bool = SAVE,
     build: bool = BUILD,
 ) -> None:
     """Simulated replay at 0.7-0.95 of sustained capacity (and an overload) on several train/test splits, paired
@@ -230,11 +229,11 @@ def load(
     _finish(result, "load", name or default, as_json, save)
 
 
-def _simulated_study(study: str, step_model: Optional[Path], max_tokens: int, model: Optional[str], as_json: bool,
+def _simulated_study(study: str, step_model: Path | None, max_tokens: int, model: str | None, as_json: bool,
                      save: bool, **options) -> None:
-    from evaluation import studies
-
     from dataclasses import asdict
+
+    from evaluation import studies
 
     say = _say(as_json)
     steps, source = studies.step_model_from(step_model, max_tokens, model, say)
@@ -244,14 +243,14 @@ def _simulated_study(study: str, step_model: Optional[Path], max_tokens: int, mo
 
 
 @eval_app.command("refresh")
-def refresh(step_model: Optional[Path] = STEP_MODEL, max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL,
+def refresh(step_model: Path | None = STEP_MODEL, max_tokens: int = MAX_TOKENS, model: str | None = MODEL,
             as_json: bool = JSON, save: bool = SAVE) -> None:
     """Refreshing the length estimate during decode against countdown, simulated (serving does not refresh)."""
     _simulated_study("refresh", step_model, max_tokens, model, as_json, save)
 
 
 @eval_app.command("tail")
-def tail(step_model: Optional[Path] = STEP_MODEL, max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL,
+def tail(step_model: Path | None = STEP_MODEL, max_tokens: int = MAX_TOKENS, model: str | None = MODEL,
          as_json: bool = JSON, save: bool = SAVE) -> None:
     """Long-request P95 latency against the waiting cap, the aging strength and the wait aging (the tail guard)."""
     _simulated_study("tail", step_model, max_tokens, model, as_json, save)
@@ -283,13 +282,13 @@ def report(results: Path = typer.Option(RESULTS, help="folder of saved study res
 def recipes(
     quick: bool = typer.Option(False, "--quick", help="8 recipes and 500 bootstrap draws (under 10 minutes "
                                                       "from the committed corpus)"),
-    candidates: Optional[str] = typer.Option(None, help="recipes to compare, comma-separated "
+    candidates: str | None = typer.Option(None, help="recipes to compare, comma-separated "
                                                         "(default: the study's list; every one must be covered "
                                                         "by the corpus' wide recipe)"),
-    baselines: Optional[str] = typer.Option(None, help="baselines scored on the same held-out rows, "
+    baselines: str | None = typer.Option(None, help="baselines scored on the same held-out rows, "
                                                        "comma-separated (default prompt_length,minilm_ridge,"
                                                        "trail_mlp; none with --quick; '' for none)"),
-    max_tokens: int = MAX_TOKENS, model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
+    max_tokens: int = MAX_TOKENS, model: str | None = MODEL, as_json: bool = JSON, save: bool = SAVE,
     build: bool = BUILD,
 ) -> None:
     """Feature recipes side by side: held-out Spearman and MAE per set (greedy and sampled traffic) with
@@ -305,20 +304,20 @@ def recipes(
 def versus_stock(
     quick: bool = typer.Option(False, "--quick", help="24 requests a segment, 3 repeats, outputs cut at M/4, no "
                                                       "oracle arm: under 30 minutes here"),
-    repeats: Optional[int] = typer.Option(None, help="runs of each arm (default 6; --quick 3)"),
-    requests: Optional[int] = typer.Option(None, help="requests per segment, one pattern at one load (default 48; "
+    repeats: int | None = typer.Option(None, help="runs of each arm (default 6; --quick 3)"),
+    requests: int | None = typer.Option(None, help="requests per segment, one pattern at one load (default 48; "
                                                       "--quick 24)"),
     loads: str = typer.Option("0.5,0.8,0.95", help="fractions of stock's sustained capacity"),
     patterns: str = typer.Option("poisson,bursty", help="poisson and/or bursty (the Azure conversation trace's gaps)"),
-    oracle: Optional[bool] = typer.Option(None, "--oracle/--no-oracle", help="the oracle arm (default: on; "
+    oracle: bool | None = typer.Option(None, "--oracle/--no-oracle", help="the oracle arm (default: on; "
                                                                               "--quick: off)"),
-    arm: Optional[list[str]] = typer.Option(None, "--arm", help="an extra arm, reported as <arm>_over_stock; repeat: "
+    arm: list[str] | None = typer.Option(None, "--arm", help="an extra arm, reported as <arm>_over_stock; repeat: "
                                                                 "stock-r512 (--max-num-seqs 512), stock-scheduler "
                                                                 "(LEAP's scheduler class, FCFS), leap-fcfs"),
     temperature: float = typer.Option(0.7, help="sampling temperature (a seed per request, the same in every arm)"),
-    max_tokens: Optional[int] = typer.Option(None, help="output budget (default M = 1024; --quick 256)"),
-    name: Optional[str] = typer.Option(None, help="result name under docs/results/ (default versus-stock[-quick])"),
-    model: Optional[str] = MODEL, as_json: bool = JSON, save: bool = SAVE,
+    max_tokens: int | None = typer.Option(None, help="output budget (default M = 1024; --quick 256)"),
+    name: str | None = typer.Option(None, help="result name under docs/results/ (default versus-stock[-quick])"),
+    model: str | None = MODEL, as_json: bool = JSON, save: bool = SAVE,
 ) -> None:
     """Stock vLLM's OpenAI server against `leap serve`, each at its defaults, on the wall clock: fresh servers,
     one streaming client, sampled held-out ShareGPT requests at 0.5 / 0.8 / 0.95 of stock's capacity, Poisson

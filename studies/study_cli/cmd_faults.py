@@ -12,13 +12,13 @@ import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from study_cli.apps import bench_app
 from leap_cli.output import console
 from leap_io.jsonable import dumps
+from study_cli.apps import bench_app
 
 
 @contextlib.contextmanager
@@ -36,18 +36,18 @@ def _stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def _interrupt(signum, frame) -> None:  # noqa: ARG001 - SIGTERM ends the suite like Ctrl-C: cleanly
+def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
 @bench_app.command("faults")
 def bench_faults(
     quick: Annotated[bool, typer.Option(help="Smaller sizes: 1,000 aborts, shorter replays, no 30 s stalled body.")] = False,
-    aborts: Annotated[Optional[int], typer.Option(help="Aborted requests in abort_storm (default 10,000; 1,000 with --quick).")] = None,
+    aborts: Annotated[int | None, typer.Option(help="Aborted requests in abort_storm (default 10,000; 1,000 with --quick).")] = None,
     abort_concurrency: Annotated[int, typer.Option(help="Aborted requests open at once.")] = 64,
-    abort_budget: Annotated[Optional[float], typer.Option(help="Seconds the abort storm may take; it reports how many ran.")] = None,
-    only: Annotated[Optional[list[str]], typer.Option(help="Run only these scenarios (repeat); pipeline ones as flows:<name>.")] = None,
-    workdir: Annotated[Optional[Path], typer.Option(help="Keep logs, feedback and state here instead of a temporary folder.")] = None,
+    abort_budget: Annotated[float | None, typer.Option(help="Seconds the abort storm may take; it reports how many ran.")] = None,
+    only: Annotated[list[str] | None, typer.Option(help="Run only these scenarios (repeat); pipeline ones as flows:<name>.")] = None,
+    workdir: Annotated[Path | None, typer.Option(help="Keep logs, feedback and state here instead of a temporary folder.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ) -> None:
     """Hostile clients, hostile pushes, aborts, SIGKILL, a full disk, MLflow down: what survives and what is lost."""
@@ -56,7 +56,9 @@ def bench_faults(
     if aborts is not None and aborts < 0:
         raise typer.BadParameter("--aborts must be >= 0")
     previous = signal.signal(signal.SIGTERM, _interrupt)
-    say = (lambda message: console.print(f"[bold]faults[/]: {message}"))
+    def say(message: str) -> None:
+        console.print(f"[bold]faults[/]: {message}")
+
     try:
         with _stdout_to_stderr():  # MLflow's client prints run links; stdout carries only the result
             summary = run_suite(quick=quick, aborts=aborts, only=only, workdir=workdir,

@@ -10,8 +10,8 @@ from typing import Annotated
 
 import typer
 
-from study_cli.apps import bench_app
 from leap_cli.output import emit
+from study_cli.apps import bench_app
 
 
 @bench_app.command("gate")

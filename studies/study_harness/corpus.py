@@ -19,9 +19,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from harness.replay import DEFAULT_DECODING, ReplayRequest, encode_prompts, sampling_params
 from leap_io.durable import write_durably
 from leap_io.paths import sub_dir
-from harness.replay import DEFAULT_DECODING, ReplayRequest, encode_prompts, sampling_params
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Corpus:
     def __len__(self) -> int:
         return int(self.ids.shape[0])
 
-    def subset(self, mask: np.ndarray) -> "Corpus":
+    def subset(self, mask: np.ndarray) -> Corpus:
         return Corpus(self.ids[mask], self.sets[mask], self.domains[mask], self.langs[mask],
                       self.prompt_tokens[mask], self.output_tokens[mask], self.finish_reasons[mask],
                       self.features[mask], self.layer, self.max_tokens)

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from study_harness.corpus import ENGINE_NUMERICS, Corpus, note_skipped, write_shard, load_corpus, noted_skipped
 from harness.replay import ReplayRequest, encode_prompts, sampling_params
+from study_harness.corpus import ENGINE_NUMERICS, Corpus, load_corpus, note_skipped, noted_skipped, write_shard
 
 CHECKPOINTS = (16, 32, 64, 128, 256, 512)
 SEPARATOR = "@"

@@ -13,14 +13,22 @@ from typing import Any
 
 import numpy as np
 
-from leap_core.readout import LinearReadout
-from leap_core.rls import fit_readout_with_anchor
-from serving.config import LeapConfig
-from study_harness.corpus import (ALL_LAYERS, Corpus, build_corpus, copy_layer_rows, corpus_dir, corpus_key, corpus_layer,
-                            load_corpus)
 from harness.engine import EngineSettings, build_engine, leap_scheduler
 from harness.model_prep import ModelInfo, describe_model, prepare_model
 from harness.replay import DEFAULT_DECODING, ReplayRequest, encode_prompts
+from leap_core.readout import LinearReadout
+from leap_core.rls import fit_readout_with_anchor
+from serving.config import LeapConfig
+from study_harness.corpus import (
+    ALL_LAYERS,
+    Corpus,
+    build_corpus,
+    copy_layer_rows,
+    corpus_dir,
+    corpus_key,
+    corpus_layer,
+    load_corpus,
+)
 
 DEFAULT_MAX_TOKENS = 1024
 DEFAULT_ALPHA = 1000.0

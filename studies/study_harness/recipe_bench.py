@@ -23,11 +23,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from study_harness.experiment import open_live
 from harness.replay import ReplayRequest, encode_prompts, replay
 from leap_core.readout import LinearReadout
 from leap_core.recipes import Recipe
 from serving.config import LeapConfig
+from study_harness.experiment import open_live
 
 
 def _readout_for(live, recipe: Recipe) -> LinearReadout:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from study_harness.corpus import ENGINE_NUMERICS, Corpus, build_corpus, load_corpus, missing_ids
 from leap_core.recipes import Recipe
+from study_harness.corpus import ENGINE_NUMERICS, Corpus, build_corpus, load_corpus, missing_ids
 
 # The blocks the recipe study compares: the last token of three late-middle layers (the layer study's CV
 # choice 17, the 0.73-depth default 22, and 14), mean pooling of two of them and entropy pooling of one.

@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from harness.replay import ReplayRequest, encode_prompts, planned_arrivals, replay
 from leap_core.readout_format import from_bytes
 from serving.config import LeapConfig
 from study_harness.experiment import corpus_for, fit_on_corpus, fixed_length_requests, open_live
-from harness.replay import ReplayRequest, encode_prompts, planned_arrivals, replay
 
 POLICIES = ("fcfs", "leap", "leap-rls", "oracle")
 
@@ -87,8 +87,8 @@ def run_replay(policies: Sequence[str], prompts: list[dict], train_prompts: list
             if policy == "leap":
                 runtime.reset_readout(readout, rls_state)
             result = _with_progress(progress, f"replay {name}", len(requests),
-                                    lambda cb: replay(live.engine, requests, arrivals, name, runtime=runtime,
-                                                      on_progress=cb, tag=f"{name}-"))
+                                    lambda cb, name=name: replay(live.engine, requests, arrivals, name,
+                                                                 runtime=runtime, on_progress=cb, tag=f"{name}-"))
             summary = result.summary()
             if policy != "leap":
                 summary["ready_before_decode"] = None

@@ -33,9 +33,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from study_harness.corpus import ENGINE_NUMERICS, add_shard, note_skipped, noted_skipped
 from harness.replay import ReplayRequest, encode_prompts, sampling_params
 from leap_io.durable import write_durably
+from study_harness.corpus import ENGINE_NUMERICS, add_shard, note_skipped, noted_skipped
 
 SAMPLED_DECODING = {"temperature": 0.7, "top_p": 0.9, "frequency_penalty": 0.5}
 SAMPLES = 4
@@ -67,7 +67,7 @@ class SampledLabels:
     def __len__(self) -> int:
         return int(self.ids.shape[0])
 
-    def subset(self, mask: np.ndarray) -> "SampledLabels":
+    def subset(self, mask: np.ndarray) -> SampledLabels:
         return SampledLabels(self.ids[mask], self.sets[mask], self.domains[mask], self.prompt_tokens[mask],
                              self.lengths[mask], self.median[mask], self.iqr[mask], self.capped[mask],
                              self.max_tokens)

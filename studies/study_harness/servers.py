@@ -15,13 +15,13 @@ import signal
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
+from leap_io.durable import write_text_durably
 from ops.servers import (
-    BASIC_AUTH_APP,
     MLFLOW_ENVIRONMENT,
-    MlflowAuth,
     ServerError,
     free_port,
     init_postgres,
@@ -33,9 +33,54 @@ from ops.servers import (
     stop,
     wait_http,
     wait_postgres,
-    write_auth_config,
 )
 from store.postgres import check_url
+
+BASIC_AUTH_APP = "basic-auth"
+"""MLflow's app that asks every request (but /health and static files) for a user and password."""
+_LEGACY_MLFLOW_PASSWORD = "password1234"  # the admin password older MLflow shipped; never ours
+
+
+@dataclass(frozen=True)
+class MlflowAuth:
+    """Basic authentication of an `mlflow server`: the admin account the server creates the first time it
+    starts on an empty user database, and that database (`database_uri`; None: the sqlite file
+    `basic_auth.db` in the server's folder). Once the account exists the server ignores the password
+    given here: change it with MLflow's update-password API (docs/security.md). Users other than the
+    admin get `default_permission` on what they did not create. The server checks a password with a slow
+    hash on every request unless `auth_cache_ttl_s` > 0, for which it remembers a password that passed (a
+    changed one is then still taken by another worker for up to that long). The password is never shown."""
+
+    admin_username: str
+    admin_password: str = field(repr=False)
+    database_uri: str | None = None
+    default_permission: str = "READ"
+    auth_cache_ttl_s: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.admin_username or self.admin_username != self.admin_username.strip():
+            raise ValueError("MlflowAuth needs an admin username without surrounding whitespace")
+        password = self.admin_password
+        # an ini value loses surrounding whitespace and cannot span lines; MLflow wants 12 characters
+        if len(password) < 12 or password != password.strip() or "\n" in password or "\r" in password:
+            raise ValueError("MlflowAuth needs an admin password of at least 12 characters on one line, "
+                             "without surrounding whitespace")
+        if password == _LEGACY_MLFLOW_PASSWORD:
+            raise ValueError("MlflowAuth refuses the default password older MLflow versions shipped")
+
+
+def write_auth_config(path: str | Path, auth: MlflowAuth, database_uri: str) -> Path:
+    """The settings file of MLflow's basic-auth app (MLFLOW_AUTH_CONFIG_PATH) at `path`, holding the admin
+    password: created anew with mode 0600, so it is never readable by others, not even while written."""
+    path = Path(path)
+    lines = ["[mlflow]", f"default_permission = {auth.default_permission}", f"database_uri = {database_uri}",
+             f"admin_username = {auth.admin_username}", f"admin_password = {auth.admin_password}",
+             "authorization_function = mlflow.server.auth:authenticate_request_basic_auth",
+             f"auth_cache_ttl_seconds = {int(auth.auth_cache_ttl_s)}"]
+    # MLflow reads the file with configparser's interpolation, to which `%` is special
+    text = "\n".join(line.replace("%", "%%") for line in lines) + "\n"
+    write_text_durably(path, text, mode=0o600)  # a new file made 0600 and renamed over: never readable by others
+    return path
 
 
 @contextmanager

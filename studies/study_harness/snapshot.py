@@ -19,19 +19,18 @@ import hashlib
 import json
 import subprocess
 import time
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from study_harness.corpus import ALL_LAYERS, ENGINE_NUMERICS, Corpus
-from study_harness import snapshot_files
-from study_harness.snapshot_files import (  # noqa: F401  (the snapshot's public names, read as snapshot.X)
-    MANIFEST, ROWS, read_manifest, skipped_ids, snapshot_file)
 from leap_io.durable import write_durably, write_text_durably
+from study_harness import snapshot_files
+from study_harness.corpus import ALL_LAYERS, ENGINE_NUMERICS, Corpus
+from study_harness.snapshot_files import MANIFEST, ROWS, read_manifest, skipped_ids, snapshot_file  # noqa: F401  (the snapshot's public names, read as snapshot.X)
 
 PROMPTS = "prompts.parquet"
 FORMAT = 1

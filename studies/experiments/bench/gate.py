@@ -61,14 +61,14 @@ SMALL_SLICE = 16  # training rows of the better case's first champion
 
 def _readouts(model: Any, max_tokens: int, seed: int) -> tuple[dict[str, tuple[Any, Any]], list[dict], dict]:
     """The readouts of the three cases, the pool prompts (id, prompt, length) and the readouts' test Spearman."""
-    from study_harness.corpus import corpus_dir, corpus_key, load_corpus
     from harness.replay import DEFAULT_DECODING
-    from study_harness.snapshot import stored_texts
     from leap_core.layers import default_layer
     from leap_core.metrics import spearman
     from leap_core.readout import LinearReadout
     from leap_core.recipes import RECIPE_VERSION, Recipe
     from leap_core.rls import fit_readout_with_anchor
+    from study_harness.corpus import corpus_dir, corpus_key, load_corpus
+    from study_harness.snapshot import stored_texts
 
     layer = default_layer(model.num_layers)
     rows = load_corpus(corpus_dir(corpus_key(model.fingerprint, layer, max_tokens, DEFAULT_DECODING)), layer,
@@ -123,11 +123,21 @@ def bench_gate(trials: int = 20, quick: bool = False, slice_size: int | None = N
     """Run `trials` gate trials of each case (module docstring); the error rates and timings. The step
     clock is calibrated on `calibration_requests` pool requests at their recorded lengths."""
     from harness.engine import EngineSettings, build_engine
-    from study_harness.experiment import resolve_model
-    from harness.gate_replay import (BLOCKS, DECODE_SLOTS, block_count, calibrate_step_clock, gate_config,
-                                     gate_requests, gate_runtime, load_rate, replay_arms, warm_up)
+    from harness.gate_replay import (
+        BLOCKS,
+        DECODE_SLOTS,
+        block_count,
+        calibrate_step_clock,
+        gate_config,
+        gate_requests,
+        gate_runtime,
+        load_rate,
+        replay_arms,
+        warm_up,
+    )
     from leap_core.gate_verdict import MARGIN, NO_DIFFERENCE, P95_BOUND, gate_verdict
     from leap_core.recipes import readout_recipe
+    from study_harness.experiment import resolve_model
 
     say = on_progress or (lambda message: None)
     margin = MARGIN if margin is None else margin

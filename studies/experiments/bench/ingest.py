@@ -18,10 +18,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from store.ingest import complete_segments, deal_segments, ingest_folder, ingest_segments, totals
-from store.duckdb import LogStore
 from leap_io.durable import write_durably
 from leap_io.feedback_schema import feedback_schema, parquet_options, segment_metadata, segment_table
+from store.duckdb import LogStore
+from store.ingest import complete_segments, deal_segments, ingest_folder, ingest_segments, totals
 
 BENCH_MODEL_ID = "bench-model"
 BENCH_FINGERPRINT = "bench-fingerprint"

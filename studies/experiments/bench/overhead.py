@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from harness.replay import ReplayRequest, encode_prompts, replay
 from leap_core.readout import LinearReadout
 from serving.config import LeapConfig
 from study_harness.experiment import open_live
-from harness.replay import ReplayRequest, encode_prompts, replay
 
 
 def _readout_for(live) -> LinearReadout:

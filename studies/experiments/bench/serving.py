@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from leap_core.readout_format import to_bytes
 from experiments.bench.switchback import block_is_on, throughput_ratio
+from leap_core.readout_format import to_bytes
 from leap_core.simulator import poisson_arrivals
 
 STOCK, LEAP, SHADOW = "stock", "leap", "leap-shadow"
@@ -45,9 +45,9 @@ STOCK, LEAP, SHADOW = "stock", "leap", "leap-shadow"
 def prepare(prompts: list[dict], n_requests: int, n_train: int, folder: Path, model: str | None,
             max_tokens: int, say: Callable[[str], None]) -> dict:
     """Corpus of train + trace prompts (cached), a readout fitted on the training prompts, the trace spec."""
+    from serving.config import LeapConfig
     from study_harness.corpus import load_corpus
     from study_harness.experiment import corpus_for, fit_on_corpus, fixed_length_requests, open_live
-    from serving.config import LeapConfig
 
     if len(prompts) < n_requests + n_train:
         raise ValueError(f"{len(prompts)} prompts, but {n_requests} trace + {n_train} training prompts are needed")

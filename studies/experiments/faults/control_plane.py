@@ -171,9 +171,9 @@ def _runtime(state_dir: Path, champion_url: Path) -> Any:
 def clock_skew(workdir: str | Path | None = None) -> dict[str, Any]:
     """The promoting host's clock an hour behind the replica's: a replica restarted after a promotion it
     missed serves the newer champion all the same (the publication sequence decides, not the clocks)."""
+    from flows.settings import PipelineSettings
     from registry.client import ReadoutRegistry
     from store.stores import open_store
-    from flows.settings import PipelineSettings
 
     started = time.monotonic()
     with scratch_folder(workdir) as scratch, MlflowServer(scratch / "mlflow") as server:

@@ -233,7 +233,7 @@ async def _one_abort(port: int, data: bytes, mode: str, timeout_s: float, rng: r
     """Open one streaming request and drop the connection as `mode` says; what happened."""
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(LOOPBACK, port), timeout_s)
-    except (OSError, asyncio.TimeoutError):
+    except (TimeoutError, OSError):
         return "connect_failed"
     outcome = "aborted"
     try:
@@ -260,9 +260,9 @@ async def _one_abort(port: int, data: bytes, mode: str, timeout_s: float, rng: r
         try:
             rest = await asyncio.wait_for(reader.read(-1), rng.uniform(0.02, 0.3))
             return "completed" if b"[DONE]" in rest else "ended_early"
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return outcome
-    except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+    except (TimeoutError, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
         return "error"
     finally:
         writer.transport.abort()  # RST: the server sees the client gone at once

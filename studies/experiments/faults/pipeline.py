@@ -426,7 +426,7 @@ def mlflow_down(phase: str, workdir: str | Path | None = None, *, n_replicas: in
         error: BaseException | None = None
         try:
             _run_step(phase, name, second, server, targets[0])
-        except Exception as failure:  # noqa: BLE001  (any loud failure counts; which one is reported)
+        except Exception as failure:
             error = failure
         restored = getattr(error, "restored", None)  # a failed promotion says whether it put everything back
         failed_loudly = error is not None and "mlflow" in f"{type(error).__name__} {error}".lower()

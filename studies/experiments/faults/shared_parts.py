@@ -26,7 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from experiments.faults.pipeline import ledger_reconciles, scenario_result, scratch_folder, segment_ids, synthetic_feedback
+from experiments.faults.pipeline import (
+    ledger_reconciles,
+    scenario_result,
+    scratch_folder,
+    segment_ids,
+    synthetic_feedback,
+)
 from ops.servers import create_database, free_port, s3_environment
 from store.duckdb import LogStore
 from store.ingest import ingest_folder, totals
@@ -140,8 +146,8 @@ def _until(condition, timeout_s: float) -> bool:
 def s3_down_while_shipping(workdir: str | Path | None = None, *, rows: int = 300, outage_s: float = 3.0,
                            timeout_s: float = 90.0) -> dict[str, Any]:
     """Ship through an outage of S3; every row written is ingested from the bucket once."""
-    from serving.feedback.writer import FeedbackWriter
     from serving.feedback.shipper import FeedbackShipper
+    from serving.feedback.writer import FeedbackWriter
 
     started = time.monotonic()
     with scratch_folder(workdir) as scratch, running_s3() as endpoint, _environment(s3_environment(endpoint)):
@@ -209,7 +215,7 @@ def postgres_restart_mid_ingest(workdir: str | Path | None = None, *, segments: 
             def ingest() -> None:
                 try:
                     outcome["reports"] = ingest_folder(PostgresStore(url), folder)
-                except Exception as error:  # noqa: BLE001 - the failure is what this scenario checks
+                except Exception as error:
                     outcome["error"] = error
 
             run = threading.Thread(target=ingest, name="leap-fault-ingest", daemon=True)
@@ -283,7 +289,7 @@ def mlflow_artifacts_full(workdir: str | Path | None = None, *, timeout_s: float
                 error: BaseException | None = None
                 try:
                     registry.log_readout(readout, rls=rls, params={"data_hash": "fault"}, metrics={"spearman": 0.5})
-                except Exception as failure:  # noqa: BLE001 - the loud failure is what this scenario checks
+                except Exception as failure:
                     error = failure
                 versions_after = len(registry.list_versions(first.name))
                 champion_after = registry.get_alias(first.name, CHAMPION)

@@ -86,7 +86,7 @@ def _guarded(name: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     started = time.monotonic()
     try:
         return run()
-    except Exception as exc:  # noqa: BLE001 - a scenario that breaks is a finding, not a crash of the suite
+    except Exception as exc:
         tail = traceback.format_exc().strip().splitlines()[-3:]
         return result(name, started, False, f"the scenario raised {type(exc).__name__}: {exc} ({' | '.join(tail)})",
                       ran=False)
@@ -201,7 +201,7 @@ class Suite:
         if flows:
             try:
                 available = flows_scenarios()
-            except Exception as exc:  # noqa: BLE001 - reported per scenario below
+            except Exception as exc:
                 available, reason = {}, f"the pipeline's fault scenarios did not load: {type(exc).__name__}: {exc}"
             else:
                 reason = "not among the pipeline's fault scenarios (flows_scenarios)"
@@ -268,7 +268,7 @@ def all_scenarios(include_flows: bool = True) -> list[str]:
     if include_flows:
         try:
             names += [FLOWS_PREFIX + name for name in flows_scenarios()]
-        except Exception:  # noqa: BLE001 - reported as a scenario that could not run
+        except Exception:
             names.append(FLOWS_PREFIX + "ingest_kill9")
     return names
 
