@@ -5,17 +5,19 @@ import importlib
 import os
 from importlib.metadata import entry_points
 
-# Machine-facing commands print JSON on stdout: engine and server logs go to stderr.
-os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-
 from leap_cli.apps import app
 
-# While `leap stack up --fleet` runs in $LEAP_HOME, its store, bucket, replicas and servers are the
-# defaults of every command (variables already set win).
-from ops.fleet_env import apply_environment
 
-apply_environment()
+@app.callback()
+def _before_every_command() -> None:
+    """Run when a command runs, not when this module is imported: machine-facing commands print JSON on
+    stdout, so engine and server logs go to stderr; and while `leap stack up --fleet` runs in $LEAP_HOME, its
+    store, bucket, replicas and servers are the defaults of every command (variables already set win)."""
+    from ops.fleet_env import apply_environment
+
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    apply_environment()
 
 _COMMAND_MODULES = (
     "leap_cli.cmd_serving",
