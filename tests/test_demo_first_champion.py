@@ -38,7 +38,7 @@ def test_the_cli_offers_exactly_the_first_champions_the_demo_runs():
     import typing
 
     from experiments.demo import FIRST_CHAMPIONS
-    from leap_cli.cmd_pipeline import demo_command
+    from study_cli.cmd_demo import demo_command
 
     offered = typing.get_args(typing.get_type_hints(demo_command)["first_champion"])
     assert offered == FIRST_CHAMPIONS
