@@ -16,7 +16,9 @@ _COMMAND_MODULES = ("cmd_core", "cmd_core_rls", "cmd_core_sim", "cmd_eval", "cmd
 
 
 def register(app: typer.Typer) -> None:
-    """The `leap.commands` entry point: import the command modules and add their commands to `app`."""
+    """The `leap.commands` entry point: import the command modules and add their commands to `app` (once)."""
+    if any(group.typer_instance is eval_app for group in app.registered_groups):
+        return
     for name in _COMMAND_MODULES:
         importlib.import_module(f"study_cli.{name}")
     app.add_typer(bench_app, name="bench")

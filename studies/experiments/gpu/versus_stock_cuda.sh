@@ -8,7 +8,9 @@
 # (`leap corpus build --snapshot --select`), since the readout is fitted on that model's own hidden states.
 # Writes the result to $OUT (default ./versus-stock-cuda), the servers' logs beside it.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
+# the product and the studies from this checkout, installed or not
+export PYTHONPATH="$PWD:$PWD/studies${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 OUT=${OUT:-versus-stock-cuda}
 ARGS=${ARGS:---quick}
@@ -21,11 +23,11 @@ PY
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 LEAP_HOME=${LEAP_HOME:-$PWD/.leap}
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$OUT/gpu.csv" || true
 if [ -z "${MODEL:-}" ]; then
-  MODEL=$("$PY" -m leap_cli.main model prepare --json | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["path"])')
+  MODEL=$("$PY" -m study_cli model prepare --json | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["path"])')
 else
-  "$PY" -m leap_cli.main corpus build --snapshot --select "sharegpt:1500,arena_hard:100" \
+  "$PY" -m study_cli corpus build --snapshot --select "sharegpt:1500,arena_hard:100" \
     --model "$MODEL" --json > "$OUT/corpus.json"
 fi
 # shellcheck disable=SC2086  # ARGS holds several options
-"$PY" -m leap_cli.main eval versus-stock --model "$MODEL" $ARGS --json > "$OUT/versus-stock.json" 2> "$OUT/versus-stock.log"
+"$PY" -m study_cli eval versus-stock --model "$MODEL" $ARGS --json > "$OUT/versus-stock.json" 2> "$OUT/versus-stock.log"
 "$PY" -c 'import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps({"goals_met": r["goals_met"], "capacity": r["capacity"], "leap_over_stock": {n: s["leap_over_stock"]["mean_latency"] for n, s in r["segments"].items()}}))' "$OUT/versus-stock.json"
