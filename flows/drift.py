@@ -33,8 +33,8 @@ from leap_io.jsonable import dumps, to_jsonable
 STATE_VERSION = 1
 RETRAIN, RESET, ROLLBACK = "retrain", "reset", "rollback"
 ALL = "all"  # the figures over every request, whatever domain its client named
-GAUGES = {"leap_domain_rolling_spearman": "spearman", "leap_domain_rolling_mae": "mae",
-          "leap_domain_anchor_mae": "anchor_mae", "leap_domain_rolling_rows": "rows"}
+GAUGES = {"leap:rolling_spearman": "spearman", "leap:rolling_mae_tokens": "mae",
+          "leap:anchor_mae_tokens": "anchor_mae", "leap:rolling_requests": "rows"}
 MAX_DECISIONS_KEPT = 200
 MAX_DOMAINS_PER_REPLICA = 64
 
@@ -103,7 +103,7 @@ def parse_quality(text: str, replica: str, version: str, now: float) -> list[Obs
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == "leap_anchor_generation" and math.isfinite(sample.value):
+                if sample.name == "leap:anchor_generation" and math.isfinite(sample.value):
                     generation = int(sample.value)
                 field = GAUGES.get(sample.name)
                 domain = sample.labels.get("domain")

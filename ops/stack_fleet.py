@@ -37,9 +37,9 @@ DATABASES = ("mlflow", "prefect", "leap")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REPLICA_KV_CACHE_GIB = "1"
 """KV cache of each CPU replica (GiB): several vLLM CPU engines share this machine's memory."""
-_ROLLING_GAUGES = {"leap_domain_rolling_spearman": "spearman", "leap_domain_rolling_mae": "mae"}
+_ROLLING_GAUGES = {"leap:rolling_spearman": "spearman", "leap:rolling_mae_tokens": "mae"}
 """A replica's live figures: its per-domain gauges' series over every request (`domain="all"`)."""
-_COUNTS = {"leap_finished_requests_total": "finished", "leap_predictions_total": "predictions"}
+_COUNTS = {"leap:finished_requests_total": "finished", "leap:predictions_total": "predictions"}
 
 
 @dataclass(frozen=True)
@@ -351,7 +351,7 @@ def fleet_specs(settings: PipelineSettings, layout: FleetLayout) -> dict[str, Se
 def parse_gauges(text: str, replica: str = "", version: str = "") -> dict[str, Any]:
     """The live figures in a replica's /metrics text: `spearman` and `mae` of the serving readout over its
     last 256 finished requests since its current anchor (the `domain="all"` series of
-    `leap_domain_rolling_spearman` / `leap_domain_rolling_mae`; the MAE weighs tenants under the replica's
+    `leap:rolling_spearman` / `leap:rolling_mae_tokens`; the MAE weighs tenants under the replica's
     `rls_tenant_max_share`; None before any such request, or for a Spearman under two), and `by_domain` as
     the drift watch reads them (`flows.drift.parse_quality`)."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -1,22 +1,31 @@
-"""ASGI middleware for vLLM's OpenAI server: refuse bad `leap_*` request extras with HTTP 400.
+"""ASGI middleware for vLLM's OpenAI server: refuse bad `leap_*` request extras with HTTP 400, and serve
+LEAP's metrics beside vLLM's on the serving port.
 
-Engine-core ignores a bad `vllm_xargs` key with a warning (it must never fail a request there); the
-client only learns of its mistake if the API front end refuses it. This middleware reads the JSON body
-of every POST route that takes `vllm_xargs` (`VALIDATED_PATHS`: completions, chat, responses, messages),
-validates them with `serving.request_extras.parse_leap_extras` and answers 400 with an OpenAI-style
-error naming every bad key and why. Everything else (other paths and methods, bodies that are not JSON objects, requests
-without LEAP keys, and every response, streamed or not) passes through untouched; the body is replayed
-to the app exactly as it arrived.
+Engine-core ignores a bad `vllm_xargs` key with a warning, so the client only learns of its mistake if
+the front end refuses it: the JSON body of every POST route that takes `vllm_xargs` (`VALIDATED_PATHS`)
+is checked with `serving.request_extras.parse_leap_extras`; a bad one is a 400 naming every bad key, and
+anything else passes through with its body replayed exactly. GET `/metrics` is vLLM's exposition with
+the engine-core runtime's `leap:*` families appended, read from the admin port on loopback
+(`RuntimeMetrics`): a scraper of vLLM reads both, and a runtime out of reach costs only LEAP's part
+(counted in `leap:runtime_metrics_failures_total{reason}`), never vLLM's.
 
   vllm serve ... --middleware serving.api_middleware.LeapExtrasMiddleware
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import urllib.error
+import urllib.request
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
 from serving.request_extras import parse_leap_extras
+
+logger = logging.getLogger(__name__)
 
 VALIDATED_PATHS = frozenset({
     "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
@@ -27,6 +36,12 @@ vLLM's routers by a test). The audio routes take them too, inside a multipart fo
 served with LEAP, and those bodies pass unread."""
 MAX_INSPECTED_BODY = 32 << 20
 """A larger body is passed on without a look (the server applies its own limits to it)."""
+
+METRICS_PATH = "/metrics"
+RUNTIME_METRICS_TIMEOUT_S = 2.0
+MAX_RUNTIME_METRICS = 16 << 20
+"""The most bytes of LEAP exposition appended (a larger answer is refused and counted as too_large)."""
+FAILURE_REASONS = ("unreachable", "timeout", "status", "too_large")
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -56,20 +71,92 @@ def _problems(body: bytes) -> dict[str, str]:
     return errors
 
 
+def admin_metrics_url(app: Any) -> str | None:
+    """The runtime's admin `/metrics` on loopback, from the LEAP settings vLLM passed this server; None
+    when the runtime runs no admin server (or this is not vLLM's app)."""
+    config = getattr(getattr(app, "state", None), "vllm_config", None)
+    if config is None:
+        return None
+    from serving.config import leap_config_from_vllm
+
+    leap = leap_config_from_vllm(config)
+    if not leap.admin_port:  # unset, or 0 (a free port this process cannot learn)
+        return None
+    host = leap.admin_host if leap.admin_host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{leap.admin_port}{METRICS_PATH}"
+
+
+class RuntimeMetrics:
+    """Reads the runtime's exposition for the serving port's `/metrics`, counting every failure by reason."""
+
+    def __init__(self, timeout_s: float = RUNTIME_METRICS_TIMEOUT_S, max_bytes: int = MAX_RUNTIME_METRICS) -> None:
+        self.timeout_s, self.max_bytes = timeout_s, max_bytes
+        self.registry = CollectorRegistry()
+        self.failures = Counter("leap:runtime_metrics_failures", "Scrapes of the serving port whose LEAP part "
+                                "could not be read from the runtime, by reason", ["reason"], registry=self.registry)
+        for reason in FAILURE_REASONS:
+            self.failures.labels(reason=reason)
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never a proxy
+
+    def read(self, url: str | None) -> bytes:
+        """LEAP's exposition at `url` (b"" when there is none or it failed), then this reader's own counts."""
+        text = b""
+        if url is not None:
+            try:
+                text = self._fetch(url)
+            except TimeoutError:
+                self._fail("timeout", url)
+            except urllib.error.HTTPError as exc:
+                self._fail("status", url, exc.code)
+            except (urllib.error.URLError, OSError) as exc:
+                reason = "timeout" if isinstance(getattr(exc, "reason", None), TimeoutError) else "unreachable"
+                self._fail(reason, url, exc)
+            except ValueError as exc:
+                self._fail("too_large", url, exc)
+        if text and not text.endswith(b"\n"):
+            text += b"\n"
+        return text + generate_latest(self.registry)
+
+    def _fetch(self, url: str) -> bytes:
+        with self._opener.open(url, timeout=self.timeout_s) as answer:
+            body = answer.read(self.max_bytes + 1)
+        if len(body) > self.max_bytes:
+            raise ValueError(f"more than {self.max_bytes} bytes")
+        return body
+
+    def _fail(self, reason: str, url: str, detail: object = "") -> None:
+        self.failures.labels(reason=reason).inc()
+        logger.warning("LEAP metrics not appended to /metrics: %s from %s (%s)", reason, url, detail)
+
+
+def _without(headers: list, names: tuple[bytes, ...]) -> list:
+    return [(key, value) for key, value in headers if key.lower() not in names]
+
+
 class LeapExtrasMiddleware:
     """Pure ASGI middleware (vLLM adds a class given to --middleware with `app.add_middleware`)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
+        self.runtime_metrics = RuntimeMetrics()
+        self._metrics_url: tuple[str | None] | None = None  # resolved at the first scrape
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope.get("type") != "http" or scope.get("method") != "POST":
+        method = scope.get("method")
+        if scope.get("type") != "http" or method not in ("POST", "GET"):
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
         root = scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root):]
+        if method == "GET":
+            if path.rstrip("/") == METRICS_PATH:
+                await self._metrics(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
+            return
         if path.rstrip("/") not in VALIDATED_PATHS:
             await self.app(scope, receive, send)
             return
@@ -99,6 +186,38 @@ class LeapExtrasMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    async def _metrics(self, scope: Scope, receive: Any, send: Any) -> None:
+        """vLLM's `/metrics` in the plain text format, uncompressed, with LEAP's families appended."""
+        headers = _without(list(scope.get("headers", [])), (b"accept", b"accept-encoding"))
+        inner = {**scope, "headers": [*headers, (b"accept", b"text/plain;version=0.0.4")]}
+        start: Message | None = None
+        parts: list[bytes] = []
+
+        async def keep(message: Message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+            elif message["type"] == "http.response.body":
+                parts.append(message.get("body", b""))
+
+        await self.app(inner, receive, keep)
+        if start is None:
+            return  # vLLM answered nothing; neither do we
+        body = b"".join(parts)
+        if start.get("status") == 200:
+            if self._metrics_url is None:
+                try:
+                    self._metrics_url = (admin_metrics_url(scope.get("app")),)
+                except Exception as exc:  # the settings do not read: vLLM's part still answers
+                    logger.warning("LEAP metrics not appended to /metrics: %s", exc)
+                    self._metrics_url = (None,)
+            if body and not body.endswith(b"\n"):
+                body += b"\n"
+            body += await asyncio.to_thread(self.runtime_metrics.read, self._metrics_url[0])
+        kept = _without(list(start.get("headers", [])), (b"content-length", b"content-encoding"))
+        await send({**start, "headers": [*kept, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
     @staticmethod
     async def _refuse(send: Any, errors: dict[str, str]) -> None:

@@ -69,6 +69,8 @@ class DecodeSteps:
         self.slot_rule = self._make_slot_rule()
         self.slots = config.decode_slots
         self._last_step_start: float | None = None
+        self._remaining: dict[str, float] = {}  # replaced whole each step: scrapes read it from another thread
+        telemetry.outstanding.set_function(self.outstanding_tokens)
 
     def _make_policy(self) -> DecodePolicy:
         c = self.config
@@ -155,6 +157,7 @@ class DecodeSteps:
                 if needs_prediction:
                     if request.request_id in predictions:
                         self.counters.ready += 1
+                        self._telemetry.ready.inc()
                     else:
                         missing.append(request.request_id)
             candidates.append(request)
@@ -192,7 +195,24 @@ class DecodeSteps:
         if self.last_held:
             self.counters.held_steps += 1
             self.counters.held += len(self.last_held)
+            self._telemetry.reordered_steps.inc()
+            self._telemetry.held_total.inc(len(self.last_held))
+        self._remaining = self.remaining_tokens(running)
         self.counters.schedule_s += time.perf_counter() - start
+
+    def remaining_tokens(self, running: list) -> dict[str, float]:
+        """{request id: predicted remaining output tokens} of every resident request, prefilling ones
+        included (the prediction the order uses, else max_tokens, less what it generated)."""
+        source, track = self.config.length_source, self._tracker.track
+        return {r.request_id: max(self._predicted_total(r, track(r), source) - r.num_output_tokens, 0.0)
+                for r in running}
+
+    def outstanding_tokens(self) -> float:
+        """The decode work this replica still holds, as a gateway may weigh it: the last step's remaining
+        tokens of the requests still resident now, read at every scrape (`leap:predicted_outstanding_tokens`),
+        so a request that finished after the last step no longer counts."""
+        tracked = self._tracker.tracked
+        return float(sum(v for rid, v in self._remaining.items() if rid in tracked))
 
     def describe_slots(self) -> dict:
         """K now, whether it is chosen each step, and the step time it is chosen from."""

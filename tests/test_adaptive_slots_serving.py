@@ -60,7 +60,7 @@ def test_a_rising_step_time_holds_out_all_but_the_slots_that_keep_up_with_the_de
     held = {r.request_id for r in requests[slots:]}
     assert runtime.steps.last_held == held
     assert runtime.stats()["decode_slots"]["slots"] == slots
-    assert runtime.metrics_registry.get_sample_value("leap_decode_slots") == slots
+    assert runtime.metrics_registry.get_sample_value("leap:decode_slots") == slots
 
 
 @pytest.mark.parametrize("adaptive, per_decode_s, slots", [

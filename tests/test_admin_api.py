@@ -275,7 +275,7 @@ def test_trickling_clients_are_cut_off_at_the_head_deadline_and_health_is_answer
 
     registry = CollectorRegistry()
     registry.register(AdminRefusalCollector(server))
-    assert 'leap_admin_refused_total{reason="head_deadline"} 4.0' in generate_latest(registry).decode()
+    assert 'leap:admin_refused_total{reason="head_deadline"} 4.0' in generate_latest(registry).decode()
     assert httpx.get(f"{url}/leap/readout", headers=AUTH, timeout=5).status_code == 200
 
 

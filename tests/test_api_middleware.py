@@ -180,3 +180,92 @@ def test_every_json_route_of_the_installed_vllm_that_takes_extras_is_validated()
     assert ("/v1/chat/completions", "ChatCompletionRequest") in routes  # the reading itself works
     audio = {path for path, _ in routes if path.startswith("/v1/audio/")}  # multipart forms; see VALIDATED_PATHS
     assert {path for path, _ in routes} - audio == VALIDATED_PATHS
+
+
+# -- /metrics: vLLM's exposition with the runtime's appended --------------------------------------------
+
+
+class _Runtime:
+    """What the admin API needs to serve /metrics: a runtime's real Telemetry registry."""
+
+    def __init__(self) -> None:
+        from serving.telemetry import Telemetry
+
+        self.telemetry = Telemetry()
+        self.metrics_registry = self.telemetry.registry
+
+
+def _vllm_metrics_app(admin_port: int | None) -> tuple[FastAPI, object]:
+    """vLLM's /metrics as its API server mounts it (prometheus_client's ASGI app on its own registry), with
+    the LEAP settings vLLM hands its app state."""
+    import re
+
+    from prometheus_client import CollectorRegistry, Histogram, make_asgi_app
+    from starlette.routing import Mount
+
+    registry = CollectorRegistry()
+    latency = Histogram("vllm:e2e_request_latency_seconds", "e2e", registry=registry)
+    latency.observe(0.25)
+    app, _ = _app()
+    route = Mount("/metrics", make_asgi_app(registry=registry))
+    route.path_regex = re.compile("^/metrics(?P<path>.*)$")
+    app.routes.append(route)
+    leap = {} if admin_port is None else {"admin_port": admin_port}
+    app.state.vllm_config = Namespace(additional_config={"leap": leap})
+    return app, registry
+
+
+def _families(text: str) -> dict[str, list]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {family.name: family.samples for family in text_string_to_metric_families(text)}
+
+
+def test_metrics_carry_vllm_and_the_runtime_families_in_one_plain_text_answer():
+    from serving.admin.api import AdminServer
+
+    runtime = _Runtime()
+    runtime.telemetry.finished_lengths(120.0, 97)
+    admin = AdminServer(runtime, "127.0.0.1", 0, None)
+    try:
+        app, _ = _vllm_metrics_app(admin.port)
+        with TestClient(app) as client:
+            answer = client.get("/metrics", headers={"Accept-Encoding": "gzip",
+                                                     "Accept": "application/openmetrics-text;version=1.0.0"})
+    finally:
+        admin.close()
+    assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/plain")
+    assert "content-encoding" not in answer.headers and int(answer.headers["content-length"]) == len(answer.content)
+    families = _families(answer.text)  # parses whole: no family twice, no OpenMetrics EOF in the middle
+    assert families["vllm:e2e_request_latency_seconds"][-1].value == 0.25
+    counts = {s.name: s.value for s in families["leap:actual_generation_tokens"]}
+    assert counts["leap:actual_generation_tokens_count"] == 1 and counts["leap:actual_generation_tokens_sum"] == 97
+    assert {s.labels["reason"]: s.value for s in families["leap:runtime_metrics_failures"]} == {
+        reason: 0.0 for reason in ("unreachable", "timeout", "status", "too_large")}
+
+
+def test_a_runtime_out_of_reach_costs_only_leaps_part_and_is_counted():
+    import socket
+
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    app, _ = _vllm_metrics_app(port)
+    with TestClient(app) as client:
+        first, second = client.get("/metrics"), client.get("/metrics/")
+    for answer in (first, second):
+        assert answer.status_code == 200
+        assert "vllm:e2e_request_latency_seconds_count 1.0" in answer.text
+        assert "leap:predictions_total" not in answer.text
+    failures = {s.labels["reason"]: s.value for s in _families(second.text)["leap:runtime_metrics_failures"]}
+    assert failures["unreachable"] == 2 and failures["timeout"] == 0
+
+
+def test_without_an_admin_port_metrics_are_vllms_and_other_gets_pass_untouched():
+    app, _ = _vllm_metrics_app(None)
+    with TestClient(app) as client:
+        metrics = client.get("/metrics")
+        models = client.get("/v1/models")
+    assert metrics.status_code == 200 and "vllm:e2e_request_latency_seconds" in metrics.text
+    assert "leap:predictions_total" not in metrics.text
+    assert models.json() == {"data": [{"id": "m"}]}

@@ -144,22 +144,22 @@ def test_a_champion_worse_than_the_previous_one_was_on_the_same_traffic_is_rolle
     assert decide(state, BASE, POLICY, now_of(state)) == []
 
 
-METRICS = """# HELP leap_domain_rolling_mae MAE
-# TYPE leap_domain_rolling_mae gauge
-leap_domain_rolling_mae{domain="all"} 120.5
-leap_domain_rolling_mae{domain="math"} 80.0
-leap_domain_rolling_mae{domain="half"} 3.0
-# TYPE leap_domain_anchor_mae gauge
-leap_domain_anchor_mae{domain="all"} 100.0
-leap_domain_anchor_mae{domain="math"} NaN
-# TYPE leap_domain_rolling_spearman gauge
-leap_domain_rolling_spearman{domain="all"} 0.6
-leap_domain_rolling_spearman{domain="math"} 0.4
-# TYPE leap_domain_rolling_rows gauge
-leap_domain_rolling_rows{domain="all"} 256.0
-leap_domain_rolling_rows{domain="math"} 40.0
-# TYPE leap_anchor_generation gauge
-leap_anchor_generation 3.0
+METRICS = """# HELP leap:rolling_mae_tokens MAE
+# TYPE leap:rolling_mae_tokens gauge
+leap:rolling_mae_tokens{domain="all"} 120.5
+leap:rolling_mae_tokens{domain="math"} 80.0
+leap:rolling_mae_tokens{domain="half"} 3.0
+# TYPE leap:anchor_mae_tokens gauge
+leap:anchor_mae_tokens{domain="all"} 100.0
+leap:anchor_mae_tokens{domain="math"} NaN
+# TYPE leap:rolling_spearman gauge
+leap:rolling_spearman{domain="all"} 0.6
+leap:rolling_spearman{domain="math"} 0.4
+# TYPE leap:rolling_requests gauge
+leap:rolling_requests{domain="all"} 256.0
+leap:rolling_requests{domain="math"} 40.0
+# TYPE leap:anchor_generation gauge
+leap:anchor_generation 3.0
 """
 
 
@@ -172,7 +172,7 @@ def test_the_quality_gauges_are_read_per_domain_and_a_domain_missing_figures_is_
 
 def test_metrics_that_are_not_prometheus_text_are_refused_with_the_replica_named():
     with pytest.raises(MetricsError, match="http://a"):
-        parse_quality("leap_domain_rolling_mae{domain=\"all\" 1\n", "http://a", "", 0.0)
+        parse_quality("leap:rolling_mae_tokens{domain=\"all\" 1\n", "http://a", "", 0.0)
 
 
 def test_the_state_survives_runs_keeps_a_bounded_history_and_sets_a_broken_file_aside(tmp_path):
@@ -220,8 +220,8 @@ def test_the_replica_keeps_figures_per_domain_since_its_anchor_and_caps_the_doma
     scraped = {(s.name, s.labels.get("domain")): s.value
                for f in text_string_to_metric_families(generate_latest(telemetry.registry).decode())
                for s in f.samples}
-    assert scraped[("leap_domain_rolling_rows", "math")] == 4 and scraped[("leap_anchor_generation", None)] == 1
-    assert scraped[("leap_domain_anchor_mae", "math")] == quality.figures("math")["anchor_mae"]
+    assert scraped[("leap:rolling_requests", "math")] == 4 and scraped[("leap:anchor_generation", None)] == 1
+    assert scraped[("leap:anchor_mae_tokens", "math")] == quality.figures("math")["anchor_mae"]
     generation[0] = 2  # a push: the next scrape reports nothing of the previous readout
     assert quality.domains() == [] and quality.generation == 2
 

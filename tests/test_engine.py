@@ -267,7 +267,7 @@ def test_good_push_changes_version_and_rls_anchor_and_rls_learns(live):
     stats = runtime.readouts.learner.stats()
     assert stats["updates"] >= 1
     assert runtime.readouts.version.startswith("push-2+rls")
-    assert "leap_rls_updates" in _get(runtime, "/metrics").text
+    assert "leap:rls_updates" in _get(runtime, "/metrics").text
 
 
 def test_the_gittins_order_ranks_by_the_pushed_distribution_and_finishes_every_request(live):

@@ -69,7 +69,7 @@ def test_the_gittins_order_decodes_by_the_index_of_the_served_distribution(build
     assert runtime.steps.last_held == {outlived.request_id}  # the fresh request's index is the larger
     order = runtime.health()["decode_order"]
     assert order == {"configured": "gittins", "serving": "gittins", "fallback": None, "fallbacks": 0}
-    assert runtime.metrics_registry.get_sample_value("leap_order_fallback") == 0.0
+    assert runtime.metrics_registry.get_sample_value("leap:order_fallback") == 0.0
 
     runtime.config.order = "countdown"  # the same requests under countdown's ranking go the other way
     runtime.configure()
@@ -87,14 +87,14 @@ def test_without_a_distribution_the_gittins_order_counts_down_says_so_and_takes_
     assert order["configured"] == "gittins" and order["serving"] == "countdown" and order["fallbacks"] == 1
     assert order["fallback"] == "the serving readout 'v1' carries no length distribution"
     assert runtime.health()["decode_order"] == order
-    assert runtime.metrics_registry.get_sample_value("leap_order_fallback") == 1.0
+    assert runtime.metrics_registry.get_sample_value("leap:order_fallback") == 1.0
 
     runtime.reset_readout(_readout("v2", _distribution()), None)  # the next push brings one
     runtime.before_schedule([outlived, fresh], 2)
     assert runtime.steps.last_held == {outlived.request_id}
     order = runtime.health()["decode_order"]
     assert (order["serving"], order["fallback"], order["fallbacks"]) == ("gittins", None, 1)
-    assert runtime.metrics_registry.get_sample_value("leap_order_fallback") == 0.0
+    assert runtime.metrics_registry.get_sample_value("leap:order_fallback") == 0.0
 
     runtime.reset_readout(_readout("v3", None), None)  # and one without takes it away again, counted
     runtime.before_schedule([outlived, fresh], 3)

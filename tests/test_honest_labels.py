@@ -105,5 +105,5 @@ def test_rls_learns_only_from_lengths_the_client_left_alone(build, sender_for):
     runtime.readouts.learner.flush()
     assert len(rows) == 4  # every request keeps its feedback row
     assert runtime.readouts.learner.snapshot()["rows"] == 2  # the honest stop and the one capped at M
-    assert sample(runtime, "leap_dropped_total", what="rls_row", reason="client_cap") == 1
-    assert sample(runtime, "leap_dropped_total", what="rls_row", reason="ignore_eos") == 1
+    assert sample(runtime, "leap:dropped_total", what="rls_row", reason="client_cap") == 1
+    assert sample(runtime, "leap:dropped_total", what="rls_row", reason="ignore_eos") == 1

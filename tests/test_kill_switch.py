@@ -65,12 +65,12 @@ def test_the_switch_orders_decodes_fcfs_from_the_next_step_and_back(build):
     assert runtime.steps.last_held == {late.request_id}  # first come, first served
     health = httpx.get(f"{url}/leap/health", timeout=10).json()
     assert health["fcfs_fallback"]["on"] and health["fcfs_fallback"]["reason"] == "incident 42"
-    assert runtime.metrics_registry.get_sample_value("leap_fcfs_fallback") == 1.0
+    assert runtime.metrics_registry.get_sample_value("leap:kill_switch") == 1.0
 
     assert httpx.post(f"{url}/leap/fcfs", json={"on": False}, headers=auth, timeout=10).json()["on"] is False
     runtime.before_schedule([decode(early, 3), decode(late, 3)], 3)
     assert runtime.steps.last_held == {early.request_id}
-    assert runtime.metrics_registry.get_sample_value("leap_fcfs_fallback") == 0.0
+    assert runtime.metrics_registry.get_sample_value("leap:kill_switch") == 0.0
 
 
 def test_the_switch_route_needs_the_token_and_a_well_formed_body(build):

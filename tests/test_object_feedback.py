@@ -313,7 +313,7 @@ def test_the_runtime_ships_its_writers_segments_and_reports_them(tmp_path, s3_en
     health = runtime.health()
     assert health["healthy"] and health["threads"]["feedback_shipper"]["alive"]
     assert "leap_feedback_segments_shipped_total 1.0" in generate_latest(runtime.metrics_registry).decode()
-    assert 'leap_thread_alive{thread="feedback_shipper"} 1.0' in generate_latest(runtime.metrics_registry).decode()
+    assert 'leap:thread_alive{thread="feedback_shipper"} 1.0' in generate_latest(runtime.metrics_registry).decode()
     assert len(_keys(s3_env, bucket, f"fleet/{runtime.recorder.writer.replica_id}/")) == 1
 
 

@@ -129,6 +129,6 @@ def test_the_shadow_figures_are_unchanged():
         pairs.append((served[i], shadowed[i], int(true[i])))
         if (i + 1) % FIGURES_EVERY == 0:
             for (name, figure), value in _old_shadow(pairs).items():
-                got = telemetry.registry.get_sample_value("leap_shadow_figure", {"readout": name, "figure": figure})
+                got = telemetry.registry.get_sample_value("leap:shadow_figure", {"readout": name, "figure": figure})
                 assert got == value, (i, name, figure)
-    assert telemetry.registry.get_sample_value("leap_shadow_rows") == 100
+    assert telemetry.registry.get_sample_value("leap:shadow_rows") == 100

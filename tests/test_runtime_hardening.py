@@ -90,7 +90,7 @@ def test_bad_client_extras_are_ignored_counted_and_warned_about_once_in_a_while(
     assert good.request_id in runtime.steps.last_held
     for key in BAD_EXTRAS:
         label = "unknown" if key == "leap_colour" else key  # a key LEAP does not know is counted as unknown
-        assert sample(runtime, "leap_bad_request_extras_total", key=label) == 50, key
+        assert sample(runtime, "leap:bad_request_extras_total", key=label) == 50, key
     warnings = [r for r in caplog.records if "leap_" in r.getMessage()]
     assert 1 <= len(warnings) <= 2  # rate limited, not one per request
 
@@ -102,9 +102,9 @@ def test_ten_thousand_distinct_unknown_extras_leave_the_metrics_bounded(build):
     runtime.before_schedule(requests, 0)
     for request in requests:
         runtime.on_finished(finish(request, RequestStatus.FINISHED_ABORTED))
-    assert sample(runtime, "leap_bad_request_extras_total", key="unknown") == 10_000
+    assert sample(runtime, "leap:bad_request_extras_total", key="unknown") == 10_000
     text = generate_latest(runtime.metrics_registry).decode()
-    assert text.count("leap_bad_request_extras_total{") == 1 and "leap_x" not in text
+    assert text.count("leap:bad_request_extras_total{") == 1 and "leap_x" not in text
     assert runtime.telemetry.snapshot()["bad_request_extras"] == {"unknown": 10_000}
 
 
@@ -148,7 +148,7 @@ def test_receiver_drops_malformed_messages_with_a_reason_and_keeps_serving(build
     expected = {"not_float32": 1, "wrong_dim": 1, "non_finite": 1, "bad_id": 1, "bad_frame": 2}
 
     def dropped() -> dict:
-        return {reason: sample(runtime, "leap_dropped_total", what="capture", reason=reason) for reason in expected}
+        return {reason: sample(runtime, "leap:dropped_total", what="capture", reason=reason) for reason in expected}
 
     # two PUSH sockets into one PULL keep no order between them: "after" may be read before the raw ones
     assert eventually(lambda: dropped() == expected), dropped()
@@ -202,8 +202,8 @@ def test_a_feature_that_lands_after_its_request_finished_still_makes_the_row(bui
     assert len(rows) == 1 and rows[0]["output_tokens"] == 3
     np.testing.assert_array_equal(rows[0]["feature"], sent)
     assert runtime.tracker.sizes()["awaiting_feature"] == 0
-    assert sample(runtime, "leap_dropped_total", what="feedback_row", reason="feature_never_arrived") == 0
-    assert sample(runtime, "leap_dropped_total", what="feature", reason="finished") == 0
+    assert sample(runtime, "leap:dropped_total", what="feedback_row", reason="feature_never_arrived") == 0
+    assert sample(runtime, "leap:dropped_total", what="feature", reason="finished") == 0
 
 
 def test_a_feature_that_never_arrives_costs_one_counted_row_after_a_bounded_wait(build, monkeypatch):
@@ -219,7 +219,7 @@ def test_a_feature_that_never_arrives_costs_one_counted_row_after_a_bounded_wait
     time.sleep(0.1)
     runtime.after_schedule([], {})
     assert rows == [] and runtime.tracker.sizes()["awaiting_feature"] == 0
-    assert sample(runtime, "leap_dropped_total", what="feedback_row", reason="feature_never_arrived") == 1
+    assert sample(runtime, "leap:dropped_total", what="feedback_row", reason="feature_never_arrived") == 1
     assert runtime.stats()["finished"] == 1
 
 
@@ -246,7 +246,7 @@ def test_a_nan_prediction_is_no_prediction_and_the_request_goes_by_max_tokens(bu
     assert eventually(lambda: long.request_id in runtime.tracker.predictions)
     assert runtime.readouts.predictor.flush(2.0)
     assert short.request_id not in runtime.tracker.predictions
-    assert sample(runtime, "leap_dropped_total", what="prediction", reason="non_finite") == 1
+    assert sample(runtime, "leap:dropped_total", what="prediction", reason="non_finite") == 1
     runtime.before_schedule([decode(short), decode(long)], 1)
     assert runtime.steps.last_held == {long.request_id}  # 10 tokens (max_tokens) before 100 predicted
 
@@ -334,7 +334,7 @@ def test_ten_thousand_aborted_requests_leave_no_per_request_state(build, sender_
         runtime.before_schedule([request], i)  # resident, in prefill
         runtime.on_finished(finish(request, RequestStatus.FINISHED_ABORTED))
         sender.send([request.request_id], feature(20.0)[None])  # its feature arrives after the abort
-    assert eventually(lambda: sample(runtime, "leap_dropped_total", what="feature", reason="finished") == n, 30)
+    assert eventually(lambda: sample(runtime, "leap:dropped_total", what="feature", reason="finished") == n, 30)
     assert runtime.readouts.predictor.flush(5.0)
     assert (len(runtime.tracker.tracked), len(runtime.tracker.features), len(runtime.tracker.predictions)) == (0, 0, 0)
 
@@ -351,7 +351,7 @@ def test_health_reports_every_thread_and_the_drop_counters(build, tmp_path):
     json.dumps(health)  # plain data: it serialises as the admin API sends it
     exposed = generate_latest(runtime.metrics_registry).decode()
     for thread in ("receiver", "predictor", "rls", "feedback"):
-        assert f'leap_thread_alive{{thread="{thread}"}} 1.0' in exposed
+        assert f'leap:thread_alive{{thread="{thread}"}} 1.0' in exposed
     assert "leap_feedback_rows_written" in exposed  # the writer's own counters, on the same registry
 
 
@@ -414,7 +414,7 @@ def test_a_tenant_past_its_share_of_the_label_rows_teaches_rls_no_more_while_oth
     # big: 6 learned alone; once small sends, big's rows wait until fewer than 4 of the last 8 are its own
     # learned rows: the 4 next are refused, the 5th (the window has moved past 4 of its early rows) learned
     assert eventually(lambda: runtime.readouts.learner.stats()["observed"] == 6 + 1 + 1)
-    assert sample(runtime, "leap_dropped_total", what="rls_row", reason="tenant_share") == 4
+    assert sample(runtime, "leap:dropped_total", what="rls_row", reason="tenant_share") == 4
 
 
 def test_one_tenant_alone_teaches_rls_every_row(build, sender_for):
@@ -429,4 +429,4 @@ def test_one_tenant_alone_teaches_rls_every_row(build, sender_for):
     for request in requests:
         runtime.on_finished(finish(decode(request, 1), RequestStatus.FINISHED_STOPPED))
     assert eventually(lambda: runtime.readouts.learner.stats()["observed"] == 9)
-    assert sample(runtime, "leap_dropped_total", what="rls_row", reason="tenant_share") == 0
+    assert sample(runtime, "leap:dropped_total", what="rls_row", reason="tenant_share") == 0

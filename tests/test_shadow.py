@@ -69,7 +69,7 @@ def test_a_shadow_held_over_http_predicts_each_row_from_the_same_vector_and_neve
     health = httpx.get(f"http://127.0.0.1:{runtime.admin.port}/leap/health", timeout=10).json()
     assert health["shadow"]["version"] == "shadow-1" and health["shadow"]["predicted"] == 3
     assert 0.0 < health["shadow"]["seconds"] < 1.0  # what holding it cost, measured
-    assert runtime.metrics_registry.get_sample_value("leap_shadow_rows") == 3.0
+    assert runtime.metrics_registry.get_sample_value("leap:shadow_rows") == 3.0
 
     released = httpx.post(url, content=b"", headers=auth, timeout=10)
     assert released.json() == {"shadow": None, "previous": "shadow-1"}
@@ -95,8 +95,8 @@ def test_the_live_figures_on_metrics_pair_both_readouts_on_the_same_requests(bui
     for i in range(16):  # a multiple of the figures' refresh period
         finished(runtime, sender, f"m{i:02d}-00000001", float(10 + 5 * i), 10 + 5 * i)
     text = generate_latest(runtime.metrics_registry).decode()
-    assert 'leap_shadow_figure{figure="spearman",readout="served"} 1.0' in text
-    assert 'leap_shadow_figure{figure="spearman",readout="shadow"} -1.0' in text
+    assert 'leap:shadow_figure{figure="spearman",readout="served"} 1.0' in text
+    assert 'leap:shadow_figure{figure="spearman",readout="shadow"} -1.0' in text
 
 
 def test_order_accuracy_counts_the_pairs_a_prediction_puts_in_the_right_order():
@@ -213,8 +213,8 @@ def test_leap_shadow_reaches_every_replica_and_is_recorded_in_the_registry(build
     assert actions == ["shadow-release", "shadow-hold"]
 
 
-def test_the_gate_report_carries_the_shadow_figures_as_metrics_and_in_its_sentence():
-    from registry.gate_report import shadow_metrics, verdict_paragraph
+def test_the_gate_report_carries_the_shadow_figures_as_metrics_and_in_its_table():
+    from registry.gate_report import shadow_metrics, verdict_report
 
     rng = np.random.default_rng(3)
     tokens = rng.integers(10, 500, 64).astype(float)
@@ -227,10 +227,13 @@ def test_the_gate_report_carries_the_shadow_figures_as_metrics_and_in_its_senten
     assert shadow_metrics(None) == {}
     bar = rng.lognormal(0.0, 0.5, 64)
     results = {"champion": _arm(bar, tokens), "challenger": _arm(bar * 0.8, tokens)}
-    paragraph = verdict_paragraph(gate_verdict(results, shadow=figures), "3")
-    assert "In shadow on 64 live requests: Spearman" in paragraph and "worse on spearman" in paragraph
-    assert "longest-quartile P95 PTL x0.800 (interval x" in paragraph and "worse above x1.200" in paragraph
-    assert paragraph.endswith("Not passed under the rule 'keep' on no difference.")
+    report = verdict_report(gate_verdict(results, shadow=figures), "3")
+    table = report.markdown()
+    assert "| shadow | 64 live requests; worse on spearman" in table and "| shadow Spearman | " in table
+    assert "| longest-quartile P95 PTL | x0.800 (interval x" in table and "worse above x1.200)" in table
+    assert report.title == "Gate: better against champion v3, not passed"
+    assert report.tags()["leap.gate.spearman"] == f"{figures['spearman']['shadow']:.4f}"
+    assert report.metrics()["gate.shadow.worse"] == 1.0
 
 
 def test_the_live_figures_are_recomputed_every_period_once_the_window_is_full_too(monkeypatch):

@@ -356,7 +356,7 @@ class AdminServer:
 
 
 class AdminRefusalCollector:
-    """`leap_admin_refused_total{reason}`: the admin API's refusals, scraped from `AdminServer.refusals()`."""
+    """`leap:admin_refused_total{reason}`: the admin API's refusals, scraped from `AdminServer.refusals()`."""
 
     def __init__(self, server: AdminServer) -> None:
         self._server = server
@@ -364,7 +364,7 @@ class AdminRefusalCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily
 
-        family = CounterMetricFamily("leap_admin_refused", "Admin API connections refused or cut off, by reason",
+        family = CounterMetricFamily("leap:admin_refused", "Admin API connections refused or cut off, by reason",
                                      labels=["reason"])
         for reason, count in sorted(self._server.refusals().items()):
             family.add_metric([reason], count)

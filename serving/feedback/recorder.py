@@ -49,12 +49,12 @@ class DomainQuality:
     Each domain's window (a `serving.rolling_quality.RollingQuality` of two readouts, the served and
     the anchor) holds the last `window` (true length, predicted, anchor-predicted, tenant) rows of its
     domain; the engine thread only appends, and the figures are computed when /metrics is scraped
-    (`leap_domain_rolling_spearman`, `leap_domain_rolling_mae`, `leap_domain_anchor_mae`,
-    `leap_domain_rolling_rows`, by `domain`, and `leap_anchor_generation`). When the anchor generation
+    (`leap:rolling_spearman`, `leap:rolling_mae_tokens`, `leap:anchor_mae_tokens`,
+    `leap:rolling_requests`, by `domain`, and `leap:anchor_generation`). When the anchor generation
     (`generation()`, read at every scrape and row) moves on, every window is emptied at once, so a
     scrape just after a push never reports the previous readout's figures. At most `max_domains`
     domains besides "all" are kept; a row of another domain is counted in "all" and dropped from its
-    own (`leap_dropped_total{what="quality_row", reason="domain_cap"}`).
+    own (`leap:dropped_total{what="quality_row", reason="domain_cap"}`).
     """
 
     def __init__(self, telemetry: Telemetry, generation: Callable[[], int] | None = None,
@@ -94,21 +94,21 @@ class DomainQuality:
 
         generation, figures = self._snapshot()
         families = {
-            "spearman": GaugeMetricFamily("leap_domain_rolling_spearman", "Spearman of prediction vs length by "
+            "spearman": GaugeMetricFamily("leap:rolling_spearman", "Spearman of prediction vs length by "
                                           "domain, last 256 since the anchor", labels=["domain"]),
-            "mae": GaugeMetricFamily("leap_domain_rolling_mae", "MAE in tokens of the serving (online-corrected) "
+            "mae": GaugeMetricFamily("leap:rolling_mae_tokens", "MAE in tokens of the serving (online-corrected) "
                                      "readout by domain, last 256 since the anchor", labels=["domain"]),
-            "anchor_mae": GaugeMetricFamily("leap_domain_anchor_mae", "MAE in tokens of the anchor readout (as "
+            "anchor_mae": GaugeMetricFamily("leap:anchor_mae_tokens", "MAE in tokens of the anchor readout (as "
                                             "pushed, before online correction) on the same requests",
                                             labels=["domain"]),
-            "rows": GaugeMetricFamily("leap_domain_rolling_rows", "Finished requests the domain's figures are "
+            "rows": GaugeMetricFamily("leap:rolling_requests", "Finished requests the domain's figures are "
                                       "over", labels=["domain"]),
         }
         for domain, values in sorted(figures.items()):
             for key, family in families.items():
                 family.add_metric([domain], values[key])
         yield from families.values()
-        yield GaugeMetricFamily("leap_anchor_generation", "Pushes, restores and resets served so far (the "
+        yield GaugeMetricFamily("leap:anchor_generation", "Pushes, restores and resets served so far (the "
                                 "per-domain figures start afresh at each)", value=generation)
 
     def _snapshot(self) -> tuple[int, dict[str, dict]]:
@@ -190,6 +190,8 @@ class FeedbackRecorder:
         self.finished += 1
         self._telemetry.finished.inc()
         if entry is not None and predicted is not None and output_tokens > 0:
+            admitted = entry.predicted_at_admission
+            self._telemetry.finished_lengths(predicted if admitted is None else admitted, output_tokens)
             self._quality(predicted, output_tokens)
             self._domain_quality(predicted, output_tokens, feature, entry.extras.leap_domain, entry.extras.leap_tenant)
         shadow: tuple[float | None, str | None] = (None, None)

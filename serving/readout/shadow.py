@@ -64,6 +64,7 @@ class ShadowReadout:
                 self._pairs.clear()
                 self._paired = 0
             self._telemetry.shadow_rows.set(0)
+            self._telemetry.shadow_active.set(0)
             logger.info("LEAP shadow %s let go", previous)
             return {"shadow": None, "previous": previous}
         readout, _ = validate_push(body, self.expect, None, self.capture)
@@ -74,6 +75,7 @@ class ShadowReadout:
             self._pairs.clear()
             self._paired = 0
         self._telemetry.shadow_rows.set(0)
+        self._telemetry.shadow_active.set(1)
         logger.info("LEAP shadow %s held (was %s)", held.version, previous)
         return {"shadow": held.version, "previous": previous}
 

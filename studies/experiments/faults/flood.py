@@ -95,7 +95,7 @@ def admin_slowloris(replica: Replica, hold_s: float = 16.0) -> dict[str, Any]:
 
 def _refusals(metrics_text: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'leap_admin_refused_total\{reason="([^"]+)"\} ([0-9.e+]+)', metrics_text)}
+            for m in re.finditer(r'leap:admin_refused_total\{reason="([^"]+)"\} ([0-9.e+]+)', metrics_text)}
 
 
 def unknown_extras(replica: Replica, requests: int = 100, keys_per_request: int = 100) -> dict[str, Any]:

@@ -315,7 +315,7 @@ def _state(replica: Replica) -> dict[str, int]:
 
 
 def _gauges(replica: Replica) -> dict[str, float]:
-    values = prometheus_values(replica.admin.metrics(), "leap_tracked_state")
+    values = prometheus_values(replica.admin.metrics(), "leap:tracked_state")
     return {label.split('"')[1]: value for label, value in values.items() if '"' in label}
 
 
