@@ -265,8 +265,10 @@ class RunsMixin:
 
     def _log_gate_report(self, run_id: str, name: str, version: str, champion_version: str | int | None,
                          results: Mapping[str, Mapping[str, Any]], verdict: Mapping[str, Any]) -> None:
-        """The paired table, the arms' latency CDF and the verdict paragraph of the version's description."""
+        """The paired table, the arms' latency CDF, and the verdict report on the version
+        (`registry.gate_publish`: its description, tags and logged model's metrics)."""
         from registry import gate_report
+        from registry.gate_publish import publish_verdict
 
         table = gate_report.paired_table(results, str(verdict.get("bar", "")))
         if table is not None:
@@ -277,7 +279,5 @@ class RunsMixin:
                 cdf = plotting.latency_cdf(latencies, tmp, gate_report.CDF_FILE,
                                            xlabel="per-token latency (s per token, every repeat)")
                 self.client.log_artifact(run_id, str(cdf), PLOTS_ARTIFACT_PATH)
-        paragraph = gate_report.verdict_paragraph(verdict, None if champion_version is None else str(champion_version))
-        if paragraph is not None:
-            current = self.client.get_model_version(name, version).description
-            self.client.update_model_version(name, version, description=gate_report.with_verdict(current, paragraph))
+        report = gate_report.verdict_report(verdict, None if champion_version is None else str(champion_version))
+        publish_verdict(self.client, run_id, name, version, report)

@@ -277,14 +277,27 @@ def test_a_gate_run_shows_its_paired_table_cdf_and_the_verdict_on_the_version_pa
     table = json.loads(Path(registry.client.download_artifacts(run_id, PAIRED_TABLE_FILE, str(tmp_path))).read_text())
     assert table["columns"][:5] == ["request", "repeat", "output_tokens", "champion_ptl", "challenger_ptl"]
     assert len(table["data"]) == 80 and table["data"][41][:2] == [1, 1]
-    description = registry.client.get_model_version(name, "2").description
-    assert description.startswith("Fitted on 240 rows.\n\nGate: better against champion v1. Mean PTL x0.800")
-    assert f"x{verdict['ci_low']:.3f} to x{verdict['ci_high']:.3f}" in description
-    # a second gate replaces the paragraph, the fit's words stay
+    version = registry.client.get_model_version(name, "2")
+    assert version.description.startswith("Fitted on 240 rows.\n\nGate: better against champion v1, passed\n\n"
+                                          "| figure | value |")
+    assert "| mean PTL ratio | x0.800 of the champion's" in version.description
+    assert f"x{verdict['ci_low']:.3f} to x{verdict['ci_high']:.3f}" in version.description
+    # each figure is a tag the registry can search by, and a metric of the version's logged model
+    assert version.tags["leap.gate.outcome"] == "better" and version.tags["leap.gate.passed"] == "true"
+    assert float(version.tags["leap.gate.ratio"]) == pytest.approx(0.8, abs=1e-4)
+    found = registry.client.search_model_versions(f"name = '{name}' and tags.`leap.gate.outcome` = 'better'")
+    assert [str(v.version) for v in found] == ["2"]
+    model = registry.client.get_logged_model(version.tags["leap.logged_model_id"])
+    logged = {metric.key: metric for metric in model.metrics}
+    assert logged["gate.ratio"].value == pytest.approx(verdict["mean_ptl_ratio"])
+    assert logged["gate.ratio_high"].value == pytest.approx(verdict["ci_high"]) and logged["gate.ratio"].run_id == run_id
+    # a second gate replaces the section and its figures, the fit's words stay
     registry.log_gate(name, 2, 1, results, gate_verdict(results, margin=0.5))
-    again = registry.client.get_model_version(name, "2").description
-    assert again.count("Gate:") == 1 and "no-difference against champion v1" in again
-    assert again.startswith("Fitted on 240 rows.")
+    again = registry.client.get_model_version(name, "2")
+    assert again.description.count("Gate:") == 1 and "no-difference against champion v1" in again.description
+    assert again.description.startswith("Fitted on 240 rows.")
+    assert again.tags["leap.gate.outcome"] == "no-difference" and again.tags["leap.gate.passed"] == "false"
+    assert again.tags["leap.logged_model_id"] == model.model_id  # one logged model a version
 
 
 def test_ensure_db_is_idempotent_and_safe_from_two_processes(tmp_path):
