@@ -35,8 +35,11 @@ def serve(
     policy: str = typer.Option("leap", help="fcfs | leap | oracle | client"),
     order: str | None = typer.Option(None, help="countdown | gittins: how leap ranks decodes (default "
                                                    "$LEAP_ORDER, else countdown)"),
-    readout: Path | None = typer.Option(None, help="readout file to serve at start"),
-    rls_state: Path | None = typer.Option(None, help="RLS anchor (npz) of that readout"),
+    readout: Path | None = typer.Option(None, help="readout file to serve at start (a replica's saved readout.bin, "
+                                                   "a published <name>.bundle, ...); checked before the engine "
+                                                   "starts"),
+    rls_state: Path | None = typer.Option(None, help="RLS anchor (npz) of that readout, e.g. a replica's saved "
+                                                     "rls.npz"),
     layer: int | None = typer.Option(None, help="decoder layer to capture (default: the readout's)"),
     max_resident: int = typer.Option(512), decode_slots: int = typer.Option(64, help="K, the most decoded per step"),
     adaptive_slots: bool = typer.Option(False, "--adaptive-slots/--fixed-slots",
@@ -48,14 +51,20 @@ def serve(
     max_model_len: int = typer.Option(4096),
     extra: list[str] = typer.Argument(None, help="further `vllm serve` arguments after --"),
 ) -> None:
-    """Start vLLM's OpenAI-compatible server with LEAP scheduling (the stock API is unchanged)."""
+    """Start vLLM's OpenAI-compatible server with LEAP scheduling (the stock API is unchanged).
+
+    With no readout given it serves the champion of the registry the pipeline writes (LEAP_REGISTRY_URI,
+    else LEAP_MLFLOW_TRACKING_URI, else the one under $LEAP_HOME), capturing the layers it reads; files
+    that cannot serve are refused in one line (exit code 2) before the engine starts."""
     from serving.config import ORDERS
 
     if order is not None and order not in ORDERS:
         raise typer.BadParameter(f"expected one of {', '.join(ORDERS)}, got {order!r}", param_hint="--order")
     from harness.engine import engine_environment
     from harness.model_prep import prepare_model
+    from leap_cli.serve_start import StartRefused, plan_start
     from leap_io.admin_client import READOUT_PATH, create_token_file
+    from leap_io.model_identity import describe_model
     from leap_io.paths import sub_dir
     from leap_io.settings import read_settings
 
@@ -63,23 +72,28 @@ def serve(
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # the API server runs the engine in its own process
     model_path = model or prepare_model().path
     settings = read_settings()
+    # every accepted push is kept here and served again after a restart
+    state_dir = settings.state_dir or str(sub_dir(f"serving-{port}"))
+    try:  # before any engine starts: the files must serve, and the capture must hold what will serve
+        try:
+            info = describe_model(model_path) if Path(model_path).is_dir() else None
+        except (OSError, ValueError, KeyError) as exc:
+            raise StartRefused(f"the model folder {model_path} does not read: {exc}") from exc
+        plan = plan_start(settings, info, readout=readout, rls_state=rls_state, layer=layer, state_dir=state_dir)
+    except StartRefused as exc:
+        typer.echo(f"leap serve: {exc}", err=True)
+        raise typer.Exit(2) from None
+    for note in plan.notes:
+        console.print(f"[bold]leap serve[/]: {note}")
     token_file = Path(settings.admin_token_file)  # LEAP_ADMIN_TOKEN_FILE, else <home>/admin.token
     if not token_file.exists() and not settings.admin_token:
         create_token_file(token_file)
     leap = {"policy": policy, "max_resident": max_resident, "decode_slots": decode_slots,
             "adaptive_slots": adaptive_slots,
             "waiting_cap": waiting_cap, "admin_port": admin_port, "admin_token_file": str(token_file),
-            "feedback_dir": str(feedback_dir or sub_dir("feedback")),
-            # every accepted push is kept here and served again after a restart
-            "state_dir": settings.state_dir or str(sub_dir(f"serving-{port}"))}
-    # given, not derived: without either variable the replica serves no registry's champion
-    registry_uri = settings.registry_uri or settings.given_value("mlflow_tracking_uri")
-    if registry_uri:  # with no push kept yet, the registry's champion serves at start
-        leap["registry_uri"] = registry_uri
-    if readout:
-        leap["readout_path"] = str(readout.resolve())
-    if rls_state:
-        leap["rls_state_path"] = str(rls_state.resolve())
+            "feedback_dir": str(feedback_dir or sub_dir("feedback")), "state_dir": state_dir,
+            # the registry (LEAP_REGISTRY_URI, else the pipeline's), its champion's model, the capture recipe
+            **plan.leap}
     if layer is not None:
         leap["layer"] = layer
     if order is not None:

@@ -129,7 +129,9 @@ class ServingSection(BaseModel):
     state_dir: str | None = Field(None, description="folder where every accepted push is kept and restored "
                                                     "from at start; None: pushes are not persisted")
     registry_uri: str | None = Field(None, description="MLflow tracking URI whose champion serves at start "
-                                                       "when state_dir holds no push")
+                                                       "when state_dir holds no push; unset: none in a serving "
+                                                       "process, the pipeline's registry under `leap serve` "
+                                                       "(LeapSettings.serving_registry_uri)")
     registry_model: str | None = Field(None, description="registered model name; default "
                                                          "leap-readout-<model id>-L<layer>")
     champion_url: str | None = Field(
@@ -468,6 +470,18 @@ class LeapSettings(ServingSection, BaseSettings):
     @property
     def stack_dir(self) -> Path:
         return self.home / STACK_FOLDER
+
+    def serving_registry_uri(self) -> str | None:
+        """The registry whose champion `leap serve` serves at start: `registry_uri`, else a given
+        `mlflow_tracking_uri`, else the one the pipeline commands (and `leap demo`) write by default: the
+        stack's MLflow server while it runs, else the sqlite database under <home>/mlflow once one exists.
+        None when there is none: the replica starts with no registry (FCFS until a push)."""
+        given = self.registry_uri or self.given_value("mlflow_tracking_uri")
+        if given:
+            return given
+        if service_pid(self.stack_dir, "mlflow") is not None:
+            return self.mlflow_server_url
+        return self.mlflow_sqlite_uri if (self.mlflow_dir / "mlflow.db").is_file() else None
 
     def _default_tracking_uri(self) -> str:
         if service_pid(self.stack_dir, "mlflow") is not None:

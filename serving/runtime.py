@@ -261,7 +261,9 @@ class LeapRuntime:
             threads["feedback_shipper"] = self.shipper.stats()
             healthy = healthy and threads["feedback_shipper"]["healthy"]
         counters = {**self.telemetry.snapshot(), "state": self.tracker.sizes()}
-        return {"healthy": bool(healthy), "threads": threads, "counters": counters,
+        readout = {"version": self.readouts.version, "source": self.readouts.source,
+                   "recipe": self.readouts.recipe, "capture_recipe": str(self.recipe), "layer": self.layer}
+        return {"healthy": bool(healthy), "readout": readout, "threads": threads, "counters": counters,
                 "fcfs_fallback": self.fallback.state(), "decode_order": self.steps.describe_order(),
                 "shadow": self.shadow.describe()}
 

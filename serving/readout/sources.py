@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, Protocol
-
-import numpy as np
 
 from leap_io.champion import ChampionPublication, Publication, registry_key
 from leap_io.model_identity import registered_model_name
 from leap_io.push_bundle import make_bundle
 from leap_io.redact import redact_text, redact_url
-from serving.readout.saved_state import Saved, StateDamaged
+from serving.readout.saved_state import Saved, StateDamaged, config_bundle
 from serving.readout.service import ReadoutService
 from serving.supervise import SupervisedThread
 from serving.telemetry import Telemetry
@@ -167,13 +164,11 @@ class ReadoutSources:
         return True
 
     def _serve_config_file(self) -> None:
-        """The readout file of the settings: an explicit file must load, so a failure here is raised."""
-        readout_bytes = Path(self.config.readout_path).read_bytes()
-        rls_state = None
-        if self.config.rls_state_path and Path(self.config.rls_state_path).is_file():
-            with np.load(self.config.rls_state_path) as npz:
-                rls_state = {k: npz[k] for k in npz.files}
-        readout, rls = self.service.check(make_bundle(readout_bytes, rls_state))
+        """The readout (and RLS) files of the settings, read as `leap serve` checked them before the engine
+        started (`config_bundle`): an explicit file must load, so a failure here is raised."""
+        bundle = config_bundle(self.config.readout_path, self.config.rls_state_path,
+                               self.config.champion_public_key)
+        readout, rls = self.service.check(bundle)
         self.service.serve(readout, rls, "config")
 
     def _load_registry_in_background(self) -> None:
