@@ -18,6 +18,7 @@ from prefect import flow, get_run_logger, unmapped
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.canary import canary_promote
+from flows.gate_artifacts import publish_gate_verdict
 from flows.promotion import PushOptions
 from flows.settings import PipelineSettings
 from flows.tasks import (
@@ -141,7 +142,8 @@ def fit_flow(since: float | None = None, until: float | None = None, alpha: str 
 def gate_flow(version: str | None = None, name: str | None = None, force: bool = False) -> dict[str, Any]:
     """Gate the challenger (or `version`) against the champion by live replay and record the verdict.
 
-    A verdict already recorded for the same challenger and champion is returned unless `force`.
+    A verdict already recorded for the same challenger and champion is returned unless `force`. Either
+    way the run publishes the verdict as Prefect artifacts (`flows.gate_artifacts`).
     """
     settings = PipelineSettings()
     name = model_name_for(settings, name)
@@ -157,10 +159,12 @@ def gate_flow(version: str | None = None, name: str | None = None, force: bool =
     if not force:
         recorded = recorded_gate(store, name, challenger, champion)
         if recorded is not None:
-            return {"status": "recorded", **base, **recorded}
+            artifacts = publish_gate_verdict(name, challenger, champion, recorded["verdict"], registry_uri(settings))
+            return {"status": "recorded", **base, **recorded, "artifacts": artifacts}
     gate = run_gate(settings, name, challenger, champion)
     logged = record_gate(store_location(settings), registry_uri(settings), name, challenger, champion,
                          gate["results"], gate["verdict"])
+    logged["artifacts"] = publish_gate_verdict(name, challenger, champion, gate["verdict"], registry_uri(settings))
     get_run_logger().info("gate: %s v%s vs %s: %s", name, challenger, champion or "fcfs", gate["verdict"]["reason"])
     summaries = {policy: {k: v for k, v in figures.items() if k not in ("ptl", "output_tokens")}
                  for policy, figures in gate["results"].items()}

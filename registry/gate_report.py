@@ -83,6 +83,13 @@ class VerdictReport:
         lines += [f"| {_cell(row['figure'])} | {_cell(row['value'])} |" for row in self.rows]
         return "\n".join(lines)
 
+    def summary(self) -> str:
+        """The title and, where there is one, the ratio with its interval: one line for a list of verdicts."""
+        if "ratio" not in self.figures:
+            return self.title
+        return (f"{self.title}: mean PTL x{self.figures['ratio']:.3f} of the bar's (interval "
+                f"x{self.figures.get('ratio_low', float('nan')):.3f} to x{self.figures.get('ratio_high', float('nan')):.3f})")
+
     def tags(self) -> dict[str, str]:
         """`leap.gate.<figure>`: numbers with four decimals (ratios under 10 sort as text too), `passed` as
         true or false, words as they are."""
