@@ -25,6 +25,7 @@ import httpx
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from flows.events import DRIFT_EVENT, announce_drift
 from flows.settings import PipelineSettings
 from leap_io.admin_client import READOUT_PATH, AdminClient
 from leap_io.durable import write_text_durably
@@ -446,13 +447,15 @@ def _carry_out(decision: dict[str, Any], settings: PipelineSettings, name: str, 
 
 
 @flow(name="leap-drift-watch")
-def drift_flow(name: str | None = None, act: bool = True) -> dict[str, Any]:
+def drift_flow(name: str | None = None, act: bool = True, retrain_by_event: bool = False) -> dict[str, Any]:
     """Scrape every replica's quality figures, record them, and retrain, reset or roll back as they call for.
 
     `name`: the registered model (default: the one the replicas report serving). `act` False only
-    reports the decisions. Returns the observations, every decision with its reason and outcome, and
-    the counts `drift_events` (findings, acted on or held back), `retrains`, `resets` and `rollbacks`
-    (readouts put back: resets and alias rollbacks carried out).
+    reports the decisions. A retrain it acts on is announced as a Prefect event (`flows.events`);
+    `retrain_by_event` leaves that retrain to the deployment trigger on the event. Returns the
+    observations, every decision with its reason and outcome, and the counts `drift_events` (findings,
+    acted on or held back), `retrains`, `resets` and `rollbacks` (readouts put back: resets and alias
+    rollbacks carried out).
     """
     settings = PipelineSettings()
     policy = DriftPolicy.from_settings(settings)
@@ -482,6 +485,12 @@ def drift_flow(name: str | None = None, act: bool = True) -> dict[str, Any]:
         decisions = decide(state, baseline, policy, now) if registry_error is None else []
         for decision in decisions:
             decision["time"] = now
+            if act and decision["acted"] and decision["action"] == RETRAIN:
+                decision["event_id"] = announce_drift(name, decision, retrain_by_event)
+                if retrain_by_event:
+                    state.last_retrain_at = now
+                    decision.update(outcome={"started": "event", "event": DRIFT_EVENT}, done=True)
+                    continue
             if act and decision["acted"]:
                 _carry_out(decision, settings, name, state, now, baseline)
         state.decisions.extend(decisions)
