@@ -35,8 +35,8 @@ DEFAULT_RETRIES = 3
 DEFAULT_BACKOFF_S = 0.5
 
 # Calls not retried: a request that reached the server before the connection broke would leave a
-# second run or version behind, or (log_table appends to a table already there) a table's rows twice.
-_NOT_RETRIED = frozenset({"create_run", "create_model_version", "log_table"})
+# second run, version or logged model behind, or (log_table appends to a table already there) a table's rows twice.
+_NOT_RETRIED = frozenset({"create_run", "create_model_version", "log_table", "create_logged_model"})
 _TRANSIENT_CODES = frozenset({"INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED",
                               "DEADLINE_EXCEEDED", "ABORTED", "IO_ERROR", "UNAVAILABLE"})
 

@@ -145,10 +145,10 @@ def test_stats_has_exactly_the_documented_keys_and_feeds_prometheus(tmp_path):
     registry = CollectorRegistry()
     registry.register(FeedbackCollector(writer))
     text = generate_latest(registry).decode()
-    assert "leap_feedback_rows_written_total 1.0" in text
-    assert "leap_feedback_rows_quarantined_total 1.0" in text
-    assert "leap_feedback_writer_alive 1.0" in text
-    assert "leap_feedback_disk_full 0.0" in text
+    assert "leap:feedback_rows_written_total 1.0" in text
+    assert "leap:feedback_rows_quarantined_total 1.0" in text
+    assert "leap:feedback_writer_alive 1.0" in text
+    assert "leap:feedback_disk_full 0.0" in text
     writer.close()
     assert writer.write(_row(3)) is False
     assert writer.stats()["drop_reasons"] == {"closed": 1}

@@ -138,8 +138,8 @@ def test_segments_are_uploaded_verified_and_deleted_and_only_this_replicas(tmp_p
     metrics = CollectorRegistry()
     metrics.register(ShipperCollector(shipper))
     text = generate_latest(metrics).decode()
-    assert "leap_feedback_segments_shipped_total 3.0" in text
-    assert "leap_feedback_ship_pending_segments 0.0" in text
+    assert "leap:feedback_segments_shipped_total 3.0" in text
+    assert "leap:feedback_ship_pending_segments 0.0" in text
 
     # killed between the upload and the delete: the restart uploads the same bytes to the same key,
     # and ingest reads that segment once
@@ -172,7 +172,7 @@ def test_an_unreachable_bucket_keeps_segments_on_disk_counted_and_ships_them_whe
     assert "Could not connect" in stats["last_error"]
     assert len(list(folder.glob("*-r0-*.parquet"))) == 4  # nothing lost meanwhile
     text = generate_latest(_registry(shipper)).decode()
-    assert "leap_feedback_ship_failing 1.0" in text and "leap_feedback_ship_pending_segments 4.0" in text
+    assert "leap:feedback_ship_failing 1.0" in text and "leap:feedback_ship_pending_segments 4.0" in text
 
     with running_s3(port=port):  # the endpoint comes up (empty: the shipper creates its bucket)
         assert eventually(lambda: shipper.segments_shipped == 4)
@@ -312,7 +312,7 @@ def test_the_runtime_ships_its_writers_segments_and_reports_them(tmp_path, s3_en
     assert report["shipper"]["segments_shipped"] == 1 and report["shipper"]["pending_segments"] == 0
     health = runtime.health()
     assert health["healthy"] and health["threads"]["feedback_shipper"]["alive"]
-    assert "leap_feedback_segments_shipped_total 1.0" in generate_latest(runtime.metrics_registry).decode()
+    assert "leap:feedback_segments_shipped_total 1.0" in generate_latest(runtime.metrics_registry).decode()
     assert 'leap:thread_alive{thread="feedback_shipper"} 1.0' in generate_latest(runtime.metrics_registry).decode()
     assert len(_keys(s3_env, bucket, f"fleet/{runtime.recorder.writer.replica_id}/")) == 1
 

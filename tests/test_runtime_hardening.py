@@ -352,7 +352,7 @@ def test_health_reports_every_thread_and_the_drop_counters(build, tmp_path):
     exposed = generate_latest(runtime.metrics_registry).decode()
     for thread in ("receiver", "predictor", "rls", "feedback"):
         assert f'leap:thread_alive{{thread="{thread}"}} 1.0' in exposed
-    assert "leap_feedback_rows_written" in exposed  # the writer's own counters, on the same registry
+    assert "leap:feedback_rows_written" in exposed  # the writer's own counters, on the same registry
 
 
 # -- the readout a replica starts with -------------------------------------------------------------------

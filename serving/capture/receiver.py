@@ -4,7 +4,7 @@ Workers push one two-frame ZeroMQ message per request whose prompt ended in a st
 (`serving.capture.hidden_states.FeatureSender`). Anything can arrive on that socket (a stale worker of another
 version, a stray process on a reused address), and one bad message must not end the thread every
 request's prediction depends on. `decode_message` checks each message and names what is wrong with it;
-the receive loop drops a bad one with that reason (`leap_dropped_total{what="capture"}`) and goes on,
+the receive loop drops a bad one with that reason (`leap:dropped_total{what="capture"}`) and goes on,
 and the loop itself runs under `SupervisedThread`, which restarts it should anything else escape.
 """
 

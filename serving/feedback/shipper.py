@@ -235,17 +235,17 @@ class ShipperCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         stats = self.shipper.stats()
-        yield CounterMetricFamily("leap_feedback_segments_shipped", "Feedback segments uploaded and verified",
+        yield CounterMetricFamily("leap:feedback_segments_shipped", "Feedback segments uploaded and verified",
                                   value=stats["segments_shipped"])
-        yield CounterMetricFamily("leap_feedback_bytes_shipped", "Bytes of feedback segments uploaded",
+        yield CounterMetricFamily("leap:feedback_bytes_shipped", "Bytes of feedback segments uploaded",
                                   value=stats["bytes_shipped"])
-        yield CounterMetricFamily("leap_feedback_ship_failures", "Segment uploads that failed (retried later)",
+        yield CounterMetricFamily("leap:feedback_ship_failures", "Segment uploads that failed (retried later)",
                                   value=stats["failures"])
-        yield GaugeMetricFamily("leap_feedback_ship_pending_segments", "Closed segments not yet shipped",
+        yield GaugeMetricFamily("leap:feedback_ship_pending_segments", "Closed segments not yet shipped",
                                 value=stats["pending_segments"])
-        yield GaugeMetricFamily("leap_feedback_ship_pending_bytes", "Bytes of closed segments not yet shipped",
+        yield GaugeMetricFamily("leap:feedback_ship_pending_bytes", "Bytes of closed segments not yet shipped",
                                 value=stats["pending_bytes"])
-        yield GaugeMetricFamily("leap_feedback_ship_failing", "1 while uploads to the bucket fail",
+        yield GaugeMetricFamily("leap:feedback_ship_failing", "1 while uploads to the bucket fail",
                                 value=int(stats["failing"]))
 
 

@@ -362,20 +362,20 @@ class FeedbackCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         stats = self.writer.stats()
-        yield CounterMetricFamily("leap_feedback_rows_written", "Feedback rows written to segments",
+        yield CounterMetricFamily("leap:feedback_rows_written", "Feedback rows written to segments",
                                   value=stats["rows_written"])
-        dropped = CounterMetricFamily("leap_feedback_rows_dropped", "Feedback rows dropped, by reason",
+        dropped = CounterMetricFamily("leap:feedback_rows_dropped", "Feedback rows dropped, by reason",
                                       labels=["reason"])
         for reason, count in sorted(stats["drop_reasons"].items()):
             dropped.add_metric([reason], count)
         yield dropped
-        yield CounterMetricFamily("leap_feedback_rows_quarantined", "Feedback rows quarantined as malformed",
+        yield CounterMetricFamily("leap:feedback_rows_quarantined", "Feedback rows quarantined as malformed",
                                   value=stats["rows_quarantined"])
-        yield CounterMetricFamily("leap_feedback_writer_errors", "Errors the feedback writer survived",
+        yield CounterMetricFamily("leap:feedback_writer_errors", "Errors the feedback writer survived",
                                   value=stats["errors"])
-        yield GaugeMetricFamily("leap_feedback_queue_depth", "Feedback rows accepted, not yet on disk",
+        yield GaugeMetricFamily("leap:feedback_queue_depth", "Feedback rows accepted, not yet on disk",
                                 value=stats["queue_depth"])
-        yield GaugeMetricFamily("leap_feedback_writer_alive", "1 while the feedback writer thread runs",
+        yield GaugeMetricFamily("leap:feedback_writer_alive", "1 while the feedback writer thread runs",
                                 value=int(stats["alive"]))
-        yield GaugeMetricFamily("leap_feedback_disk_full", "1 while segment writes fail with ENOSPC",
+        yield GaugeMetricFamily("leap:feedback_disk_full", "1 while segment writes fail with ENOSPC",
                                 value=int(stats["disk_full"]))
