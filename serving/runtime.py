@@ -43,7 +43,7 @@ _hook_warnings = RateLimitedLog(logger)
 
 def _engine_hook(method):
     """A scheduler hook that never raises into vLLM: a LEAP bug costs one step's ordering or one
-    request's feedback row (counted as `leap_thread_errors_total{thread="scheduler"}`), not engine-core."""
+    request's feedback row (counted as `leap:thread_errors_total{thread="scheduler"}`), not engine-core."""
 
     @functools.wraps(method)
     def hook(self, *args, **kwargs):
@@ -94,6 +94,13 @@ class LeapRuntime:
         self.readouts.start()
         self.sources = ReadoutSources(self.readouts, self.telemetry, self.model_id, self.layer,
                                       registry_source).start()
+        self.champion_watch = None  # the published champion beside the served version, for /metrics
+        if self.config.champion_url:
+            from serving.readout.champion_watch import ChampionWatch
+
+            self.champion_watch = ChampionWatch(self.config.champion_url, self.sources.model_name,
+                                                lambda: self.readouts.version, self.telemetry,
+                                                self.config.champion_public_key).start()
         self.receiver = CaptureReceiver(channel_address(vllm_config, self.config), (self.recipe.dim(self.dim),),
                                         self._on_feature, self.telemetry,
                                         deliver_batch=self._on_features_in_step).start()
@@ -282,6 +289,8 @@ class LeapRuntime:
         """Stop taking pushes first, then features, then predictions and learning; feedback last."""
         if self.admin is not None:
             self.admin.close()
+        if self.champion_watch is not None:
+            self.champion_watch.close()
         self.receiver.close()
         self.finished.settle(final=True)
         self.readouts.close()
