@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +33,14 @@ from serving.readout.push import CaptureSpace
 from serving.readout.service import ReadoutService
 from serving.readout.shadow import ShadowReadout
 from serving.readout.sources import ReadoutSources, RegistrySourceFactory
-from serving.supervise import RateLimitedLog
+from serving.supervise import RateLimitedLog, SupervisedThread
 from serving.telemetry import Telemetry
 from serving.tracking import RequestTracker
 
 logger = logging.getLogger(__name__)
 
 _hook_warnings = RateLimitedLog(logger)
+IDLE_SETTLE_EVERY_S = 0.5  # how often rows waiting for a late feature are settled while no step runs
 
 
 def _engine_hook(method):
@@ -48,7 +50,8 @@ def _engine_hook(method):
     @functools.wraps(method)
     def hook(self, *args, **kwargs):
         try:
-            return method(self, *args, **kwargs)
+            with self._engine_lock:
+                return method(self, *args, **kwargs)
         except Exception:
             self.telemetry.thread_error("scheduler")
             _hook_warnings.warning(method.__name__, "LEAP %s failed; the engine goes on", method.__name__,
@@ -78,6 +81,7 @@ class LeapRuntime:
         self.capture = CaptureSpace(self.recipe, self.dim, self.num_layers,
                                     default=readout_side_recipe(self.config, self.num_layers))
 
+        self._engine_lock = threading.RLock()  # the scheduler hooks and the idle settle, one at a time
         self.telemetry = Telemetry()
         self.metrics_registry = self.telemetry.registry
         self.tracker = RequestTracker(self.telemetry, finished_memory=self.config.finished_memory,
@@ -101,6 +105,9 @@ class LeapRuntime:
             self.champion_watch = ChampionWatch(self.config.champion_url, self.sources.model_name,
                                                 lambda: self.readouts.version, self.telemetry,
                                                 self.config.champion_public_key).start()
+        # an idle engine runs no step, so the rows of its last requests are settled here while it idles
+        self._idle_settle = SupervisedThread("leap-idle-settle", self._settle_while_idle,
+                                             on_error=lambda _exc: self.telemetry.thread_error("idle_settle")).start()
         self.receiver = CaptureReceiver(channel_address(vllm_config, self.config), (self.recipe.dim(self.dim),),
                                         self._on_feature, self.telemetry,
                                         deliver_batch=self._on_features_in_step).start()
@@ -173,6 +180,15 @@ class LeapRuntime:
         self.steps.count(running, num_scheduled_tokens)
         self.finished.settle()
         self.steps.tidy()
+
+    def _settle_while_idle(self) -> None:
+        while not self._idle_settle.stopping.wait(IDLE_SETTLE_EVERY_S):
+            self.settle_idle()
+
+    @_engine_hook
+    def settle_idle(self) -> None:
+        """Write the feedback rows whose late feature arrived or whose wait is over, between engine steps."""
+        self.finished.settle()
 
     @_engine_hook
     def on_finished(self, request: Any) -> None:
@@ -261,8 +277,10 @@ class LeapRuntime:
         """
         feedback = self.recorder.writer_health()
         threads = {"receiver": self.receiver.stats(), "predictor": self.readouts.predictor.stats(),
-                   "rls": self.readouts.learner.health(), "feedback": feedback}
+                   "rls": self.readouts.learner.health(), "feedback": feedback,
+                   "idle_settle": self._idle_settle.stats()}
         healthy = (threads["receiver"]["alive"] and threads["predictor"]["alive"] and threads["rls"]["alive"]
+                   and threads["idle_settle"]["alive"]
                    and (not feedback["enabled"] or feedback["healthy"]))
         if self.shipper is not None:
             threads["feedback_shipper"] = self.shipper.stats()
@@ -291,6 +309,7 @@ class LeapRuntime:
             self.admin.close()
         if self.champion_watch is not None:
             self.champion_watch.close()
+        self._idle_settle.stop()
         self.receiver.close()
         self.finished.settle(final=True)
         self.readouts.close()

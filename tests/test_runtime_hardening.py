@@ -206,6 +206,21 @@ def test_a_feature_that_lands_after_its_request_finished_still_makes_the_row(bui
     assert sample(runtime, "leap:dropped_total", what="feature", reason="finished") == 0
 
 
+def test_the_last_rows_are_written_while_the_engine_idles(build, sender_for):
+    # no step follows the last finish of a burst: the idle settle writes its row when the feature lands
+    runtime = build(policy="leap")
+    rows = []
+    runtime.recorder.listeners.append(rows.append)
+    request = make_request("idle-00000001")
+    runtime.before_schedule([request], 0)
+    runtime.on_finished(finish(decode(request, 4)))
+    assert rows == [] and runtime.tracker.sizes()["awaiting_feature"] == 1
+    sender_for(runtime).send([request.request_id], feature(5.0)[None])
+    assert eventually(lambda: bool(rows)), "the row waited for a step that never came"
+    assert len(rows) == 1 and rows[0]["output_tokens"] == 4 and rows[0]["feature"] is not None
+    assert runtime.health()["threads"]["idle_settle"]["alive"]
+
+
 def test_a_feature_that_never_arrives_costs_one_counted_row_after_a_bounded_wait(build, monkeypatch):
     import serving.feedback.finished
 

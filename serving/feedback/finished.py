@@ -2,7 +2,7 @@
 
 A prefilled request's feature was captured, but a worker in another process sends it over ZeroMQ and it
 can land after the finish: then the row waits for it, up to `LATE_FEATURE_S`, and is written when the
-feature arrives (settled every step) or without it once the wait is over (counted as
+feature arrives (settled every step, and every half second while the engine idles) or without it once the wait is over (counted as
 `feature_never_arrived`). Only lengths that say how long the answer really was teach RLS
 (`leap_io.labels`: not aborted, not capped below the readout's budget or otherwise steered by the
 client); the others are counted as dropped `rls_row`s by reason, and so are the rows of a tenant past its
