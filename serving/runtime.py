@@ -107,7 +107,8 @@ class LeapRuntime:
                                                 self.config.champion_public_key).start()
         # an idle engine runs no step, so the rows of its last requests are settled here while it idles
         self._idle_settle = SupervisedThread("leap-idle-settle", self._settle_while_idle,
-                                             on_error=lambda _exc: self.telemetry.thread_error("idle_settle")).start()
+                                             on_error=lambda _exc: self.telemetry.thread_error("idle_settle"))
+        self._idle_settle.start()
         self.receiver = CaptureReceiver(channel_address(vllm_config, self.config), (self.recipe.dim(self.dim),),
                                         self._on_feature, self.telemetry,
                                         deliver_batch=self._on_features_in_step).start()

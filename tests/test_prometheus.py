@@ -175,8 +175,7 @@ def scraped(replica, prometheus):
     _eventually(lambda: _query(prometheus, 'up{job="leap"} == 1'), 60, "the first scrape")
     with ThreadPoolExecutor(4) as pool:
         assert set(pool.map(complete, range(24))) == {200}
-    _eventually(lambda: _query(prometheus, "leap:actual_generation_tokens_count >= 24"), 60,
-                "the finished requests scraped")
+    _eventually(lambda: _query(prometheus, "leap:finished_requests_total >= 24"), 60, "the finished requests scraped")
     time.sleep(3)  # a few more scrapes after the last request: every rate window holds two points
     return prometheus
 
@@ -195,8 +194,15 @@ def test_every_dashboard_query_answers_data(replica, scraped):
     assert version.startswith("prometheus-1")
     served = _query(scraped, "leap:readout_info")
     assert [s["metric"]["version"] for s in served] == [version] and served[0]["metric"]["source"] != "none"
+    def value(expr: str) -> float:
+        return float(_query(scraped, expr)[0]["value"][1])
+
+    # every request finished; those whose prediction was ready by their finish are the labelled ones
+    assert value("leap:finished_requests_total") == 24
+    labelled = value("leap:actual_generation_tokens_count")
+    assert value("leap:predicted_generation_tokens_count") == labelled >= 12, labelled
     finished = {r["metric"]["domain"]: float(r["value"][1]) for r in _query(scraped, "leap:rolling_requests")}
-    assert finished["all"] == 24 and finished["chat"] == 12 and finished["math"] == 12
+    assert finished["all"] == labelled and finished["chat"] + finished["math"] == labelled, finished
     variable = json.loads(DASHBOARD.read_text())["templating"]["list"][1]["query"]
     metric = re.fullmatch(r"label_values\(([^,]+), instance\)", variable).group(1)
     assert _query(scraped, metric)
