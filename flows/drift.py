@@ -27,7 +27,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.events import DRIFT_EVENT, announce_drift
 from flows.settings import PipelineSettings
-from leap_io.admin_client import READOUT_PATH, AdminClient
+from leap_io.admin_client import READOUT_PATH, AdminClient, AdminToken
 from leap_io.durable import write_text_durably
 from leap_io.jsonable import dumps, to_jsonable
 
@@ -318,7 +318,7 @@ def decide(state: DriftState, baseline: Baseline, policy: DriftPolicy, now: floa
 
 
 @task(name="scrape-replica", cache_policy=NO_CACHE)
-def scrape_replica(endpoint: str, token: str, timeout: float, now: float) -> dict[str, Any]:
+def scrape_replica(endpoint: str, token: AdminToken, timeout: float, now: float) -> dict[str, Any]:
     """One replica's readout (version, model, layer) and per-domain observations, stamped `now` (the
     watch's pass, so its decisions judge exactly what this pass saw); `error` when it fails."""
     try:
@@ -425,7 +425,7 @@ def _carry_out(decision: dict[str, Any], settings: PipelineSettings, name: str, 
         elif action == RESET:
             state.last_reset_at[decision["replica"]] = now
             decision["outcome"] = push_champion(registry_uri(settings), name, [decision["replica"]],
-                                                settings.token(), retries=settings.push_retries,
+                                                settings.admin_tokens(), retries=settings.push_retries,
                                                 timeout=settings.push_timeout_s,
                                                 lock_path=settings.alias_lock_location)
         elif action == ROLLBACK:
@@ -437,7 +437,7 @@ def _carry_out(decision: dict[str, Any], settings: PipelineSettings, name: str, 
                     decision["held_back"] = f"the gate's evidence does not support it: {decision['gate']['reason']}"
                     return
             decision["outcome"] = rollback_champion(registry_uri(settings), name, settings.endpoints,
-                                                    settings.token(), str(settings.promotion_journal_dir),
+                                                    settings.admin_tokens(), str(settings.promotion_journal_dir),
                                                     settings.alias_lock_location, settings.push_retries,
                                                     settings.push_timeout_s)
         decision["done"] = True
@@ -460,7 +460,7 @@ def drift_flow(name: str | None = None, act: bool = True, retrain_by_event: bool
     settings = PipelineSettings()
     policy = DriftPolicy.from_settings(settings)
     now = time.time()
-    token = settings.token()
+    token = settings.admin_tokens()
     scrapes = [scrape_replica(endpoint, token, settings.drift_scrape_timeout_s, now) for endpoint in settings.endpoints]
     unreachable = {s["endpoint"]: s["error"] for s in scrapes if "error" in s}
     name = _model_name(scrapes, name)

@@ -29,7 +29,7 @@ from flows.push import PushFailed, push_readout, serving_version
 from flows.settings import PipelineSettings
 from flows.tasks import plain, registry_at, registry_of, registry_uri
 from leap_core.fleet_rls import check_mergeable, merge_anchored, refit_max_abs_diff
-from leap_io.admin_client import RLS_INFO_HEADER, AdminClient
+from leap_io.admin_client import RLS_INFO_HEADER, AdminClient, AdminToken
 from leap_io.model_identity import serves
 from registry.aliases import CHAMPION
 from registry.client import ReadoutRegistry
@@ -37,7 +37,7 @@ from registry.lookups import MERGE_ROWS_UNTIL_TAG
 
 # ---------------------------------------------------------------------------- reading replicas
 
-def fetch_replica_state(endpoint: str, token: str, timeout: float = 30.0) -> dict[str, Any]:
+def fetch_replica_state(endpoint: str, token: AdminToken, timeout: float = 30.0) -> dict[str, Any]:
     """One replica's RLS state: {"endpoint", "status", ...}. status "ok" adds `readout` (the anchor),
     `state` (arrays), `base_version`, `rows`, `buffered`; "no-rls" (409/404), "unreachable" and
     "refused" (a body that does not validate as a push bundle of its own readout) add `error`."""
@@ -75,7 +75,7 @@ def _error_of(response: httpx.Response) -> str:
 
 
 @task(name="fetch-replica-states", cache_policy=NO_CACHE)
-def fetch_replica_states(endpoints: Sequence[str], token: str, timeout: float = 30.0) -> list[dict[str, Any]]:
+def fetch_replica_states(endpoints: Sequence[str], token: AdminToken, timeout: float = 30.0) -> list[dict[str, Any]]:
     """Every replica's RLS state (`fetch_replica_state`), in the order of `endpoints`."""
     return [fetch_replica_state(endpoint, token, timeout) for endpoint in endpoints]
 
@@ -190,7 +190,7 @@ def merge_refit_diff(registry: ReadoutRegistry, name: str, version: str | int, X
 # ---------------------------------------------------------------------------- keeping replicas on the champion
 
 @task(name="reconcile-replicas", cache_policy=NO_CACHE)
-def reconcile_replicas(tracking_uri: str, name: str, endpoints: Sequence[str], token: str,
+def reconcile_replicas(tracking_uri: str, name: str, endpoints: Sequence[str], token: AdminToken,
                        lock_path: str | None = None, retries: int = 3, timeout: float = 30.0) -> dict[str, Any]:
     """Push the champion to every replica that does not report it (or an RLS correction of it); each
     push verified. Under the alias lock, so no promotion moves the champion meanwhile. Replicas that do
@@ -224,7 +224,7 @@ def reconcile_replicas(tracking_uri: str, name: str, endpoints: Sequence[str], t
         return report
 
 
-def replica_versions(endpoints: Sequence[str], token: str, timeout: float = 10.0) -> dict[str, str | None]:
+def replica_versions(endpoints: Sequence[str], token: AdminToken, timeout: float = 10.0) -> dict[str, str | None]:
     """The version each replica reports now (None: it does not answer)."""
 
     versions: dict[str, str | None] = {}
@@ -248,7 +248,7 @@ def merge_flow(name: str | None = None) -> dict[str, Any]:
     """Merge the replicas' RLS states into one exact anchored solve, register it, push it to every
     replica that answers as the new champion, and bring every replica to the champion."""
     settings = PipelineSettings()
-    token = settings.token()
+    token = settings.admin_tokens()
     lock = settings.alias_lock_location
     started = time.monotonic()
     snapshot_at = time.time()
@@ -280,7 +280,7 @@ def merge_flow(name: str | None = None) -> dict[str, Any]:
     if name:
         result["reconcile"] = reconcile_replicas(registry_uri(settings), name, settings.endpoints, token, lock,
                                                  settings.push_retries, settings.push_timeout_s)
-    versions = replica_versions(settings.endpoints, settings.token())
+    versions = replica_versions(settings.endpoints, settings.admin_tokens())
     result["versions"] = versions
     reported = [v for v in versions.values() if v is not None]
     result["versions_equal"] = bool(reported) and len(set(reported)) == 1 and len(reported) == len(versions)
@@ -297,5 +297,5 @@ def reconcile_flow(name: str | None = None) -> dict[str, Any]:
 
     settings = PipelineSettings()
     name = model_name_for(settings, name)
-    return plain(reconcile_replicas(registry_uri(settings), name, settings.endpoints, settings.token(),
+    return plain(reconcile_replicas(registry_uri(settings), name, settings.endpoints, settings.admin_tokens(),
                                      settings.alias_lock_location, settings.push_retries, settings.push_timeout_s))

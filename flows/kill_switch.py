@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 
 from flows.settings import PipelineSettings
-from leap_io.admin_client import AdminClient
+from leap_io.admin_client import AdminClient, AdminToken
 
 
-def switch_replica(endpoint: str, token: str, on: bool, reason: str, timeout: float) -> dict[str, Any]:
+def switch_replica(endpoint: str, token: AdminToken, on: bool, reason: str, timeout: float) -> dict[str, Any]:
     """One replica's answer to the switch, or `error`."""
     try:
         answer = AdminClient(endpoint, token, timeout).switch_fcfs(on, reason)
@@ -32,7 +32,7 @@ def switch_replica(endpoint: str, token: str, on: bool, reason: str, timeout: fl
 def switch_fleet(on: bool, reason: str = "", settings: PipelineSettings | None = None) -> dict[str, Any]:
     """Switch every replica of `settings.endpoints`; the outcome per replica and where it was recorded."""
     settings = settings or PipelineSettings()
-    token = settings.token()
+    token = settings.admin_tokens()
     replicas = {endpoint: switch_replica(endpoint, token, on, reason, settings.push_timeout_s)
                 for endpoint in settings.endpoints}
     failed = sorted(endpoint for endpoint, state in replicas.items() if "error" in state)

@@ -183,7 +183,7 @@ def push_flow(version: str | None = None, name: str | None = None, promote: bool
     name = model_name_for(settings, name)
     lock = settings.alias_lock_location
     if not promote:
-        pushed = push_champion(registry_uri(settings), name, settings.endpoints, settings.token(),
+        pushed = push_champion(registry_uri(settings), name, settings.endpoints, settings.admin_tokens(),
                                version=version, retries=settings.push_retries, timeout=settings.push_timeout_s,
                                lock_path=lock)
         return plain({"status": "pushed", **pushed})
@@ -200,7 +200,7 @@ def push_flow(version: str | None = None, name: str | None = None, promote: bool
     if canary:
         return plain(_canary(settings, registry, name, candidate, champion, canary))
     promoted = promote_if_passed(registry_uri(settings), name, candidate, recorded["verdict"],
-                                 settings.endpoints, settings.token(), str(settings.promotion_journal_dir), lock,
+                                 settings.endpoints, settings.admin_tokens(), str(settings.promotion_journal_dir), lock,
                                  settings.push_retries, settings.push_timeout_s, settings.champion_url,
                                  gated_against=champion)
     get_run_logger().info("push: %s v%s serving on %d replicas, promoted", name, candidate, len(promoted["pushed"]))
@@ -216,7 +216,7 @@ def _canary(settings: PipelineSettings, registry: ReadoutRegistry, name: str, ca
     store = store_location(settings)
     result = canary_promote(
         registry, open_store(settings), name, candidate, champion, settings.endpoints, canaries,
-        PushOptions(settings.token(), retries=settings.push_retries, timeout=settings.push_timeout_s),
+        PushOptions(settings.admin_tokens(), retries=settings.push_retries, timeout=settings.push_timeout_s),
         str(settings.promotion_journal_dir),
         lambda: ingest_feedback(store, location, False, settings.s3_endpoint_url)["accepted"],
         window_s=settings.canary_window_s, min_rows=settings.canary_min_rows, poll_s=settings.canary_poll_s,
@@ -231,7 +231,7 @@ def rollback_flow(name: str | None = None) -> dict[str, Any]:
     to every replica, all or nothing (the demoted version becomes previous-champion)."""
     settings = PipelineSettings()
     name = model_name_for(settings, name)
-    result = rollback_champion(registry_uri(settings), name, settings.endpoints, settings.token(),
+    result = rollback_champion(registry_uri(settings), name, settings.endpoints, settings.admin_tokens(),
                                str(settings.promotion_journal_dir), settings.alias_lock_location,
                                settings.push_retries, settings.push_timeout_s, settings.champion_url)
     get_run_logger().info("rollback: %s v%s is champion again on %d replicas", name, result["version"],

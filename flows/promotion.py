@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from flows.push import PushFailed, push_readout, serving_version
+from leap_io.admin_client import AdminToken
 from leap_io.durable import write_bytes_durably, write_text_durably
 from leap_io.model_identity import serves
 from leap_io.push_bundle import with_sequence
@@ -46,7 +47,7 @@ class PromotionFailed(RuntimeError):
 class PushOptions:
     """How replicas are pushed to: admin token, retries of each push and its timeout."""
 
-    token: str
+    token: AdminToken
     retries: int = 3
     timeout: float = 30.0
     backoff_s: float = 0.5

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from leap_io.admin_client import AdminClient, PushFailed, RetryPolicy
+from leap_io.admin_client import AdminClient, AdminToken, PushFailed, RetryPolicy
 
 __all__ = ["PushFailed", "push_readout", "serving_version"]
 
 
-def serving_version(endpoint: str, token: str, timeout: float = 10.0) -> str:
+def serving_version(endpoint: str, token: AdminToken, timeout: float = 10.0) -> str:
     """The readout version a replica reports now ('' when it serves none)."""
     return AdminClient(endpoint, token, timeout).serving_version()
 
 
-def push_readout(endpoint: str, token: str, bundle_bytes: bytes, expected_version: str, retries: int = 3,
+def push_readout(endpoint: str, token: AdminToken, bundle_bytes: bytes, expected_version: str, retries: int = 3,
                  timeout: float = 30.0, backoff_s: float = 0.5) -> dict[str, Any]:
     """POST `bundle_bytes` (see `leap_io.push_bundle.make_bundle`) and verify `expected_version` serves.
 

@@ -19,11 +19,11 @@ import httpx
 
 from flows.settings import PipelineSettings
 from leap_core.shadow_figures import shadow_figures
-from leap_io.admin_client import AdminClient
+from leap_io.admin_client import AdminClient, AdminToken
 from leap_io.labels import label_mask
 
 
-def hold_replica(endpoint: str, token: str, body: bytes, timeout: float) -> dict[str, Any]:
+def hold_replica(endpoint: str, token: AdminToken, body: bytes, timeout: float) -> dict[str, Any]:
     """One replica's answer (`{"shadow": version, "previous": ...}`), or `error`."""
     try:
         answer = AdminClient(endpoint, token, timeout).hold_shadow(body)
@@ -49,7 +49,7 @@ def hold_fleet(name: str, version: str | None, settings: PipelineSettings | None
 
         readout = registry.load_readout(name, version)
         body, readout_version = make_bundle(to_bytes(readout), None), str(readout.metadata.get("version", ""))
-    token = settings.token()
+    token = settings.admin_tokens()
     replicas = {endpoint: hold_replica(endpoint, token, body, settings.push_timeout_s)
                 for endpoint in settings.endpoints}
     failed = sorted(endpoint for endpoint, state in replicas.items()

@@ -31,6 +31,7 @@ from harness.gate_replay import replay_gate
 from leap_core.gate_verdict import gate_verdict
 from leap_core.readout import LinearReadout
 from leap_core.rls import RLS
+from leap_io.admin_client import AdminToken
 from leap_io.jsonable import dumps, to_jsonable
 from leap_io.s3_locations import is_object_url
 from registry.aliases import CHAMPION
@@ -388,7 +389,7 @@ def record_gate(store_location: str, tracking_uri: str, name: str, challenger: s
 
 @task(name="promote-if-passed", cache_policy=NO_CACHE)
 def promote_if_passed(tracking_uri: str, name: str, version: str, verdict: Mapping[str, Any],
-                      endpoints: Sequence[str] = (), token: str = "", journal_dir: str | None = None,
+                      endpoints: Sequence[str] = (), token: AdminToken = None, journal_dir: str | None = None,
                       lock_path: str | None = None, push_retries: int = 3, push_timeout: float = 30.0,
                       champion_url: str | None = None, gated_against: object = UNCHECKED) -> dict[str, Any]:
     """On a passing verdict, make `version` the champion on every replica of `endpoints` and in the
@@ -408,7 +409,7 @@ def promote_if_passed(tracking_uri: str, name: str, version: str, verdict: Mappi
 
 
 @task(name="rollback-champion", cache_policy=NO_CACHE)
-def rollback_champion(tracking_uri: str, name: str, endpoints: Sequence[str], token: str, journal_dir: str,
+def rollback_champion(tracking_uri: str, name: str, endpoints: Sequence[str], token: AdminToken, journal_dir: str,
                       lock_path: str | None = None, push_retries: int = 3, push_timeout: float = 30.0,
                       champion_url: str | None = None) -> dict[str, Any]:
     """Make previous-champion the champion again in the registry and on every replica, all or nothing,
@@ -420,7 +421,7 @@ def rollback_champion(tracking_uri: str, name: str, endpoints: Sequence[str], to
 
 
 @task(name="push-champion", cache_policy=NO_CACHE)
-def push_champion(tracking_uri: str, name: str, endpoints: Sequence[str], token: str,
+def push_champion(tracking_uri: str, name: str, endpoints: Sequence[str], token: AdminToken,
                   version: str | None = None, retries: int = 3, timeout: float = 30.0,
                   lock_path: str | None = None) -> dict[str, Any]:
     """Push the champion (or `version`, the one about to become champion) to every replica.
@@ -436,7 +437,7 @@ def push_champion(tracking_uri: str, name: str, endpoints: Sequence[str], token:
         return _push_champion(registry, name, endpoints, token, version, retries, timeout)
 
 
-def _push_champion(registry: ReadoutRegistry, name: str, endpoints: Sequence[str], token: str,
+def _push_champion(registry: ReadoutRegistry, name: str, endpoints: Sequence[str], token: AdminToken,
                    version: str | None, retries: int, timeout: float) -> dict[str, Any]:
     champion = registry.get_alias(name, CHAMPION)
     version = str(version or champion or "")

@@ -15,10 +15,11 @@ import os
 import secrets
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -42,6 +43,49 @@ TOKEN_FILE_NAME = "admin.token"
 def admin_headers(token: str) -> dict[str, str]:
     """What every admin API request but health and metrics carries."""
     return {"Authorization": f"Bearer {token}"}
+
+
+@dataclass(frozen=True, repr=False)
+class AdminTokens:
+    """The control plane's admin token for each replica: the replica's own where `own` names its admin
+    address (by `host_port` or `host`), else the shared one. Its repr shows no token."""
+
+    shared: str | None = None
+    own: Mapping[str, str] = field(default_factory=dict)
+
+    def for_endpoint(self, endpoint: str) -> str | None:
+        parts = urlsplit(endpoint if "//" in endpoint else f"//{endpoint}")
+        host = parts.hostname or ""
+        keys = (f"{host}_{parts.port}", host) if parts.port else (host,)
+        return next((self.own[key] for key in keys if key in self.own), self.shared)
+
+    def __repr__(self) -> str:
+        return f"AdminTokens(own={sorted(self.own)}, shared={'set' if self.shared else 'none'})"
+
+
+AdminToken = str | AdminTokens | None
+"""What the flows hand an `AdminClient`: one token for every replica, or each replica's own."""
+
+MAX_TOKEN_BYTES = 4096
+
+
+def read_token_folder(folder: str | Path) -> dict[str, str]:
+    """Each replica's token from a folder of files named by its admin address (`host_port` or `host`),
+    laid out as a mounted Kubernetes Secret is (its `..data` links are skipped). A file that is empty,
+    too large or not UTF-8 text raises ValueError naming it: a replica must not silently lose its token."""
+    tokens = {}
+    for path in sorted(Path(folder).iterdir()):
+        if path.name.startswith(".") or not path.is_file():
+            continue
+        raw = path.read_bytes()[:MAX_TOKEN_BYTES + 1]
+        try:
+            token = raw.decode().strip()
+        except UnicodeDecodeError:
+            raise ValueError(f"admin token file {path} is not text") from None
+        if not token or len(raw) > MAX_TOKEN_BYTES or any(c.isspace() for c in token):
+            raise ValueError(f"admin token file {path} holds no single token of at most {MAX_TOKEN_BYTES} bytes")
+        tokens[path.name] = token
+    return tokens
 
 
 def create_token_file(path: str | Path) -> None:
@@ -104,16 +148,17 @@ def error_text(response: httpx.Response, limit: int = 500) -> str:
 
 
 class AdminClient:
-    """One replica's admin API at `endpoint` (e.g. http://127.0.0.1:8001), with `token`.
+    """One replica's admin API at `endpoint` (e.g. http://127.0.0.1:8001), with `token` (that replica's own,
+    when `token` is an `AdminTokens`).
 
     Use it in a `with` block to keep one connection for several calls; a call outside one opens its own.
     Each call answers the `httpx.Response` (or raises `httpx.HTTPError`): what an answer means is the
     caller's to judge, except in `serving_version` and `push_verified`.
     """
 
-    def __init__(self, endpoint: str, token: str | None, timeout: float = 30.0) -> None:
+    def __init__(self, endpoint: str, token: AdminToken, timeout: float = 30.0) -> None:
         self.endpoint = endpoint  # as given: reports name the replica the way its caller does
-        self.token = token
+        self.token = token.for_endpoint(endpoint) if isinstance(token, AdminTokens) else token
         self.timeout = timeout
         self._http: httpx.Client | None = None
 

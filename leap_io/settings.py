@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationInfo, field_valida
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from leap_core.gate_verdict import MARGIN, P95_BOUND
-from leap_io.admin_client import TOKEN_FILE_NAME, create_token_file
+from leap_io.admin_client import TOKEN_FILE_NAME, AdminTokens, create_token_file, read_token_folder
 from leap_io.pidfiles import service_pid
 from leap_io.s3_locations import check_endpoint, parse_s3_url
 
@@ -228,6 +228,10 @@ class LeapSettings(ServingSection, BaseSettings):
     endpoints: Annotated[list[str] | None, NoDecode] = Field(
         None, description="admin URLs of the serving replicas, comma-separated or a JSON list "
                           "(default: the local stack's admin port; an empty string: push nowhere)")
+    admin_tokens_dir: str | None = Field(
+        None, description="folder of each replica's own admin token, one file named by its admin address "
+                          "(host_port or host), e.g. a mounted Secret; a replica it does not name gets the "
+                          "shared token (admin_token, admin_token_file)")
 
     # ------------------------------------------------------------------ this process
     replica_id: str | None = Field(None, description="this serving replica's id, naming its feedback segments "
@@ -487,6 +491,11 @@ class LeapSettings(ServingSection, BaseSettings):
         if service_pid(self.stack_dir, "mlflow") is not None:
             return self.mlflow_server_url
         return self.mlflow_sqlite_uri
+
+    def admin_tokens(self) -> AdminTokens:
+        """The control plane's token for each replica: its own from `admin_tokens_dir`, else the shared one."""
+        own = read_token_folder(self.admin_tokens_dir) if self.admin_tokens_dir else {}
+        return AdminTokens(self.token(), own)
 
     def token(self) -> str:
         """The admin token: `LEAP_ADMIN_TOKEN`, else the token file, created with a random token once."""

@@ -399,7 +399,13 @@ def test_only_the_control_plane_reaches_the_admin_port(objects):
                    if o["spec"]["template"]["metadata"]["labels"].get("leap.control-plane") == "true"]
         assert control == ["leap-prefect-worker"], (overlay, control)
         (worker,) = _find(docs, "Deployment", "leap-prefect-worker")
-        assert "leap-control-plane" in _projected_secrets(worker["spec"]["template"]["spec"])
+        spec = worker["spec"]["template"]["spec"]
+        assert "leap-control-plane" in _projected_secrets(spec)
+        # each replica's own token: a folder of the Secret's keys, named as LEAP_ENDPOINTS names the replicas
+        (tokens,) = [v["name"] for v in spec["volumes"] if v.get("secret", {}).get("secretName") == "leap-admin-tokens"]
+        (container,) = spec["containers"]
+        (mount,) = [m["mountPath"] for m in container["volumeMounts"] if m["name"] == tokens]
+        assert {e["name"]: e.get("value") for e in container["env"]}["LEAP_ADMIN_TOKENS_DIR"] == mount
         policies = _find(docs, "NetworkPolicy")
         assert any(p["spec"]["podSelector"] == {} and p["spec"]["policyTypes"] == ["Ingress"] and not p["spec"].get("ingress")
                    for p in policies), "no default deny"
