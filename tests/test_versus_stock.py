@@ -139,3 +139,29 @@ def test_the_results_section_shows_every_figure_and_the_missed_goals(tmp_path):
     assert "Goals met: 0 of 1; missed: poisson@0.8:mean_latency 0.999 [0.882, 1.131]." in text
     plot_versus_stock(result, tmp_path / "v.png")
     assert (tmp_path / "v.png").stat().st_size > 0
+
+
+def test_a_study_kept_repeat_by_repeat_resumes_only_with_its_own_settings_and_workload(tmp_path):
+    from evaluation import versus_stock_progress as progress
+
+    settings = VersusStockSettings(loads=(0.8,), patterns=("poisson",), repeats=3)
+    as_dict = {"loads": [0.8], "patterns": ["poisson"], "repeats": 3}
+    name = segment_name("poisson", 0.8)
+    runs = [{STOCK: _run(1.0, name), LEAP: _run(s, name)} for s in (0.85, 0.9)]
+    path = tmp_path / "versus-stock.progress.json"
+    key = progress.workload_key(b"readout", ["a", "b"], ["c"])
+    kept = progress.start(as_dict, key, {"rps": 1.0})
+    for i, run in enumerate(runs):
+        progress.add_repeat(kept, run, 1.8e9 + i, path)
+    resumed = progress.load(path, as_dict, key)
+    assert len(resumed["runs"]) == 2 and [p["started"][:4] for p in resumed["played_on"]] == ["2027", "2027"]
+    # the runs read back summarize exactly as the runs played
+    assert summarize(resumed["runs"], settings, resumed["capacity"]) == summarize(runs, settings, {"rps": 1.0})
+    assert progress.load(tmp_path / "none.json", as_dict, key) is None
+    with pytest.raises(ValueError, match="other settings \\(repeats\\)"):
+        progress.load(path, {**as_dict, "repeats": 6}, key)
+    with pytest.raises(ValueError, match="another readout or other prompts"):
+        progress.load(path, as_dict, progress.workload_key(b"another readout", ["a", "b"], ["c"]))
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot be read"):
+        progress.load(path, as_dict, key)

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from evaluation import versus_stock_progress as progress
 from leap_core.intervals import ratio_over_runs
 from study_harness.openai_traffic import OpenAIServer, Outcome, TrafficRequest, free_port, send_traffic
 
@@ -250,20 +251,38 @@ def arm_order(repeat: int, oracle: bool, extra_arms: Sequence[str] = ()) -> tupl
     return order + ((ORACLE,) if oracle else ())
 
 
-def run_study(work: Workload, settings: VersusStockSettings, say: Callable[[str], None] = lambda m: None) -> dict:
-    """Every repeat's arms on fresh servers; the per-run figures and the ratios over runs."""
+def run_study(work: Workload, settings: VersusStockSettings, say: Callable[[str], None] = lambda m: None,
+              progress_path: Path | None = None, repeats_now: int | None = None) -> dict:
+    """Every repeat's arms on fresh servers; the per-run figures and the ratios over runs.
+
+    With `progress_path`, each finished repeat is kept there and a later call resumes after the last one
+    (`evaluation.versus_stock_progress`); `repeats_now` plays at most that many repeats in this call."""
     started = time.perf_counter()
     sampling_note = {"temperature": settings.temperature, "frequency_penalty": settings.frequency_penalty,
                      "max_tokens": settings.max_tokens}
-    capacity_requests = [TrafficRequest(id=f"cap-{p['id']}", prompt_token_ids=p["prompt_token_ids"], at=0.0,
-                                        max_tokens=settings.max_tokens)  # no seed: a burst's prefills are chunked
-                         for p in work.train_prompts[-settings.capacity_requests:]]
-    say("capacity: stock vLLM, a burst of training-window prompts")
-    capacity = run_arm(STOCK, work, settings, {}, None, say, "capacity", capacity=capacity_requests)["capacity"]
+    settings_dict = {**asdict(settings), "loads": list(settings.loads), "patterns": list(settings.patterns),
+                     "extra_arms": list(settings.extra_arms)}
+    key = progress.workload_key(Path(work.readout_path).read_bytes(), [p["id"] for p in work.test_prompts],
+                                [p["id"] for p in work.train_prompts])
+    kept = progress.load(progress_path, settings_dict, key) if progress_path is not None else None
+    if kept is None:
+        capacity_requests = [TrafficRequest(id=f"cap-{p['id']}", prompt_token_ids=p["prompt_token_ids"], at=0.0,
+                                            max_tokens=settings.max_tokens)  # no seed: a burst's prefills chunk
+                             for p in work.train_prompts[-settings.capacity_requests:]]
+        say("capacity: stock vLLM, a burst of training-window prompts")
+        capacity = run_arm(STOCK, work, settings, {}, None, say, "capacity", capacity=capacity_requests)["capacity"]
+        kept = progress.start(settings_dict, key, capacity)
+        if progress_path is not None:
+            progress.save(kept, progress_path)
+    else:
+        say(f"resuming {progress_path}: {len(kept['runs'])} of {settings.repeats} repeats played")
+    capacity = kept["capacity"]
     say(f"capacity: {capacity['rps']:.3f} requests/s ({capacity['generated_tok_s']:.0f} tok/s, "
         f"{capacity['mean_output_tokens']:.0f} tokens a request)")
-    runs: list[dict[str, dict]] = []
-    for repeat in range(settings.repeats):
+    runs: list[dict[str, dict]] = kept["runs"]
+    first = len(runs)
+    for repeat in range(first, settings.repeats if repeats_now is None else min(settings.repeats, first + repeats_now)):
+        repeat_started = time.time()
         segments = segment_requests(work, settings, capacity["rps"], repeat)
         by_arm: dict[str, dict] = {}
         for arm in arm_order(repeat, settings.oracle, settings.extra_arms):
@@ -271,7 +290,9 @@ def run_study(work: Workload, settings: VersusStockSettings, say: Callable[[str]
             if arm == ORACLE:
                 lengths = {o["id"]: int(o["tokens"]) for outs in by_arm[STOCK]["segments"].values() for o in outs}
             by_arm[arm] = run_arm(arm, work, settings, segments, lengths, say, f"repeat {repeat + 1}/{settings.repeats}")
-        runs.append(by_arm)
+        progress.add_repeat(kept, by_arm, repeat_started, progress_path)
+    if not runs:
+        raise ValueError("no repeat has been played yet: nothing to summarize")
     summary = summarize(runs, settings, capacity)
     step_model, step_source = saved_step_model()
     summary["simulated"] = {"step_model": asdict(step_model), "step_model_source": step_source,
@@ -281,6 +302,7 @@ def run_study(work: Workload, settings: VersusStockSettings, say: Callable[[str]
         "settings": {**asdict(settings), "loads": list(settings.loads), "patterns": list(settings.patterns)},
         "decoding": sampling_note, "readout_rows": work.readout_rows, "model": Path(work.model).name,
         "test_prompts": len(work.test_prompts), "study_s": time.perf_counter() - started,
+        "repeats_played": len(runs), "complete": len(runs) >= settings.repeats, "played_on": kept["played_on"],
         "cost": _cost(runs), "runs": runs}
 
 

@@ -317,11 +317,16 @@ def versus_stock(
     temperature: float = typer.Option(0.7, help="sampling temperature (a seed per request, the same in every arm)"),
     max_tokens: int | None = typer.Option(None, help="output budget (default M = 1024; --quick 256)"),
     name: str | None = typer.Option(None, help="result name under docs/results/ (default versus-stock[-quick])"),
+    progress: Path | None = typer.Option(None, help="keep each finished repeat in this file and resume after the "
+                                                    "last one kept (a full run takes hours: play it over sessions)"),
+    repeats_now: int | None = typer.Option(None, min=1, help="play at most this many repeats now (with --progress)"),
     model: str | None = MODEL, as_json: bool = JSON, save: bool = SAVE,
 ) -> None:
     """Stock vLLM's OpenAI server against `leap serve`, each at its defaults, on the wall clock: fresh servers,
     one streaming client, sampled held-out ShareGPT requests at 0.5 / 0.8 / 0.95 of stock's capacity, Poisson
     and bursty; every figure LEAP over stock with its interval over runs, and `goals_met`."""
+    if repeats_now is not None and progress is None:
+        raise typer.BadParameter("--repeats-now plays part of a study: name its --progress file", param_hint="--repeats-now")
     from dataclasses import replace
 
     from evaluation.versus_stock import VersusStockSettings, prepare_workload, run_study
@@ -355,5 +360,12 @@ def versus_stock(
     engine_environment()  # the same KV-cache size, caches and logging for both servers
     say = _say(as_json)
     work = prepare_workload(settings, model, say)
-    result = {"quick": quick, **run_study(work, settings, say)}
+    try:
+        result = {"quick": quick, **run_study(work, settings, say, progress, repeats_now)}
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--progress") from None
+    if save and not result["complete"]:
+        console.print(f"[bold]eval[/]: {result['repeats_played']} of {settings.repeats} repeats played; the progress "
+                      f"file holds them, the result is saved once every repeat is played")
+        save = False
     _finish(result, "versus-stock", name or ("versus-stock-quick" if quick else "versus-stock"), as_json, save)
