@@ -32,6 +32,7 @@ from leap_io.push_bundle import (
     open_bundle,
     read_bundle,
 )
+from leap_io.rls_arrays import unpack
 
 
 class StateDamaged(RuntimeError):
@@ -133,17 +134,6 @@ def _is_bundle(data: bytes) -> bool:
         return False
 
 
-def _symmetric_from_upper(upper: np.ndarray, name: str) -> np.ndarray:
-    """The full matrix of the registry's at-rest form (`registry.rls_file`: the upper triangle, row by row)."""
-    upper = np.asarray(upper, dtype=np.float64).reshape(-1)
-    n = int(round((np.sqrt(8 * upper.size + 1) - 1) / 2))
-    if n * (n + 1) // 2 != upper.size:
-        raise StartFileRefused(f"RLS array {name} has {upper.size} values: not an upper triangle")
-    matrix = np.zeros((n, n), dtype=np.float64)
-    matrix[np.triu_indices(n)] = upper
-    return matrix + np.triu(matrix, 1).T
-
-
 def read_rls_file(path: str | Path) -> dict[str, np.ndarray]:
     """The RLS arrays of an npz file: a replica's saved `rls.npz` (its `rls_*` members), the arrays by name
     (`RLS.state_arrays()` saved with numpy), or the registry's at-rest form (P and A as upper triangles).
@@ -172,10 +162,10 @@ def read_rls_file(path: str | Path) -> dict[str, np.ndarray]:
             arrays = {name: stored[name] for name in stored.files}
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
         raise StartFileRefused(f"the RLS state file {path} does not read: {exc}") from exc
-    for name in ("P", "A"):
-        if f"{name}_upper" in arrays:
-            arrays[name] = _symmetric_from_upper(arrays.pop(f"{name}_upper"), f"{name}_upper")
-    return arrays
+    try:
+        return unpack(arrays)  # the registry's at-rest form, P and A as upper triangles
+    except ValueError as exc:
+        raise StartFileRefused(f"the RLS state file {path}: {exc}") from exc
 
 
 def _check_beside_state(readout_path: Path, readout_bytes: bytes, rls_path: Path | None) -> None:
