@@ -24,10 +24,28 @@ def drift_resource(name: str, by_event: bool) -> dict[str, str]:
 
 
 def announce_drift(name: str, decision: Mapping[str, Any], by_event: bool) -> str | None:
-    """Emit `DRIFT_EVENT` for one retrain decision of the watch; the event's id, or None when no Prefect
-    API takes events (a watch run outside any server)."""
-    from prefect.events import emit_event
+    """Send `DRIFT_EVENT` for one retrain decision of the watch to the Prefect API the settings name now, and
+    wait until it is sent; the event's id, or None when no Prefect server takes events (a watch run outside
+    any). Its own client, not Prefect's process-wide event worker: that worker keeps the API it first met
+    and sends later, so a short `leap watch` process could exit, or a process that moved to another server
+    could send, before the retrain trigger ever saw the event."""
+    from prefect.client.orchestration import get_client
+    from prefect.events import Event
+    from prefect.events.clients import get_events_client
+    from prefect.events.related import related_resources_from_run_context
+    from prefect.events.worker import emit_events_to_cloud, should_emit_events_to_running_server
+    from prefect.utilities.asyncutils import run_coro_as_sync
 
+    if not (emit_events_to_cloud() or should_emit_events_to_running_server()):
+        return None
     payload = {key: decision[key] for key in ("replica", "domain", "reason", "validation_mae") if key in decision}
-    event = emit_event(event=DRIFT_EVENT, resource=drift_resource(name, by_event), payload=payload)
-    return None if event is None else str(event.id)
+    event = Event(event=DRIFT_EVENT, resource=drift_resource(name, by_event), payload=payload)
+
+    async def send() -> None:
+        async with get_client() as orchestration:  # the flow run it came from, where there is one
+            event.related += await related_resources_from_run_context(orchestration)
+        async with get_events_client() as client:
+            await client.emit(event)
+
+    run_coro_as_sync(send())
+    return str(event.id)
