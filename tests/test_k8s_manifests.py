@@ -304,26 +304,33 @@ def test_every_leap_variable_is_a_setting_of_the_right_type(objects):
     assert "LEAP_STORE_URL" in _leap_names(objects["gpu-fleet"])
 
 
+# Read in a process of its own: MLflow's server module holds Flask's request proxies as globals, and an
+# engine started later in this process (vLLM's kernel scan touches every module's globals) fails on them.
+_ROUTES = """
+import inspect, json
+from fastapi import FastAPI
+from mlflow.server.security_utils import HEALTH_ENDPOINTS
+from prefect.server.api.root import router as prefect_root
+from prefect.server.api.server import create_api_app
+from vllm.entrypoints.serve.instrumentator import register_instrumentator_api_routers
+vllm_app = FastAPI()
+register_instrumentator_api_routers(vllm_app)
+prefect = ["/api" + inspect.signature(create_api_app).parameters["health_check_path"].default]
+prefect += ["/api" + route.path for route in prefect_root.routes]
+print(json.dumps({"vllm": [r.path for r in vllm_app.routes], "mlflow": list(HEALTH_ENDPOINTS), "prefect": prefect}))
+"""
+
+
 def test_probes_and_scrapes_are_routes_the_code_serves(objects):
-    import inspect
-
-    from fastapi import FastAPI
-    from mlflow.server.security_utils import HEALTH_ENDPOINTS
-    from prefect.server.api.root import router as prefect_root
-    from prefect.server.api.server import create_api_app
-    from vllm.entrypoints.serve.instrumentator import register_instrumentator_api_routers
-
     from leap_io.admin_client import HEALTH_PATH, METRICS_PATH
 
-    vllm_app = FastAPI()
-    register_instrumentator_api_routers(vllm_app)
-    vllm_routes = {route.path for route in vllm_app.routes}
-    prefect_routes = {"/api" + inspect.signature(create_api_app).parameters["health_check_path"].default}
-    prefect_routes |= {"/api" + route.path for route in prefect_root.routes}
+    found = subprocess.run([sys.executable, "-c", _ROUTES], capture_output=True, text=True, timeout=300)
+    assert found.returncode == 0, found.stderr[-3000:]
+    served = json.loads(found.stdout.strip().splitlines()[-1])
     routes = {  # component -> named port -> paths served there
-        "serving": {"http": vllm_routes, "admin": {HEALTH_PATH, METRICS_PATH}},
-        "mlflow": {"http": set(HEALTH_ENDPOINTS) | {"/metrics"}},
-        "prefect": {"http": prefect_routes | {"/api/metrics"}},
+        "serving": {"http": set(served["vllm"]), "admin": {HEALTH_PATH, METRICS_PATH}},
+        "mlflow": {"http": set(served["mlflow"]) | {"/metrics"}},
+        "prefect": {"http": set(served["prefect"]) | {"/api/metrics"}},
     }
     for overlay, docs in objects.items():
         probed = 0

@@ -268,10 +268,10 @@ def test_status_reports_each_replica_version_and_live_figures(tmp_path):
 
 
 def test_live_figures_are_the_all_series_of_the_domain_gauges():
-    text = ("leap:rolling_spearman{domain=\"all\"} 0.5\nleap_domain_rolling_mae{domain=\"all\"} 12.0\n"
-            "leap:rolling_spearman{domain=\"code\"} 0.9\nleap_domain_rolling_mae{domain=\"code\"} 3.0\n"
+    text = ("leap:rolling_spearman{domain=\"all\"} 0.5\nleap:rolling_mae_tokens{domain=\"all\"} 12.0\n"
+            "leap:rolling_spearman{domain=\"code\"} 0.9\nleap:rolling_mae_tokens{domain=\"code\"} 3.0\n"
             "leap_rolling_spearman 0.1\nleap_rolling_mae 99.0\n")  # the unlabelled gauges are gone: not read
     assert {key: fleet.parse_gauges(text)[key] for key in ("spearman", "mae")} == {"spearman": 0.5, "mae": 12.0}
-    one_row = "leap:rolling_spearman{domain=\"all\"} NaN\nleap_domain_rolling_mae{domain=\"all\"} 7.0\n"
+    one_row = "leap:rolling_spearman{domain=\"all\"} NaN\nleap:rolling_mae_tokens{domain=\"all\"} 7.0\n"
     assert {key: fleet.parse_gauges(one_row)[key] for key in ("spearman", "mae")} == {"spearman": None, "mae": 7.0}
     assert fleet.parse_gauges("")["spearman"] is None and fleet.parse_gauges("")["mae"] is None
