@@ -34,7 +34,7 @@ def feedback_schema(dim: int) -> pa.Schema:
             pa.field("model_fingerprint", pa.string()),
             pa.field("layer", pa.int32()),
             pa.field("policy", pa.string()),
-            pa.field("arrival_time", pa.float64()),  # unix seconds, as planned by the client
+            pa.field("arrival_time", pa.float64()),  # unix seconds, when the server received the request
             pa.field("first_token_time", pa.float64()),
             pa.field("finish_time", pa.float64()),
             pa.field("prompt_tokens", pa.int32()),
@@ -49,6 +49,7 @@ def feedback_schema(dim: int) -> pa.Schema:
             pa.field("readout_version", pa.string()),
             pa.field("shadow_predicted", pa.float32()),  # a readout held in shadow, same vector (serving.readout.shadow)
             pa.field("shadow_version", pa.string()),
+            pa.field("client_arrival_time", pa.float64()),  # the client's own planned arrival (an extra): data
             pa.field("feature", pa.list_(pa.float32(), dim)),
         ]
     )

@@ -93,7 +93,8 @@ class LeapRuntime:
                                          self.telemetry, anchor=self.readouts.anchor_prediction,
                                          tenant_max_share=self.config.rls_tenant_max_share, fallback=self.fallback,
                                          shadow=self.shadow)
-        self.finished = FinishedRequests(self.config, self.tracker, self.readouts, self.recorder, self.telemetry)
+        self.finished = FinishedRequests(self.config, self.tracker, self.readouts, self.recorder, self.telemetry,
+                                         vllm_compat.model_stop_ids(vllm_config))
         self.steps = DecodeSteps(self.config, self.tracker, self.telemetry, self.readouts, self.fallback)
         self.readouts.start()
         self.sources = ReadoutSources(self.readouts, self.telemetry, self.model_id, self.layer,

@@ -1,7 +1,8 @@
 """Every private vLLM attribute or function LEAP touches, in one place, checked against the installed version.
 
 LEAP rides on internals that vLLM does not promise to keep: the scheduler's `running` list, its
-`current_step` counter and `next_decode_eligible_step` hold-outs, `_free_request`, the request-id suffix,
+`current_step` counter and `next_decode_eligible_step` hold-outs, `_free_request`, the request-id suffix
+and the ids of parallel samples,
 the in-process engine-core object, the model runners' batch layout and aux-hidden-state switch, the IR
 kernel priorities of the CPU platform and the worker classes. Nothing else in LEAP names them. The
 installed version is checked once, when the plugin starts (`check_version`), and a version this module
@@ -13,7 +14,11 @@ Sections: version; scheduler; engine; worker and model runner (capture).
 from __future__ import annotations
 
 import functools
+import logging
+import re
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # Minor versions whose internals this module was written against and tested on.
 SUPPORTED_MINOR_VERSIONS = ("0.32",)
@@ -102,6 +107,41 @@ def request_extra_args(request: Any) -> object:
 
 def request_sampling_params(request: Any) -> Any:
     return getattr(request, "sampling_params", None)
+
+
+_CHILD_ID = re.compile(r"(\d{1,6})_.")
+
+
+def parallel_sample_index(internal_id: str) -> int | None:
+    """The index of a request among the `n > 1` samples vLLM's front end fans one request out to (their
+    ids are `f"{index}_{parent id}"`, each with n = 1), or None for a request of its own. A client cannot
+    give an id that starts so through the OpenAI server, which prefixes every id (`cmpl-`, `chatcmpl-`)."""
+    match = _CHILD_ID.match(internal_id)
+    return int(match.group(1)) if match else None
+
+
+def stop_reason(request: Any) -> object:
+    """The token id (an int) that ended a request stopped by a stop token; None when it stopped on the
+    tokenizer's end-of-sequence id or for another reason. Stop strings are found by the front end, which
+    then aborts the request: the engine records those as aborted."""
+    return getattr(request, "stop_reason", None)
+
+
+def model_stop_ids(vllm_config: Any) -> frozenset[int]:
+    """The end-of-sequence ids of the served model itself (its config's and its generation config's),
+    which vLLM adds to every request's `stop_token_ids`; empty when they cannot be read."""
+    ids: set[int] = set()
+    model = vllm_config.model_config
+    sources = [getattr(getattr(model, config, None), "eos_token_id", None) for config in ("hf_config", "hf_text_config")]
+    try:
+        sources.append(model.try_get_generation_config().get("eos_token_id"))
+    except Exception:  # no generation config to read: the tokenizer's id still counts per request
+        logger.debug("no generation config for %s", model.model, exc_info=True)
+    for found in sources:
+        for value in found if isinstance(found, (list, tuple, set)) else (found,):
+            if isinstance(value, int) and not isinstance(value, bool):
+                ids.add(value)
+    return frozenset(ids)
 
 
 def past_prefill(request: Any) -> bool:

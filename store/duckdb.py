@@ -47,7 +47,7 @@ __all__ = [
     "TrainingFrame",
 ]
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 """Version of the store's tables; see the module docstring for what each version added."""
 
 FEATURES_DDL = """CREATE TABLE IF NOT EXISTS {table} (
@@ -164,6 +164,8 @@ def _migrate(con: duckdb.DuckDBPyConnection, folder: Path) -> None:
         if "shadow_version" not in requests:  # version 7 -> 8: a shadow readout's prediction (NULL before)
             con.execute("ALTER TABLE requests ADD COLUMN shadow_predicted FLOAT")
             con.execute("ALTER TABLE requests ADD COLUMN shadow_version VARCHAR")
+        if "client_arrival_time" not in requests:  # version 8 -> 9: the client's planned arrival, as data
+            con.execute("ALTER TABLE requests ADD COLUMN client_arrival_time DOUBLE")
         features = _column_types(con, "features")
         if "recipe" not in features:  # version 2 -> 3: NULL is last@<layer>
             con.execute("ALTER TABLE features ADD COLUMN recipe VARCHAR")

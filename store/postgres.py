@@ -32,7 +32,7 @@ from store.sql import (
     table_ddl,
 )
 
-POSTGRES_SCHEMA_VERSION = 4
+POSTGRES_SCHEMA_VERSION = 5
 """Version of the PostgreSQL store's tables (its own line of versions: the DuckDB file's differ)."""
 
 _SCHEMA_LOCK = 0x4C454150_53544F52  # "LEAPSTOR": the advisory lock key of schema changes
@@ -67,10 +67,12 @@ SCHEMA_DDL = (
 UPGRADES = {3: ("ALTER TABLE requests ADD COLUMN IF NOT EXISTS client_request_id TEXT",
                 "UPDATE requests SET client_request_id = request_id WHERE client_request_id IS NULL"),
             4: ("ALTER TABLE requests ADD COLUMN IF NOT EXISTS shadow_predicted REAL",
-                "ALTER TABLE requests ADD COLUMN IF NOT EXISTS shadow_version TEXT")}
+                "ALTER TABLE requests ADD COLUMN IF NOT EXISTS shadow_version TEXT"),
+            5: ("ALTER TABLE requests ADD COLUMN IF NOT EXISTS client_arrival_time DOUBLE PRECISION",)}
 """What brings the tables from the version before each key to it (a new store's tables are created at
 the latest): version 3 keeps the client's id as data beside the serving process's key, and older rows'
-key was the client's id; version 4 keeps a shadow readout's prediction (`serving.readout.shadow`)."""
+key was the client's id; version 4 keeps a shadow readout's prediction (`serving.readout.shadow`); version 5
+keeps a client's planned arrival beside the server's time."""
 
 _FRAME_TYPES = {"request_id": pa.string(), "dim": pa.int32(), "output_tokens": pa.int32(),
                 "finish_reason": pa.string(), "domain": pa.string(), "arrival_time": pa.float64(),

@@ -172,6 +172,7 @@ def write_segment(
         "readout_version": pa.array(["v1"] * n, pa.string()),
         "shadow_predicted": pa.nulls(n, pa.float32()),  # no readout held in shadow
         "shadow_version": pa.nulls(n, pa.string()),
+        "client_arrival_time": pa.nulls(n, pa.float64()),  # no client planned an arrival
         "finish_reason": pa.array(finish_reason, pa.string()),
     }
     if "nan_output_tokens" in broken:

@@ -13,6 +13,7 @@ from leap_core.rls import RLS
 from leap_io.feedback_schema import read_segment_file
 from leap_io.push_bundle import make_bundle
 from tests.engine_fixtures import LAYER, PROMPTS, chat_ids, spread_readout
+from tests.runtime_fixtures import eventually
 
 pytestmark = pytest.mark.engine
 TOKEN = "engine-test-token"
@@ -309,3 +310,61 @@ def test_every_finished_request_is_in_the_feedback_exactly_once(live):
     # the store's key is the process's own, never a client's id
     assert len(set(keys)) == len(keys) and not set(keys) & set(ids)
     assert len({key.rsplit("-", 1)[0] for key in keys}) == 1
+
+
+def _finished_tokens(engine, rid: str, ids: list[int], params) -> list[int]:
+    engine.add_request(rid, {"prompt_token_ids": ids}, params)
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                tokens[output.request_id] = list(output.outputs[0].token_ids)
+    return tokens[rid]
+
+
+def test_the_server_decides_labels_and_times_from_the_engines_own_request(live):
+    """A client's stop token, an n = 2 request and a client's planned arrival, through the real engine:
+    the rows record what the server found, and the one rule (`leap_io.labels`) reads it."""
+    import json
+    import time
+
+    from vllm import SamplingParams
+
+    from leap_io.labels import label_problem
+
+    engine, runtime = live["engine"], live["runtime"]
+    ids = chat_ids(engine, PROMPTS[0])
+    rows = []
+    runtime.recorder.listeners.append(rows.append)
+    try:
+        free = _finished_tokens(engine, "labels-free", ids, SamplingParams(
+            max_tokens=16, temperature=0.0, extra_args={"leap_request_id": "labels-free"}))
+        k = next(i for i in range(2, len(free) - 1) if free[i] not in free[:i])  # a token first seen at k
+        stopped = _finished_tokens(engine, "labels-stop", ids, SamplingParams(
+            max_tokens=16, temperature=0.0, stop_token_ids=[free[k]],
+            extra_args={"leap_request_id": "labels-stop", "leap_planned_arrival": 1000.0}))
+        engine.add_request("labels-n2", {"prompt_token_ids": ids},
+                           SamplingParams(max_tokens=16, temperature=0.8, seed=3, n=2))
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert eventually(lambda: len(rows) == 4)
+    finally:
+        runtime.recorder.listeners.remove(rows.append)
+    by_id = {row["client_request_id"]: row for row in rows}
+    live["sent"].extend(by_id)
+    assert len(stopped) == k + 1 and stopped[-1] == free[k]
+
+    def problem(row):
+        return label_problem(row["finish_reason"], row["max_tokens"], 4096, policy=row["policy"],
+                             decoding=json.loads(row["decoding"]))
+
+    assert json.loads(by_id["labels-stop"]["decoding"])["stopped_on"] == "stop_token"
+    assert problem(by_id["labels-stop"]) == "client_stop"
+    assert problem(by_id["labels-free"]) in (None, "client_cap")  # its own end of sequence, or capped at 16
+    children = sorted((row for rid, row in by_id.items() if "labels-n2" in rid), key=lambda row: row["client_request_id"])
+    assert [json.loads(row["decoding"])["sample_index"] for row in children] == [0, 1]
+    assert [problem(row) for row in children][1] == "parallel_sample"
+    # the row's time is the server's; the client's planned arrival is kept apart, as data
+    row = by_id["labels-stop"]
+    assert abs(row["arrival_time"] - time.time()) < 600 and row["client_arrival_time"] == 1000.0
+    assert row["arrival_time"] <= row["finish_time"]

@@ -3,6 +3,7 @@ that reads it from the store, and the serving process's RLS."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +25,21 @@ M = 4096
     ({"finish_reason": "length", "max_tokens": M}, None),  # censored at the readout's own budget
     ({"finish_reason": "length", "max_tokens": 64}, "client_cap"),
     ({"finish_reason": "length", "max_tokens": 0}, None),  # budget unknown (an old row): kept as before
-    ({"finish_reason": "stop", "max_tokens": M, "ignore_eos": True}, "ignore_eos"),
-    ({"finish_reason": "stop", "max_tokens": M, "min_tokens": 200}, "min_tokens"),
+    ({"finish_reason": "stop", "max_tokens": M, "decoding": {"ignore_eos": True}}, "ignore_eos"),
+    ({"finish_reason": "stop", "max_tokens": M, "decoding": {"min_tokens": 200}}, "min_tokens"),
     ({"finish_reason": "stop", "max_tokens": M, "policy": "oracle"}, "policy_oracle"),
     ({"finish_reason": "stop", "max_tokens": M, "policy": "client"}, "policy_client"),
-    ({"finish_reason": "stop", "max_tokens": M, "policy": "leap", "ignore_eos": "yes"}, None),  # not a bool
+    ({"finish_reason": "stop", "max_tokens": M, "policy": "leap", "decoding": {"ignore_eos": "yes"}}, None),
     ({"finish_reason": "abort", "max_tokens": M}, "abort"),
+    ({"finish_reason": "stop", "max_tokens": M, "decoding": {"stopped_on": "eos"}}, None),
+    ({"finish_reason": "stop", "max_tokens": M, "decoding": {"stopped_on": "stop_token"}}, "client_stop"),
+    ({"finish_reason": "stop", "max_tokens": M, "decoding": {"eos_logit_bias": True}}, "eos_logit_bias"),
+    ({"finish_reason": "length", "max_tokens": M, "decoding": {"allowed_token_ids": 3}}, "allowed_token_ids"),
+    ({"finish_reason": "stop", "max_tokens": M, "decoding": {"allowed_token_ids": 0}}, None),
+    ({"finish_reason": "stop", "max_tokens": M, "decoding": {"structured_outputs": True}}, "structured_outputs"),
+    ({"finish_reason": "stop", "max_tokens": M, "decoding": {"sample_index": 0}}, None),  # one sample counts
+    ({"finish_reason": "stop", "max_tokens": M, "decoding": {"sample_index": 1}}, "parallel_sample"),
+    ({"finish_reason": "stop", "max_tokens": M, "decoding": {"sample_index": True}}, None),  # not an int
 ])
 def test_the_rule(row, problem):
     row = dict(row)
@@ -68,7 +78,7 @@ def test_the_fit_keeps_steered_rows_out_and_counts_them(tmp_path: Path):
     frame = select_window(store, min_rows=10)
     excluded = excluded_by_reason(frame)
     assert {key: excluded[key] for key in LABEL_PROBLEMS} == {
-        "client_cap": quarter, "ignore_eos": quarter, "min_tokens": 0, "policy_client": 0, "policy_oracle": quarter}
+        **{key: 0 for key in LABEL_PROBLEMS}, "client_cap": quarter, "ignore_eos": quarter, "policy_oracle": quarter}
     train, test = time_split(frame)
     fit = fit_readout(train, test, alpha=1.0, model_id="m", model_fingerprint="fp-fuzz", layer=20, version="v")
     assert fit.params["n_train"] + fit.params["n_test"] == 400 - 3 * quarter
@@ -93,8 +103,16 @@ def test_rls_learns_only_from_lengths_the_client_left_alone(build, sender_for):
         (make_request("eos-off-00000001", max_tokens=M, extra=None), RequestStatus.FINISHED_LENGTH_CAPPED),
         (make_request("honest-00000001", max_tokens=64), RequestStatus.FINISHED_STOPPED),
         (make_request("full-00000001", max_tokens=M), RequestStatus.FINISHED_LENGTH_CAPPED),
+        (make_request("stopped-00000001", max_tokens=M), RequestStatus.FINISHED_STOPPED),  # on the client's token
+        (make_request("biased-00000001", max_tokens=M), RequestStatus.FINISHED_STOPPED),  # EOS biased
+        (make_request("0_parent-00000001", max_tokens=M), RequestStatus.FINISHED_STOPPED),  # n = 2: counts once
+        (make_request("1_parent-00000001", max_tokens=M), RequestStatus.FINISHED_STOPPED),
     ]
     cases[1][0].sampling_params.ignore_eos = True
+    cases[4][0].sampling_params.stop_token_ids = [7]
+    cases[4][0].stop_reason = 7
+    cases[5][0].sampling_params._eos_token_id = 2
+    cases[5][0].sampling_params.logit_bias = {2: 5.0}
     sender = sender_for(runtime)
     for i, (request, _) in enumerate(cases):
         runtime.before_schedule([request], 0)
@@ -103,7 +121,13 @@ def test_rls_learns_only_from_lengths_the_client_left_alone(build, sender_for):
     for request, status in cases:
         runtime.on_finished(finish(decode(request, 5), status))
     runtime.readouts.learner.flush()
-    assert len(rows) == 4  # every request keeps its feedback row
-    assert runtime.readouts.learner.snapshot()["rows"] == 2  # the honest stop and the one capped at M
-    assert sample(runtime, "leap:dropped_total", what="rls_row", reason="client_cap") == 1
-    assert sample(runtime, "leap:dropped_total", what="rls_row", reason="ignore_eos") == 1
+    assert len(rows) == len(cases)  # every request keeps its feedback row
+    assert runtime.readouts.learner.snapshot()["rows"] == 3  # the honest stop, the one capped at M, sample 0
+    for reason in ("client_cap", "ignore_eos", "client_stop", "eos_logit_bias", "parallel_sample"):
+        assert sample(runtime, "leap:dropped_total", what="rls_row", reason=reason) == 1, reason
+    decoding = {row["client_request_id"]: json.loads(row["decoding"]) for row in rows}  # the suffix stripped
+    assert decoding["stopped"]["stopped_on"] == "stop_token" and decoding["honest"]["stopped_on"] == "eos"
+    assert decoding["biased"]["eos_logit_bias"] is True and decoding["honest"]["eos_logit_bias"] is False
+    assert [decoding[f"{i}_parent"]["sample_index"] for i in (0, 1)] == [0, 1]
+    # the quality figures count the labelled rows alone
+    assert sample(runtime, "leap:rolling_requests", domain="all") == 3

@@ -135,7 +135,7 @@ def test_a_version_3_store_converts_its_features_once_and_reads_back_every_float
     wide = store.training_frame(model_fingerprint="fp-wide")  # a reader migrates once, then reads
     narrow = store.training_frame(model_fingerprint="fp-narrow", recipe="last@20")
 
-    assert store.schema_version() == SCHEMA_VERSION == 8
+    assert store.schema_version() == SCHEMA_VERSION == 9
     assert store.shadow_rows("any")["shadow"].size == 0  # version 8's columns are there, NULL for old rows
     np.testing.assert_array_equal(wide.features, np.stack([vectors[i] for i in wide.request_ids]))
     np.testing.assert_array_equal(narrow.features, np.stack([vectors[i] for i in narrow.request_ids]))

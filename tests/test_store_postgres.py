@@ -220,11 +220,14 @@ def test_a_version_2_store_keeps_its_rows_ids_as_the_clients_ids(tmp_path: Path,
         con.execute("ALTER TABLE requests DROP COLUMN client_request_id")
         con.execute("ALTER TABLE requests DROP COLUMN shadow_predicted")
         con.execute("ALTER TABLE requests DROP COLUMN shadow_version")
+        con.execute("ALTER TABLE requests DROP COLUMN client_arrival_time")
         con.execute("UPDATE store_meta SET value = '2' WHERE key = 'schema_version'")
 
     store = store_at(postgres_url)
-    assert store.schema_version() == POSTGRES_SCHEMA_VERSION == 4
+    assert store.schema_version() == POSTGRES_SCHEMA_VERSION == 5
     assert store.shadow_rows("any")["shadow"].size == 0  # version 4's columns are there, NULL for old rows
+    with psycopg.connect(url) as con:  # and version 5's
+        assert con.execute("SELECT count(*) FROM requests WHERE client_arrival_time IS NULL").fetchone()[0] > 20
     with psycopg.connect(url) as con:
         rows = con.execute("SELECT request_id, client_request_id FROM requests").fetchall()
     assert len(rows) > 20 and all(key == client for key, client in rows)

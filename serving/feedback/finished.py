@@ -5,7 +5,8 @@ can land after the finish: then the row waits for it, up to `LATE_FEATURE_S`, an
 feature arrives (settled every step, and every half second while the engine idles) or without it once the wait is over (counted as
 `feature_never_arrived`). Only lengths that say how long the answer really was teach RLS
 (`leap_io.labels`: not aborted, not capped below the readout's budget or otherwise steered by the
-client); the others are counted as dropped `rls_row`s by reason, and so are the rows of a tenant past its
+client, decided from the engine's own request by `serving.feedback.decoding`), and only they count in the
+quality figures; the others are counted as dropped `rls_row`s by reason, and so are the rows of a tenant past its
 share of what RLS learns (`serving.feedback.tenant_share`).
 """
 
@@ -18,6 +19,7 @@ import numpy as np
 from leap_io.labels import FORCED_LENGTH_PROBLEMS, LABEL_PROBLEMS, label_problem
 from serving import vllm_compat
 from serving.config import LeapConfig
+from serving.feedback.decoding import decoding_record
 from serving.feedback.recorder import FeedbackRecorder
 from serving.feedback.tenant_share import TenantShare
 from serving.readout.service import ReadoutService
@@ -31,8 +33,9 @@ class FinishedRequests:
     """Writes the feedback row of every finished request once, and feeds RLS from those that train it."""
 
     def __init__(self, config: LeapConfig, tracker: RequestTracker, readouts: ReadoutService,
-                 recorder: FeedbackRecorder, telemetry: Telemetry) -> None:
+                 recorder: FeedbackRecorder, telemetry: Telemetry, model_stop_ids: frozenset[int] = frozenset()) -> None:
         self.config = config
+        self._model_stop_ids = model_stop_ids
         self._tracker = tracker
         self._readouts = readouts
         self._recorder = recorder
@@ -61,9 +64,13 @@ class FinishedRequests:
     def _write(self, context: tuple, feature: np.ndarray | None) -> None:
         request, entry, predicted, version, policy = context
         output_tokens = int(request.num_output_tokens)
+        reason = vllm_compat.finish_reason(request)
+        decoding = decoding_record(request, reason, self._model_stop_ids)
+        problem = label_problem(reason, int(request.max_tokens), int(getattr(self._readouts.readout, "max_tokens", 0) or 0),
+                                policy=policy, decoding=decoding)
+        labelled = problem is None or (problem in FORCED_LENGTH_PROBLEMS and self.config.rls_learns_forced_lengths)
         if feature is not None and output_tokens > 0:
-            problem = self._label_problem(request, policy)
-            if problem is None or (problem in FORCED_LENGTH_PROBLEMS and self.config.rls_learns_forced_lengths):
+            if labelled:
                 if self._tenants.admit(entry.extras.leap_tenant if entry is not None else None):
                     self._readouts.observe(feature, output_tokens)
                 else:
@@ -72,13 +79,4 @@ class FinishedRequests:
                 self._telemetry.drop("rls_row", problem)
         if feature is None and output_tokens > 0:
             self._telemetry.drop("feedback_row", "feature_never_arrived")
-        self._recorder.record(request, entry, feature, predicted, version, policy)
-
-    def _label_problem(self, request: Any, policy: str) -> str | None:
-        """Why the request's length must not teach RLS (`leap_io.labels.label_problem`); None when it may."""
-        readout = self._readouts.readout
-        params = vllm_compat.request_sampling_params(request)
-        return label_problem(vllm_compat.finish_reason(request), int(request.max_tokens),
-                             int(getattr(readout, "max_tokens", 0) or 0), policy=policy,
-                             ignore_eos=getattr(params, "ignore_eos", False),
-                             min_tokens=getattr(params, "min_tokens", 0))
+        self._recorder.record(request, entry, feature, predicted, version, policy, decoding, labelled)

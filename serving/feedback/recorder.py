@@ -3,7 +3,8 @@ figures computed from those rows.
 
 One row per finished request that was resident and had its feature captured: the whole captured vector,
 what the engine measured, what LEAP predicted (and a shadow readout, while one is held) and the client's
-validated extras; a bad extra is absent, never a reason to lose the row. Its key is the process's own
+validated extras; a bad extra is absent, never a reason to lose the row. The row's times are the
+server's: a client's planned arrival is kept only as `client_arrival_time`. Its key is the process's own
 (`RowIds`). `DomainQuality` keeps the rolling per-domain figures the drift watch reads, afresh at every
 anchor and tenant-weighted so no tenant alone can push them (docs/serving.md, "Drift watch"). A listener
 that raises is counted and the others still get the row.
@@ -33,8 +34,6 @@ from serving.tracking import Tracked
 
 logger = logging.getLogger(__name__)
 
-DECODING_KEYS = ("temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty",
-                 "repetition_penalty", "ignore_eos", "min_tokens", "seed")
 MAX_DOMAINS = 32
 ALL = "all"
 
@@ -184,12 +183,14 @@ class FeedbackRecorder:
                                      tenant_max_share=tenant_max_share)
 
     def record(self, request: Any, entry: Tracked | None, feature: np.ndarray | None, predicted: float | None,
-               version: str, policy: str) -> dict | None:
-        """Account for one finished request; its row when one was written or listened to."""
+               version: str, policy: str, decoding: dict, labelled: bool) -> dict | None:
+        """Account for one finished request; its row when one was written or listened to. `decoding` is
+        what the row records of its settings (`serving.feedback.decoding`); the quality figures count the
+        request only when its length is a label (`labelled`, `leap_io.labels`)."""
         output_tokens = int(request.num_output_tokens)
         self.finished += 1
         self._telemetry.finished.inc()
-        if entry is not None and predicted is not None and output_tokens > 0:
+        if entry is not None and predicted is not None and output_tokens > 0 and labelled:
             admitted = entry.predicted_at_admission
             self._telemetry.finished_lengths(predicted if admitted is None else admitted, output_tokens)
             self._quality(predicted, output_tokens)
@@ -197,10 +198,11 @@ class FeedbackRecorder:
         shadow: tuple[float | None, str | None] = (None, None)
         if self.shadow is not None and entry is not None:
             shadow = self.shadow.predict(feature)
-            self.shadow.observe(entry.predicted_at_admission, shadow[0], output_tokens)
+            if labelled:
+                self.shadow.observe(entry.predicted_at_admission, shadow[0], output_tokens)
         if feature is None or entry is None or (self.writer is None and not self.listeners):
             return None
-        row = self.row(request, entry, feature, predicted, version, policy)
+        row = self.row(request, entry, feature, predicted, version, policy, decoding)
         row["shadow_predicted"], row["shadow_version"] = shadow
         if self.writer is not None and self.writer.write(row) is not False:  # the writer counts its drops
             self.rows += 1
@@ -213,16 +215,14 @@ class FeedbackRecorder:
         return row
 
     def row(self, request: Any, entry: Tracked, feature: np.ndarray, predicted: float | None, version: str,
-            policy: str) -> dict:
-        params = vllm_compat.request_sampling_params(request)
-        decoding = {k: getattr(params, k, None) for k in DECODING_KEYS} if params is not None else {}
+            policy: str, decoding: dict) -> dict:
         extras = entry.extras
-        arrival = extras.leap_planned_arrival if extras.leap_planned_arrival is not None else entry.arrival
         return {
             "request_id": self.row_ids.next(),
             "client_request_id": client_id(extras.leap_request_id or vllm_compat.external_request_id(request.request_id)),
             "model_id": self.model_id, "model_fingerprint": self.fingerprint, "layer": self.layer,
-            "policy": policy, "arrival_time": float(arrival), "first_token_time": entry.first_token_time,
+            "policy": policy, "arrival_time": float(entry.arrival),
+            "client_arrival_time": extras.leap_planned_arrival, "first_token_time": entry.first_token_time,
             "finish_time": time.time(), "prompt_tokens": int(request.num_prompt_tokens),
             "output_tokens": int(request.num_output_tokens), "finish_reason": vllm_compat.finish_reason(request),
             "max_tokens": int(request.max_tokens), "decoding": json.dumps(decoding, default=str),

@@ -80,6 +80,7 @@ def write_synthetic_segment(path: str | Path, first_row: int, n: int, weights: n
         "readout_version": pa.nulls(n, pa.string()),
         "shadow_predicted": pa.nulls(n, pa.float32()),
         "shadow_version": pa.nulls(n, pa.string()),
+        "client_arrival_time": pa.nulls(n, pa.float64()),
         "feature": pa.FixedSizeListArray.from_arrays(pa.array(features.reshape(-1)), dim),
     }
     table = segment_table(pa.table(columns, schema=schema))
