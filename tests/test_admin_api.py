@@ -319,3 +319,45 @@ def test_every_read_but_health_and_metrics_needs_the_token(serve):
         assert httpx.get(f"{bare}/metrics").status_code == 200
     finally:
         tokenless.close()
+
+
+def test_a_flood_from_many_addresses_never_locks_out_a_push_with_the_token(serve):
+    """Every handler held by half-sent requests from four loopback addresses: a push with the token is
+    served by the control lane, while the same push without it, and any other request, is refused."""
+    target, server, url = serve(max_handlers=4, max_per_address=1, request_timeout=10, head_deadline=20)
+    hogs = []
+    for i in range(2, 10):  # 127.0.0.2 ... 127.0.0.9: every slot taken, the rest refused and waiting
+        hog = socket.socket()
+        hog.bind((f"127.0.0.{i}", 0))
+        hog.connect(("127.0.0.1", server.port))
+        hog.sendall(b"GET /leap/readout HTTP/1.1\r\nHost: x\r\n")
+        hogs.append(hog)
+    time.sleep(0.3)
+    try:
+        pushed = httpx.post(f"{url}/leap/readout", content=_readout_bytes("v-lane"), headers=AUTH, timeout=10)
+        assert pushed.status_code == 200, pushed.text
+        assert target.readout.metadata["version"] == "v-lane"
+        anonymous = httpx.post(f"{url}/leap/readout", content=_readout_bytes("v-x"), timeout=10)
+        wrong = httpx.post(f"{url}/leap/readout", content=_readout_bytes("v-x"), timeout=10,
+                           headers={"Authorization": "Bearer not-the-token"})
+        read = httpx.get(f"{url}/leap/readout", headers=AUTH, timeout=10)  # not a control request
+        assert (anonymous.status_code, wrong.status_code, read.status_code) == (503, 503, 503)
+        assert target.readout.metadata["version"] == "v-lane"
+        assert server.refusals()["control_lane"] == 1
+    finally:
+        for hog in hogs:
+            hog.close()
+
+
+def test_the_control_test_reads_the_method_route_and_the_one_token():
+    from serving.admin.api import control_request
+
+    is_control = control_request(TOKEN)
+    auth = f"Authorization: Bearer {TOKEN}".encode()
+    assert is_control(b"POST /leap/readout?force=1 HTTP/1.1\r\nHost: x\r\n" + auth)
+    assert is_control(b"POST /leap/fcfs HTTP/1.1\r\n" + auth)
+    assert not is_control(b"GET /leap/readout HTTP/1.1\r\n" + auth)
+    assert not is_control(b"POST /leap/feedback/flush HTTP/1.1\r\n" + auth)
+    assert not is_control(b"POST /leap/readout HTTP/1.1\r\nAuthorization: Bearer other")
+    assert not is_control(b"POST /leap/readout HTTP/1.1\r\n" + auth + b"\r\nAuthorization: Bearer other")
+    assert not is_control(b"POST")

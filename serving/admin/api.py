@@ -16,6 +16,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
@@ -121,6 +122,29 @@ def body_limit(target: Any, max_body: int | None) -> int:
 
         return max(DEFAULT_MAX_BODY, max_bundle_bytes(dim))
     return DEFAULT_MAX_BODY
+
+
+CONTROL_PATHS = (READOUT_PATH, FCFS_PATH, SHADOW_PATH)
+"""The POST routes that change what a replica serves: a push or rollback, the kill switch, the shadow."""
+
+
+def control_request(token: str) -> Callable[[bytes], bool]:
+    """Whether a request head is a POST to a control route carrying the admin token (the control lane's
+    test, `serving.admin.connections`)."""
+    expected = f"Bearer {token}".encode()
+
+    def is_control(head: bytes) -> bool:
+        lines = head.split(b"\r\n")
+        request_line = lines[0].split(b" ")
+        if len(request_line) < 2 or request_line[0] != b"POST":
+            return False
+        if urlsplit(request_line[1].decode("latin-1")).path not in CONTROL_PATHS:
+            return False
+        given = [value.strip() for name, _, value in (line.partition(b":") for line in lines[1:])
+                 if name.strip().lower() == b"authorization"]
+        return len(given) == 1 and hmac.compare_digest(given[0], expected)
+
+    return is_control
 
 
 class _AdminHandler(BaseHTTPRequestHandler):
@@ -334,7 +358,8 @@ class AdminServer:
                                                      "body_deadline_s": body_deadline})
         per_address = max_per_address if max_per_address is not None else max(1, max_handlers // 2)
         self._server = AdminConnections((host, port), handler, max_handlers, per_address,
-                                        lambda path: quick_answer(target, path))
+                                        lambda path: quick_answer(target, path),
+                                        is_control=control_request(token) if token else None)
         self.host = host
         self.port = self._server.server_address[1]
         self._thread = SupervisedThread("leap-admin", self._server.serve_forever).start()

@@ -2,8 +2,11 @@
 
 Caps on requests in progress (overall and per address) and deadlines on the request head and body, so a
 slow or flooding client cannot lock the admin API. Connections beyond a cap go to one refuser thread that
-still answers health and metrics in full, so a flood never hides a replica's health. Details:
-docs/architecture.md; refusals are counted by reason (`AdminConnections.counts()`).
+reads their head and still answers health and metrics in full, so a flood never hides a replica's
+health, and admits a control request that carries the admin token (a push, a rollback, the kill switch)
+to a lane of its own (`control_slots` handlers no other request may take), so a flood from however many
+addresses never locks the operators out. Details: docs/architecture.md; refusals are counted by reason
+(`AdminConnections.counts()`), control-lane admissions as `control_lane`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ MAX_HEAD_BYTES = 65536
 
 QuickAnswer = Callable[[str], "tuple[int, str, bytes] | None"]
 """Answers a GET path without a handler slot: (status, content type, body), or None to refuse it."""
+IsControl = Callable[[bytes], bool]
+"""Whether a whole request head is an authenticated control request (the control lane admits it)."""
+CONTROL_SLOTS = 2
 
 
 class DeadlinePassed(TimeoutError):
@@ -77,18 +83,46 @@ def _http(status: int, content_type: str, body: bytes, retry_after: bool = False
     return head.encode() + body
 
 
+class HeadFirst:
+    """A socket whose first reads return bytes already read from it (the head the refuser read)."""
+
+    def __init__(self, sock: socket.socket, first: bytes) -> None:
+        self._sock, self._first = sock, first
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        if self._first:
+            n = min(len(buffer) if not nbytes else nbytes, len(self._first))
+            buffer[:n] = self._first[:n]
+            self._first = self._first[n:]
+            return n
+        return self._sock.recv_into(buffer, nbytes, flags)
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        if self._first:
+            chunk, self._first = self._first[:bufsize], self._first[bufsize:]
+            return chunk
+        return self._sock.recv(bufsize, flags)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
 class AdminConnections(ThreadingHTTPServer):
-    """A threading HTTP server with the caps above; `quick` answers the reads a refused client may make."""
+    """A threading HTTP server with the caps above; `quick` answers the reads a refused client may make and
+    `is_control` picks the refused requests the control lane admits."""
 
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_handlers: int,
-                 max_per_address: int, quick: QuickAnswer) -> None:
+                 max_per_address: int, quick: QuickAnswer, is_control: IsControl | None = None,
+                 control_slots: int = CONTROL_SLOTS) -> None:
         if max_handlers < 1 or max_per_address < 1:
             raise ValueError("max_handlers and max_per_address must be >= 1")
         self.max_handlers = max_handlers
         self.max_per_address = max_per_address
         self._quick = quick
+        self._is_control = is_control
+        self._control_slots = threading.BoundedSemaphore(max(1, control_slots))
         self._slots = threading.BoundedSemaphore(max_handlers)
         self._lock = threading.Lock()
         self._per_address: Counter[str] = Counter()
@@ -104,7 +138,8 @@ class AdminConnections(ThreadingHTTPServer):
             self._counts[reason] += 1
 
     def counts(self) -> dict[str, int]:
-        """Refusals by reason: busy, per_address, refusal_queue_full, head_deadline, body_deadline."""
+        """Refusals by reason: busy, per_address, refusal_queue_full, head_deadline, body_deadline; and
+        control_lane: refused requests the control lane served instead."""
         with self._lock:
             return dict(self._counts)
 
@@ -192,6 +227,10 @@ class AdminConnections(ThreadingHTTPServer):
         head = pending.pop(request)[0]
         with contextlib.suppress(KeyError, ValueError):
             selector.unregister(request)
+        if b"\r\n\r\n" in head and self._control_request(head) and self._control_slots.acquire(blocking=False):
+            self.count("control_lane")
+            SupervisedThread("leap-admin-control", lambda: self._serve_control(request, head)).start()
+            return
         answer = self._busy
         line = head.split(b"\r\n", 1)[0].split(b" ")
         if len(line) >= 2 and line[0] == b"GET" and b"\r\n\r\n" in head:
@@ -209,6 +248,30 @@ class AdminConnections(ThreadingHTTPServer):
             pass
         finally:
             self.shutdown_request(request)
+
+    def _control_request(self, head: bytes) -> bool:
+        if self._is_control is None:
+            return False
+        try:
+            return bool(self._is_control(head.split(b"\r\n\r\n", 1)[0]))
+        except Exception:
+            return False
+
+    def _serve_control(self, request: socket.socket, head: bytes) -> None:
+        """Serve one control request whose head (and maybe part of its body) the refuser already read."""
+        try:
+            request.setblocking(True)
+            connection = HeadFirst(request, head)
+            try:
+                address = request.getpeername()
+            except OSError:
+                address = ("", 0)
+            self.finish_request(connection, address)
+        except Exception:
+            self.handle_error(request, ("", 0))
+        finally:
+            self.shutdown_request(request)
+            self._control_slots.release()
 
     def server_close(self) -> None:
         super().server_close()
