@@ -22,6 +22,7 @@ from leap_io.model_identity import ModelInfo, registered_model_name
 from leap_io.push_bundle import BundleError, open_bundle
 from leap_io.redact import redact_text, redact_url
 from leap_io.settings import LeapSettings
+from serving.caller_tenant import TenantKeysError, read_tenant_keys
 from serving.readout.push import CaptureSpace, PushRefused, validate_push
 from serving.readout.saved_state import ReadoutState, StartFileRefused, StateDamaged, config_bundle
 
@@ -139,6 +140,15 @@ def plan_start(settings: LeapSettings, model: ModelInfo | None, *, readout: Path
     must not serve. `model` None (a model that is not a local folder): the files are checked without a
     fingerprint or capture, and the engine chooses its capture alone."""
     plan = StartPlan()
+    if settings.tenant_keys_file:  # read again by the API front end; a bad file must stop the start here
+        try:
+            keys = read_tenant_keys(settings.tenant_keys_file)
+        except TenantKeysError as exc:
+            raise StartRefused(f"LEAP_TENANT_KEYS_FILE: {exc}") from exc
+        plan.notes.append(f"tenants from {len(keys)} API keys" + (f", else the {settings.tenant_header} header"
+                                                                  if settings.tenant_header else ""))
+    elif settings.tenant_header:
+        plan.notes.append(f"tenants from the {settings.tenant_header} header (a trusted gateway must set it)")
     expect = {"model_fingerprint": model.fingerprint} if model is not None and model.fingerprint else {}
     bundle, given = _given_files(plan, readout, rls_state, settings, expect)
     explicit_url = settings.given_value("champion_url")

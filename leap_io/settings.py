@@ -93,11 +93,18 @@ class ServingSection(BaseModel):
                            "readout's budget): only for replays that force recorded true lengths, never for clients")
     rls_forgetting: float = Field(1.0, gt=0.0, le=1.0)
     rls_tenant_max_share: float | None = Field(
-        0.5, gt=0.0, le=1.0, description="most of the last rls_tenant_window label rows one tenant (leap_tenant) "
+        0.5, gt=0.0, le=1.0, description="most of the last rls_tenant_window label rows one tenant (the caller's) "
                                          "may teach RLS while more than one tenant sends, and most of the weight "
                                          "one tenant carries in the quality figures the drift watch judges; "
                                          "None: no cap (serving tenant_share)")
     rls_tenant_window: int = Field(256, ge=1, description="label rows the tenant cap looks back over")
+    tenant_keys_file: str | None = Field(
+        None, description="JSON file mapping the SHA-256 (hex) of each API key callers send as a bearer token to "
+                          "its tenant (serving/caller_tenant.py); the API front end sets that tenant and drops "
+                          "any leap_tenant a client sends")
+    tenant_header: str | None = Field(
+        None, description="HTTP header naming the caller's tenant, set by a trusted gateway that strips it from "
+                          "clients (e.g. x-leap-tenant); used when no tenant key matches. Unset: not read")
     fcfs_below_spearman: float | None = Field(
         None, ge=-1.0, le=1.0, description="fall back to FCFS by itself when the live Spearman of prediction "
                                            "against true length drops below this (serving/fcfs_fallback.py); "

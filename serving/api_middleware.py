@@ -1,10 +1,12 @@
-"""ASGI middleware for vLLM's OpenAI server: refuse bad `leap_*` request extras with HTTP 400, and serve
-LEAP's metrics beside vLLM's on the serving port.
+"""ASGI middleware for vLLM's OpenAI server: refuse bad `leap_*` request extras with HTTP 400, set the
+caller's tenant, and serve LEAP's metrics beside vLLM's on the serving port.
 
 Engine-core ignores a bad `vllm_xargs` key with a warning, so the client only learns of its mistake if
 the front end refuses it: the JSON body of every POST route that takes `vllm_xargs` (`VALIDATED_PATHS`)
 is checked with `serving.request_extras.parse_leap_extras`; a bad one is a 400 naming every bad key, and
-anything else passes through with its body replayed exactly. GET `/metrics` is vLLM's exposition with
+a body too large to check is a 413. The tenant is the authenticated caller's (`serving.caller_tenant`):
+a `leap_tenant` the client sent is dropped (counted in `leap:client_tenant_dropped_total`) and the
+caller's is set, the body then passed on re-encoded; any other body passes through replayed exactly. GET `/metrics` is vLLM's exposition with
 the engine-core runtime's `leap:*` families appended, read from the admin port on loopback
 (`RuntimeMetrics`): a scraper of vLLM reads both, and a runtime out of reach costs only LEAP's part
 (counted in `leap:runtime_metrics_failures_total{reason}`), never vLLM's.
@@ -19,10 +21,11 @@ import json
 import logging
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
+from serving.caller_tenant import TenantRule
 from serving.request_extras import parse_leap_extras
 
 logger = logging.getLogger(__name__)
@@ -35,7 +38,7 @@ VALIDATED_PATHS = frozenset({
 vLLM's routers by a test). The audio routes take them too, inside a multipart form: audio models are not
 served with LEAP, and those bodies pass unread."""
 MAX_INSPECTED_BODY = 32 << 20
-"""A larger body is passed on without a look (the server applies its own limits to it)."""
+"""A larger body on a validated route is refused (413): what it holds could not be checked."""
 
 METRICS_PATH = "/metrics"
 RUNTIME_METRICS_TIMEOUT_S = 2.0
@@ -57,18 +60,46 @@ def error_body(errors: dict[str, str]) -> bytes:
                                  "invalid_keys": {key: errors[key] for key in keys}}}).encode()
 
 
-def _problems(body: bytes) -> dict[str, str]:
-    """{bad key: reason} of the request's `vllm_xargs`; {} when there is nothing of ours to refuse."""
-    if b"vllm_xargs" not in body and b"\\u" not in body:  # a key may be spelt with JSON escapes
-        return {}
+class Inspection(NamedTuple):
+    errors: dict[str, str]  # {bad key: reason} of the request's `vllm_xargs`
+    body: bytes | None = None  # the body to pass on instead; None: pass it on as it came
+    dropped_tenant: bool = False  # the client had sent a `leap_tenant`
+
+
+def inspect_body(body: bytes, tenant: str | None) -> Inspection:
+    """Check a request body's `vllm_xargs`, drop a client's `leap_tenant` and set the caller's `tenant`."""
+    if tenant is None and b"vllm_xargs" not in body and b"\\u" not in body:  # keys may be spelt with escapes
+        return Inspection({})
     try:
         request = json.loads(body)
     except (ValueError, UnicodeDecodeError):
-        return {}  # not JSON: the server answers that itself
-    if not isinstance(request, dict) or "vllm_xargs" not in request:
-        return {}
-    _, errors = parse_leap_extras(request["vllm_xargs"])
-    return errors
+        return Inspection({})  # not JSON: the server answers that itself
+    if not isinstance(request, dict):
+        return Inspection({})
+    xargs = request.get("vllm_xargs")
+    if "vllm_xargs" in request:
+        _, errors = parse_leap_extras(xargs)
+        if errors:
+            return Inspection(errors)
+    sent = isinstance(xargs, dict) and "leap_tenant" in xargs
+    if not sent and tenant is None:
+        return Inspection({})
+    xargs = {key: value for key, value in (xargs or {}).items() if key != "leap_tenant"}
+    if tenant is not None:
+        xargs["leap_tenant"] = tenant
+    request["vllm_xargs"] = xargs
+    return Inspection({}, json.dumps(request).encode(), sent)
+
+
+def tenant_rule(app: Any) -> TenantRule:
+    """The tenant rule of the LEAP settings vLLM passed this server (none outside vLLM's app)."""
+    config = getattr(getattr(app, "state", None), "vllm_config", None)
+    if config is None:
+        return TenantRule()
+    from serving.config import leap_config_from_vllm
+
+    leap = leap_config_from_vllm(config)
+    return TenantRule.from_settings(leap.tenant_header, leap.tenant_keys_file)
 
 
 def admin_metrics_url(app: Any) -> str | None:
@@ -97,6 +128,8 @@ class RuntimeMetrics:
                                 "could not be read from the runtime, by reason", ["reason"], registry=self.registry)
         for reason in FAILURE_REASONS:
             self.failures.labels(reason=reason)
+        self.tenants_dropped = Counter("leap:client_tenant_dropped", "Requests whose client-sent leap_tenant was "
+                                       "dropped: the tenant is the authenticated caller's", registry=self.registry)
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never a proxy
 
     def read(self, url: str | None) -> bytes:
@@ -141,6 +174,7 @@ class LeapExtrasMiddleware:
         self.app = app
         self.runtime_metrics = RuntimeMetrics()
         self._metrics_url: tuple[str | None] | None = None  # resolved at the first scrape
+        self._tenants: TenantRule | None = None  # resolved at the first request
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         method = scope.get("method")
@@ -173,12 +207,23 @@ class LeapExtrasMiddleware:
             more = bool(message.get("more_body", False))
             if size > MAX_INSPECTED_BODY:
                 break
-        complete = not more and messages[-1]["type"] == "http.request"
-        if complete:
-            errors = _problems(b"".join(m.get("body", b"") for m in messages))
-            if errors:
-                await self._refuse(send, errors)
+        if size > MAX_INSPECTED_BODY:
+            await self._answer(send, 413, {"error": {"message": f"a request body over {MAX_INSPECTED_BODY} bytes "
+                                                     "cannot be checked", "type": "BadRequestError", "code": 413}})
+            return
+        if not more and messages[-1]["type"] == "http.request":
+            body = b"".join(m.get("body", b"") for m in messages)
+            tenant = self._tenant_rule(scope).tenant(scope.get("headers", []))
+            found = inspect_body(body, tenant)
+            if found.errors:
+                await self._refuse(send, found.errors)
                 return
+            if found.dropped_tenant:
+                self.runtime_metrics.tenants_dropped.inc()
+            if found.body is not None:
+                messages = [{"type": "http.request", "body": found.body, "more_body": False}]
+                headers = _without(list(scope.get("headers", [])), (b"content-length", b"transfer-encoding"))
+                scope = {**scope, "headers": [*headers, (b"content-length", str(len(found.body)).encode())]}
 
         async def replay() -> Message:
             if messages:
@@ -217,6 +262,23 @@ class LeapExtrasMiddleware:
             body += await asyncio.to_thread(self.runtime_metrics.read, self._metrics_url[0])
         kept = _without(list(start.get("headers", [])), (b"content-length", b"content-encoding"))
         await send({**start, "headers": [*kept, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    def _tenant_rule(self, scope: Scope) -> TenantRule:
+        if self._tenants is None:
+            try:
+                self._tenants = tenant_rule(scope.get("app"))
+            except Exception as exc:  # a bad keys file: no request is given a tenant, none keeps its own
+                logger.error("LEAP: no tenant is set on requests: %s", exc)
+                self._tenants = TenantRule()
+        return self._tenants
+
+    @staticmethod
+    async def _answer(send: Any, status: int, payload: dict) -> None:
+        body = json.dumps(payload).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
     @staticmethod

@@ -269,3 +269,72 @@ def test_without_an_admin_port_metrics_are_vllms_and_other_gets_pass_untouched()
     assert metrics.status_code == 200 and "vllm:e2e_request_latency_seconds" in metrics.text
     assert "leap:predictions_total" not in metrics.text
     assert models.json() == {"data": [{"id": "m"}]}
+
+
+# -- the caller's tenant ----------------------------------------------------------------------------------
+def _tenant_app(tmp_path, **leap) -> tuple[FastAPI, list[bytes]]:
+    """The echo app as vLLM's server holds it: LEAP's settings in `app.state.vllm_config`."""
+    from types import SimpleNamespace
+
+    app, seen = _app()
+    app.state.vllm_config = SimpleNamespace(additional_config={"leap": leap})
+    return app, seen
+
+
+def test_the_tenant_is_the_callers_never_the_clients(tmp_path):
+    from serving.caller_tenant import key_digest
+
+    keys = tmp_path / "tenant-keys.json"
+    keys.write_text(json.dumps({key_digest("key-of-acme"): "acme"}))
+    app, seen = _tenant_app(tmp_path, tenant_keys_file=str(keys), tenant_header="x-leap-tenant")
+    claim = {"prompt": "x", "vllm_xargs": {"leap_tenant": "someone-else", "leap_domain": "chat"}}
+    with TestClient(app) as client:
+        by_key = client.post("/v1/completions", json=claim, headers={"authorization": "Bearer key-of-acme",
+                                                                     "x-leap-tenant": "gateway-says"})
+        by_gateway = client.post("/v1/completions", json={"prompt": "x"}, headers={"x-leap-tenant": "beta"})
+        unknown_key = client.post("/v1/completions", json=claim, headers={"authorization": "Bearer nobody"})
+        two_headers = client.post("/v1/completions", json={"prompt": "x"},
+                                  headers=[("x-leap-tenant", "a"), ("x-leap-tenant", "b")])
+    assert [r.status_code for r in (by_key, by_gateway, unknown_key, two_headers)] == [200] * 4
+    bodies = [json.loads(body) for body in seen]
+    assert bodies[0]["vllm_xargs"] == {"leap_domain": "chat", "leap_tenant": "acme"}  # the key wins
+    assert bodies[1]["vllm_xargs"] == {"leap_tenant": "beta"}
+    assert bodies[2]["vllm_xargs"] == {"leap_domain": "chat"}  # no tenant: the client's claim is gone
+    assert "vllm_xargs" not in bodies[3]  # two values: neither is believed, the body passes as it came
+    assert by_key.json()["len"] == len(seen[0])  # the content length follows the new body
+    assert _middleware(app).runtime_metrics.tenants_dropped._value.get() == 2
+
+
+def test_without_a_tenant_rule_a_clients_tenant_is_dropped_and_counted():
+    app, seen = _app()
+    with TestClient(app) as client:
+        escaped = b'{"prompt": "x", "vllm_xargs": {"leap\\u005ftenant": "me"}}'
+        client.post("/v1/completions", content=escaped, headers={"content-type": "application/json"})
+        kept = b'{"prompt":  "x", "vllm_xargs": {"leap_domain": "code"}}'
+        client.post("/v1/completions", content=kept, headers={"content-type": "application/json"})
+    assert json.loads(seen[0])["vllm_xargs"] == {}
+    assert seen[1] == kept  # nothing to change: byte for byte
+    assert _middleware(app).runtime_metrics.tenants_dropped._value.get() == 1
+
+
+def _middleware(app: FastAPI) -> LeapExtrasMiddleware:
+    middleware = app.middleware_stack
+    while not isinstance(middleware, LeapExtrasMiddleware):
+        middleware = middleware.app
+    return middleware
+
+
+def test_a_body_too_large_to_check_is_413_and_a_bad_keys_file_refuses_the_start(tmp_path):
+    from serving.api_middleware import MAX_INSPECTED_BODY
+    from serving.caller_tenant import TenantKeysError, read_tenant_keys
+
+    app, seen = _app()
+    with TestClient(app) as client:
+        big = b'{"prompt": "' + b"x" * (MAX_INSPECTED_BODY + 1) + b'"}'
+        assert client.post("/v1/completions", content=big).status_code == 413
+    assert seen == []
+    for text in ('["not", "an", "object"]', '{"abc": "t"}', json.dumps({"0" * 64: ""}), "{not json"):
+        bad = tmp_path / "keys.json"
+        bad.write_text(text)
+        with pytest.raises(TenantKeysError):
+            read_tenant_keys(bad)

@@ -18,9 +18,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+import httpx
 import pytest
 
 from leap_core.readout_format import to_bytes
+from leap_io.feedback_schema import read_segment_file
+from serving.caller_tenant import key_digest
 from tests.test_serve_start import LAYER, champion, register
 
 pytestmark = pytest.mark.engine
@@ -42,10 +45,13 @@ def _get(url: str, token: str | None = None) -> dict | None:
         return None
 
 
-def _serve_until(home: Path, model, log: Path, settled, *args: str) -> tuple[dict, dict]:
-    """Run `leap serve` until `/leap/health` satisfies `settled`; (health, /leap/readout); always stopped."""
+def _serve_until(home: Path, model, log: Path, settled, *args: str, env_extra: dict | None = None,
+                 while_up=None) -> tuple[dict, dict]:
+    """Run `leap serve` until `/leap/health` satisfies `settled`, then `while_up(port, admin, token)`;
+    (health, /leap/readout); always stopped."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(("LEAP_", "MLFLOW_"))}
     env["LEAP_HOME"] = str(home)
+    env.update(env_extra or {})
     port, admin = _free_port(), _free_port()
     with log.open("w") as out:
         server = subprocess.Popen([sys.executable, "-m", "leap_cli.main", "serve", "--model", model.path,
@@ -64,6 +70,8 @@ def _serve_until(home: Path, model, log: Path, settled, *args: str) -> tuple[dic
         assert server.poll() is None, f"leap serve exited {server.returncode}: {log.read_text()[-3000:]}"
         assert health is not None and settled(health), f"never settled: {health}\n{log.read_text()[-3000:]}"
         token = (home / "admin.token").read_text().strip()
+        if while_up is not None:
+            while_up(port, admin, token)
         return health, _get(f"http://127.0.0.1:{admin}/leap/readout", token) or {}
     finally:
         os.killpg(server.pid, signal.SIGTERM)
@@ -99,9 +107,36 @@ def test_leap_serve_serves_a_replicas_saved_files(tmp_path):
     readout, rls = champion(model)
     folder = tmp_path / "saved"
     ReadoutState(folder).save(to_bytes(readout), rls.state_arrays(), readout.metadata["version"])
+    keys = tmp_path / "tenant-keys.json"
+    keys.write_text(json.dumps({key_digest("key-of-acme"): "acme"}))
+    sent = {}
+
+    def ask_as_acme_claiming_another_tenant(port: int, admin: int, token: str) -> None:
+        deadline = time.monotonic() + 300  # the admin API answers before the OpenAI server is up
+        while True:
+            try:
+                served = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"][0]["id"]
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the OpenAI server never answered"
+                time.sleep(1.0)
+        body = {"model": served, "prompt": "Say hello.", "max_tokens": 4,
+                "vllm_xargs": {"leap_tenant": "mallory", "leap_request_id": "tenant-check"}}
+        sent["answer"] = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120,
+                                    headers={"authorization": "Bearer key-of-acme"})
+        time.sleep(1.0)  # the row is written at the next step or idle settle
+        sent["flush"] = httpx.post(f"http://127.0.0.1:{admin}/leap/feedback/flush", timeout=60,
+                                   headers={"authorization": f"Bearer {token}"})
+
     health, described = _serve_until(tmp_path / "home", model, tmp_path / "serve.log",
                                      lambda h: h["readout"]["source"] != "none",
-                                     "--readout", str(folder / "readout.bin"), "--rls-state", str(folder / "rls.npz"))
+                                     "--readout", str(folder / "readout.bin"), "--rls-state", str(folder / "rls.npz"),
+                                     env_extra={"LEAP_TENANT_KEYS_FILE": str(keys)},
+                                     while_up=ask_as_acme_claiming_another_tenant)
+    assert sent["answer"].status_code == 200 and sent["flush"].status_code == 200, (sent, sent["answer"].text)
+    rows = [row for path in sorted((tmp_path / "home" / "feedback").rglob("*.parquet"))
+            for row in read_segment_file(path).to_pylist()]
+    assert [(row["client_request_id"], row["tenant"]) for row in rows] == [("tenant-check", "acme")]
     assert (health["readout"]["source"], health["readout"]["version"]) == ("config", readout.metadata["version"])
     assert health["readout"]["layer"] == LAYER
     assert described["rls"]["active"] and described["rls"]["dim"] == model.hidden_size  # rls.npz anchors it
