@@ -1,13 +1,15 @@
 """The fleet's kill switch: every replica to FCFS at once (`leap fcfs on`), and back (`leap fcfs off`).
 
 Each replica gets `POST /leap/fcfs` (serving/fcfs_fallback.py, through `leap_io.admin_client`) in turn;
-one that does not answer is reported and the others are switched all the same: in an incident, FCFS on
-most replicas beats FCFS on none. The switch and what every replica answered are recorded in the registry's history
+one that does not answer does not hold up the others (in an incident, FCFS on most replicas beats FCFS on
+none) and is tried again, with backoff, until it answers or `kill_switch_deadline_s` passes; the ones that
+never did are reported. A replica keeps the switch across its own restarts (its state folder). The switch and what every replica answered are recorded in the registry's history
 (`registry.operations`); a registry that cannot be reached is reported, never a reason not to switch.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -33,11 +35,22 @@ def switch_fleet(on: bool, reason: str = "", settings: PipelineSettings | None =
     """Switch every replica of `settings.endpoints`; the outcome per replica and where it was recorded."""
     settings = settings or PipelineSettings()
     token = settings.admin_tokens()
-    replicas = {endpoint: switch_replica(endpoint, token, on, reason, settings.push_timeout_s)
-                for endpoint in settings.endpoints}
-    failed = sorted(endpoint for endpoint, state in replicas.items() if "error" in state)
+    deadline = time.monotonic() + settings.kill_switch_deadline_s
+    replicas: dict[str, dict[str, Any]] = {}
+    attempts = dict.fromkeys(settings.endpoints, 0)
+    waiting, pause = list(settings.endpoints), 0.5
+    while waiting:
+        for endpoint in waiting:
+            attempts[endpoint] += 1
+            replicas[endpoint] = switch_replica(endpoint, token, on, reason, settings.push_timeout_s)
+        waiting = [endpoint for endpoint in waiting if "error" in replicas[endpoint]]
+        if not waiting or time.monotonic() + pause > deadline:
+            break
+        time.sleep(pause)
+        pause = min(2 * pause, 10.0)
+    failed = sorted(waiting)
     report: dict[str, Any] = {"status": "switched" if not failed else "partial", "on": on, "reason": reason,
-                              "replicas": replicas, "failed": failed,
+                              "replicas": replicas, "failed": failed, "attempts": attempts,
                               "replicas_switched": len(replicas) - len(failed)}
     try:
         from registry.client import ReadoutRegistry

@@ -316,6 +316,8 @@ class LeapSettings(ServingSection, BaseSettings):
                                               "compose secret), read each time a registry client is made")
     push_retries: int = Field(3, ge=0, description="retries of a failed push to one replica")
     push_timeout_s: float = Field(30.0, gt=0.0)
+    kill_switch_deadline_s: float = Field(120.0, ge=0.0, description="how long `leap fcfs` keeps retrying the "
+                                                                    "replicas that did not answer (0: one try)")
 
     # ------------------------------------------------------------------ canary promotion (flows.canary)
     canary_window_s: float = Field(1800.0, gt=0.0, description="longest a canary waits for its rows before "

@@ -88,6 +88,8 @@ class LeapRuntime:
                                       orphan_ttl_s=self.config.orphan_ttl_s)
         self.readouts = ReadoutService(self.config, self._expect(), self.tracker, self.telemetry, self.capture)
         self.fallback = FcfsFallback(self.telemetry, self.config.fcfs_below_spearman, self.config.fcfs_min_rows)
+        if self.readouts.state is not None and (left_on := self.readouts.state.kill_switch()) is not None:
+            self.fallback.engage(f"kept across a restart: {left_on}")
         self.shadow = ShadowReadout(self._expect(), self.capture, self.telemetry)
         self.recorder = FeedbackRecorder(self._feedback_writer(), self.model_id, self.fingerprint, self.layer,
                                          self.telemetry, anchor=self.readouts.anchor_prediction,
@@ -241,8 +243,17 @@ class LeapRuntime:
         return self.shadow.hold(body)
 
     def set_fcfs(self, on: bool, reason: str = "") -> dict:
-        """The kill switch (POST /leap/fcfs): order decodes FCFS from the next step, or by the policy again."""
-        return self.fallback.engage(reason) if on else self.fallback.release()
+        """The kill switch (POST /leap/fcfs): order decodes FCFS from the next step, or by the policy again;
+        kept in `state_dir`, when there is one, so a restart keeps it."""
+        state = self.fallback.engage(reason) if on else self.fallback.release()
+        if self.readouts.state is not None:
+            try:
+                self.readouts.state.save_kill_switch(on, reason)
+                state["kept_across_restart"] = True
+            except OSError as exc:  # switched all the same; the answer says a restart would lose it
+                logger.error("LEAP: the kill switch could not be kept in %s: %s", self.readouts.state.folder, exc)
+                state["kept_across_restart"] = False
+        return state
 
     def rls_state(self) -> tuple[bytes, dict]:
         """The RLS state learned since the last anchor, as a bundle, and what it is (GET /leap/rls)."""

@@ -136,3 +136,48 @@ def test_leap_fcfs_reaches_every_replica_and_is_recorded_in_the_registry(build, 
     runs = ReadoutRegistry(uri).operations()
     assert [(run["action"], run["reason"]) for run in runs] == [("fcfs-off", ""), ("fcfs-on", "bad readout")]
     assert all(run["replicas_switched"] == "2" and run["failed"] == "0" for run in runs)  # tags are text
+
+
+def test_the_switch_is_kept_across_a_restart_until_it_is_turned_off(build, tmp_path):
+    state = tmp_path / "state"
+    first = build(policy="leap", state_dir=str(state))
+    assert first.set_fcfs(True, "bad readout")["kept_across_restart"] is True
+    first.close()
+    second = build(policy="leap", state_dir=str(state))
+    assert second.fallback.on and "bad readout" in second.fallback.engaged.reason
+    assert second.fallback.engaged.source == "command"  # only a command (or its file's removal) ends it
+    second.set_fcfs(False)
+    second.close()
+    assert not build(policy="leap", state_dir=str(state)).fallback.on
+    (state / "fcfs.json").write_text("{torn")  # what the operators asked for is unknown: FCFS, the safe order
+    assert build(policy="leap", state_dir=str(state)).fallback.on
+
+
+def test_leap_fcfs_retries_a_replica_until_it_answers(build, tmp_path, monkeypatch):
+    import socket
+    import threading
+
+    from flows.kill_switch import switch_fleet
+    from flows.settings import PipelineSettings
+
+    up = build(policy="leap", admin_port=0, admin_token=TOKEN)
+    with socket.socket() as probe:  # a port nothing listens on yet
+        probe.bind(("127.0.0.1", 0))
+        late_port = probe.getsockname()[1]
+    late = []
+    starter = threading.Timer(1.5, lambda: late.append(build(policy="leap", admin_port=late_port, admin_token=TOKEN)))
+    starter.start()
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    settings = PipelineSettings(home=tmp_path, admin_token_file=str(token_file), kill_switch_deadline_s=30,
+                                mlflow_tracking_uri="http://127.0.0.1:9", mlflow_retries=0,  # not recorded here
+                                endpoints=[f"http://127.0.0.1:{up.admin.port}", f"http://127.0.0.1:{late_port}"])
+    report = switch_fleet(True, "incident", settings)
+    starter.join()
+    assert report["status"] == "switched" and report["failed"] == [], report
+    assert report["attempts"][f"http://127.0.0.1:{up.admin.port}"] == 1
+    assert report["attempts"][f"http://127.0.0.1:{late_port}"] > 1
+    assert up.fallback.on and late[0].fallback.on
+    settings.kill_switch_deadline_s = 0  # one try: a replica that never answers is reported, not waited for
+    settings.endpoints = [f"http://127.0.0.1:{late_port + 1 if late_port < 65535 else 1}"]
+    assert switch_fleet(False, "", settings)["failed"] == settings.endpoints

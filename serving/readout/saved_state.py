@@ -52,11 +52,13 @@ class Saved(NamedTuple):
 
 
 class ReadoutState:
-    """The last accepted push of a replica, kept in one folder so a restart serves it again."""
+    """The last accepted push of a replica, and its kill switch while it is on, kept in one folder so a
+    restart serves them again."""
 
     READOUT = "readout.bin"
     RLS = "rls.npz"
     META = "readout.json"
+    KILL_SWITCH = "fcfs.json"
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
@@ -96,6 +98,29 @@ class ReadoutState:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise StateDamaged(f"unreadable state in {self.folder}: {exc}") from exc
         return readout_bytes, rls_state, meta
+
+    def save_kill_switch(self, on: bool, reason: str = "") -> None:
+        """Keep the commanded kill switch across restarts: written while on, removed when turned off."""
+        path = self.folder / self.KILL_SWITCH
+        if on:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            write_text_durably(path, json.dumps({"on": True, "reason": reason, "at": time.time()}))
+        else:
+            path.unlink(missing_ok=True)
+
+    def kill_switch(self) -> str | None:
+        """The reason of a kill switch left on, or None. A file that cannot be read counts as on: FCFS is
+        the safe order when what the operators asked for is unknown."""
+        path = self.folder / self.KILL_SWITCH
+        if not path.exists():
+            return None
+        try:
+            state = json.loads(path.read_text())
+            if isinstance(state, dict) and state.get("on") is True:
+                return str(state.get("reason") or "")
+        except (OSError, ValueError) as exc:
+            return f"the kill switch file {path} is unreadable ({exc})"
+        return f"the kill switch file {path} does not say it is off"
 
     def saved(self) -> Saved | None:
         """The last saved push's version, time and publication sequence, from its metadata alone; None when
