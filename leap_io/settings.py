@@ -356,7 +356,7 @@ class LeapSettings(ServingSection, BaseSettings):
     prefect_port: int = 4200
     serving_port: int = 8000
 
-    _given: frozenset[str] = PrivateAttr(default_factory=frozenset)
+    _given: frozenset[str] | None = PrivateAttr(default=None)
 
     @field_validator("endpoints", "domains", "targets", mode="before")
     @classmethod
@@ -393,7 +393,10 @@ class LeapSettings(ServingSection, BaseSettings):
 
     @model_validator(mode="after")
     def _derive_paths(self) -> LeapSettings:
-        self._given = frozenset(self.model_fields_set)
+        # pydantic-settings validates each assignment below again, which runs this again with the derived
+        # fields in `model_fields_set`: what was given is what the first run saw
+        if self._given is None:
+            self._given = frozenset(self.model_fields_set)
         self.home = Path(self.home).resolve()
         if self.duckdb_path is None:
             self.duckdb_path = self.home / "leap.duckdb"
@@ -430,7 +433,7 @@ class LeapSettings(ServingSection, BaseSettings):
         """Whether setting `name` was given (by its variable or a keyword), not left to its default."""
         if name not in type(self).model_fields:
             raise KeyError(f"no setting {name!r}")
-        return name in self._given
+        return name in (self._given or frozenset())
 
     def given_value(self, name: str) -> Any:
         """Setting `name` as given, or None when it was left to its default (a derived one included)."""
