@@ -228,3 +228,18 @@ def test_a_mapping_reads_its_own_leap_keys(monkeypatch, tmp_path):
     assert settings.home == (tmp_path / "given").resolve() and settings.replicas == 3
     assert settings.given("replicas") and not settings.given("layer")
     assert LeapSettings.from_environ(os.environ).home == (tmp_path / "process").resolve()
+
+
+def test_a_derived_default_is_not_given(tmp_path):
+    """The defaults derived from the home are the settings' own, not given: a serving process gets none of
+    them, and no registry is named where none exists."""
+    from leap_io.settings import LeapSettings
+
+    settings = LeapSettings.from_environ({"LEAP_HOME": str(tmp_path), "LEAP_ADMIN_PORT": "9001"})
+    assert settings.endpoints == ["http://127.0.0.1:9001"] and settings.duckdb_path == tmp_path.resolve() / "leap.duckdb"
+    assert {name for name in LeapSettings.model_fields if settings.given(name)} == {"home", "admin_port"}
+    assert settings.serving_values() == {"admin_port": 9001, "champion_url": str(tmp_path.resolve() / "champion")}
+    assert settings.serving_registry_uri() is None  # no stack, no database under the home
+    (tmp_path / "mlflow").mkdir()
+    (tmp_path / "mlflow" / "mlflow.db").write_bytes(b"")
+    assert settings.serving_registry_uri() == f"sqlite:///{tmp_path.resolve()}/mlflow/mlflow.db"
