@@ -20,17 +20,20 @@ def policies_command(
     champion_url: str = typer.Option(..., "--champion-url", help="s3://bucket/prefix of the champion publication "
                                      "(LEAP_CHAMPION_URL)"),
     replicas: list[str] = typer.Option(..., "--replica", help="a replica id (LEAP_REPLICA_ID); repeat per replica"),
+    artifacts_url: str | None = typer.Option(None, "--artifacts-url", help="s3://bucket[/prefix] of MLflow's "
+                                             "artifacts (its --artifacts-destination): adds the `mlflow` principal"),
     out: Path | None = typer.Option(None, "--out", help="folder for one <principal>.json per principal (mode 0600)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Print the policy of each replica (`replica-<id>`: write its own feedback folder, read the champion)
-    and of the workers (`worker`: list, read and delete segments, publish the champion); with --out also
-    write them, one file per principal, for `mc admin policy create` or IAM."""
+    """Print the policy of each replica (`replica-<id>`: write its own feedback folder, read the champion),
+    of the workers (`worker`: list, read and delete segments, publish the champion) and, with
+    --artifacts-url, of MLflow (`mlflow`: its artifacts only); with --out also write them, one file per
+    principal, for `mc admin policy create` or IAM."""
     from leap_io.durable import write_text_durably
     from ops.s3_access import fleet_policies, policy_file_name, render
 
     try:
-        policies = fleet_policies(feedback_url, champion_url, replicas)
+        policies = fleet_policies(feedback_url, champion_url, replicas, artifacts_url)
     except ValueError as exc:
         emit({"status": "failed", "error": str(exc)}, as_json, "s3 policies")
         raise typer.Exit(1) from exc

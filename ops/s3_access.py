@@ -1,7 +1,8 @@
 """The fleet's S3 access: one IAM policy document per principal, in AWS IAM JSON (MinIO takes the same).
 
 Each replica may write only its own feedback folder and read the champion publication; the workers may
-list, read and delete feedback and read and write the publication; MLflow keeps the root credentials.
+list, read and delete feedback and read and write the publication; MLflow may keep its artifacts, and
+nothing else.
 So no replica can forge another's rows or the champion, and no worker can forge a segment. Who may do
 what, and why listing is not narrowed by prefix: docs/security.md ("S3 credentials"). The feedback and
 champion locations must not overlap; bad inputs raise ValueError. Pure functions: no I/O, no credentials.
@@ -20,6 +21,8 @@ POLICY_VERSION = "2012-10-17"
 WORKER = "worker"
 """The workers' principal (one credential shared by every Prefect worker)."""
 REPLICA_PREFIX = "replica-"
+MLFLOW = "mlflow"
+"""The MLflow server's principal: it proxies every artifact, so no client needs an S3 credential for them."""
 
 _REPLICA_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$")
 _INGEST_SKIPS = ("quarantine",)  # folders `store.segment_sources` never reads
@@ -106,8 +109,20 @@ def worker_policy(feedback_url: str, champion_url: str) -> dict[str, Any]:
     )
 
 
-def fleet_policies(feedback_url: str, champion_url: str, replica_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """Every principal's policy: `replica-<id>` for each replica (in the order given), then `worker`.
+def mlflow_policy(artifacts_url: str) -> dict[str, Any]:
+    """What the MLflow server may do: list its artifact bucket, and read, write and delete the objects
+    under `artifacts_url` (its `--artifacts-destination`)."""
+    artifacts = _location(artifacts_url, "artifacts URL")
+    return _policy(
+        _allow("ListArtifacts", ["s3:ListBucket"], [_bucket_arn(artifacts)]),
+        _allow("KeepArtifacts", ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"], [_objects_arn(artifacts)]),
+    )
+
+
+def fleet_policies(feedback_url: str, champion_url: str, replica_ids: Iterable[str],
+                   artifacts_url: str | None = None) -> dict[str, dict[str, Any]]:
+    """Every principal's policy: `replica-<id>` for each replica (in the order given), then `worker`, then
+    `mlflow` when `artifacts_url` is given (it must not overlap the feedback or the champion).
     ValueError for a bad location or id, or an id given twice."""
     if isinstance(replica_ids, str):
         raise ValueError("replica_ids is a list of ids, not one string")
@@ -119,6 +134,12 @@ def fleet_policies(feedback_url: str, champion_url: str, replica_ids: Iterable[s
         seen.add(replica_id)
     policies = {replica_principal(rid): replica_policy(feedback_url, champion_url, rid) for rid in ids}
     policies[WORKER] = worker_policy(feedback_url, champion_url)
+    if artifacts_url is not None:
+        artifacts = _location(artifacts_url, "artifacts URL")
+        for other, what in zip(_locations(feedback_url, champion_url), ("feedback", "champion"), strict=True):
+            if _inside(artifacts, other) or _inside(other, artifacts):
+                raise ValueError(f"the artifacts location {artifacts} and the {what} location {other} overlap")
+        policies[MLFLOW] = mlflow_policy(artifacts_url)
     return policies
 
 

@@ -235,6 +235,24 @@ def test_replicas_run_leap_serve_with_its_options_ports_and_the_compose_settings
             assert float(env["LEAP_FCFS_BELOW_SPEARMAN"]) == compose["fcfs_below_spearman"]
 
 
+def test_compose_replicas_hold_no_database_or_mlflow_credential_and_no_other_replicas_state():
+    from leap_io.settings import LeapSettings
+
+    services = _compose()["services"]
+    replicas = {name: service for name, service in services.items() if name.startswith("serving-")}
+    volumes = []
+    for name, service in replicas.items():
+        env = {key: str(value) for key, value in service["environment"].items()}
+        settings = LeapSettings.from_environ(env)
+        assert settings.store_url is None and settings.mlflow_password_file is None, name
+        assert settings.registry_uri is None and not settings.given_value("mlflow_tracking_uri"), name
+        assert not settings.given("endpoints"), name
+        sources = {s if isinstance(s, str) else s["source"] for s in service["secrets"]}
+        assert sources == {"leap_admin_token", "champion_public_key", f"s3-replica-{name}"}, name
+        volumes.append({v.split(":")[0] for v in service["volumes"]} - {"models"})
+    assert not set.intersection(*volumes)  # no spool or state volume shared between replicas
+
+
 def test_control_plane_commands_are_the_compose_stacks(objects):
     compose = _compose()["services"]
     worker = compose["prefect-worker-0"]["command"]
@@ -384,9 +402,13 @@ def test_each_replica_mounts_its_own_secret_and_is_an_endpoint(objects):
             assert own == [f"leap-{replica_id}"], (overlay, replica_id, secrets)
             assert {"admin-token", "s3-credentials"} <= secrets[own[0]]
             assert "leap-control-plane" not in secrets and "leap-postgres" not in secrets
+            assert "leap-mlflow" not in secrets  # no MLflow account: it reads no registry
+            settings = LeapSettings.from_environ(env)
+            assert not settings.registry_uri and not settings.given_value("mlflow_tracking_uri")
+            assert settings.mlflow_password_file is None
+            assert settings.store_url is None
             mounts = {m["mountPath"]: m["name"] for m in spec["containers"][0]["volumeMounts"]}
-            for path in (env["LEAP_ADMIN_TOKEN_FILE"], env["AWS_SHARED_CREDENTIALS_FILE"], env["LEAP_CHAMPION_PUBLIC_KEY"],
-                         env["LEAP_MLFLOW_PASSWORD_FILE"]):
+            for path in (env["LEAP_ADMIN_TOKEN_FILE"], env["AWS_SHARED_CREDENTIALS_FILE"], env["LEAP_CHAMPION_PUBLIC_KEY"]):
                 directory, name = path.rsplit("/", 1)
                 assert mounts.get(directory) == "secrets" and any(name in files for files in secrets.values()), path
             seen.add(replica_id)

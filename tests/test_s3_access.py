@@ -40,7 +40,7 @@ from leap_io.champion import ChampionPublication
 from leap_io.object_store import ObjectAccessDenied, ObjectStore, ObjectStoreError
 from leap_io.s3_locations import ObjectURLError
 from leap_io.signing import generate_key_pair
-from ops.s3_access import WORKER, fleet_policies, render, replica_policy, worker_policy
+from ops.s3_access import MLFLOW, WORKER, fleet_policies, render, replica_policy, worker_policy
 from serving.feedback.shipper import FeedbackShipper
 from serving.feedback.writer import FeedbackWriter
 from store import segment_sources
@@ -63,16 +63,17 @@ def _compose() -> dict[str, Any]:
     return yaml.safe_load(COMPOSE.read_text())
 
 
-def compose_settings() -> tuple[str, str, list[str]]:
-    """(feedback URL, champion URL, replica ids) as the compose file sets them."""
+def compose_settings() -> tuple[str, str, list[str], str]:
+    """(feedback URL, champion URL, replica ids, MLflow's artifacts URL) as the compose file sets them."""
     compose = _compose()
     env = compose["x-leap-env"]
     replicas = [service["environment"]["LEAP_REPLICA_ID"] for service in compose["services"].values()
                 if isinstance(service.get("environment"), dict) and "LEAP_REPLICA_ID" in service["environment"]]
-    return env["LEAP_FEEDBACK_URL"], env["LEAP_CHAMPION_URL"], replicas
+    artifacts = re.search(r"--artifacts-destination (\S+)", compose["services"]["mlflow"]["command"][0])
+    return env["LEAP_FEEDBACK_URL"], env["LEAP_CHAMPION_URL"], replicas, artifacts.group(1)
 
 
-FEEDBACK_URL, CHAMPION_URL, REPLICAS = compose_settings()
+FEEDBACK_URL, CHAMPION_URL, REPLICAS, ARTIFACTS_URL = compose_settings()
 BUCKET = FEEDBACK_URL.removeprefix("s3://").split("/")[0]
 FLEET = FEEDBACK_URL.removeprefix(f"s3://{BUCKET}/")
 CHAMPION = CHAMPION_URL.removeprefix(f"s3://{BUCKET}/")
@@ -81,7 +82,7 @@ CHAMPION = CHAMPION_URL.removeprefix(f"s3://{BUCKET}/")
 def test_the_committed_policies_are_the_generators_for_the_compose_settings():
     assert REPLICAS == ["serving-0", "serving-1"] and CHAMPION_URL.startswith(f"s3://{BUCKET}/")
     expected = {f"{principal}.json": render(policy)
-                for principal, policy in fleet_policies(FEEDBACK_URL, CHAMPION_URL, REPLICAS).items()}
+                for principal, policy in fleet_policies(FEEDBACK_URL, CHAMPION_URL, REPLICAS, ARTIFACTS_URL).items()}
     committed = {path.name: path.read_text() for path in POLICY_DIR.iterdir()}
     assert committed == expected  # regenerate with the command in the compose file's header
 
@@ -103,7 +104,7 @@ def test_compose_gives_each_service_its_own_s3_credential_and_no_root_one():
     holders = {}
     for name, service in services.items():
         environment = service.get("environment") or {}
-        if not isinstance(environment, dict) or name == "mlflow":
+        if not isinstance(environment, dict):
             continue
         assert "AWS_SECRET_ACCESS_KEY" not in environment, name
         if environment.get("AWS_SHARED_CREDENTIALS_FILE"):
@@ -116,7 +117,9 @@ def test_compose_gives_each_service_its_own_s3_credential_and_no_root_one():
     for worker in workers:
         assert holders[worker] == f"s3-{WORKER}"
     assert holders.get("prefect-deploy") is None  # registers a deployment: no S3 at all
-    principals = [f"replica-{replica}" for replica in REPLICAS] + [WORKER]
+    assert holders["mlflow"] == f"s3-{MLFLOW}"  # its own, never root's
+    assert "pip install" not in services["mlflow"]["command"][0]  # what it runs was installed with its image
+    principals = [f"replica-{replica}" for replica in REPLICAS] + [WORKER, MLFLOW]
     for principal in principals:
         assert compose["secrets"][f"s3-{principal}"]["file"] == f"./secrets/s3-{principal}.ini"
     init = services["minio-bucket"]
@@ -154,6 +157,12 @@ def test_each_principal_gets_only_its_own_actions_and_places():
     assert grants(replica_policy("s3://leap-fleet", "s3://leap-champion/pub", "r-1")) == {
         ("s3:PutObject", "arn:aws:s3:::leap-fleet/r-1/*"), ("s3:GetObject", "arn:aws:s3:::leap-fleet/r-1/*"),
         ("s3:GetObject", "arn:aws:s3:::leap-champion/pub/*")}
+    with_mlflow = fleet_policies(FEEDBACK_URL, CHAMPION_URL, REPLICAS, "s3://mlflow")
+    assert list(with_mlflow)[-1] == MLFLOW and grants(with_mlflow[MLFLOW]) == {
+        ("s3:ListBucket", "arn:aws:s3:::mlflow"), ("s3:GetObject", "arn:aws:s3:::mlflow/*"),
+        ("s3:PutObject", "arn:aws:s3:::mlflow/*"), ("s3:DeleteObject", "arn:aws:s3:::mlflow/*")}
+    with pytest.raises(ValueError, match="overlap"):  # MLflow must not reach the feedback or the champion
+        fleet_policies(FEEDBACK_URL, CHAMPION_URL, REPLICAS, f"s3://{BUCKET}")
 
 
 @pytest.mark.parametrize("replica_id", ["", ".", "..", ".hidden", "a/b", "a*", "*", "a?", "${aws:username}",
@@ -289,7 +298,7 @@ def fleet(tmp_path) -> Iterator[Fleet]:
         admin = user("admin", {"Version": "2012-10-17",
                                "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]})
         fleet = Fleet(endpoint, tmp_path, admin)
-        for principal, policy in fleet_policies(FEEDBACK_URL, CHAMPION_URL, REPLICAS).items():
+        for principal, policy in fleet_policies(FEEDBACK_URL, CHAMPION_URL, REPLICAS, ARTIFACTS_URL).items():
             key = user(principal, for_moto(policy))
             path = fleet.files[principal] = tmp_path / f"s3-{principal}.ini"
             path.write_text(f"[default]\naws_access_key_id = {key['aws_access_key_id']}\n"
@@ -419,3 +428,20 @@ def test_the_workers_ingest_and_prune_every_replicas_segments_but_write_none(fle
     assert fleet.keys(f"{FLEET}/") == []
     assert "leap-other" not in [b["Name"] for b in fleet.client().list_buckets()["Buckets"]]
 
+
+
+def test_mlflow_keeps_its_artifacts_and_touches_nothing_else(fleet):
+    artifacts = ARTIFACTS_URL.removeprefix("s3://").split("/")[0]
+    with fleet.principal(MLFLOW):
+        client = boto3.client("s3", endpoint_url=fleet.endpoint, region_name=REGION)
+        client.put_object(Bucket=artifacts, Key="1/run/artifacts/readout.bin", Body=b"weights")
+        assert client.get_object(Bucket=artifacts, Key="1/run/artifacts/readout.bin")["Body"].read() == b"weights"
+        listed = client.list_objects_v2(Bucket=artifacts, Prefix="1/")
+        assert [item["Key"] for item in listed["Contents"]] == ["1/run/artifacts/readout.bin"]
+        client.delete_object(Bucket=artifacts, Key="1/run/artifacts/readout.bin")
+        for call in (lambda: client.list_objects_v2(Bucket=BUCKET),
+                     lambda: client.put_object(Bucket=BUCKET, Key=f"{CHAMPION}/x.json", Body=b"{}"),
+                     lambda: client.get_object(Bucket=BUCKET, Key=f"{FLEET}/serving-0/x.parquet"),
+                     lambda: client.create_bucket(Bucket="another")):
+            with pytest.raises(ClientError, match="AccessDenied|403"):
+                call()
