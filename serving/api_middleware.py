@@ -208,15 +208,16 @@ class LeapExtrasMiddleware:
             if size > MAX_INSPECTED_BODY:
                 break
         if size > MAX_INSPECTED_BODY:
-            await self._answer(send, 413, {"error": {"message": f"a request body over {MAX_INSPECTED_BODY} bytes "
-                                                     "cannot be checked", "type": "BadRequestError", "code": 413}})
+            await self._answer(send, 413, json.dumps({"error": {
+                "message": f"a request body over {MAX_INSPECTED_BODY} bytes cannot be checked",
+                "type": "BadRequestError", "code": 413}}).encode())
             return
         if not more and messages[-1]["type"] == "http.request":
             body = b"".join(m.get("body", b"") for m in messages)
             tenant = self._tenant_rule(scope).tenant(scope.get("headers", []))
             found = inspect_body(body, tenant)
             if found.errors:
-                await self._refuse(send, found.errors)
+                await self._answer(send, 400, error_body(found.errors))
                 return
             if found.dropped_tenant:
                 self.runtime_metrics.tenants_dropped.inc()
@@ -274,17 +275,9 @@ class LeapExtrasMiddleware:
         return self._tenants
 
     @staticmethod
-    async def _answer(send: Any, status: int, payload: dict) -> None:
-        body = json.dumps(payload).encode()
+    async def _answer(send: Any, status: int, body: bytes) -> None:
+        """A JSON answer of the middleware's own (400 naming the bad extras, 413)."""
         await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-
-    @staticmethod
-    async def _refuse(send: Any, errors: dict[str, str]) -> None:
-        body = error_body(errors)
-        await send({"type": "http.response.start", "status": 400,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
