@@ -87,7 +87,8 @@ def replica(tmp_path_factory):
     env = {key: value for key, value in os.environ.items()
            if key not in ("LEAP_REGISTRY_URI", "LEAP_MLFLOW_TRACKING_URI", "LEAP_READOUT_PATH", "LEAP_FEEDBACK_URL",
                           "LEAP_RLS_STATE_PATH", "LEAP_FEEDBACK_DIR", "LEAP_REPLICA_ID")}
-    env.update({"LEAP_ADMIN_TOKEN": TOKEN, "LEAP_STATE_DIR": str(work / "state"),
+    env.update({"LEAP_HOME": str(work / "home"),  # not the checkout's .leap, where `make demo` leaves a champion
+                "LEAP_ADMIN_TOKEN": TOKEN, "LEAP_STATE_DIR": str(work / "state"),
                 "LEAP_CHAMPION_URL": str(work / "champion"), "PYTHONUNBUFFERED": "1"})
     log = work / "serve.log"
     argv = [sys.executable, "-m", "leap_cli.main", "serve", "--host", LOOPBACK, "--port", str(port),
